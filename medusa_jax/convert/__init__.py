@@ -1,0 +1,1 @@
+"""Weight conversion: Hugging Face directories, GGUF files, Medusa head files."""

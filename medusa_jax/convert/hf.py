@@ -1,0 +1,183 @@
+"""Hugging Face checkpoint directory (config.json + safetensors, sharded or not) -> (ModelConfig, params).
+
+The name mapping (`params_from_hf_tensors`) is shared with the GGUF converter, which first renames
+GGUF tensors to these HF names. Every tensor must be mapped, present and of the expected shape;
+anything else raises `ConversionError` naming the tensor.
+"""
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict, Iterable, Mapping, Tuple
+
+import numpy as np
+
+from ..config import ModelConfig
+
+
+class ConversionError(ValueError):
+    """A checkpoint that cannot be converted: missing, unmapped or mis-shaped tensor, bad file."""
+
+
+def expected_hf_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
+    """HF tensor name -> torch shape ([out, in] for linear weights) for every tensor of `cfg`."""
+    D, V, F = cfg.hidden_size, cfg.vocab_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    shapes = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (V, D)
+    for i in range(cfg.num_layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "self_attn.q_proj.weight": (q, D), p + "self_attn.k_proj.weight": (kv, D),
+            p + "self_attn.v_proj.weight": (kv, D), p + "self_attn.o_proj.weight": (D, q),
+            p + "mlp.gate_proj.weight": (F, D), p + "mlp.up_proj.weight": (F, D),
+            p + "mlp.down_proj.weight": (D, F),
+            p + "input_layernorm.weight": (D,), p + "post_attention_layernorm.weight": (D,),
+        })
+        if cfg.attention_bias:
+            shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
+                           p + "self_attn.v_proj.bias": (kv,)})
+    return shapes
+
+
+_LAYER_MAP = {
+    "self_attn.q_proj": ("attn", "q_proj"), "self_attn.k_proj": ("attn", "k_proj"),
+    "self_attn.v_proj": ("attn", "v_proj"), "self_attn.o_proj": ("attn", "o_proj"),
+    "mlp.gate_proj": ("mlp", "gate_proj"), "mlp.up_proj": ("mlp", "up_proj"),
+    "mlp.down_proj": ("mlp", "down_proj"),
+}
+
+
+def _target(name: str, cfg: ModelConfig):
+    """HF name -> (flax path tuple, transpose?)."""
+    if name == "model.embed_tokens.weight":
+        return ("embed", "embedding"), False
+    if name == "model.norm.weight":
+        return ("norm", "scale"), False
+    if name == "lm_head.weight":
+        return ("lm_head", "kernel"), True
+    parts = name.split(".")
+    if len(parts) >= 5 and parts[0] == "model" and parts[1] == "layers":
+        layer = f"layers_{int(parts[2])}"
+        rest = ".".join(parts[3:])
+        if rest == "input_layernorm.weight":
+            return (layer, "input_norm", "scale"), False
+        if rest == "post_attention_layernorm.weight":
+            return (layer, "post_attn_norm", "scale"), False
+        mod, leaf = rest.rsplit(".", 1)
+        if mod in _LAYER_MAP:
+            return (layer, *_LAYER_MAP[mod], "kernel" if leaf == "weight" else "bias"), leaf == "weight"
+    raise KeyError(name)
+
+
+def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], dtype=np.float32,
+                           source: str = "checkpoint") -> dict:
+    """Map HF-named tensors to the `LlamaModel` params tree.
+
+    Args:
+      cfg: the model config the tensors must match.
+      tensors: HF name -> array in torch layout (linear weights [out, in]).
+      dtype: numpy dtype of the returned leaves.
+      source: named in error messages.
+    Raises:
+      ConversionError: a tensor that is unmapped, missing or of the wrong shape.
+    A tied model may carry an ``lm_head.weight`` equal to the embedding; it is ignored.
+    """
+    expected = expected_hf_shapes(cfg)
+    ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
+    unmapped = [n for n in tensors if n not in expected and n not in ignorable
+                and not n.endswith("rotary_emb.inv_freq")]
+    if unmapped:
+        raise ConversionError(f"{source}: unmapped tensor(s) {sorted(unmapped)[:8]} for a {cfg.arch} model "
+                              f"with {cfg.num_layers} layers; is the config right?")
+    missing = [n for n in expected if n not in tensors]
+    if missing:
+        raise ConversionError(f"{source}: missing tensor(s) {missing[:8]} ({len(missing)} in all); "
+                              "the checkpoint is incomplete or truncated")
+    params: dict = {}
+    for name, shape in expected.items():
+        arr = np.asarray(tensors[name])
+        if tuple(arr.shape) != shape:
+            raise ConversionError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, expected {shape} "
+                                  f"from the config")
+        path, transpose = _target(name, cfg)
+        node = params
+        for key in path[:-1]:
+            node = node.setdefault(key, {})
+        node[path[-1]] = np.ascontiguousarray(arr.T if transpose else arr).astype(dtype)
+    return params
+
+
+def hf_tensors_from_params(cfg: ModelConfig, params: Mapping) -> Dict[str, np.ndarray]:
+    """The inverse of `params_from_hf_tensors` (torch layout, float32 numpy)."""
+    out = {}
+    for name in expected_hf_shapes(cfg):
+        path, transpose = _target(name, cfg)
+        node = params
+        for key in path:
+            node = node[key]
+        arr = np.asarray(node, dtype=np.float32)
+        out[name] = np.ascontiguousarray(arr.T if transpose else arr)
+    return out
+
+
+def _safetensors_files(path: str) -> Iterable[str]:
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f)["weight_map"]
+        return [os.path.join(path, fn) for fn in sorted(set(weight_map.values()))]
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+    if not files:
+        raise ConversionError(f"{path}: no model.safetensors, no model.safetensors.index.json and no "
+                              "*.safetensors file; save the model with safe_serialization=True")
+    return [os.path.join(path, fn) for fn in files]
+
+
+def load_hf_config(path: str) -> ModelConfig:
+    """Read ``config.json`` in an HF directory. Raises FileNotFoundError or ConversionError."""
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        raise FileNotFoundError(f"{path}: no config.json; expected a Hugging Face model directory")
+    try:
+        with open(cfg_path) as f:
+            raw = json.load(f)
+    except json.JSONDecodeError as e:
+        raise ConversionError(f"{cfg_path}: not valid JSON ({e})") from e
+    return ModelConfig.from_hf_dict(raw, source=cfg_path)
+
+
+def load_hf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
+    """Load an HF Llama/Mistral/Qwen2 directory into (ModelConfig, params of numpy arrays).
+
+    Args:
+      path: a directory with config.json and model.safetensors (or a sharded index).
+      dtype: numpy dtype of the params (float32 by default; bf16 tensors are upcast).
+    Raises:
+      FileNotFoundError: no such directory or no config.json.
+      UnsupportedArchitectureError: model_type not llama/mistral/qwen2.
+      ConversionError: no safetensors, a corrupt file, or an unmapped/missing/mis-shaped tensor.
+    """
+    from safetensors import safe_open
+
+    if not os.path.isdir(path):
+        raise FileNotFoundError(f"{path}: not a directory")
+    cfg = load_hf_config(path)
+    tensors: Dict[str, np.ndarray] = {}
+    for fn in _safetensors_files(path):
+        if not os.path.exists(fn):
+            raise ConversionError(f"{fn}: listed in the shard index but missing")
+        try:
+            with safe_open(fn, framework="numpy") as f:
+                for name in f.keys():
+                    tensors[name] = f.get_tensor(name)
+        except Exception as e:  # safetensors raises its own error types for corrupt headers
+            if isinstance(e, ConversionError):
+                raise
+            raise ConversionError(f"{fn}: cannot read safetensors file ({e}); it may be truncated "
+                                  "or corrupted") from e
+    return cfg, params_from_hf_tensors(cfg, tensors, dtype=dtype, source=path)

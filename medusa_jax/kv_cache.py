@@ -1,0 +1,44 @@
+"""The KV cache: an explicit pytree that goes into and comes out of every forward call.
+
+Layout (DESIGN.md): ``k, v: [L, B, S, KVH, Dh]`` in the compute dtype, ``lengths: [B] int32``.
+Row ``b`` holds valid entries at cache indices ``[0, lengths[b])``; index equals token position,
+which Medusa's in-place compaction (`medusa_jax.verify`) keeps true after every step.
+"""
+from __future__ import annotations
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from .config import ModelConfig
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Static-size KV cache. k, v: [L, B, S, KVH, Dh]; lengths: [B] int32 (valid entries per row)."""
+    k: jax.Array
+    v: jax.Array
+    lengths: jax.Array
+
+    @property
+    def size(self) -> int:
+        """S, the static number of slots per row."""
+        return self.k.shape[2]
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+
+def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KVCache:
+    """An empty cache of `size` slots per row (all lengths 0).
+
+    Args:
+      cfg: the backbone's config (layers, KV heads, head_dim).
+      batch: B.
+      size: S, slots per row; a call of T tokens needs lengths + T <= S.
+      dtype: storage dtype of k and v.
+    """
+    shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
+                   lengths=jnp.zeros((batch,), jnp.int32))

@@ -1,0 +1,1 @@
+from .llama import LlamaModel, rope_inv_freq  # noqa: F401
