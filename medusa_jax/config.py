@@ -176,3 +176,35 @@ def rope_scaling_from_dict(d: Optional[Mapping[str, Any]]) -> Optional[RopeScali
         high_freq_factor=float(d.get("high_freq_factor", 4.0)),
         original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
     )
+
+
+@dataclass(frozen=True)
+class MedusaConfig:
+    """Medusa heads (Cai et al. 2024, Sec. 2.1.1).
+
+    num_heads: K; head k (0-based) reads the hidden state at t and predicts token t+k+2.
+    num_layers: residual blocks ``x + silu(W x + b)`` per head.
+    shared_lm_head: True: the heads end in the base model's frozen lm_head (the official format's
+      ``"version": "2"`` variant); False: each head has its own copy ([K, D, V] extra params).
+    topk: candidates taken from each head (ranks in medusa_choices are < topk).
+    medusa_choices: the tree as a tuple of rank paths, or None for the default preset.
+    base_model: name or path of the backbone the heads were trained for (informational).
+    """
+    hidden_size: int
+    vocab_size: int
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    topk: int = 10
+    medusa_choices: Optional[Tuple[Tuple[int, ...], ...]] = None
+    base_model: str = ""
+
+    def __post_init__(self):
+        if self.num_heads < 1 or self.num_layers < 0:
+            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if self.medusa_choices is not None:
+            object.__setattr__(self, "medusa_choices",
+                               tuple(tuple(int(r) for r in path) for path in self.medusa_choices))
+
+    def replace(self, **kw) -> "MedusaConfig":
+        return dataclasses.replace(self, **kw)
