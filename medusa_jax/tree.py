@@ -1,0 +1,370 @@
+"""Medusa candidate trees: ``medusa_choices`` -> static buffers for tree attention (numpy only).
+
+A tree is given by its non-root nodes, each a path of ranks ``(r_0, ..., r_{d-1})``: ``r_i`` is the
+rank of the token in head ``i``'s top-k. The root (depth 0, the base model's own next token) is
+implicit. Nodes are ordered root first, then paths sorted by ``(depth, ranks)``; any prefix of that
+order is prefix-closed (a parent has a smaller depth, so it comes first). ``T = 1 + len(choices)``.
+
+Candidates are gathered from a flat vector ``[root, head0 top-k, head1 top-k, ...]``, so node at
+depth ``d >= 1`` with last rank ``r`` reads index ``1 + (d-1)*topk + r``.
+
+Source: Cai et al. 2024, "Medusa", Sec. 2.1.2 (tree attention) and Sec. 3.3.1 (optimised tree
+construction); conventions follow ``generate_medusa_buffers`` in FasterDecoding/Medusa
+(medusa/model/utils.py), except that retrieve rows are padded with node 0 plus a ``valid`` mask.
+"""
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import random
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Sequence
+
+import numpy as np
+
+Path = tuple[int, ...]
+
+# Official 63-node sparse tree for Vicuna-7B (FasterDecoding/Medusa medusa/model/medusa_choices.py),
+# listed roughly by estimated acceptance probability.
+MC_SIM_7B_63: tuple[Path, ...] = tuple(tuple(p) for p in [
+    [0], [0, 0], [1], [0, 1], [2], [0, 0, 0], [1, 0], [0, 2], [3], [0, 3], [4], [0, 4], [2, 0],
+    [0, 5], [0, 0, 1], [5], [0, 6], [6], [0, 7], [0, 1, 0], [1, 1], [7], [0, 8], [0, 0, 2], [3, 0],
+    [0, 9], [8], [9], [1, 0, 0], [0, 2, 0], [1, 2], [0, 0, 3], [4, 0], [2, 1], [0, 0, 4], [0, 0, 5],
+    [0, 0, 0, 0], [0, 1, 1], [0, 0, 6], [0, 3, 0], [5, 0], [1, 3], [0, 0, 7], [0, 0, 8], [0, 0, 9],
+    [6, 0], [0, 4, 0], [1, 4], [7, 0], [0, 1, 2], [2, 0, 0], [3, 1], [2, 2], [8, 0], [0, 5, 0],
+    [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0]])
+
+
+def _prefix_closed_head(paths: Sequence[Path], num_choices: int) -> tuple[Path, ...]:
+    """First ``num_choices`` paths of a priority list whose parent is already taken."""
+    out: list[Path] = []
+    for p in paths:
+        if len(out) >= num_choices:
+            break
+        if len(p) == 1 or p[:-1] in out:
+            out.append(p)
+    return tuple(out)
+
+
+#: Preset trees. ``small_N`` has N tree tokens (T = N, i.e. N-1 choices): the first N-1 nodes of
+#: ``mc_sim_7b_63`` in its listed (acceptance) order. ``chainN`` is the top-1 chain of depth N.
+PRESETS: dict[str, tuple[Path, ...]] = {
+    "mc_sim_7b_63": MC_SIM_7B_63,
+    **{f"chain{n}": tuple((0,) * d for d in range(1, n + 1)) for n in range(1, 6)},
+    **{f"small_{n}": _prefix_closed_head(MC_SIM_7B_63, n - 1) for n in (4, 8, 16, 32)},
+}
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    a.setflags(write=False)
+    return a
+
+
+@dataclass(frozen=True, eq=False, repr=False)
+class TreeBuffers:
+    """Static buffers of one Medusa tree; hashable on ``(medusa_choices, topk)`` (a jit static arg).
+
+    Arrays (read-only numpy), with T nodes, max depth D and P root-to-leaf paths:
+      ancestor_mask   [T, T] bool   node i attends to node j iff j == i or j is an ancestor of i
+      depth           [T]    int32  root 0; also the position offset of each node
+      tree_indices    [T]    int32  index into the flat candidate vector (0 for the root)
+      parents         [T]    int32  parent node index, -1 for the root
+      retrieve_indices[P, D+1] int32 node indices root..leaf per leaf, padded with 0
+      valid           [P, D+1] bool  False on the padding
+    """
+    medusa_choices: tuple[Path, ...]
+    topk: int
+    ancestor_mask: np.ndarray
+    depth: np.ndarray
+    tree_indices: np.ndarray
+    parents: np.ndarray
+    retrieve_indices: np.ndarray
+    valid: np.ndarray
+
+    @property
+    def size(self) -> int:
+        """T: number of tree tokens, root included."""
+        return len(self.medusa_choices) + 1
+
+    @property
+    def max_depth(self) -> int:
+        """D: depth of the deepest node (0 for the trivial tree)."""
+        return int(self.depth.max())
+
+    @property
+    def num_paths(self) -> int:
+        """P: number of root-to-leaf paths (= leaves)."""
+        return int(self.retrieve_indices.shape[0])
+
+    def _key(self) -> tuple:
+        return (self.medusa_choices, self.topk)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TreeBuffers):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __hash__(self) -> int:
+        return hash(self._key())
+
+    def __repr__(self) -> str:
+        return (f"TreeBuffers(T={self.size}, D={self.max_depth}, P={self.num_paths}, "
+                f"topk={self.topk})")
+
+
+def _normalise(medusa_choices: Iterable[Any], topk: int, num_heads: int | None) -> tuple[Path, ...]:
+    if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 1:
+        raise ValueError(f"topk must be a positive integer, got {topk!r}")
+    if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer))
+                                  or num_heads < 0):
+        raise ValueError(f"num_heads must be a non-negative integer or None, got {num_heads!r}")
+    if isinstance(medusa_choices, (str, bytes)) or not isinstance(medusa_choices, Iterable):
+        raise ValueError("medusa_choices must be a sequence of paths (sequences of integer ranks), "
+                         f"got {type(medusa_choices).__name__}")
+    paths: list[Path] = []
+    for raw in medusa_choices:
+        if isinstance(raw, (str, bytes)) or not isinstance(raw, (Sequence, np.ndarray)):
+            raise ValueError(f"each path must be a sequence of integer ranks, got {raw!r}; "
+                             "write a depth-1 node as (r,) or [r], not r")
+        if len(raw) == 0:
+            raise ValueError("empty path in medusa_choices: the root is implicit, do not list it")
+        for r in raw:
+            if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+                raise ValueError(f"path {list(raw)!r} has a non-integer entry {r!r}; ranks must be ints")
+        path = tuple(int(r) for r in raw)
+        for r in path:
+            if r < 0 or r >= topk:
+                raise ValueError(f"path {path} has rank {r} outside [0, topk={topk}); "
+                                 "use ranks below topk or raise topk")
+        if num_heads is not None and len(path) > num_heads:
+            raise ValueError(f"path {path} has depth {len(path)} but only num_heads={num_heads} "
+                             "heads exist; drop deeper nodes (truncate_tree) or use more heads")
+        paths.append(path)
+    seen: set[Path] = set()
+    for p in paths:
+        if p in seen:
+            raise ValueError(f"duplicate path {p} in medusa_choices; list each node once")
+        seen.add(p)
+    for p in paths:
+        if len(p) > 1 and p[:-1] not in seen:
+            raise ValueError(f"path {p} has no parent {p[:-1]} in medusa_choices; the tree must be "
+                             "prefix-closed: add the parent or remove the node")
+    return tuple(sorted(paths, key=lambda p: (len(p), p)))
+
+
+def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
+               num_heads: int | None = None) -> TreeBuffers:
+    """Build the static tree-attention buffers (Medusa Sec. 2.1.2; ``generate_medusa_buffers``).
+
+    Args:
+      medusa_choices: paths of ranks, any order; ``[]`` is the trivial tree (plain decoding:
+        T=1, D=0, P=1, retrieve ``[[0]]``).
+      topk: candidates per head; every rank must be ``< topk``.
+      num_heads: number of Medusa heads, when given no path may be deeper.
+    Returns: TreeBuffers (see its docstring for shapes and dtypes).
+    Raises: ValueError for a non-integer entry, an empty path, a rank outside ``[0, topk)``, a path
+      deeper than ``num_heads``, a duplicate path, or a node whose parent path is missing.
+    """
+    choices = _normalise(medusa_choices, topk, num_heads)
+    t = len(choices) + 1
+    index: dict[Path, int] = {(): 0}
+    for i, p in enumerate(choices):
+        index[p] = i + 1
+    depth = np.zeros(t, np.int32)
+    parents = np.full(t, -1, np.int32)
+    tree_indices = np.zeros(t, np.int32)
+    mask = np.eye(t, dtype=bool)
+    has_child = np.zeros(t, bool)
+    for i, p in enumerate(choices, start=1):
+        par = index[p[:-1]]  # sorted by depth: the parent's row is already complete
+        depth[i], parents[i] = len(p), par
+        tree_indices[i] = 1 + (len(p) - 1) * topk + p[-1]
+        mask[i] |= mask[par]
+        has_child[par] = True
+    leaves = np.flatnonzero(~has_child)
+    d = int(depth.max())
+    retrieve = np.zeros((len(leaves), d + 1), np.int32)
+    valid = np.zeros((len(leaves), d + 1), bool)
+    for row, leaf in enumerate(leaves):
+        node, k = int(leaf), int(depth[leaf])
+        valid[row, :k + 1] = True
+        while node >= 0:
+            retrieve[row, k] = node
+            node, k = int(parents[node]), k - 1
+    return TreeBuffers(choices, int(topk), _ro(mask), _ro(depth), _ro(tree_indices), _ro(parents),
+                       _ro(retrieve), _ro(valid))
+
+
+def _load_choices_file(path: str) -> tuple[Any, int | None]:
+    with open(path) as f:
+        if path.endswith((".yaml", ".yml")):
+            import yaml
+            data = yaml.safe_load(f)
+        else:
+            data = json.load(f)
+    topk = None
+    if isinstance(data, Mapping):
+        if "medusa_choices" not in data:
+            raise ValueError(f"{path}: a dict tree file needs the key 'medusa_choices'")
+        topk = data.get("topk")
+        data = data["medusa_choices"]
+    if not isinstance(data, list):
+        raise ValueError(f"{path}: expected a list of paths or a dict with 'medusa_choices'")
+    return data, topk
+
+
+def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -> TreeBuffers:
+    """Resolve a tree spec to TreeBuffers.
+
+    ``spec``: a TreeBuffers (returned as is when topk agrees), a preset name from ``PRESETS``, a
+    path to a ``.json``/``.yaml``/``.yml`` file holding a list of paths or a dict with key
+    ``medusa_choices`` (and optionally ``topk``), or a sequence of paths. ``topk`` defaults to the
+    file's ``topk``, else 10.
+    Raises: ValueError for an unknown name (the message lists the presets) and every
+      ``build_tree`` error.
+    """
+    if isinstance(spec, TreeBuffers):
+        if topk is not None and topk != spec.topk:
+            return build_tree(spec.medusa_choices, topk, num_heads)
+        if num_heads is not None:
+            _normalise(spec.medusa_choices, spec.topk, num_heads)
+        return spec
+    if isinstance(spec, (str, os.PathLike)):
+        name = os.fspath(spec)
+        if name in PRESETS:
+            return build_tree(PRESETS[name], 10 if topk is None else topk, num_heads)
+        if os.path.isfile(name):
+            choices, file_topk = _load_choices_file(name)
+            k = topk if topk is not None else (file_topk if file_topk is not None else 10)
+            return build_tree(choices, k, num_heads)
+        raise ValueError(f"unknown tree {name!r}: not a file; presets are {', '.join(sorted(PRESETS))}")
+    return build_tree(spec, 10 if topk is None else topk, num_heads)
+
+
+def tree_to_json(tree: TreeBuffers | Sequence[Sequence[int]], path: str | os.PathLike | None = None,
+                 topk: int | None = None) -> str:
+    """Serialise a tree as ``{"medusa_choices": [[...], ...], "topk": k}`` (readable by get_tree).
+
+    Writes the text to ``path`` when given; returns it either way.
+    """
+    if isinstance(tree, TreeBuffers):
+        choices, k = tree.medusa_choices, tree.topk
+    else:
+        choices = _normalise(tree, topk or 10, None)
+        k = topk or 10
+    text = json.dumps({"medusa_choices": [list(p) for p in choices], "topk": int(k)})
+    if path is not None:
+        with open(path, "w") as f:
+            f.write(text + "\n")
+    return text
+
+
+def random_tree(num_nodes: int, max_depth: int, topk: int, seed: int = 0) -> tuple[Path, ...]:
+    """A random prefix-closed tree with ``num_nodes`` tree tokens (root included), sorted.
+
+    Raises: ValueError if ``num_nodes < 1`` or the tree cannot be that large with this depth/topk.
+    """
+    capacity = sum(topk ** d for d in range(max_depth + 1))
+    if num_nodes < 1 or num_nodes > capacity:
+        raise ValueError(f"num_nodes must be in [1, {capacity}] for max_depth={max_depth}, "
+                         f"topk={topk}, got {num_nodes}")
+    rng = random.Random(seed)
+    nodes: list[Path] = [()]
+    taken: set[Path] = {()}
+    while len(nodes) < num_nodes:
+        parent = rng.choice(nodes)
+        if len(parent) >= max_depth:
+            continue
+        free = [r for r in range(topk) if parent + (r,) not in taken]
+        if free:
+            child = parent + (rng.choice(free),)
+            nodes.append(child)
+            taken.add(child)
+    return tuple(sorted(nodes[1:], key=lambda p: (len(p), p)))
+
+
+def truncate_tree(tree: TreeBuffers, max_depth: int) -> TreeBuffers:
+    """Keep the nodes of depth <= ``max_depth`` (fewer heads than depth, or near the cache end).
+
+    ``max_depth=0`` gives the trivial tree. Raises: ValueError if ``max_depth < 0``.
+    """
+    if max_depth < 0:
+        raise ValueError(f"max_depth must be >= 0, got {max_depth}")
+    if max_depth >= tree.max_depth:
+        return tree
+    return build_tree([p for p in tree.medusa_choices if len(p) <= max_depth], tree.topk)
+
+
+def tree_with_budget(tree: TreeBuffers, max_nodes: int) -> TreeBuffers:
+    """Keep the first ``max_nodes`` tree tokens (root included) in node order.
+
+    Node order is (depth, ranks), so any prefix of it is prefix-closed. To keep a priority order
+    instead (e.g. greedy_tree_search's), slice that list and call build_tree.
+    Raises: ValueError if ``max_nodes < 1``.
+    """
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes must be >= 1 (the root), got {max_nodes}")
+    if max_nodes >= tree.size:
+        return tree
+    return build_tree(tree.medusa_choices[:max_nodes - 1], tree.topk)
+
+
+def _accuracies(head_accuracies: Any) -> np.ndarray:
+    acc = np.asarray(head_accuracies, dtype=np.float64)
+    if acc.ndim != 2:
+        raise ValueError(f"head_accuracies must be 2-D [num_heads, topk], got shape {acc.shape}")
+    if not np.all(np.isfinite(acc)) or acc.min(initial=0.0) < 0 or acc.max(initial=0.0) > 1:
+        raise ValueError("head_accuracies must be probabilities in [0, 1]")
+    return acc
+
+
+def expected_acceptance_length(choices: TreeBuffers | Iterable[Sequence[int]],
+                               head_accuracies: Any) -> float:
+    """Expected accepted Medusa tokens per step under independent heads (Medusa Sec. 3.3.1).
+
+    ``head_accuracies[k][r]`` = P(head k's rank-r token is right), shape [num_heads, topk'].
+    Returns ``sum over non-root nodes of prod_i acc[i][r_i]``; tokens per step is 1 + this.
+    Raises: ValueError if a path is deeper than the number of heads or a rank has no accuracy, or
+      the accuracies are not a 2-D array of probabilities.
+    """
+    acc = _accuracies(head_accuracies)
+    paths = choices.medusa_choices if isinstance(choices, TreeBuffers) else \
+        _normalise(choices, max(acc.shape[1], 1), acc.shape[0])
+    total = 0.0
+    for p in paths:
+        if len(p) > acc.shape[0] or max(p) >= acc.shape[1]:
+            raise ValueError(f"path {p} is outside head_accuracies of shape {acc.shape}")
+        total += float(np.prod([acc[i, r] for i, r in enumerate(p)]))
+    return total
+
+
+def greedy_tree_search(head_accuracies: Any, num_nodes: int, topk: int = 10) -> tuple[Path, ...]:
+    """Greedy tree construction (Medusa Sec. 3.3.1): repeatedly add the node of highest path
+    probability ``prod_i acc[i][r_i]`` whose parent is already in the tree.
+
+    ``num_nodes`` counts tree tokens, root included (``num_nodes - 1`` paths are returned; fewer
+    if the heads/ranks run out). Ranks are limited to ``min(topk, head_accuracies.shape[1])``;
+    ties go to the smaller (depth, ranks). The result is in insertion order, so every prefix of it
+    is the greedy tree of that size (prefix-closed); pass it to build_tree.
+    Raises: ValueError if ``num_nodes < 1`` or the accuracies are not 2-D probabilities.
+    """
+    acc = _accuracies(head_accuracies)
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1 (the root), got {num_nodes}")
+    k = min(topk, acc.shape[1])
+    heap: list[tuple[float, int, Path]] = []
+
+    def push_children(path: Path, prob: float) -> None:
+        if len(path) < acc.shape[0]:
+            for r in range(k):
+                child = path + (r,)
+                heapq.heappush(heap, (-prob * acc[len(path), r], len(child), child))
+
+    out: list[Path] = []
+    push_children((), 1.0)
+    while heap and len(out) < num_nodes - 1:
+        neg, _, path = heapq.heappop(heap)
+        out.append(path)
+        push_children(path, -neg)
+    return tuple(out)
