@@ -1,0 +1,510 @@
+"""Medusa head files: load the official and vLLM formats, save ours, export to both.
+
+Formats (DESIGN.md, "Formats to read and write"):
+
+* Official (FasterDecoding/Medusa, ``medusa/model/medusa_model.py``): a directory with
+  ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``) and
+  ``medusa_lm_head.pt`` or ``medusa_lm_head.safetensors``, the state dict of
+  ``ModuleList[Sequential(ResBlock * L, Linear(D, V, bias=False))]``::
+
+      {h}.{l}.linear.weight  [D, D]  torch [out, in]
+      {h}.{l}.linear.bias    [D]     (optional here: a missing bias loads as zeros)
+      {h}.{L}.weight         [V, D]  head h's lm_head; absent in the shared variant
+                                     (config ``"version": "2"``), which uses the base lm_head
+
+  The head and layer counts come from the keys: first-release hub configs say 2 heads where the
+  weights hold 5.
+* vLLM (``vllm/model_executor/models/medusa.py``): ``config.json`` with ``model_type: "medusa"``,
+  ``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``,
+  ``medusa_fc_bias`` (the blocks have a bias only when true); weights ``blocks.{h}.layers.{l}.weight
+  | bias`` and ``lm_heads.{h}.weight`` (or one ``lm_head.weight`` when ``original_lm_head``).
+* Ours (`save_heads`): the official safetensors format plus ``medusa_choices``, ``topk``,
+  ``shared_lm_head`` and free extra fields (metrics, training info) in ``config.json``.
+
+Params are the `medusa_jax.heads.MedusaHeads` layout (kernels [in, out]); files hold torch's
+[out, in]. ``.pt`` files are read with ``torch.load(weights_only=True)`` only, and torch is imported
+only for ``.pt`` files. Safetensors are parsed here (header checked against the file size) so that
+bf16 files load without torch and truncated files fail with `HeadsFormatError`.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import warnings
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+import numpy as np
+
+from ..config import MedusaConfig, ModelConfig
+from ..heads import check_heads_match, heads_params_to_numpy
+from .hf import ConversionError
+
+OFFICIAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
+VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
+WEIGHT_FILES = OFFICIAL_FILES + VLLM_FILES
+_OUR_KEYS = ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
+             "vocab_size", "version", "medusa_choices", "topk", "shared_lm_head")
+
+
+class HeadsFormatError(ConversionError):
+    """A Medusa head file that cannot be read: corrupt or truncated, unknown or inconsistent tensors."""
+
+
+# ---------------------------------------------------------------------------------------- reading
+
+_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4",
+              "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
+
+
+def _read_safetensors(fn: str, dtype) -> Dict[str, np.ndarray]:
+    """Parse a .safetensors file into name -> array (float tensors cast to `dtype`, bf16 included)."""
+    size = os.path.getsize(fn)
+    bad = f"{fn}: not a valid safetensors file"
+    if size < 8:
+        raise HeadsFormatError(f"{bad}: {size} bytes, shorter than the 8-byte header length; truncated?")
+    with open(fn, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        n = int.from_bytes(mm[:8], "little")
+        if n > size - 8:
+            raise HeadsFormatError(f"{bad}: the header claims {n} bytes but the file has {size - 8} "
+                                   "after the length field; it is truncated or corrupted")
+        try:
+            header = json.loads(bytes(mm[8:8 + n]))
+            assert isinstance(header, dict)
+        except Exception as e:
+            raise HeadsFormatError(f"{bad}: unreadable JSON header ({e}); truncated or corrupted") from e
+        header.pop("__metadata__", None)
+        base, out = 8 + n, {}
+        for name, info in header.items():
+            try:
+                code, shape, (a, b) = _ST_DTYPES[info["dtype"]], list(info["shape"]), info["data_offsets"]
+            except Exception as e:
+                raise HeadsFormatError(f"{bad}: bad header entry for {name!r}: {info!r}") from e
+            count = int(np.prod(shape, dtype=np.int64))
+            if b - a != count * np.dtype(code).itemsize or a < 0:
+                raise HeadsFormatError(f"{bad}: tensor {name!r} {info['dtype']}{shape} spans bytes "
+                                       f"[{a}, {b}), inconsistent with its shape")
+            if base + b > size:
+                raise HeadsFormatError(f"{bad}: tensor {name!r} needs bytes up to {base + b} but the file "
+                                       f"has {size}; it is truncated (re-download or re-export it)")
+            arr = np.frombuffer(mm[base + a:base + b], dtype=code).reshape(shape)  # a copy, not a view
+            if info["dtype"] == "BF16":
+                arr = (arr.astype(np.uint32) << 16).view(np.float32)
+            out[name] = arr.astype(dtype) if arr.dtype.kind == "f" else arr
+    return out
+
+
+def _read_pt(fn: str, dtype) -> Dict[str, np.ndarray]:
+    """Read a torch state dict with ``torch.load(map_location="cpu", weights_only=True)``."""
+    try:
+        import torch
+    except ImportError as e:
+        raise ImportError(f"{fn}: reading a .pt head file needs torch (pip install torch); or convert "
+                          "it once to medusa_lm_head.safetensors where torch is installed") from e
+    try:
+        sd = torch.load(fn, map_location="cpu", weights_only=True)
+    except Exception as e:
+        raise HeadsFormatError(f"{fn}: cannot read the .pt file ({type(e).__name__}: {e}); it is truncated, "
+                               "corrupted, or holds more than tensors (only weights_only loading is allowed)") from e
+    if not isinstance(sd, Mapping):
+        raise HeadsFormatError(f"{fn}: expected a state dict (name -> tensor), got {type(sd).__name__}")
+    out = {}
+    for k, v in sd.items():
+        if not isinstance(v, torch.Tensor):
+            raise HeadsFormatError(f"{fn}: entry {k!r} is a {type(v).__name__}, not a tensor")
+        v = v.detach().cpu()
+        out[k] = (v.float().numpy().astype(dtype) if v.is_floating_point() else v.numpy())
+    return out
+
+
+def read_tensors(fn: str, dtype=np.float32) -> Dict[str, np.ndarray]:
+    """Read a .safetensors, .pt or .bin weight file into name -> numpy array (floats as `dtype`)."""
+    if fn.endswith(".safetensors"):
+        return _read_safetensors(fn, dtype)
+    if fn.endswith((".pt", ".bin", ".pth")):
+        return _read_pt(fn, dtype)
+    raise HeadsFormatError(f"{fn}: unknown weight file type; expected .safetensors or .pt")
+
+
+def _resolve(path: str) -> Tuple[str, Optional[str]]:
+    """path (directory or weight file) -> (weight file, config.json or None)."""
+    expected = (f"a Medusa heads directory (config.json + {' or '.join(OFFICIAL_FILES)}; vLLM: "
+                f"{' or '.join(VLLM_FILES)}) or one of those weight files")
+    if os.path.isdir(path):
+        for name in WEIGHT_FILES:
+            if os.path.isfile(os.path.join(path, name)):
+                cfg = os.path.join(path, "config.json")
+                return os.path.join(path, name), (cfg if os.path.isfile(cfg) else None)
+        raise FileNotFoundError(f"{path}: no Medusa head weights found; expected {expected}")
+    if os.path.isfile(path):
+        cfg = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
+        return path, (cfg if os.path.isfile(cfg) else None)
+    raise FileNotFoundError(f"{path}: no such file or directory; expected {expected}")
+
+
+def _read_config(fn: Optional[str]) -> dict:
+    if fn is None:
+        return {}
+    try:
+        with open(fn) as f:
+            raw = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise HeadsFormatError(f"{fn}: not valid JSON ({e})") from e
+    if not isinstance(raw, dict):
+        raise HeadsFormatError(f"{fn}: expected a JSON object")
+    return raw
+
+
+_OFFICIAL_RE = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
+_VLLM_RE = re.compile(r"^(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\d+)\.weight|lm_head\.weight|token_map)$")
+
+
+def _strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> Dict[str, np.ndarray]:
+    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
+
+
+def _group(tensors, source: str, vllm: bool):
+    """Sort tensors into weights[h][l], biases[h][l], lm[h]. Unknown names raise."""
+    weights, biases, lm, shared_lm = {}, {}, {}, None
+    for name, arr in tensors.items():
+        if vllm:
+            m = _VLLM_RE.match(name)
+            if m and m.group(1) is not None:
+                h, l, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+                (weights if kind == "weight" else biases).setdefault(h, {})[l] = arr
+                continue
+            if m and m.group(4) is not None:
+                lm[int(m.group(4))] = arr
+                continue
+            if name == "lm_head.weight":
+                shared_lm = arr
+                continue
+            if name == "token_map":
+                continue  # checked against truncated_vocab_size by the caller
+        else:
+            m = _OFFICIAL_RE.match(name)
+            if m:
+                h, l, kind = int(m.group(1)), int(m.group(2)), m.group(3)
+                target = {"linear.weight": weights, "linear.bias": biases, "weight": lm}[kind]
+                if kind == "weight":
+                    if h in lm:
+                        raise HeadsFormatError(f"{source}: head {h} has two lm_head weights ({h}.{l}.weight)")
+                    lm[h] = (l, arr)
+                else:
+                    target.setdefault(h, {})[l] = arr
+                continue
+        fmt = "vLLM (blocks.{h}.layers.{l}.weight|bias, lm_heads.{h}.weight)" if vllm else \
+            "official ({h}.{l}.linear.weight|bias, {h}.{L}.weight)"
+        raise HeadsFormatError(f"{source}: unexpected tensor {name!r} for the {fmt} Medusa format")
+    return weights, biases, lm, shared_lm
+
+
+def _assemble(tensors, raw: dict, source: str, vllm: bool, model_cfg: Optional[ModelConfig]):
+    """Tensors (torch layout) -> (K, L, D, V, kernels [K,L,D,D] [in,out], biases [K,L,D], lm [K,D,V] | None)."""
+    weights, biases, lm, shared_lm = _group(tensors, source, vllm)
+    heads = sorted(set(weights) | set(biases) | set(lm))
+    if heads and heads != list(range(len(heads))):
+        raise HeadsFormatError(f"{source}: head indices {heads} are not 0..{len(heads) - 1}")
+    if heads:
+        K = len(heads)
+    else:  # no tensors at all: zero-layer shared heads; only the config knows K
+        K = raw.get("num_heads" if vllm else "medusa_num_heads")
+        if not K:
+            raise HeadsFormatError(f"{source}: no head tensors and no head count in config.json")
+        K = int(K)
+    layer_sets = {h: sorted(weights.get(h, {})) for h in range(K)}
+    L = len(layer_sets[0])
+    for h, ls in layer_sets.items():
+        if ls != list(range(L)):
+            raise HeadsFormatError(f"{source}: head {h} has block weights for layers {ls}, "
+                                   f"expected 0..{L - 1} as head 0 has")
+        extra = sorted(set(biases.get(h, {})) - set(ls))
+        if extra:
+            raise HeadsFormatError(f"{source}: head {h} has biases for layers {extra} without weights")
+    # lm heads: all or none
+    if vllm:
+        lm_arrs = [lm.get(h) for h in range(K)]
+        if raw.get("original_lm_head") and shared_lm is None and lm.get(0) is not None:
+            shared_lm = lm[0]
+        if shared_lm is not None:
+            lm_arrs = [shared_lm] * K
+    else:
+        lm_arrs = []
+        for h in range(K):
+            if h in lm:
+                idx, arr = lm[h]
+                if idx != L:
+                    raise HeadsFormatError(f"{source}: head {h}'s lm_head is {h}.{idx}.weight but the head has "
+                                           f"{L} blocks, so it should be {h}.{L}.weight")
+                lm_arrs.append(arr)
+            else:
+                lm_arrs.append(None)
+    have = [a is not None for a in lm_arrs]
+    if any(have) and not all(have):
+        raise HeadsFormatError(f"{source}: only heads {[h for h in range(K) if have[h]]} of {K} have an lm_head")
+    has_lm = all(have)
+
+    def size(key, fallback_model):
+        v = raw.get(key)
+        if v is None and model_cfg is not None:
+            v = getattr(model_cfg, fallback_model)
+        return None if v is None else int(v)
+
+    D = weights[0][0].shape[-1] if L else (lm_arrs[0].shape[-1] if has_lm else size("hidden_size", "hidden_size"))
+    V = lm_arrs[0].shape[0] if has_lm else size("vocab_size", "vocab_size")
+    if D is None or V is None:
+        raise HeadsFormatError(f"{source}: cannot tell the {'hidden size' if D is None else 'vocabulary size'} "
+                               "from the tensors; add hidden_size and vocab_size to config.json or pass model_cfg")
+    for key, got in (("hidden_size", D), ("vocab_size", V)):
+        if raw.get(key) is not None and int(raw[key]) != got:
+            raise HeadsFormatError(f"{source}: config.json says {key}={raw[key]} but the tensors have {got}")
+    kern = np.zeros((K, L, D, D), np.float32)
+    bias = np.zeros((K, L, D), np.float32)
+    for h in range(K):
+        for l in range(L):
+            w, b = weights[h][l], biases.get(h, {}).get(l)
+            if w.shape != (D, D) or (b is not None and b.shape != (D,)):
+                raise HeadsFormatError(f"{source}: head {h} block {l}: weight {tuple(w.shape)}, bias "
+                                       f"{None if b is None else tuple(b.shape)}; expected ({D}, {D}) and ({D},)")
+            kern[h, l] = w.T
+            if b is not None:
+                bias[h, l] = b
+    lm_out = None
+    if has_lm:
+        lm_out = np.zeros((K, D, V), np.float32)
+        for h, arr in enumerate(lm_arrs):
+            if arr.shape != (V, D):
+                raise HeadsFormatError(f"{source}: head {h} lm_head has shape {tuple(arr.shape)}, expected ({V}, {D})")
+            lm_out[h] = arr.T
+    return K, L, D, V, kern, bias, lm_out
+
+
+def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Optional[int] = None,
+               dtype=np.float32) -> Tuple[MedusaConfig, dict]:
+    """Load Medusa heads (official .pt / .safetensors, ours, or vLLM) as (MedusaConfig, params).
+
+    Args:
+      path: a directory holding config.json and medusa_lm_head.safetensors or medusa_lm_head.pt
+        (vLLM: model.safetensors or pytorch_model.bin), or a direct path to such a weight file (a
+        config.json beside it is read if present). Safetensors wins when both exist.
+      model_cfg: the backbone; when given, hidden size and vocabulary are checked against it (and it
+        supplies them when neither the tensors nor config.json do).
+      num_heads: keep only the first num_heads heads (tree paths deeper than that are dropped).
+      dtype: numpy dtype of the returned params.
+    Returns:
+      (MedusaConfig, {"blocks_kernel" [K, L, D, D] ([in, out]), "blocks_bias" [K, L, D], and
+      "lm_head" [K, D, V] unless the heads share the base lm_head}), numpy arrays. K and L come from
+      the tensor names, whatever config.json says. The heads are shared when the file holds no
+      lm_head tensors (official ``"version": "2"``), or our config says ``shared_lm_head: true``.
+    Raises:
+      FileNotFoundError: no such path, or a directory without a known weight file.
+      HeadsFormatError (a ValueError): corrupt or truncated file, unknown or mis-shaped tensors,
+        fewer heads in the file than num_heads.
+      HeadsMismatchError (a ValueError): heads that do not fit model_cfg.
+      ImportError: a .pt file and no torch.
+    """
+    weights_fn, cfg_fn = _resolve(path)
+    raw = _read_config(cfg_fn)
+    tensors = read_tensors(weights_fn, np.float32)
+    stripped = _strip_prefix(_strip_prefix(tensors, "medusa_heads."), "medusa_head.")
+    vllm = raw.get("model_type") == "medusa" or any(
+        k.startswith(("blocks.", "lm_heads.")) or k == "lm_head.weight" for k in stripped)
+    if vllm:
+        trunc = raw.get("truncated_vocab_size")
+        if trunc is not None and raw.get("vocab_size") is not None and int(trunc) < int(raw["vocab_size"]):
+            raise HeadsFormatError(f"{weights_fn}: vLLM heads with a truncated vocabulary (truncated_vocab_size="
+                                   f"{trunc} < vocab_size={raw['vocab_size']}, token_map) are not supported")
+    K, L, D, V, kern, bias, lm = _assemble(stripped, raw, weights_fn, vllm, model_cfg)
+    if raw.get("shared_lm_head") is True and lm is not None:
+        lm = None  # our own config: the per-head copies are copies of the base lm_head
+    if raw.get("shared_lm_head") is False and lm is None:
+        raise HeadsFormatError(f"{weights_fn}: config.json says shared_lm_head=false but the file holds no "
+                               "per-head lm_head tensors")
+    if num_heads is not None:
+        if num_heads < 1 or num_heads > K:
+            raise HeadsFormatError(f"{weights_fn}: asked for {num_heads} Medusa heads but the file holds {K} "
+                                   f"(config.json says {raw.get('medusa_num_heads', raw.get('num_heads'))}); "
+                                   f"use num_heads <= {K} or train more heads")
+        K, kern, bias = num_heads, kern[:num_heads], bias[:num_heads]
+        lm = None if lm is None else lm[:num_heads]
+    choices = raw.get("medusa_choices")
+    if choices is not None:
+        choices = tuple(tuple(int(r) for r in p) for p in choices if len(p) <= K) or None
+    cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=L, shared_lm_head=lm is None,
+                       topk=int(raw.get("topk", 10)), medusa_choices=choices,
+                       base_model=str(raw.get("base_model_name_or_path") or ""))
+    if model_cfg is not None:
+        check_heads_match(cfg, model_cfg, source=path)
+    params = {"blocks_kernel": kern.astype(dtype), "blocks_bias": bias.astype(dtype)}
+    if lm is not None:
+        params["lm_head"] = lm.astype(dtype)
+    return cfg, params
+
+
+# ---------------------------------------------------------------------------------------- writing
+
+def _check_params(cfg: MedusaConfig, p: Dict[str, np.ndarray]) -> None:
+    K, L, D, V = cfg.num_heads, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    want = {"blocks_kernel": (K, L, D, D), "blocks_bias": (K, L, D)}
+    if not cfg.shared_lm_head:
+        want["lm_head"] = (K, D, V)
+    for k, shape in want.items():
+        if k not in p or tuple(p[k].shape) != shape:
+            raise ValueError(f"head params {k!r}: {None if k not in p else tuple(p[k].shape)}, expected {shape} "
+                             "for this MedusaConfig")
+
+
+def _lm_heads_torch(cfg, p, base_lm_head, need: bool, what: str):
+    """[K, V, D] per-head lm_heads in torch layout: own copies, or the base lm_head repeated."""
+    if not cfg.shared_lm_head:
+        return np.transpose(p["lm_head"], (0, 2, 1))
+    if not need:
+        return None
+    if base_lm_head is None:
+        raise ValueError(f"{what}: the heads share the base lm_head; pass base_lm_head [D, V] to write copies of it")
+    base = np.asarray(base_lm_head, np.float32)
+    if base.shape != (cfg.hidden_size, cfg.vocab_size):
+        raise ValueError(f"base_lm_head has shape {base.shape}, expected [D, V] = ({cfg.hidden_size}, {cfg.vocab_size})")
+    return np.broadcast_to(base.T[None], (cfg.num_heads, cfg.vocab_size, cfg.hidden_size))
+
+
+def _official_tensors(cfg, p, lm_torch, dtype) -> Dict[str, np.ndarray]:
+    out = {}
+    for h in range(cfg.num_heads):
+        for l in range(cfg.num_layers):
+            out[f"{h}.{l}.linear.weight"] = p["blocks_kernel"][h, l].T
+            out[f"{h}.{l}.linear.bias"] = p["blocks_bias"][h, l]
+        if lm_torch is not None:
+            out[f"{h}.{cfg.num_layers}.weight"] = lm_torch[h]
+    return {k: np.ascontiguousarray(v, dtype=dtype) for k, v in out.items()}
+
+
+def _json_default(o):
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    if isinstance(o, tuple):
+        return list(o)
+    raise TypeError(f"not JSON serialisable: {type(o).__name__}")
+
+
+def _write(path: str, filename: str, tensors: Dict[str, np.ndarray], config: dict, fmt: str) -> str:
+    """Write config.json and the weight file atomically; remove other known weight files in `path`."""
+    os.makedirs(path, exist_ok=True)
+    target = os.path.join(path, filename)
+    tmp = target + ".tmp"
+    if fmt == "pt":
+        import torch
+        torch.save({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, tmp)
+    else:
+        from safetensors.numpy import save_file
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    os.replace(tmp, target)
+    for other in WEIGHT_FILES:  # a stale file of another format would shadow or confuse loading
+        if other != filename and os.path.isfile(os.path.join(path, other)):
+            os.remove(os.path.join(path, other))
+    cfg_tmp = os.path.join(path, "config.json.tmp")
+    with open(cfg_tmp, "w") as f:
+        json.dump(config, f, indent=2, default=_json_default)
+        f.write("\n")
+    os.replace(cfg_tmp, os.path.join(path, "config.json"))
+    return target
+
+
+def _official_config(cfg: MedusaConfig, shared_in_file: bool) -> dict:
+    d = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
+         "base_model_name_or_path": cfg.base_model, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+    if shared_in_file:
+        d["version"] = "2"
+    return d
+
+
+def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
+               extra: Optional[Mapping[str, Any]] = None) -> str:
+    """Save heads in our format: the official safetensors format plus our config fields.
+
+    Writes ``path/config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
+    ``base_model_name_or_path``, ``hidden_size``, ``vocab_size``, ``"version": "2"`` when shared,
+    ``medusa_choices``, ``topk``, ``shared_lm_head``, and every field of `extra`) and
+    ``path/medusa_lm_head.safetensors`` (float32, torch layout, no lm_head tensors when shared).
+
+    Args:
+      path: output directory (created).
+      cfg, params: the heads (`MedusaHeads` params, optionally wrapped in {"params": ...}).
+      base_lm_head: [D, V], only shape-checked (shared heads are stored without it).
+      extra: JSON-serialisable fields to add, e.g. {"metrics": {...}}; may not override ours.
+    Returns the weight file's path. Raises ValueError for params that do not match cfg or an
+    `extra` key that collides with a format field.
+    """
+    p = heads_params_to_numpy(params)
+    _check_params(cfg, p)
+    if base_lm_head is not None and tuple(np.shape(base_lm_head)) != (cfg.hidden_size, cfg.vocab_size):
+        raise ValueError(f"base_lm_head has shape {tuple(np.shape(base_lm_head))}, expected [D, V] = "
+                         f"({cfg.hidden_size}, {cfg.vocab_size})")
+    config = _official_config(cfg, cfg.shared_lm_head)
+    config.update(shared_lm_head=cfg.shared_lm_head, topk=cfg.topk,
+                  medusa_choices=None if cfg.medusa_choices is None else [list(c) for c in cfg.medusa_choices])
+    for k, v in (extra or {}).items():
+        if k in config or k in _OUR_KEYS:
+            raise ValueError(f"extra field {k!r} collides with a Medusa config field")
+        config[k] = v
+    lm = _lm_heads_torch(cfg, p, None, False, "save_heads")
+    return _write(path, OFFICIAL_FILES[0], _official_tensors(cfg, p, lm, np.float32), config, "safetensors")
+
+
+def export_official(path: str, cfg: MedusaConfig, params, base_lm_head=None, fmt: str = "pt",
+                    include_lm_head: bool = False, dtype=np.float32) -> str:
+    """Export in the original FasterDecoding/Medusa format (config.json + medusa_lm_head.pt|.safetensors).
+
+    Args:
+      path: output directory.
+      fmt: "pt" (what the original ``MedusaModel.from_pretrained`` reads; needs torch) or "safetensors".
+      include_lm_head: for shared heads, write ``{h}.{L}.weight`` = base_lm_head.T for every head so
+        the original code (which always has per-head lm_heads) can load them; otherwise shared heads
+        are written without lm_heads and config ``"version": "2"``. Heads with their own lm_head
+        always write them.
+      base_lm_head: [D, V]; required when include_lm_head and the heads are shared.
+      dtype: numpy float dtype of the written tensors (float32 or float16).
+    Returns the weight file's path. The original ties the blocks of a head when L > 1
+    (``[ResBlock(D)] * L`` repeats one module); a warning is given when exported blocks differ.
+    """
+    if fmt not in ("pt", "safetensors"):
+        raise ValueError(f"fmt must be 'pt' or 'safetensors', got {fmt!r}")
+    p = heads_params_to_numpy(params)
+    _check_params(cfg, p)
+    lm = _lm_heads_torch(cfg, p, base_lm_head, include_lm_head, "export_official")
+    if cfg.num_layers > 1 and not all(np.array_equal(p["blocks_kernel"][:, 0], p["blocks_kernel"][:, l])
+                                      for l in range(1, cfg.num_layers)):
+        warnings.warn("the original Medusa code shares one ResBlock across the layers of a head "
+                      "([ResBlock(D)] * L); these heads have distinct blocks, so there the last block "
+                      "of each head is loaded into all its layers (medusa_jax and vLLM load them as they are)")
+    config = _official_config(cfg, lm is None)
+    return _write(path, OFFICIAL_FILES[0] if fmt == "safetensors" else OFFICIAL_FILES[1],
+                  _official_tensors(cfg, p, lm, dtype), config, fmt)
+
+
+def export_vllm(path: str, cfg: MedusaConfig, params, base_lm_head=None, dtype=np.float32) -> str:
+    """Export for vLLM's Medusa speculator (config.json + model.safetensors).
+
+    vLLM always needs per-head lm_heads: shared heads get copies of base_lm_head [D, V] (required
+    then). Config: ``{model_type: "medusa", architectures: ["MedusaModel"], num_heads,
+    num_hidden_layers, hidden_size, vocab_size, truncated_vocab_size: vocab_size, medusa_fc_bias:
+    true, topk}``. Returns the weight file's path.
+    """
+    p = heads_params_to_numpy(params)
+    _check_params(cfg, p)
+    lm = _lm_heads_torch(cfg, p, base_lm_head, True, "export_vllm")
+    tensors = {}
+    for h in range(cfg.num_heads):
+        for l in range(cfg.num_layers):
+            tensors[f"blocks.{h}.layers.{l}.weight"] = p["blocks_kernel"][h, l].T
+            tensors[f"blocks.{h}.layers.{l}.bias"] = p["blocks_bias"][h, l]
+        tensors[f"lm_heads.{h}.weight"] = lm[h]
+    tensors = {k: np.ascontiguousarray(v, dtype=dtype) for k, v in tensors.items()}
+    config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
+              "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+              "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.vocab_size,
+              "medusa_fc_bias": True, "topk": cfg.topk}
+    return _write(path, VLLM_FILES[0], tensors, config, "safetensors")

@@ -1,0 +1,188 @@
+"""Medusa decoding heads (Cai et al. 2024, "Medusa", Sec. 2.1.1).
+
+K heads sit on the backbone's last hidden state (after the final norm). Head k (0-based) reads the
+hidden state at position t and predicts token t+k+2 (the backbone's own lm_head predicts t+1).
+Each head is L residual blocks followed by a vocabulary projection::
+
+    x = h_t
+    for l in range(L):
+        x = x + silu(x @ W[k, l] + b[k, l])        # W [D, D] stored [in, out]
+    logits_k = x @ lm_head_k                        # [D, V]
+
+This is the official ``ResBlock`` (``x + SiLU(Linear(x))``) of FasterDecoding/Medusa
+(``medusa/model/medusa_model.py``) followed by ``nn.Linear(D, V, bias=False)``. W and b start at
+zero, and silu(0) == 0, so a fresh block is the identity; with the projection equal to the base
+lm_head a fresh head reproduces the base model's next-token logits exactly.
+
+The projection is either a per-head copy of the base lm_head (the paper's head, ``lm_head [K, D, V]``
+in the params) or the base lm_head itself, shared and frozen, passed in at call time
+(``MedusaConfig.shared_lm_head``; the official format's ``"version": "2"`` variant).
+
+Params (fixed layout; `medusa_jax.convert.medusa_format` and the trainer depend on it)::
+
+    blocks_kernel [K, L, D, D]   y = x @ W (layout [in, out], the transpose of torch's Linear.weight)
+    blocks_bias   [K, L, D]
+    lm_head       [K, D, V]      only when cfg.shared_lm_head is False
+
+Used pure-functionally, like the backbone::
+
+    logits = MedusaHeads(cfg).apply({"params": p}, hidden, base_lm_head)      # [K, ..., V]
+    states = MedusaHeads(cfg).apply({"params": p}, hidden, method=MedusaHeads.head_states)
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import MedusaConfig, ModelConfig
+
+
+class HeadsMismatchError(ValueError):
+    """Medusa heads whose hidden size or vocabulary differ from the backbone's."""
+
+
+def check_heads_match(heads_cfg: MedusaConfig, model_cfg: ModelConfig, source: str = "") -> None:
+    """Raise `HeadsMismatchError` when the heads do not fit the backbone.
+
+    Args:
+      heads_cfg: the heads' `MedusaConfig`.
+      model_cfg: the backbone's `ModelConfig`.
+      source: where the heads came from (a path), for the message.
+    Raises:
+      HeadsMismatchError: hidden_size or vocab_size differ; the message names both numbers of each
+        mismatch and what to do.
+    """
+    problems = []
+    if heads_cfg.hidden_size != model_cfg.hidden_size:
+        problems.append(f"hidden size {heads_cfg.hidden_size} (heads) != {model_cfg.hidden_size} (backbone)")
+    if heads_cfg.vocab_size != model_cfg.vocab_size:
+        problems.append(f"vocabulary size {heads_cfg.vocab_size} (heads) != {model_cfg.vocab_size} (backbone)")
+    if problems:
+        where = f" from {source}" if source else ""
+        trained_for = f" (they were trained for {heads_cfg.base_model!r})" if heads_cfg.base_model else ""
+        raise HeadsMismatchError(
+            f"Medusa heads{where} do not fit this backbone{trained_for}: {'; '.join(problems)}. "
+            "Load heads trained for this backbone, or train new heads for it with train.py.")
+
+
+def _check_lm_head(cfg: MedusaConfig, base_lm_head) -> None:
+    shape = tuple(base_lm_head.shape)
+    if shape != (cfg.hidden_size, cfg.vocab_size):
+        raise HeadsMismatchError(
+            f"base lm_head has shape {shape}, expected [D, V] = ({cfg.hidden_size}, {cfg.vocab_size}) "
+            "for these heads; pass LlamaModel.lm_head_matrix() ([D, V], not torch's [V, D]) of the "
+            "backbone the heads were trained for.")
+
+
+class MedusaHeads(nn.Module):
+    """K Medusa heads (see the module docstring for the math, the params and the source).
+
+    Attributes:
+      cfg: `MedusaConfig` (num_heads K, num_layers L, hidden_size D, vocab_size V, shared_lm_head).
+      dtype: compute dtype of the blocks and the projection; params stay float32 and the logits
+        are returned as float32.
+    """
+    cfg: MedusaConfig
+    dtype: jnp.dtype = jnp.float32
+
+    def setup(self):
+        c = self.cfg
+        K, L, D, V = c.num_heads, c.num_layers, c.hidden_size, c.vocab_size
+        self.blocks_kernel = self.param("blocks_kernel", nn.initializers.zeros, (K, L, D, D), jnp.float32)
+        self.blocks_bias = self.param("blocks_bias", nn.initializers.zeros, (K, L, D), jnp.float32)
+        if not c.shared_lm_head:
+            # Module.init gives zeros here; use `init_heads` to start from copies of the base lm_head.
+            self.lm_head = self.param("lm_head", nn.initializers.zeros, (K, D, V), jnp.float32)
+
+    def head_states(self, hidden: jax.Array) -> jax.Array:
+        """Each head's state after its residual blocks, before the vocabulary projection.
+
+        Args:
+          hidden: [..., D] backbone hidden states (after the final norm), any float dtype.
+        Returns:
+          [K, ..., D] in `dtype`; row k is head k's input to its projection.
+        """
+        c = self.cfg
+        K = c.num_heads
+        x = jnp.broadcast_to(hidden.astype(self.dtype), (K,) + hidden.shape)
+        bshape = (K,) + (1,) * (hidden.ndim - 1) + (c.hidden_size,)
+        for l in range(c.num_layers):  # L is small and static; the heads run together
+            w = self.blocks_kernel[:, l].astype(self.dtype)  # [K, D, D]
+            b = self.blocks_bias[:, l].astype(self.dtype).reshape(bshape)
+            y = jnp.einsum("k...d,kde->k...e", x, w) + b
+            x = x + jax.nn.silu(y)
+        return x
+
+    def __call__(self, hidden: jax.Array, base_lm_head: Optional[jax.Array] = None) -> jax.Array:
+        """Logits of every head.
+
+        Args:
+          hidden: [..., D] backbone hidden states at positions t (e.g. [B, T, D]).
+          base_lm_head: [D, V] the backbone's lm_head (`LlamaModel.lm_head_matrix()`); required
+            when cfg.shared_lm_head, ignored otherwise.
+        Returns:
+          [K, ..., V] float32; entry k at position t scores token t+k+2.
+        Raises:
+          ValueError: shared lm_head and base_lm_head is None.
+          HeadsMismatchError: base_lm_head is not [D, V].
+        """
+        x = self.head_states(hidden)
+        if self.cfg.shared_lm_head:
+            if base_lm_head is None:
+                raise ValueError("these Medusa heads share the base model's lm_head "
+                                 "(cfg.shared_lm_head=True): pass base_lm_head=[D, V], e.g. "
+                                 "LlamaModel.lm_head_matrix()")
+            _check_lm_head(self.cfg, base_lm_head)
+            logits = jnp.einsum("k...d,dv->k...v", x, base_lm_head.astype(self.dtype))
+        else:
+            logits = jnp.einsum("k...d,kdv->k...v", x, self.lm_head.astype(self.dtype))
+        return logits.astype(jnp.float32)
+
+
+def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
+    """Fresh head params that reproduce the base model's next-token logits exactly.
+
+    Blocks are zero (each block is then the identity, since silu(0) == 0). When
+    ``cfg.shared_lm_head`` is False every head gets its own copy of ``base_lm_head``, as the official
+    ``MedusaModel.__init__`` does.
+
+    Args:
+      cfg: the heads' config.
+      base_lm_head: [D, V] the backbone's output projection (`LlamaModel.lm_head_matrix()`);
+        required unless cfg.shared_lm_head (then it is only shape-checked if given).
+      dtype: dtype of the returned arrays.
+    Returns:
+      {"blocks_kernel" [K, L, D, D], "blocks_bias" [K, L, D], and "lm_head" [K, D, V] when not
+      shared}: pass as ``{"params": params}`` to `MedusaHeads.apply`.
+    Raises:
+      ValueError: not shared and base_lm_head is None.
+      HeadsMismatchError: base_lm_head is not [D, V].
+    """
+    K, L, D = cfg.num_heads, cfg.num_layers, cfg.hidden_size
+    params = {"blocks_kernel": jnp.zeros((K, L, D, D), dtype), "blocks_bias": jnp.zeros((K, L, D), dtype)}
+    if base_lm_head is not None:
+        _check_lm_head(cfg, base_lm_head)
+    if not cfg.shared_lm_head:
+        if base_lm_head is None:
+            raise ValueError("heads with their own lm_head (cfg.shared_lm_head=False) start from copies "
+                             "of the base lm_head: pass base_lm_head=[D, V], e.g. LlamaModel.lm_head_matrix()")
+        lm = jnp.asarray(base_lm_head, dtype)
+        params["lm_head"] = jnp.tile(lm[None], (K, 1, 1))
+    return params
+
+
+def num_head_params(cfg: MedusaConfig) -> int:
+    """Number of trainable head parameters (blocks, plus the per-head lm_heads when not shared)."""
+    K, L, D, V = cfg.num_heads, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    return K * L * (D * D + D) + (0 if cfg.shared_lm_head else K * D * V)
+
+
+def heads_params_to_numpy(params) -> dict:
+    """Unwrap ``{"params": ...}`` if present and convert every leaf to a float32 numpy array."""
+    if "params" in params and "blocks_kernel" not in params:
+        params = params["params"]
+    return {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}

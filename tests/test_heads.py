@@ -1,0 +1,340 @@
+"""Medusa heads (medusa_jax.heads) and head files (medusa_jax.convert.medusa_format)."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax.config import MedusaConfig, ModelConfig
+from medusa_jax.convert.medusa_format import (HeadsFormatError, export_official, export_vllm, load_heads,
+                                              save_heads)
+from medusa_jax.heads import HeadsMismatchError, MedusaHeads, check_heads_match, init_heads
+
+D, V, K, L = 16, 40, 3, 2
+
+
+def _cfg(shared, k=K, l=L, **kw):
+    return MedusaConfig(hidden_size=D, vocab_size=V, num_heads=k, num_layers=l, shared_lm_head=shared, **kw)
+
+
+def _base_lm(seed=0):
+    return np.random.RandomState(seed).randn(D, V).astype(np.float32) * 0.3
+
+
+def _random_params(cfg, seed=1):
+    r = np.random.RandomState(seed)
+    p = {"blocks_kernel": r.randn(cfg.num_heads, cfg.num_layers, D, D).astype(np.float32) * 0.2,
+         "blocks_bias": r.randn(cfg.num_heads, cfg.num_layers, D).astype(np.float32) * 0.2}
+    if not cfg.shared_lm_head:
+        p["lm_head"] = r.randn(cfg.num_heads, D, V).astype(np.float32) * 0.3
+    return p
+
+
+def _hidden(seed=2, shape=(2, 5)):
+    return np.random.RandomState(seed).randn(*shape, D).astype(np.float32)
+
+
+def _logits(cfg, params, hidden, base):
+    return np.asarray(MedusaHeads(cfg).apply({"params": params}, jnp.asarray(hidden),
+                                             None if base is None else jnp.asarray(base)))
+
+
+def _numpy_reference(cfg, params, hidden, base):
+    """Independent numpy implementation: per head, x = x + silu(x W + b); then x @ lm_head."""
+    out = []
+    for k in range(cfg.num_heads):
+        x = hidden.astype(np.float64)
+        for l in range(cfg.num_layers):
+            y = x @ params["blocks_kernel"][k, l] + params["blocks_bias"][k, l]
+            x = x + y / (1 + np.exp(-y))
+        lm = base if cfg.shared_lm_head else params["lm_head"][k]
+        out.append(x @ lm)
+    return np.stack(out)
+
+
+# ------------------------------------------------------------------------------------ the module
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_fresh_heads_reproduce_base_logits(shared):
+    cfg, base, h = _cfg(shared), _base_lm(), _hidden()
+    params = init_heads(cfg, base)
+    assert set(params) == ({"blocks_kernel", "blocks_bias"} | (set() if shared else {"lm_head"}))
+    assert params["blocks_kernel"].shape == (K, L, D, D) and params["blocks_bias"].shape == (K, L, D)
+    assert not np.any(np.asarray(params["blocks_kernel"])) and not np.any(np.asarray(params["blocks_bias"]))
+    logits = _logits(cfg, params, h, base)
+    assert logits.shape == (K, 2, 5, V) and logits.dtype == np.float32
+    expected = np.asarray(jnp.asarray(h) @ jnp.asarray(base))
+    for k in range(K):
+        np.testing.assert_array_equal(logits[k], expected)
+    states = np.asarray(MedusaHeads(cfg).apply({"params": params}, jnp.asarray(h), method=MedusaHeads.head_states))
+    assert states.shape == (K, 2, 5, D)
+    np.testing.assert_array_equal(states, np.broadcast_to(h, states.shape))
+
+
+def test_fresh_heads_on_a_real_backbone_match_its_logits():
+    from medusa_jax.models.llama import LlamaModel
+    mcfg = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_layers=2, num_heads=2,
+                       num_kv_heads=1, tie_word_embeddings=True)
+    model = LlamaModel(mcfg)
+    tokens = jnp.asarray(np.random.RandomState(0).randint(0, V, (2, 6)), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+    mp = model.init(jax.random.PRNGKey(0), tokens, positions)["params"]
+    logits, hidden, _ = model.apply({"params": mp}, tokens, positions)
+    base = model.apply({"params": mp}, method=LlamaModel.lm_head_matrix)
+    for shared in (True, False):
+        cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=4, num_layers=1, shared_lm_head=shared)
+        out = _logits(cfg, init_heads(cfg, base), np.asarray(hidden), np.asarray(base))
+        assert out.shape == (4, 2, 6, V)
+        np.testing.assert_array_equal(out, np.broadcast_to(np.asarray(logits), out.shape))
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_random_heads_match_numpy_reference(shared):
+    cfg, base, h = _cfg(shared), _base_lm(), _hidden()
+    p = _random_params(cfg)
+    np.testing.assert_allclose(_logits(cfg, p, h, base), _numpy_reference(cfg, p, h, base), rtol=1e-4, atol=1e-4)
+
+
+def test_zero_layer_heads_and_bf16_compute():
+    cfg, base, h = _cfg(False, l=0), _base_lm(), _hidden()
+    p = _random_params(cfg)
+    np.testing.assert_allclose(_logits(cfg, p, h, base), _numpy_reference(cfg, p, h, base), rtol=1e-4, atol=1e-4)
+    out = np.asarray(MedusaHeads(cfg, dtype=jnp.bfloat16).apply({"params": p}, jnp.asarray(h)))
+    assert out.dtype == np.float32
+    np.testing.assert_allclose(out, _numpy_reference(cfg, p, h, base), rtol=0.05, atol=0.15)
+
+
+def test_call_errors():
+    cfg = _cfg(True)
+    with pytest.raises(ValueError, match="base_lm_head"):
+        MedusaHeads(cfg).apply({"params": init_heads(cfg)}, jnp.zeros((1, D)))
+    with pytest.raises(ValueError, match="base_lm_head"):
+        init_heads(_cfg(False))
+    with pytest.raises(HeadsMismatchError, match=r"\(16, 40\)"):
+        init_heads(_cfg(False), np.zeros((V, D), np.float32))  # torch layout by mistake
+
+
+def test_module_init_has_the_fixed_layout():
+    cfg = _cfg(False)
+    p = MedusaHeads(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 2, D)))["params"]
+    assert {k: v.shape for k, v in p.items()} == {"blocks_kernel": (K, L, D, D), "blocks_bias": (K, L, D),
+                                                  "lm_head": (K, D, V)}
+
+
+def test_check_heads_match_names_both_numbers():
+    mcfg = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    check_heads_match(_cfg(True), mcfg)  # fits: no error
+    with pytest.raises(HeadsMismatchError, match=r"hidden size 16 \(heads\) != 32 \(backbone\)") as e:
+        check_heads_match(_cfg(True), mcfg.replace(hidden_size=32))
+    assert isinstance(e.value, ValueError) and "train" in str(e.value)
+    with pytest.raises(HeadsMismatchError, match=r"vocabulary size 40 \(heads\) != 41 \(backbone\)"):
+        check_heads_match(_cfg(True), mcfg.replace(vocab_size=41))
+
+
+# ------------------------------------------------------------------------------------ the files
+
+def _roundtrip_logits(cfg, p, base, loaded_cfg, loaded_p, h):
+    a = _logits(cfg, p, h, base)
+    b = _logits(loaded_cfg, loaded_p, h, base)
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.filterwarnings("ignore:the original Medusa code shares")
+@pytest.mark.parametrize("shared", [True, False])
+@pytest.mark.parametrize("fmt", ["ours", "official_pt", "official_safetensors", "vllm"])
+def test_export_import_gives_identical_logits(tmp_path, shared, fmt):
+    cfg = _cfg(shared, topk=7, medusa_choices=((0,), (1,), (0, 0), (0, 0, 0)), base_model="tiny/base")
+    base, p, h = _base_lm(), None, _hidden()
+    p = _random_params(cfg)
+    d = str(tmp_path / fmt)
+    if fmt == "ours":
+        save_heads(d, cfg, {"params": p}, base, extra={"metrics": {"acc": np.float32(0.5)}})
+        raw = json.load(open(os.path.join(d, "config.json")))
+        assert raw["metrics"] == {"acc": 0.5} and raw["shared_lm_head"] is shared and raw["topk"] == 7
+        assert raw["medusa_num_heads"] == K and raw["medusa_num_layers"] == L
+        assert (raw.get("version") == "2") is shared
+    elif fmt.startswith("official"):
+        export_official(d, cfg, p, base, fmt=fmt.split("_")[1])
+        assert os.path.exists(os.path.join(d, "medusa_lm_head." + fmt.split("_")[1]))
+    else:
+        export_vllm(d, cfg, p, base)
+        raw = json.load(open(os.path.join(d, "config.json")))
+        assert raw["model_type"] == "medusa" and raw["num_heads"] == K and raw["num_hidden_layers"] == L
+        assert raw["truncated_vocab_size"] == V
+    lcfg, lp = load_heads(d)
+    assert (lcfg.num_heads, lcfg.num_layers, lcfg.hidden_size, lcfg.vocab_size) == (K, L, D, V)
+    # vLLM always stores lm_heads, so shared heads come back as own copies (same logits)
+    assert lcfg.shared_lm_head is (shared and fmt != "vllm")
+    if fmt == "ours":
+        assert lcfg == cfg
+    _roundtrip_logits(cfg, p, base, lcfg, lp, h)
+
+
+@pytest.mark.parametrize("fmt", ["pt", "safetensors"])
+@pytest.mark.parametrize("shared", [True, False])
+def test_torch_reference_of_the_original_head(tmp_path, fmt, shared):
+    """The original ResBlock head in torch, loaded strictly from our export, gives our logits."""
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    class ResBlock(nn.Module):
+        def __init__(self, d):
+            super().__init__()
+            self.linear = nn.Linear(d, d)
+            self.act = nn.SiLU()
+
+        def forward(self, x):
+            return x + self.act(self.linear(x))
+
+    heads = nn.ModuleList([nn.Sequential(*[ResBlock(D) for _ in range(L)], nn.Linear(D, V, bias=False))
+                           for _ in range(K)])
+    cfg, base, h = _cfg(shared), _base_lm(), _hidden()
+    p = _random_params(cfg)
+    with pytest.warns(UserWarning, match="shares one ResBlock"):
+        path = export_official(str(tmp_path), cfg, p, base, fmt=fmt, include_lm_head=True)
+    if fmt == "pt":
+        sd = torch.load(path, map_location="cpu", weights_only=True)
+    else:
+        from safetensors.torch import load_file
+        sd = load_file(path)
+    heads.load_state_dict(sd, strict=True)
+    with torch.no_grad():
+        ref = torch.stack([m(torch.from_numpy(h)) for m in heads]).numpy()
+    np.testing.assert_allclose(_logits(cfg, p, h, base), ref, rtol=1e-5, atol=1e-5)
+    assert json.load(open(tmp_path / "config.json")).get("version") is None  # lm_heads written
+
+
+def _write_official(d, tensors, config):
+    from safetensors.numpy import save_file
+    os.makedirs(d, exist_ok=True)
+    save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, os.path.join(d, "medusa_lm_head.safetensors"))
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+def _official_tensors(k, l, seed=0, bias=True, lm=True):
+    r = np.random.RandomState(seed)
+    t = {}
+    for h in range(k):
+        for i in range(l):
+            t[f"{h}.{i}.linear.weight"] = r.randn(D, D).astype(np.float32)
+            if bias:
+                t[f"{h}.{i}.linear.bias"] = r.randn(D).astype(np.float32)
+        if lm:
+            t[f"{h}.{l}.weight"] = r.randn(V, D).astype(np.float32)
+    return t
+
+
+def test_head_count_comes_from_the_keys_not_the_config(tmp_path):
+    t = _official_tensors(5, 1)
+    _write_official(str(tmp_path), t, {"medusa_num_heads": 2, "medusa_num_layers": 1,
+                                       "base_model_name_or_path": "lmsys/vicuna-7b-v1.3"})
+    cfg, p = load_heads(str(tmp_path))
+    assert cfg.num_heads == 5 and cfg.num_layers == 1 and not cfg.shared_lm_head
+    assert cfg.base_model == "lmsys/vicuna-7b-v1.3"
+    np.testing.assert_array_equal(p["blocks_kernel"][3, 0], t["3.0.linear.weight"].T)
+    np.testing.assert_array_equal(p["lm_head"][4], t["4.1.weight"].T)
+    cfg3, p3 = load_heads(str(tmp_path / "medusa_lm_head.safetensors"), num_heads=3)  # direct file path
+    assert cfg3.num_heads == 3 and p3["lm_head"].shape == (3, D, V)
+    np.testing.assert_array_equal(p3["blocks_bias"], p["blocks_bias"][:3])
+
+
+def test_asking_for_more_heads_than_the_file_holds(tmp_path):
+    _write_official(str(tmp_path), _official_tensors(3, 1), {"medusa_num_heads": 3, "medusa_num_layers": 1})
+    with pytest.raises(HeadsFormatError, match="asked for 4 Medusa heads but the file holds 3"):
+        load_heads(str(tmp_path), num_heads=4)
+
+
+def test_mismatched_backbone_gives_clear_errors(tmp_path):
+    _write_official(str(tmp_path), _official_tensors(2, 1), {"medusa_num_heads": 2, "medusa_num_layers": 1})
+    mcfg = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    cfg, _ = load_heads(str(tmp_path), model_cfg=mcfg)
+    assert cfg.hidden_size == D
+    with pytest.raises(HeadsMismatchError, match=r"hidden size 16 \(heads\) != 64 \(backbone\)"):
+        load_heads(str(tmp_path), model_cfg=mcfg.replace(hidden_size=64))
+    with pytest.raises(HeadsMismatchError, match=r"vocabulary size 40 \(heads\) != 49152 \(backbone\)"):
+        load_heads(str(tmp_path), model_cfg=mcfg.replace(vocab_size=49152))
+
+
+def test_missing_bias_loads_as_zeros_and_shared_variant(tmp_path):
+    t = _official_tensors(2, 1, bias=False, lm=False)
+    _write_official(str(tmp_path), t, {"medusa_num_heads": 2, "medusa_num_layers": 1, "version": "2",
+                                       "hidden_size": D, "vocab_size": V})
+    cfg, p = load_heads(str(tmp_path))
+    assert cfg.shared_lm_head and "lm_head" not in p and cfg.vocab_size == V
+    np.testing.assert_array_equal(p["blocks_bias"], np.zeros((2, 1, D), np.float32))
+    np.testing.assert_array_equal(p["blocks_kernel"][1, 0], t["1.0.linear.weight"].T)
+
+
+def test_shared_variant_without_vocab_needs_model_cfg(tmp_path):
+    _write_official(str(tmp_path), _official_tensors(2, 1, lm=False), {"medusa_num_heads": 2, "version": "2"})
+    with pytest.raises(HeadsFormatError, match="vocabulary size"):
+        load_heads(str(tmp_path))
+    mcfg = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+    assert load_heads(str(tmp_path), model_cfg=mcfg)[0].vocab_size == V
+
+
+@pytest.mark.filterwarnings("ignore:the original Medusa code shares")
+def test_truncated_and_corrupt_files(tmp_path):
+    cfg = _cfg(False)
+    d = str(tmp_path / "h")
+    path = save_heads(d, cfg, _random_params(cfg))
+    data = open(path, "rb").read()
+    for cut in (len(data) - 100, 200, 5):
+        with open(path, "wb") as f:
+            f.write(data[:cut])
+        with pytest.raises(HeadsFormatError, match="truncated"):
+            load_heads(d)
+    pt = export_official(str(tmp_path / "pt"), cfg, _random_params(cfg), fmt="pt")
+    raw = open(pt, "rb").read()
+    with open(pt, "wb") as f:
+        f.write(raw[: len(raw) // 2])
+    with pytest.raises(HeadsFormatError, match="cannot read the .pt file"):
+        load_heads(str(tmp_path / "pt"))
+
+
+def test_missing_files_and_unknown_tensors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="medusa_lm_head.safetensors or medusa_lm_head.pt"):
+        load_heads(str(tmp_path / "nope"))
+    with pytest.raises(FileNotFoundError, match="no Medusa head weights"):
+        load_heads(str(tmp_path))
+    t = _official_tensors(2, 1)
+    t["model.norm.weight"] = np.ones(D, np.float32)
+    _write_official(str(tmp_path / "x"), t, {})
+    with pytest.raises(HeadsFormatError, match="unexpected tensor 'model.norm.weight'"):
+        load_heads(str(tmp_path / "x"))
+    t = _official_tensors(2, 1)
+    t["1.0.linear.weight"] = np.zeros((D, D + 1), np.float32)
+    _write_official(str(tmp_path / "y"), t, {})
+    with pytest.raises(HeadsFormatError, match="head 1 block 0"):
+        load_heads(str(tmp_path / "y"))
+
+
+def test_bf16_pt_and_prefixed_keys(tmp_path):
+    torch = pytest.importorskip("torch")
+    t = _official_tensors(2, 1)
+    sd = {"medusa_head." + k: torch.from_numpy(v).to(torch.bfloat16) for k, v in t.items()}
+    torch.save(sd, tmp_path / "medusa_lm_head.pt")
+    cfg, p = load_heads(str(tmp_path))  # no config.json: everything from the keys
+    assert (cfg.num_heads, cfg.num_layers, cfg.vocab_size) == (2, 1, V)
+    np.testing.assert_array_equal(p["lm_head"][1], sd["medusa_head.1.1.weight"].float().numpy().T)
+    from safetensors.torch import save_file
+    os.remove(tmp_path / "medusa_lm_head.pt")
+    save_file({k: v.contiguous() for k, v in sd.items()}, str(tmp_path / "medusa_lm_head.safetensors"))
+    _, p2 = load_heads(str(tmp_path))  # bf16 safetensors, read without torch
+    np.testing.assert_array_equal(p2["lm_head"], p["lm_head"])
+
+
+def test_vllm_without_bias_and_num_heads(tmp_path):
+    from safetensors.numpy import save_file
+    r = np.random.RandomState(0)
+    t = {f"blocks.{h}.layers.0.weight": r.randn(D, D).astype(np.float32) for h in range(4)}
+    t.update({f"lm_heads.{h}.weight": r.randn(V, D).astype(np.float32) for h in range(4)})
+    save_file(t, str(tmp_path / "model.safetensors"))
+    json.dump({"model_type": "medusa", "num_heads": 4, "num_hidden_layers": 1, "hidden_size": D,
+               "vocab_size": V, "truncated_vocab_size": V}, open(tmp_path / "config.json", "w"))
+    cfg, p = load_heads(str(tmp_path), num_heads=2)
+    assert cfg.num_heads == 2 and not cfg.shared_lm_head and not p["blocks_bias"].any()
+    np.testing.assert_array_equal(p["lm_head"][1], t["lm_heads.1.weight"].T)
