@@ -1,1 +1,1 @@
-from .llama import LlamaModel, rope_inv_freq  # noqa: F401
+from .llama import LlamaModel, lm_head_matrix, rope_inv_freq  # noqa: F401

@@ -249,3 +249,10 @@ class LlamaModel(nn.Module):
         if self.cfg.tie_word_embeddings:
             return self.embed.embedding.T
         return self.lm_head.variables["params"]["kernel"]
+
+
+def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
+    """The base model's output projection from a params tree, as [D, V] (embedding.T when tied)."""
+    if cfg.tie_word_embeddings:
+        return params["embed"]["embedding"].T
+    return params["lm_head"]["kernel"]

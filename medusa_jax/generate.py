@@ -1,0 +1,288 @@
+"""Prefill, plain decoding and Medusa decoding, streaming (host loop) and fully jitted (lax.while_loop).
+
+Plain decoding is the Medusa step with the trivial tree (the root alone: one token per step, no
+heads), so both paths share one tested step function (`medusa_jax.verify.medusa_step`).
+
+Stopping rules, shared by every path so that Medusa greedy output equals plain greedy output:
+an EOS token ends the output (the EOS is included), ``max_new_tokens`` caps it, and the sequence
+(prompt + output) never exceeds the cache size S.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Generator, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import MedusaConfig, ModelConfig
+from .kv_cache import KVCache, init_cache
+from .models.llama import LlamaModel
+from .tree import TreeBuffers, build_tree
+from .verify import Acceptance, DecodeState, StepOutput, medusa_step
+
+PLAIN_TREE: TreeBuffers = build_tree([], topk=1)
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in the model's context (or the requested cache)."""
+
+
+@dataclass
+class GenerationResult:
+    """One generation's output and statistics (B = 1).
+
+    tokens: the new token ids (EOS included when it ended the output).
+    steps: decoding steps (tree forwards) after the prefill.
+    tokens_per_step: tokens emitted by each step (1 for plain decoding; the last step's count
+      stops at an EOS or at max_new_tokens).
+    prefill_s / decode_s: wall-clock seconds, compilation excluded.
+    stop_reason: "eos", "max_new_tokens" or "cache_full".
+    """
+    tokens: List[int] = field(default_factory=list)
+    steps: int = 0
+    tokens_per_step: List[int] = field(default_factory=list)
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    stop_reason: str = ""
+
+    @property
+    def mean_accepted(self) -> float:
+        """New tokens per decoding step (the bonus token included)."""
+        return len(self.tokens) / max(self.steps, 1)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
+
+
+def cache_size_for(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_size: int = 1,
+                   multiple: int = 64) -> int:
+    """Slots S for a prompt and budget: room for the prompt, the output and one full tree,
+    rounded up to `multiple`, capped at the model's context (``max_position_embeddings``).
+
+    Raises PromptTooLongError when the prompt leaves no room for even one new token.
+    """
+    if prompt_len >= cfg.max_position_embeddings:
+        raise PromptTooLongError(
+            f"the prompt has {prompt_len} tokens but the model's context is {cfg.max_position_embeddings}; "
+            "shorten the prompt")
+    need = prompt_len + max_new_tokens + tree_size
+    size = -(-need // multiple) * multiple
+    return int(min(size, cfg.max_position_embeddings))
+
+
+def _prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+             key: jax.Array) -> DecodeState:
+    """tokens: [B, Tp] int32, right-padded; lengths: [B] int32 real prompt lengths (>= 1)."""
+    B, Tp = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(Tp, dtype=jnp.int32)[None, :]
+    _, hidden, cache = LlamaModel(cfg).apply({"params": params}, tokens, positions, cache,
+                                             num_new=lengths, compute_logits=False)
+    last = hidden[jnp.arange(B), lengths - 1]
+    logits = LlamaModel(cfg).apply({"params": params}, last, method=LlamaModel.logits)
+    return DecodeState(logits=logits, hidden=last, cache=cache, key=key)
+
+
+prefill = jax.jit(_prefill, static_argnums=0, donate_argnames=("cache",))
+prefill.__doc__ = """Jitted prefill of a right-padded batch of prompts into an empty cache.
+
+Args:
+  cfg: ModelConfig (static).
+  params: backbone params.
+  tokens: [B, Tp] int32 prompt ids, right-padded (pad with any id).
+  lengths: [B] int32 true prompt lengths, 1 <= lengths <= Tp.
+  cache: an empty `KVCache` with S >= Tp slots (donated).
+  key: PRNG key for later sampling.
+Returns:
+  DecodeState with the last prompt position's logits [B, V] and hidden state [B, D].
+"""
+
+step = jax.jit(medusa_step, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
+
+
+def _pad_to(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
+                seed: int = 0, pad_multiple: int = 32, dtype=jnp.float32) -> DecodeState:
+    """Validate prompts, build the cache and prefill it.
+
+    Args:
+      prompts: B lists of token ids (each non-empty and shorter than `cache_size`).
+      cache_size: S slots per row.
+    Raises:
+      ValueError: an empty prompt. PromptTooLongError: a prompt with no room left.
+    """
+    if not prompts or any(len(p) == 0 for p in prompts):
+        raise ValueError("empty prompt: give at least one token (after the chat template)")
+    longest = max(len(p) for p in prompts)
+    if longest >= cache_size:
+        raise PromptTooLongError(f"a prompt has {longest} tokens but the cache holds {cache_size}; "
+                                 "shorten the prompt or raise the cache size / context")
+    Tp = min(_pad_to(longest, pad_multiple), cache_size)
+    toks = np.zeros((len(prompts), Tp), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    cache = init_cache(cfg, len(prompts), cache_size, dtype)
+    return prefill(cfg, params, jnp.asarray(toks), jnp.asarray(lengths), cache, jax.random.PRNGKey(seed))
+
+
+def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
+    for i, t in enumerate(chunk):
+        if t in eos:
+            return chunk[:i + 1], True
+    return chunk, False
+
+
+def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_tokens: int = 256,
+                    heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
+                    acceptance: Acceptance = Acceptance(), seed: int = 0,
+                    eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
+                    ) -> Generator[List[int], None, GenerationResult]:
+    """Generate for one prompt, yielding the tokens accepted at each step.
+
+    Args:
+      prompt: token ids (chat template already applied).
+      heads: (MedusaConfig, head params) or None for plain decoding.
+      tree: the Medusa tree (required with heads; ignored without).
+      acceptance: temperature 0 = greedy, > 0 = sampling with typical acceptance.
+      eos_token_ids: ids that end the output (default ``cfg.eos_token_ids``).
+      cache_size: S; default `cache_size_for` the prompt, budget and tree.
+    Yields:
+      lists of new token ids, one list per step (the EOS included, nothing after it).
+    Returns (as the generator's value): a `GenerationResult`.
+    Raises: ValueError for an empty prompt, PromptTooLongError, ValueError for a tree deeper
+      than the heads.
+    """
+    eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    heads_cfg, head_params = heads if heads is not None else (None, None)
+    full_tree = tree if heads is not None and tree is not None else PLAIN_TREE
+    if full_tree.max_depth > 0 and full_tree.max_depth > heads_cfg.num_heads:
+        raise ValueError(f"tree depth {full_tree.max_depth} exceeds the {heads_cfg.num_heads} Medusa heads; "
+                         "use a shallower tree")
+    S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.size)
+    result = GenerationResult()
+    t0 = time.perf_counter()
+    state = start_state(cfg, params, [list(prompt)], S, seed)
+    jax.block_until_ready(state)
+    result.prefill_s = time.perf_counter() - t0
+    length = len(prompt)
+    t_decode = 0.0
+    while len(result.tokens) < max_new_tokens:
+        if length >= S:
+            result.stop_reason = "cache_full"
+            break
+        tr = full_tree if length + full_tree.size <= S else PLAIN_TREE
+        compiled = _compiled_step(cfg, heads_cfg, tr, acceptance, params, head_params, state)
+        t1 = time.perf_counter()
+        out, state = compiled(params, head_params, state)
+        n = int(out.num_tokens[0])
+        chunk = [int(t) for t in np.asarray(out.tokens[0, :n])]
+        t_decode += time.perf_counter() - t1
+        length += n
+        result.steps += 1
+        chunk, hit_eos = _cut_at_eos(chunk, eos)
+        chunk = chunk[:max_new_tokens - len(result.tokens)]
+        result.tokens_per_step.append(len(chunk))
+        result.tokens.extend(chunk)
+        yield chunk
+        if hit_eos and chunk and chunk[-1] in eos:
+            result.stop_reason = "eos"
+            break
+    else:
+        result.stop_reason = "max_new_tokens"
+    result.decode_s = t_decode
+    return result
+
+
+def generate(cfg: ModelConfig, params, prompt: Sequence[int], *, on_tokens: Optional[Callable[[List[int]], None]] = None,
+             **kw) -> GenerationResult:
+    """`generate_stream` run to the end; `on_tokens` gets each step's tokens. Same arguments."""
+    gen = generate_stream(cfg, params, prompt, **kw)
+    while True:
+        try:
+            chunk = next(gen)
+        except StopIteration as stop:
+            return stop.value
+        if on_tokens is not None:
+            on_tokens(chunk)
+
+
+_COMPILED: dict = {}
+
+
+def _compiled_step(cfg, heads_cfg, tree, acc, params, head_params, state):
+    """AOT-compiled `medusa_step` for these static settings and shapes (compiled once, reused),
+    so that timing never includes compilation."""
+    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), (params, head_params, state))
+    key = (cfg, heads_cfg, tree, acc, str(shapes))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = step.lower(cfg, heads_cfg, tree, acc, params, head_params, state).compile()
+        _COMPILED[key] = fn
+    return fn
+
+
+def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
+                   max_new_tokens: int, eos: Tuple[int, ...], params, head_params, state: DecodeState):
+    """Fully on-device generation (lax.while_loop). See `generate_jit`."""
+    B = state.logits.shape[0]
+    S = state.cache.size
+    D = tree.max_depth
+    width = D + 1
+    out0 = jnp.zeros((B, max_new_tokens), jnp.int32)
+    eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+
+    def plain(st):
+        o, s = medusa_step(cfg, None, PLAIN_TREE, acc, params, None, st)
+        toks = jnp.pad(o.tokens, ((0, 0), (0, width - 1)))
+        return StepOutput(toks, o.num_tokens), s
+
+    def full(st):
+        return medusa_step(cfg, heads_cfg, tree, acc, params, head_params, st)
+
+    def cond(c):
+        _, _, _, done, steps, _ = c
+        return jnp.logical_not(jnp.all(done)) & (steps < max_new_tokens)
+
+    def body(c):
+        st, out, count, done, steps, hist = c
+        fits = jnp.all(st.cache.lengths + tree.size <= S)
+        o, st = (jax.lax.cond(fits, full, plain, st) if D > 0 else plain(st))
+        j = jnp.arange(width)[None, :]
+        live = j < o.num_tokens[:, None]
+        is_eos = jnp.isin(o.tokens, eos_arr) & live
+        has_eos = jnp.any(is_eos, axis=1)
+        n = jnp.where(has_eos, jnp.argmax(is_eos, axis=1) + 1, o.num_tokens)
+        n = jnp.minimum(n, max_new_tokens - count)
+        n = jnp.where(done, 0, n)
+        idx = jnp.where(j < n[:, None], count[:, None] + j, max_new_tokens)  # out of range -> dropped
+        out = out.at[jnp.arange(B)[:, None], idx].set(o.tokens, mode="drop")
+        hist = hist.at[o.num_tokens - 1].add(jnp.where(done, 0, 1))
+        count = count + n
+        done = done | (has_eos & (n > 0)) | (count >= max_new_tokens) | (st.cache.lengths >= S)
+        return st, out, count, done, steps + 1, hist
+
+    init = (state, out0, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), jnp.int32(0),
+            jnp.zeros((width,), jnp.int32))
+    state, out, count, _, steps, hist = jax.lax.while_loop(cond, body, init)
+    return out, count, steps, hist
+
+
+generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnames=("state",))
+generate_jit.__doc__ = """Whole generation on the device: one lax.while_loop, no host sync per step.
+
+Args (static first): cfg, heads_cfg (None for plain), tree (`PLAIN_TREE` for plain), acc,
+  max_new_tokens, eos ids (tuple); then params, head_params, and a prefilled `DecodeState`
+  (from `start_state`, donated). The cache must have room for max_new_tokens + tree size;
+  near its end the loop falls back to plain steps.
+Returns:
+  (tokens [B, max_new_tokens] int32 (valid up to count), count [B] int32,
+   steps () int32, histogram [D+1] int32: index n-1 counts the (row, step) pairs that emitted n tokens).
+"""

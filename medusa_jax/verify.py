@@ -1,0 +1,201 @@
+"""One static-shape Medusa step: candidates -> tree forward -> posterior -> accepted path -> KV compaction.
+
+Method: Cai et al., "Medusa" (ICML 2024), Sec. 2.1.2 (tree attention) and Sec. 2.3.1 (typical
+acceptance); reference implementation FasterDecoding/Medusa ``medusa/model/utils.py``
+(``generate_candidates``, ``tree_decoding``, ``evaluate_posterior``, ``update_inference_inputs``).
+Differences from the reference, all for speed: the heads run only on the last accepted position
+(not on every tree node), the posterior reads only the argmax (greedy) or the candidate's
+probability (typical) instead of copying full-vocabulary logits per path, and the accepted nodes'
+K/V are moved with one fixed-size gather/scatter. Everything here is jit-compatible with static
+shapes; the tree (`TreeBuffers`) is a static argument.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional, Tuple
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from .config import MedusaConfig, ModelConfig
+from .heads import MedusaHeads
+from .kv_cache import KVCache
+from .models.llama import LlamaModel, lm_head_matrix
+from .sampling import sample_logits
+from .tree import TreeBuffers
+
+
+@flax.struct.dataclass
+class DecodeState:
+    """What one step hands the next.
+
+    logits: [B, V] float32, base-model logits at the last accepted position (predict the next token).
+    hidden: [B, D], final-norm hidden state there (the heads' input).
+    cache: the KV cache; ``cache.lengths[b]`` = tokens of row b in the cache (prompt + emitted).
+    key: PRNG key for sampling.
+    """
+    logits: jax.Array
+    hidden: jax.Array
+    cache: KVCache
+    key: jax.Array
+
+
+class Acceptance(NamedTuple):
+    """Static acceptance settings. temperature 0 = greedy; > 0 = typical acceptance."""
+    temperature: float = 0.0
+    posterior_threshold: float = 0.09
+    posterior_alpha: float = 0.3
+    top_p: float = 1.0
+
+
+class StepOutput(NamedTuple):
+    """tokens: [B, D+1] int32, the emitted tokens (root then accepted candidates; entries at and
+    beyond ``num_tokens`` are filler). num_tokens: [B] int32 in [1, D+1] (tokens per step)."""
+    tokens: jax.Array
+    num_tokens: jax.Array
+
+
+def propose_candidates(heads_cfg: MedusaConfig, head_params, state: DecodeState,
+                       base_lm_head: Optional[jax.Array], depth: int, topk: int) -> jax.Array:
+    """Top-k tokens of the first `depth` heads at the last accepted position.
+
+    Args:
+      state: the decode state; the heads read ``state.hidden`` [B, D] (the root token will sit at
+        position ``state.cache.lengths``).
+      base_lm_head: [D, V] (used by heads that share the base lm_head).
+    Returns:
+      [depth, B, topk] int32; head k's rank-r token is a guess for position ``lengths + k + 1``
+      (k + 2 positions after the hidden state's own token).
+    """
+    hidden = state.hidden
+    sub_cfg = heads_cfg.replace(num_heads=depth)
+    sub_params = jax.tree_util.tree_map(lambda a: a[:depth], head_params)
+    logits = MedusaHeads(sub_cfg).apply({"params": sub_params}, hidden,
+                                        None if not heads_cfg.shared_lm_head else base_lm_head)
+    return jax.lax.top_k(logits, topk)[1].astype(jnp.int32)
+
+
+def tree_candidates(root: jax.Array, head_tokens: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """Tokens placed on the tree's nodes.
+
+    Args:
+      root: [B] int32 base-model token (node 0).
+      head_tokens: [D, B, topk] int32 from `propose_candidates`.
+    Returns:
+      [B, T] int32: node i gets flat candidate ``tree_indices[i]`` of
+      ``[root, head0 top-k..., head1 top-k..., ...]``.
+    """
+    B = root.shape[0]
+    flat = jnp.concatenate([root[:, None], jnp.transpose(head_tokens, (1, 0, 2)).reshape(B, -1)], axis=1)
+    return flat[:, jnp.asarray(tree.tree_indices)]
+
+
+def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers,
+                       acc: Acceptance) -> Tuple[jax.Array, jax.Array]:
+    """Choose the best path of the tree.
+
+    Greedy (``acc.temperature == 0``): a candidate is accepted when it equals the argmax of its
+    parent node's logits. Typical acceptance (Medusa Sec. 2.3.1): accepted when its probability
+    under ``softmax(parent_logits / temperature)`` exceeds
+    ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``.
+    A path's accepted length is its number of consecutive accepted candidates from the root.
+    The longest wins; ties go to the highest sum of the accepted tokens' log-probabilities.
+
+    Args:
+      logits: [B, T, V] float32 base logits at the tree nodes.
+      tree_tokens: [B, T] int32 candidate tokens on the nodes.
+    Returns:
+      (best path index [B] int32 into ``tree.retrieve_indices``, accepted length [B] int32 in [0, D]).
+    """
+    retrieve = jnp.asarray(tree.retrieve_indices)        # [P, D+1]
+    valid = jnp.asarray(tree.valid)[:, 1:]                # [P, D]
+    parent, child = retrieve[:, :-1], retrieve[:, 1:]     # [P, D]
+    child_tok = tree_tokens[:, child]                     # [B, P, D]
+    if acc.temperature <= 0.0:
+        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+        match = (child_tok == pred[:, parent]) & valid
+        score = jnp.zeros(match.shape, jnp.float32)
+    else:
+        logp = jax.nn.log_softmax(logits / acc.temperature, axis=-1)                  # [B, T, V]
+        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)                             # [B, T]
+        thresh = jnp.minimum(acc.posterior_threshold, acc.posterior_alpha * jnp.exp(-entropy))
+        node_tok = jnp.take_along_axis(logp, tree_tokens[:, None, :], axis=2)        # [B, T(parent), T(node)]
+        cand_logp = node_tok[:, parent, child]                                        # [B, P, D]
+        match = (jnp.exp(cand_logp) > thresh[:, parent]) & valid
+        score = jnp.where(valid, cand_logp, 0.0)
+    accepted = jnp.cumprod(match.astype(jnp.int32), axis=-1)                          # [B, P, D]
+    acc_len = jnp.sum(accepted, axis=-1)                                              # [B, P]
+    acc_score = jnp.sum(score * accepted, axis=-1)
+    longest = acc_len == jnp.max(acc_len, axis=-1, keepdims=True)
+    best = jnp.argmax(jnp.where(longest, acc_score, -jnp.inf), axis=-1).astype(jnp.int32)
+    return best, jnp.take_along_axis(acc_len, best[:, None], axis=1)[:, 0]
+
+
+def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_lengths: jax.Array) -> KVCache:
+    """Move the accepted nodes' K/V to consecutive slots.
+
+    The tree's K/V were written at slots ``start + node``; the accepted path's node j goes to slot
+    ``start + j``. All D+1 path entries move (a fixed-size gather/scatter); those past the accepted
+    length land beyond ``new_lengths`` and are never read. Node indices along a path are >= their
+    depth, and the gather happens before the scatter, so no entry is overwritten before it is read.
+
+    Args:
+      path_nodes: [B, D+1] int32 node indices of the chosen path (root first).
+      start: [B] int32 cache length before the tree forward.
+      new_lengths: [B] int32.
+    """
+    B, P1 = path_nodes.shape
+    rows = jnp.arange(B)[:, None]
+    src = start[:, None] + path_nodes
+    dst = start[:, None] + jnp.arange(P1, dtype=jnp.int32)[None, :]
+    k = cache.k.at[:, rows, dst].set(cache.k[:, rows, src], mode="drop")
+    v = cache.v.at[:, rows, dst].set(cache.v[:, rows, src], mode="drop")
+    return KVCache(k=k, v=v, lengths=new_lengths)
+
+
+def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
+                params, head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
+    """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
+
+    1. Root token: argmax (or a sample at ``acc.temperature``) of ``state.logits``.
+    2. Candidates: the first D heads' top-k at ``state.hidden`` placed on the tree.
+    3. One forward of the T tree tokens at positions ``length + depth`` with the ancestor mask.
+    4. Posterior (`evaluate_posterior`), best path, accepted length a.
+    5. Emits root + a candidates; the next logits/hidden are the last accepted node's; the path's
+       K/V are compacted; lengths advance by a + 1.
+    With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
+
+    Requires ``cache.lengths + T <= cache.size`` (the caller picks a smaller tree near the end).
+    Returns (StepOutput, next DecodeState).
+    """
+    key, k_root = jax.random.split(state.key)
+    root = sample_logits(state.logits, k_root, acc.temperature, acc.top_p)
+    D, T = tree.max_depth, tree.size
+    if D > 0:
+        if heads_cfg is None:
+            raise ValueError("a tree deeper than the root needs Medusa heads")
+        if D > heads_cfg.num_heads:
+            raise ValueError(f"tree depth {D} exceeds the {heads_cfg.num_heads} Medusa heads; "
+                             "use a shallower tree or more heads")
+        head_tokens = propose_candidates(heads_cfg, head_params, state, lm_head_matrix(cfg, params), D, tree.topk)
+        tree_tokens = tree_candidates(root, head_tokens, tree)
+    else:
+        tree_tokens = root[:, None]
+    start = state.cache.lengths
+    positions = start[:, None] + jnp.asarray(tree.depth)[None, :]
+    logits, hidden, cache = LlamaModel(cfg).apply(
+        {"params": params}, tree_tokens, positions, state.cache, jnp.asarray(tree.ancestor_mask))
+    B = tree_tokens.shape[0]
+    if D > 0:
+        best, acc_len = evaluate_posterior(logits, tree_tokens, tree, acc)
+        path_nodes = jnp.asarray(tree.retrieve_indices)[best]                 # [B, D+1]
+        last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
+        cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
+        tokens = jnp.take_along_axis(tree_tokens, path_nodes, axis=1)
+    else:
+        acc_len = jnp.zeros((B,), jnp.int32)
+        last = jnp.zeros((B,), jnp.int32)
+        tokens = tree_tokens
+    rows = jnp.arange(B)
+    new_state = DecodeState(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache, key=key)
+    return StepOutput(tokens=tokens, num_tokens=acc_len + 1), new_state
