@@ -1,4 +1,21 @@
-"""medusa_jax: Medusa decoding heads for Llama-family models in JAX/Flax."""
-from .config import ModelConfig, RopeScaling  # noqa: F401
+"""medusa_jax: Medusa decoding heads for Llama-family models (Llama, Mistral, Qwen2) in JAX/Flax.
+
+Public API (every step of decode.py and train.py)::
+
+    import medusa_jax as mj
+    model = mj.load_model()                      # HF dir, GGUF file, or the default SmolLM2 GGUF
+    heads, tree, _ = mj.resolve_heads(model, None)   # shipped heads + their tree
+    ids = mj.apply_chat_template(model.tokenizer, "Hello!")
+    out = mj.generate(model.cfg, model.params, ids, heads=heads, tree=tree, max_new_tokens=128)
+"""
+from .config import MedusaConfig, ModelConfig, RopeScaling  # noqa: F401
 from .kv_cache import KVCache, init_cache  # noqa: F401
-from .models.llama import LlamaModel  # noqa: F401
+from .models.llama import LlamaModel, lm_head_matrix  # noqa: F401
+from .heads import MedusaHeads, init_heads  # noqa: F401
+from .tree import TreeBuffers, build_tree, get_tree  # noqa: F401
+from .verify import Acceptance, DecodeState, medusa_step  # noqa: F401
+from .generate import (GenerationResult, PromptTooLongError, generate, generate_jit,  # noqa: F401
+                       generate_stream, start_state)
+from .loading import LoadedModel, apply_chat_template, default_model_path, load_model  # noqa: F401
+from .convert.medusa_format import export_official, export_vllm, load_heads, save_heads  # noqa: F401
+from .runtime import resolve_heads  # noqa: F401

@@ -59,10 +59,17 @@ class GenerationResult:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
 
 
-def cache_size_for(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_size: int = 1,
-                   multiple: int = 64) -> int:
+def bucket(n: int, smallest: int = 32) -> int:
+    """The power of two >= n (at least `smallest`): shape buckets keep recompilations few."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+def cache_size_for(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_size: int = 1) -> int:
     """Slots S for a prompt and budget: room for the prompt, the output and one full tree,
-    rounded up to `multiple`, capped at the model's context (``max_position_embeddings``).
+    rounded up to a power of two (>= 128), capped at the model's context (``max_position_embeddings``).
 
     Raises PromptTooLongError when the prompt leaves no room for even one new token.
     """
@@ -70,9 +77,7 @@ def cache_size_for(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_
         raise PromptTooLongError(
             f"the prompt has {prompt_len} tokens but the model's context is {cfg.max_position_embeddings}; "
             "shorten the prompt")
-    need = prompt_len + max_new_tokens + tree_size
-    size = -(-need // multiple) * multiple
-    return int(min(size, cfg.max_position_embeddings))
+    return int(min(bucket(prompt_len + max_new_tokens + tree_size, 128), cfg.max_position_embeddings))
 
 
 def _prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
@@ -104,17 +109,15 @@ Returns:
 step = jax.jit(medusa_step, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
 
 
-def _pad_to(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
 def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
-                seed: int = 0, pad_multiple: int = 32, dtype=jnp.float32) -> DecodeState:
+                seed: int = 0, dtype=jnp.float32,
+                timing: Optional[dict] = None) -> DecodeState:
     """Validate prompts, build the cache and prefill it.
 
     Args:
       prompts: B lists of token ids (each non-empty and shorter than `cache_size`).
       cache_size: S slots per row.
+      timing: if a dict, ``timing["prefill_s"]`` gets the prefill's seconds (compilation excluded).
     Raises:
       ValueError: an empty prompt. PromptTooLongError: a prompt with no room left.
     """
@@ -124,13 +127,20 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     if longest >= cache_size:
         raise PromptTooLongError(f"a prompt has {longest} tokens but the cache holds {cache_size}; "
                                  "shorten the prompt or raise the cache size / context")
-    Tp = min(_pad_to(longest, pad_multiple), cache_size)
+    Tp = min(bucket(longest), cache_size)
     toks = np.zeros((len(prompts), Tp), np.int32)
     for i, p in enumerate(prompts):
         toks[i, :len(p)] = p
     lengths = np.array([len(p) for p in prompts], np.int32)
     cache = init_cache(cfg, len(prompts), cache_size, dtype)
-    return prefill(cfg, params, jnp.asarray(toks), jnp.asarray(lengths), cache, jax.random.PRNGKey(seed))
+    args = (params, jnp.asarray(toks), jnp.asarray(lengths), cache, jax.random.PRNGKey(seed))
+    fn = _aot(prefill, (cfg,), args)
+    if timing is not None:
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(fn(*args))
+        timing["prefill_s"] = time.perf_counter() - t0
+        return state
+    return fn(*args)
 
 
 def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
@@ -168,10 +178,9 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                          "use a shallower tree")
     S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.size)
     result = GenerationResult()
-    t0 = time.perf_counter()
-    state = start_state(cfg, params, [list(prompt)], S, seed)
-    jax.block_until_ready(state)
-    result.prefill_s = time.perf_counter() - t0
+    timing: dict = {}
+    state = start_state(cfg, params, [list(prompt)], S, seed, timing=timing)
+    result.prefill_s = timing["prefill_s"]
     length = len(prompt)
     t_decode = 0.0
     while len(result.tokens) < max_new_tokens:
@@ -179,7 +188,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
             result.stop_reason = "cache_full"
             break
         tr = full_tree if length + full_tree.size <= S else PLAIN_TREE
-        compiled = _compiled_step(cfg, heads_cfg, tr, acceptance, params, head_params, state)
+        compiled = _aot(step, (cfg, heads_cfg, tr, acceptance), (params, head_params, state))
         t1 = time.perf_counter()
         out, state = compiled(params, head_params, state)
         n = int(out.num_tokens[0])
@@ -217,16 +226,16 @@ def generate(cfg: ModelConfig, params, prompt: Sequence[int], *, on_tokens: Opti
 _COMPILED: dict = {}
 
 
-def _compiled_step(cfg, heads_cfg, tree, acc, params, head_params, state):
-    """AOT-compiled `medusa_step` for these static settings and shapes (compiled once, reused),
-    so that timing never includes compilation."""
-    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), (params, head_params, state))
-    key = (cfg, heads_cfg, tree, acc, str(shapes))
-    fn = _COMPILED.get(key)
-    if fn is None:
-        fn = step.lower(cfg, heads_cfg, tree, acc, params, head_params, state).compile()
-        _COMPILED[key] = fn
-    return fn
+def _aot(fn, static: tuple, args: tuple):
+    """`fn` (a jitted function whose leading arguments are `static`) compiled ahead of time for
+    these static values and argument shapes, cached, so that timings never include compilation."""
+    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), args)
+    key = (fn, static, str(shapes))
+    compiled = _COMPILED.get(key)
+    if compiled is None:
+        compiled = fn.lower(*static, *args).compile()
+        _COMPILED[key] = compiled
+    return compiled
 
 
 def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,

@@ -154,3 +154,13 @@ def smollm2_path() -> Optional[str]:
         return default_model_path()
     except DefaultModelNotInstalledError as e:
         pytest.skip(f"real model not available: {e}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_hf(smollm2_path):
+    """transformers' own float32 model loaded from the same SmolLM2 GGUF (the reference), loaded once."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
+                                                dtype=torch.float32, local_files_only=True).eval()

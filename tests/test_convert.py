@@ -339,14 +339,8 @@ def test_smollm2_metadata_and_tokenizer(smollm2):
 
 
 @pytest.mark.real_model
-def test_smollm2_logits_match_transformers(smollm2):
-    import torch
-    from transformers import AutoModelForCausalLM
-    path = default_model_path()
-    t0 = time.perf_counter()
-    ref = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                               dtype=torch.float32, local_files_only=True).eval()
-    print(f"transformers GGUF load: {time.perf_counter() - t0:.1f}s")
+def test_smollm2_logits_match_transformers(smollm2, smollm2_hf):
+    ref = smollm2_hf
     ids = apply_chat_template(smollm2.tokenizer, "Write a haiku about the sea.")
     ours = jax_logits(smollm2.cfg, smollm2.params, np.asarray([ids]))[0, -1]
     theirs = torch_logits(ref, [ids])[0, -1]

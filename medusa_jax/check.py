@@ -1,0 +1,147 @@
+"""Lossless check: Medusa greedy output against plain greedy output on a prompt set.
+
+``python -m medusa_jax.check --prompts ../shared/data/FastChat_mt_bench_question.jsonl``
+
+For every prompt (first turn), both decoders run greedily on the same weights. Outputs must be
+identical token for token. Where they differ, the first differing position is examined on the
+plain path: if its top-2 logit gap is below ``--tie-gap`` (1e-4) the difference is a float32
+near-tie (the tree forward sums in another order) and is counted as such; any other difference is
+a bug and makes the command exit with status 1.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, dataclass
+from typing import List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+@dataclass
+class Comparison:
+    """One prompt's verdict. first_diff: index into the new tokens (None if identical);
+    gap: top-2 logit gap of the plain path at that index; near_tie: gap < tie_gap."""
+    identical: bool
+    first_diff: Optional[int] = None
+    gap: Optional[float] = None
+    near_tie: bool = False
+
+
+def first_difference(a: Sequence[int], b: Sequence[int]) -> Optional[int]:
+    """Index of the first position where a and b differ (a length difference counts); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
+
+
+def top2_gap(cfg, params, ids: Sequence[int]) -> float:
+    """Gap between the two largest float32 logits after the last of `ids` (one full forward, no cache)."""
+    from .models.llama import LlamaModel
+
+    toks = jnp.asarray([list(ids)], jnp.int32)
+    pos = jnp.arange(len(ids), dtype=jnp.int32)[None]
+    _, hidden, _ = LlamaModel(cfg).apply({"params": params}, toks, pos, compute_logits=False)
+    logits = LlamaModel(cfg).apply({"params": params}, hidden[:, -1], method=LlamaModel.logits)
+    top = jax.lax.top_k(logits[0], 2)[0]
+    return float(top[0] - top[1])
+
+
+def compare(cfg, params, prompt: Sequence[int], plain: Sequence[int], medusa: Sequence[int],
+            tie_gap: float = 1e-4) -> Comparison:
+    """Compare two outputs for one prompt; see the module docstring."""
+    i = first_difference(plain, medusa)
+    if i is None:
+        return Comparison(identical=True)
+    if i >= min(len(plain), len(medusa)):  # one stopped earlier: not explained by a near-tie
+        return Comparison(identical=False, first_diff=i)
+    gap = top2_gap(cfg, params, list(prompt) + list(plain[:i]))
+    return Comparison(identical=False, first_diff=i, gap=gap, near_tie=gap < tie_gap)
+
+
+def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:
+    """Records {"id", "category", "prompt"} from an MT-bench / Spec-Bench style JSONL (first turn)
+    or a file with a "prompt" field."""
+    out = []
+    with open(path) as f:
+        for line in f:
+            if not line.strip():
+                continue
+            r = json.loads(line)
+            prompt = r["turns"][0] if "turns" in r else r["prompt"]
+            out.append({"id": r.get("question_id", r.get("id")), "category": r.get("category", ""),
+                        "prompt": prompt})
+            if limit and len(out) >= limit:
+                break
+    return out
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--prompts", required=True, help="JSONL with MT-bench style 'turns' or a 'prompt' field")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2 GGUF)")
+    p.add_argument("--heads", default=None,
+                   help="heads directory; 'zero' for fresh zero-initialised heads; default: the shipped heads")
+    p.add_argument("--num-heads", type=int, default=4, help="head count for --heads zero")
+    p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
+    p.add_argument("--tie-gap", type=float, default=1e-4, help="top-2 logit gap below which a difference is a near-tie")
+    p.add_argument("--out", default=None, help="write per-prompt results as JSON here")
+    args = p.parse_args(argv)
+
+    from tqdm import tqdm
+
+    from . import runtime
+    from .config import MedusaConfig
+    from .generate import generate
+    from .heads import init_heads
+    from .loading import apply_chat_template, load_model
+    from .models.llama import lm_head_matrix
+
+    runtime.enable_compilation_cache()
+    model = load_model(args.model)
+    if args.heads == "zero":
+        hcfg = MedusaConfig(hidden_size=model.cfg.hidden_size, vocab_size=model.cfg.vocab_size,
+                            num_heads=args.num_heads)
+        heads = (hcfg, init_heads(hcfg, lm_head_matrix(model.cfg, model.params)))
+        tree = runtime.resolve_tree(args.tree, hcfg)
+    else:
+        heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree)
+        if heads is None:
+            print(f"error: {note}", file=sys.stderr)
+            return 2
+    records = load_first_turns(args.prompts, args.limit)
+    rows, steps, new_tokens = [], 0, 0
+    for rec in tqdm(records, desc="prompts", unit="prompt"):
+        ids = apply_chat_template(model.tokenizer, rec["prompt"])
+        plain = generate(model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens)
+        med = generate(model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens, heads=heads, tree=tree)
+        c = compare(model.cfg, model.params, ids, plain.tokens, med.tokens, args.tie_gap)
+        steps += med.steps
+        new_tokens += len(med.tokens)
+        rows.append({**rec, **asdict(c), "new_tokens": len(med.tokens), "steps": med.steps,
+                     "tokens_per_step": med.mean_accepted})
+    identical = sum(r["identical"] for r in rows)
+    ties = sum(r["near_tie"] for r in rows)
+    bugs = len(rows) - identical - ties
+    summary = {"prompts": len(rows), "identical": identical, "near_ties": ties, "other_differences": bugs,
+               "mean_tokens_per_step": new_tokens / max(steps, 1), "tree_size": tree.size,
+               "max_new_tokens": args.max_new_tokens}
+    print(json.dumps(summary))
+    for r in rows:
+        if not r["identical"]:
+            print(json.dumps({k: r[k] for k in ("id", "first_diff", "gap", "near_tie")}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    return 1 if bugs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

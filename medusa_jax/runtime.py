@@ -1,0 +1,113 @@
+"""What the command-line tools share: default heads, tree choice, compilation cache, text streaming."""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Optional, Tuple
+
+from .config import MedusaConfig
+from .tree import PRESETS, TreeBuffers, get_tree
+
+#: Heads shipped for the default model (SmolLM2-135M-Instruct), inside the package.
+DEFAULT_HEADS_DIR = os.path.join(os.path.dirname(__file__), "assets", "heads", "smollm2-135m-instruct")
+#: Tree used when neither --tree nor the heads name one.
+DEFAULT_TREE = "small_16"
+
+
+def enable_compilation_cache(path: Optional[str] = None) -> None:
+    """Persist XLA compilations across runs (``~/.cache/medusa_jax/xla`` by default), so a second
+    `decode.py` run starts faster. Set MEDUSA_JAX_NO_CACHE=1 to disable."""
+    if os.environ.get("MEDUSA_JAX_NO_CACHE"):
+        return
+    import jax
+
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "medusa_jax", "xla")
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    except Exception:  # an unwritable home or an older jax: run without the cache
+        pass
+
+
+def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
+    """The Medusa tree: `spec` (preset name, JSON/YAML file, or paths) if given, else the tree saved
+    with the heads, else `DEFAULT_TREE` cut to the heads' depth.
+
+    Raises ValueError for an unknown preset, a malformed file, or a tree deeper than the heads.
+    """
+    if spec is not None:
+        return get_tree(spec, topk=None, num_heads=heads_cfg.num_heads)
+    if heads_cfg.medusa_choices:
+        return get_tree(heads_cfg.medusa_choices, topk=heads_cfg.topk, num_heads=heads_cfg.num_heads)
+    choices = [p for p in PRESETS[DEFAULT_TREE] if len(p) <= heads_cfg.num_heads]
+    return get_tree(choices, topk=heads_cfg.topk, num_heads=heads_cfg.num_heads)
+
+
+def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: bool = True
+                  ) -> Tuple[Optional[Tuple[MedusaConfig, dict]], Optional[TreeBuffers], str]:
+    """Heads and tree for a loaded model.
+
+    Args:
+      model: a `loading.LoadedModel`.
+      heads_path: a heads directory or file; None: the heads shipped for the default model, when
+        `model` is that model and they exist.
+      tree_spec: see `resolve_tree`.
+      use_medusa: False gives (None, None, "").
+    Returns:
+      ((MedusaConfig, params as jnp arrays) or None, TreeBuffers or None, a note for the user
+      when Medusa was asked for but falls back to plain decoding).
+    Raises:
+      FileNotFoundError / HeadsFormatError / HeadsMismatchError from `load_heads` for an explicit
+      path that is missing, corrupt or made for another backbone; ValueError for a bad tree.
+    """
+    if not use_medusa:
+        return None, None, ""
+    from .convert.medusa_format import load_heads
+    from .heads import check_heads_match
+
+    if heads_path is None:
+        if not os.path.isdir(DEFAULT_HEADS_DIR):
+            return None, None, "no default Medusa heads are installed; decoding plainly (pass --heads DIR)"
+        heads_cfg, params = load_heads(DEFAULT_HEADS_DIR)
+        try:
+            check_heads_match(heads_cfg, model.cfg)
+        except ValueError:
+            return None, None, ("the shipped heads are for SmolLM2-135M-Instruct, not this model; decoding "
+                                "plainly (train heads with train.py and pass --heads DIR)")
+    else:
+        heads_cfg, params = load_heads(heads_path, model.cfg)
+    import jax.numpy as jnp
+    import jax
+
+    params = jax.tree_util.tree_map(jnp.asarray, params)
+    return (heads_cfg, params), resolve_tree(tree_spec, heads_cfg), ""
+
+
+class TextStreamer:
+    """Prints generated text as token chunks arrive, detokenizing incrementally (a character
+    split across tokens is held back until complete)."""
+
+    def __init__(self, tokenizer, enabled: bool = True, stream=None):
+        self.tokenizer = tokenizer
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self.tokens: list = []
+        self.printed = 0
+
+    def push(self, chunk) -> None:
+        if not self.enabled:
+            return
+        self.tokens.extend(chunk)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.stream.write(text[self.printed:])
+        self.stream.flush()
+        self.printed = len(text)
+
+    def end(self) -> None:
+        if self.enabled:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            self.stream.write(text[self.printed:] + "\n")
+            self.stream.flush()
