@@ -29,7 +29,6 @@ bf16 files load without torch and truncated files fail with `HeadsFormatError`.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
 import warnings
@@ -54,45 +53,19 @@ class HeadsFormatError(ConversionError):
 
 # ---------------------------------------------------------------------------------------- reading
 
-_ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2", "I64": "<i8", "I32": "<i4",
-              "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
-
-
 def _read_safetensors(fn: str, dtype) -> Dict[str, np.ndarray]:
-    """Parse a .safetensors file into name -> array (float tensors cast to `dtype`, bf16 included)."""
-    size = os.path.getsize(fn)
-    bad = f"{fn}: not a valid safetensors file"
-    if size < 8:
-        raise HeadsFormatError(f"{bad}: {size} bytes, shorter than the 8-byte header length; truncated?")
-    with open(fn, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        n = int.from_bytes(mm[:8], "little")
-        if n > size - 8:
-            raise HeadsFormatError(f"{bad}: the header claims {n} bytes but the file has {size - 8} "
-                                   "after the length field; it is truncated or corrupted")
-        try:
-            header = json.loads(bytes(mm[8:8 + n]))
-            assert isinstance(header, dict)
-        except Exception as e:
-            raise HeadsFormatError(f"{bad}: unreadable JSON header ({e}); truncated or corrupted") from e
-        header.pop("__metadata__", None)
-        base, out = 8 + n, {}
-        for name, info in header.items():
-            try:
-                code, shape, (a, b) = _ST_DTYPES[info["dtype"]], list(info["shape"]), info["data_offsets"]
-            except Exception as e:
-                raise HeadsFormatError(f"{bad}: bad header entry for {name!r}: {info!r}") from e
-            count = int(np.prod(shape, dtype=np.int64))
-            if b - a != count * np.dtype(code).itemsize or a < 0:
-                raise HeadsFormatError(f"{bad}: tensor {name!r} {info['dtype']}{shape} spans bytes "
-                                       f"[{a}, {b}), inconsistent with its shape")
-            if base + b > size:
-                raise HeadsFormatError(f"{bad}: tensor {name!r} needs bytes up to {base + b} but the file "
-                                       f"has {size}; it is truncated (re-download or re-export it)")
-            arr = np.frombuffer(mm[base + a:base + b], dtype=code).reshape(shape)  # a copy, not a view
-            if info["dtype"] == "BF16":
-                arr = (arr.astype(np.uint32) << 16).view(np.float32)
-            out[name] = arr.astype(dtype) if arr.dtype.kind == "f" else arr
-    return out
+    """Read a .safetensors file (through the safetensors library) into name -> array; float tensors
+    (bf16 included) are cast to `dtype`. A truncated or corrupt file raises HeadsFormatError."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(fn, framework="numpy") as f:
+            raw = {name: f.get_tensor(name) for name in f.keys()}
+    except Exception as e:  # safetensors raises its own types for a bad header or short data
+        raise HeadsFormatError(f"{fn}: not a valid safetensors file ({e}); it is truncated or corrupted "
+                               "(re-download or re-export it)") from e
+    return {name: (a.astype(dtype) if np.issubdtype(a.dtype, np.floating) or a.dtype.name == "bfloat16" else a)
+            for name, a in raw.items()}
 
 
 def _read_pt(fn: str, dtype) -> Dict[str, np.ndarray]:
