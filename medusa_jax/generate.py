@@ -183,18 +183,20 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
     result.prefill_s = timing["prefill_s"]
     length = len(prompt)
     t_decode = 0.0
+    compiled = {}
     while len(result.tokens) < max_new_tokens:
         if length >= S:
             result.stop_reason = "cache_full"
             break
         tr = full_tree if length + full_tree.size <= S else PLAIN_TREE
-        compiled = _aot(step, (cfg, heads_cfg, tr, acceptance), (params, head_params, state))
+        if tr not in compiled:
+            compiled[tr] = _aot(step, (cfg, heads_cfg, tr, acceptance), (params, head_params, state))
         t1 = time.perf_counter()
-        out, state = compiled(params, head_params, state)
-        n = int(out.num_tokens[0])
-        chunk = [int(t) for t in np.asarray(out.tokens[0, :n])]
+        out, state = compiled[tr](params, head_params, state)
+        toks, n = jax.device_get((out.tokens[0], out.num_tokens[0]))
+        chunk = [int(t) for t in toks[:int(n)]]
         t_decode += time.perf_counter() - t1
-        length += n
+        length += int(n)
         result.steps += 1
         chunk, hit_eos = _cut_at_eos(chunk, eos)
         chunk = chunk[:max_new_tokens - len(result.tokens)]
