@@ -1,0 +1,1 @@
+"""Training: chat data and loss masks (data), self-distillation (distill), losses, trainer."""

@@ -1,0 +1,323 @@
+"""Training data: chats -> token ids with an assistant-only loss mask, batching, Medusa targets.
+
+Conventions (DESIGN.md): an example is token ids ``[T]`` int32 with a loss mask ``[T]`` bool that
+marks the tokens the model should learn to produce (assistant answers and their end-of-turn
+token). Medusa head k (0-based) reads the hidden state at position t and predicts token t + k + 2;
+the backbone's own next-token prediction is "head -1" (token t + 1). A target is valid only when
+its position is inside the sequence (and the same packed segment) and its loss mask is True.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Iterable, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+#: End-of-turn markers of common chat templates (ChatML, Llama 3, Phi 3, Gemma).
+END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+class Example(tuple):
+    """One training sequence: unpacks as ``(ids, loss_mask)``; ``.id`` names it (or None).
+
+    ids: [T] int32 token ids. loss_mask: [T] bool, True where the token is a training target.
+    """
+
+    def __new__(cls, ids, loss_mask, id: Optional[str] = None):
+        ids = np.asarray(ids, np.int32).reshape(-1)
+        loss_mask = np.asarray(loss_mask, bool).reshape(-1)
+        if ids.shape != loss_mask.shape:
+            raise ValueError(f"ids {ids.shape} and loss_mask {loss_mask.shape} differ in length")
+        self = super().__new__(cls, (ids, loss_mask))
+        self.id = id
+        return self
+
+    @property
+    def ids(self) -> np.ndarray:
+        return self[0]
+
+    @property
+    def loss_mask(self) -> np.ndarray:
+        return self[1]
+
+
+# --------------------------------------------------------------------------------------------
+# chats
+
+
+def _render(tokenizer, messages, add_generation_prompt: bool) -> List[int]:
+    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
+                                        tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]
+
+
+def end_of_turn_ids(tokenizer) -> set:
+    """Ids that end an assistant turn: the tokenizer's EOS and the chat template's end-of-turn token."""
+    ids = set()
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab()
+    for t in END_OF_TURN_TOKENS:
+        if t in template and t in vocab:
+            ids.add(int(vocab[t]))
+    return ids
+
+
+def chat_to_example(tokenizer, messages: Sequence[dict], id: Optional[str] = None) -> Example:
+    """Tokenize a chat with its template; the loss mask covers the assistant turns only.
+
+    Method: the template is rendered on prefixes of the conversation and token counts are
+    diffed. Assistant message i spans ``[len(render(messages[:i], add_generation_prompt=True)),
+    len(render(messages[:i+1])))``, so the template's role header (e.g. ``<|im_start|>assistant\\n``)
+    is excluded, and anything the template inserts by itself (a default system prompt, as
+    SmolLM2's ChatML does) falls outside every span. Within a span, tokens after the last
+    end-of-turn token (e.g. the newline after ``<|im_end|>``) are excluded: the model stops at
+    the end-of-turn token and never predicts them.
+
+    Args:
+      tokenizer: a transformers tokenizer with a chat template.
+      messages: [{"role": "system" | "user" | "assistant", "content": str}, ...].
+      id: optional name carried by the returned `Example`.
+    Returns:
+      Example(ids [T] int32, loss_mask [T] bool).
+    Raises:
+      ValueError: no messages, a message without role/content, no chat template, or a template
+        whose rendering of a prefix is not a prefix of the full rendering (e.g. one that drops
+        earlier turns' reasoning), where the diffing cannot place the spans.
+    """
+    if not messages:
+        raise ValueError("empty conversation")
+    for m in messages:
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+            raise ValueError(f"each message needs a 'role' and a 'content' string, got {m!r}")
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    full = _render(tokenizer, messages, add_generation_prompt=False)
+    mask = np.zeros(len(full), bool)
+    eot = end_of_turn_ids(tokenizer)
+
+    def prefix_len(msgs, gen):
+        if not msgs:
+            return 0
+        ids = _render(tokenizer, msgs, gen)
+        if full[:len(ids)] != ids:
+            raise ValueError("the chat template does not render a conversation's prefix as a prefix of "
+                             "the whole; cannot locate the assistant turns")
+        return len(ids)
+
+    for i, m in enumerate(messages):
+        if m["role"] != "assistant":
+            continue
+        start = prefix_len(messages[:i], True)
+        end = prefix_len(messages[:i + 1], False)
+        ends = [j for j in range(start, end) if full[j] in eot]
+        if ends:
+            end = ends[-1] + 1
+        mask[start:end] = True
+    return Example(full, mask, id)
+
+
+def load_distilled(directory: str) -> List[Example]:
+    """Self-distilled samples (`medusa_jax.train.distill` output) as training examples.
+
+    Args:
+      directory: holds ``samples.jsonl`` (a truncated last line is ignored).
+    Returns:
+      [Example(prompt_ids + response_ids, mask False on the prompt and True on the response, id)],
+      in file order; samples with an empty response are dropped.
+    Raises:
+      FileNotFoundError: no samples.jsonl there.
+    """
+    from .distill import SAMPLES_FILE, read_samples
+
+    path = os.path.join(directory, SAMPLES_FILE)
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"{path}: no such file; run `python -m medusa_jax.train.distill --out {directory}`")
+    out = []
+    for pid, r in read_samples(path, repair=False).items():
+        p, a = r["prompt_ids"], r["response_ids"]
+        if a:
+            out.append(Example(list(p) + list(a), [False] * len(p) + [True] * len(a), pid))
+    return out
+
+
+def _example_key(ex, index: int) -> str:
+    ident = getattr(ex, "id", None)
+    if ident is not None:
+        return "id:" + str(ident)
+    return "ids:" + hashlib.sha256(np.asarray(ex[0], np.int32).tobytes()).hexdigest()
+
+
+def split_train_val(examples: Sequence, val_fraction: float, seed: int = 0) -> Tuple[list, list]:
+    """Split into (train, val), deterministically by example id (content hash when no id).
+
+    Each example goes to val when ``sha256(seed, id)`` mapped to [0, 1) is below `val_fraction`,
+    so the split does not depend on the order of the examples nor on which others exist
+    (adding data never moves an example from val to train). Order is kept within each part.
+    Raises: ValueError for a fraction outside [0, 1].
+    """
+    if not 0.0 <= val_fraction <= 1.0:
+        raise ValueError(f"val_fraction must be in [0, 1], got {val_fraction}")
+    train, val = [], []
+    for i, ex in enumerate(examples):
+        h = hashlib.sha256(f"{seed}:{_example_key(ex, i)}".encode()).digest()
+        u = int.from_bytes(h[:8], "big") / 2.0 ** 64
+        (val if u < val_fraction else train).append(ex)
+    return train, val
+
+
+# --------------------------------------------------------------------------------------------
+# batching
+
+
+def pad_batch(examples: Sequence, seq_len: int, pad_id: int = 0) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Right-pad (or truncate) examples to `seq_len`.
+
+    Args:
+      examples: N (ids, loss_mask) pairs.
+    Returns:
+      tokens [N, seq_len] int32 (pad_id after the end), loss_mask [N, seq_len] bool (False on
+      padding), lengths [N] int32 (real tokens, at most seq_len).
+    """
+    n = len(examples)
+    tokens = np.full((n, seq_len), pad_id, np.int32)
+    mask = np.zeros((n, seq_len), bool)
+    lengths = np.zeros((n,), np.int32)
+    for i, (ids, m) in enumerate(examples):
+        L = min(len(ids), seq_len)
+        tokens[i, :L] = np.asarray(ids, np.int32)[:L]
+        mask[i, :L] = np.asarray(m, bool)[:L]
+        lengths[i] = L
+    return tokens, mask, lengths
+
+
+def pack(examples: Sequence, seq_len: int, pad_id: int = 0
+         ) -> Tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Pack examples end to end into rows of `seq_len` (first fit, in order; long ones truncated).
+
+    The model must not attend across examples: build a block-diagonal causal mask from
+    ``segment_ids`` and use ``positions`` for RoPE; pass ``segment_ids`` to `head_targets` /
+    `base_targets` so no label crosses into the next example.
+    Returns:
+      tokens [R, seq_len] int32, loss_mask [R, seq_len] bool, segment_ids [R, seq_len] int32
+      (1, 2, ... per example within a row; 0 on padding), positions [R, seq_len] int32 (restart
+      at 0 for each example; 0 on padding).
+    """
+    rows: List[List[Tuple[np.ndarray, np.ndarray]]] = []
+    used: List[int] = []
+    for ids, m in examples:
+        ids = np.asarray(ids, np.int32)[:seq_len]
+        m = np.asarray(m, bool)[:seq_len]
+        if len(ids) == 0:
+            continue
+        for r, u in enumerate(used):
+            if u + len(ids) <= seq_len:
+                rows[r].append((ids, m))
+                used[r] += len(ids)
+                break
+        else:
+            rows.append([(ids, m)])
+            used.append(len(ids))
+    R = len(rows)
+    tokens = np.full((R, seq_len), pad_id, np.int32)
+    mask = np.zeros((R, seq_len), bool)
+    seg = np.zeros((R, seq_len), np.int32)
+    pos = np.zeros((R, seq_len), np.int32)
+    for r, row in enumerate(rows):
+        o = 0
+        for s, (ids, m) in enumerate(row):
+            L = len(ids)
+            tokens[r, o:o + L], mask[r, o:o + L], seg[r, o:o + L] = ids, m, s + 1
+            pos[r, o:o + L] = np.arange(L)
+            o += L
+    return tokens, mask, seg, pos
+
+
+def _shifted(tokens: np.ndarray, loss_mask: np.ndarray, shift: int,
+             segment_ids: Optional[np.ndarray]) -> Tuple[np.ndarray, np.ndarray]:
+    N, T = tokens.shape
+    labels = np.zeros((N, T), np.int32)
+    valid = np.zeros((N, T), bool)
+    if shift < T:
+        labels[:, :T - shift] = tokens[:, shift:]
+        valid[:, :T - shift] = loss_mask[:, shift:]
+        if segment_ids is not None:
+            valid[:, :T - shift] &= (segment_ids[:, :T - shift] == segment_ids[:, shift:]) & (segment_ids[:, shift:] > 0)
+    labels[~valid] = 0
+    return labels, valid
+
+
+def head_targets(tokens, loss_mask, num_heads: int, segment_ids=None) -> Tuple[np.ndarray, np.ndarray]:
+    """Medusa head labels: head k at position t predicts token t + k + 2.
+
+    Args:
+      tokens: [N, T] int. loss_mask: [N, T] bool. num_heads: K.
+      segment_ids: optional [N, T] int from `pack`: a label must lie in the same segment.
+    Returns:
+      labels [K, N, T] int32 (0 where invalid), valid [K, N, T] bool: True when t + k + 2 < T,
+      ``loss_mask[n, t + k + 2]`` and (packed) the same segment.
+    """
+    tokens = np.asarray(tokens, np.int32)
+    loss_mask = np.asarray(loss_mask, bool)
+    seg = None if segment_ids is None else np.asarray(segment_ids)
+    pairs = [_shifted(tokens, loss_mask, k + 2, seg) for k in range(num_heads)]
+    N, T = tokens.shape
+    if not pairs:
+        return np.zeros((0, N, T), np.int32), np.zeros((0, N, T), bool)
+    return np.stack([p[0] for p in pairs]), np.stack([p[1] for p in pairs])
+
+
+def base_targets(tokens, loss_mask, segment_ids=None) -> Tuple[np.ndarray, np.ndarray]:
+    """The backbone's next-token labels (token t + 1): labels [N, T] int32, valid [N, T] bool.
+    Same rules as `head_targets` (which is this with shift k + 2)."""
+    return _shifted(np.asarray(tokens, np.int32), np.asarray(loss_mask, bool), 1,
+                    None if segment_ids is None else np.asarray(segment_ids))
+
+
+# --------------------------------------------------------------------------------------------
+# flat position datasets (frozen backbone: hidden states computed once)
+
+
+def trainable_positions(valid) -> np.ndarray:
+    """Positions where at least one head has a valid label.
+
+    Args:
+      valid: [K, N, T] bool from `head_targets`.
+    Returns:
+      [P, 2] int32 (row n, position t) pairs, row-major order; shuffle them to mix sequences.
+    """
+    valid = np.asarray(valid, bool)
+    n, t = np.nonzero(valid.any(axis=0))
+    return np.stack([n, t], axis=1).astype(np.int32)
+
+
+def gather_positions(hidden, labels, valid, positions) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Select positions from per-sequence arrays into a flat dataset.
+
+    Args:
+      hidden: [N, T, D] hidden states (numpy or jax). labels, valid: [K, N, T].
+      positions: [P, 2] int from `trainable_positions` (possibly shuffled / a minibatch of it).
+    Returns:
+      hidden [P, D], labels [K, P] int32, valid [K, P] bool.
+    """
+    positions = np.asarray(positions)
+    n, t = positions[:, 0], positions[:, 1]
+    return hidden[n, t], np.asarray(labels)[:, n, t], np.asarray(valid)[:, n, t]
+
+
+def read_chat_jsonl(path: str, field: str = "messages") -> Iterable[Tuple[str, list]]:
+    """(id, messages) from a JSONL file whose lines hold a list of {"role", "content"} in `field`.
+    Raises `medusa_jax.train.distill.EvalSetError` for an evaluation set (MT-Bench, Spec-Bench)."""
+    from .distill import check_not_eval_set
+
+    check_not_eval_set(path)
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if line.strip():
+                rec = json.loads(line)
+                yield str(rec.get("id", i)), rec[field]

@@ -1,0 +1,395 @@
+"""Self-distillation: answer a pool of prompts with the backbone itself (Medusa paper, Sec. 2.3.2).
+
+The heads are then trained on the backbone's own answers, so that they learn to predict what the
+backbone will say (their acceptance at decoding time), not what some other model said.
+
+Generation is *continuously batched*: a host loop drives one jitted batched plain-decode step
+(`medusa_jax.generate.step` with `PLAIN_TREE`, no heads) over B rows of one KV cache; when a row
+finishes (EOS or ``max_new_tokens``), the next prompt is prefilled into a B = 1 cache and copied
+into that row (`insert_row`), so no row idles while others are still generating. Per-row cache
+lengths make this exact: each row's tokens equal single-prompt greedy decoding.
+
+Output, in ``out_dir``:
+  ``samples.jsonl``: one line per finished prompt, flushed at once:
+    ``{"id": pool id, "prompt_ids": [...], "response_ids": [...], "finish": "eos" | "length"}``
+    (``response_ids`` end with the EOS token when it ended the answer);
+  ``meta.json``: model path, max_new_tokens, temperature, seed, prompts file, max_prompt_tokens.
+Re-run with the same arguments after an interruption, it continues where it stopped: ids already
+in ``samples.jsonl`` are skipped, and a truncated last line (a kill mid-write) is dropped.
+
+Command line::
+
+    python -m medusa_jax.train.distill --out data/distill/smollm2 --target-tokens 300000
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+import time
+from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+#: File-name fragments of evaluation sets that must never be trained on.
+EVAL_SET_MARKERS = ("mt_bench", "mt-bench", "spec-bench", "spec_bench", "specbench")
+SAMPLES_FILE = "samples.jsonl"
+META_FILE = "meta.json"
+#: meta.json fields that must match when resuming (they define the data).
+_META_KEYS = ("model", "max_new_tokens", "temperature", "seed", "prompts", "max_prompt_tokens")
+
+
+class EvalSetError(ValueError):
+    """The prompts file is an evaluation set (MT-Bench, Spec-Bench): never train on it."""
+
+
+def default_prompts_path() -> str:
+    """``../shared/data/prompt_pool_permissive.jsonl`` next to the repository checkout."""
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return os.path.normpath(os.path.join(repo, "..", "shared", "data", "prompt_pool_permissive.jsonl"))
+
+
+def check_not_eval_set(path: str) -> None:
+    """Raise `EvalSetError` when `path`'s file name marks an evaluation set."""
+    name = os.path.basename(os.fspath(path)).lower()
+    if any(m in name for m in EVAL_SET_MARKERS):
+        raise EvalSetError(f"{path}: this is an evaluation set (MT-Bench / Spec-Bench); never distill or "
+                           "train on it. Use a training prompt pool such as prompt_pool_permissive.jsonl")
+
+
+def read_prompt_pool(path: str) -> List[Tuple[str, str]]:
+    """[(id, prompt text)] from a JSONL file with a ``prompt`` field (``id`` defaults to the line number).
+
+    Raises: EvalSetError for an evaluation set, FileNotFoundError, ValueError for a line without
+      a ``prompt`` string.
+    """
+    check_not_eval_set(path)
+    out = []
+    with open(path, encoding="utf-8") as f:
+        for i, line in enumerate(f):
+            if not line.strip():
+                continue
+            rec = json.loads(line)
+            if not isinstance(rec.get("prompt"), str):
+                raise ValueError(f"{path}:{i + 1}: no 'prompt' string field")
+            out.append((str(rec.get("id", i)), rec["prompt"]))
+    return out
+
+
+def read_samples(path: str, repair: bool = True) -> Dict[str, dict]:
+    """Finished samples already in ``samples.jsonl``, by id ({} when the file does not exist).
+
+    A last line cut short by a kill (no newline, or not valid JSON) is ignored and, with `repair`,
+    removed from the file so that later appends start on a clean line.
+    """
+    if not os.path.exists(path):
+        return {}
+    with open(path, "rb") as f:
+        data = f.read()
+    done: Dict[str, dict] = {}
+    good_end = 0
+    pos = 0
+    while pos < len(data):
+        nl = data.find(b"\n", pos)
+        if nl < 0:
+            break  # no newline: truncated
+        line = data[pos:nl]
+        try:
+            rec = json.loads(line) if line.strip() else None
+        except json.JSONDecodeError:
+            break
+        if rec is not None:
+            done[str(rec["id"])] = rec
+        pos = good_end = nl + 1
+    if repair and good_end < len(data):
+        with open(path, "r+b") as f:
+            f.truncate(good_end)
+    return done
+
+
+# --------------------------------------------------------------------------------------------
+# continuous batching
+
+
+@functools.lru_cache(maxsize=None)
+def _insert_row_fn():
+    import jax
+
+    from ..kv_cache import KVCache
+    from ..verify import DecodeState
+
+    def insert(state, row, b):
+        c, r = state.cache, row.cache
+        cache = KVCache(k=c.k.at[:, b].set(r.k[:, 0]), v=c.v.at[:, b].set(r.v[:, 0]),
+                        lengths=c.lengths.at[b].set(r.lengths[0]))
+        return DecodeState(logits=state.logits.at[b].set(row.logits[0]),
+                           hidden=state.hidden.at[b].set(row.hidden[0]), cache=cache, key=state.key)
+
+    return jax.jit(insert, donate_argnums=(0,))
+
+
+def insert_row(state, row, b: int):
+    """Copy a B = 1 `DecodeState` `row` (same cache size S) into row `b` of a batched `state`.
+
+    Jitted, `state` donated (updated in place). Returns the new batched state.
+    """
+    import jax.numpy as jnp
+    return _insert_row_fn()(state, row, jnp.int32(b))
+
+
+@functools.lru_cache(maxsize=None)
+def _reset_row_fn():
+    import jax
+
+    def reset(state, b):
+        return state.replace(cache=state.cache.replace(lengths=state.cache.lengths.at[b].set(0)))
+
+    return jax.jit(reset, donate_argnums=(0,))
+
+
+def _empty_state(cfg, batch: int, size: int, seed: int):
+    import jax
+    import jax.numpy as jnp
+
+    from ..kv_cache import init_cache
+    from ..verify import DecodeState
+    return DecodeState(logits=jnp.zeros((batch, cfg.vocab_size), jnp.float32),
+                       hidden=jnp.zeros((batch, cfg.hidden_size), jnp.float32),
+                       cache=init_cache(cfg, batch, size), key=jax.random.PRNGKey(seed))
+
+
+def _prefill_one(cfg, params, prompt: Sequence[int], size: int, pad_multiple: int = 64):
+    import jax
+    import jax.numpy as jnp
+
+    from ..generate import prefill
+    from ..kv_cache import init_cache
+    Tp = min(-(-len(prompt) // pad_multiple) * pad_multiple, size)
+    toks = np.zeros((1, Tp), np.int32)
+    toks[0, :len(prompt)] = prompt
+    return prefill(cfg, params, jnp.asarray(toks), jnp.asarray([len(prompt)], jnp.int32),
+                   init_cache(cfg, 1, size), jax.random.PRNGKey(0))
+
+
+def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], out_dir: str, *,
+                     max_new_tokens: int = 256, batch_size: int = 32, temperature: float = 0.0,
+                     seed: int = 0, target_tokens: Optional[int] = None, limit: Optional[int] = None,
+                     cache_size: Optional[int] = None, eos_token_ids: Optional[Sequence[int]] = None,
+                     progress: bool = True) -> dict:
+    """Answer tokenized prompts with continuous batching; append to ``out_dir/samples.jsonl``.
+
+    Args:
+      cfg, params: the backbone (`ModelConfig`, `LlamaModel` params).
+      prompts: (id, prompt token ids) in the order to process (chat template applied); ids
+        already in samples.jsonl are skipped (resume) but still count towards `limit`.
+      max_new_tokens: answer budget per prompt (finish "length" when reached without EOS).
+      batch_size: B rows decoded together.
+      temperature: 0 greedy; > 0 sampling.
+      target_tokens: stop taking new prompts once this many response tokens exist (those in the
+        file included); rows in flight are finished. None: no target.
+      limit: take only the first `limit` prompts of `prompts`.
+      cache_size: S slots per row; default: longest prompt + max_new_tokens + 1, rounded up to 64
+        (prompts are materialised to find it when not given).
+      eos_token_ids: default ``cfg.eos_token_ids``.
+    Returns:
+      {"written": samples written now, "tokens": response tokens written now, "total_tokens":
+       in the file, "seconds": decode wall time, "tokens_per_s": written tokens / seconds}.
+    Raises:
+      ValueError: a prompt that does not fit in `cache_size` with its budget, or an empty prompt.
+    """
+    import jax
+
+    from ..generate import PLAIN_TREE, step
+    from ..verify import Acceptance
+
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, SAMPLES_FILE)
+    done = read_samples(path)
+    total = sum(len(r["response_ids"]) for r in done.values())
+    eos = set(int(e) for e in (cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
+    it: Iterator = iter(prompts)
+    if limit is not None:
+        import itertools
+        it = itertools.islice(it, limit)
+    if cache_size is None:
+        pending = list(it)
+        longest = max((len(p) for i, p in pending if i not in done), default=1)
+        cache_size = min(-(-(longest + max_new_tokens + 1) // 64) * 64, cfg.max_position_embeddings)
+        it = iter(pending)
+    S = cache_size
+    acc = Acceptance(temperature=float(temperature))
+    B = batch_size
+
+    bar = None
+    if progress:
+        from tqdm import tqdm
+        bar = tqdm(total=target_tokens, initial=total, unit="tok", desc="distill", dynamic_ncols=True,
+                   mininterval=5.0, file=sys.stderr)
+
+    def next_prompt():
+        nonlocal total
+        if target_tokens is not None and total >= target_tokens:
+            return None
+        for pid, ids in it:
+            if pid in done:
+                continue
+            ids = [int(t) for t in ids]
+            if not ids:
+                raise ValueError(f"prompt {pid}: empty")
+            if len(ids) + max_new_tokens > S:
+                raise ValueError(f"prompt {pid}: {len(ids)} tokens + {max_new_tokens} new do not fit "
+                                 f"in the cache of {S} slots")
+            return pid, ids
+        return None
+
+    state = _empty_state(cfg, B, S, seed)
+    rows: List[Optional[dict]] = [None] * B
+    written = new_tokens = 0
+
+    def fill(b):
+        nonlocal state
+        nxt = next_prompt()
+        if nxt is None:
+            rows[b] = None
+            state = _reset_row_fn()(state, jax.numpy.int32(b))
+            return
+        pid, ids = nxt
+        rows[b] = {"id": pid, "prompt_ids": ids, "response_ids": []}
+        state = insert_row(state, _prefill_one(cfg, params, ids, S), b)
+
+    t0 = time.perf_counter()
+    with open(path, "a", encoding="utf-8") as f:
+        for b in range(B):
+            fill(b)
+        while any(r is not None for r in rows):
+            out, state = step(cfg, None, PLAIN_TREE, acc, params, None, state)
+            toks = np.asarray(out.tokens[:, 0])
+            active = 0
+            for b, r in enumerate(rows):
+                if r is None:
+                    continue
+                tok = int(toks[b])
+                r["response_ids"].append(tok)
+                active += 1
+                finish = "eos" if tok in eos else ("length" if len(r["response_ids"]) >= max_new_tokens else None)
+                if finish is None:
+                    continue
+                r["finish"] = finish
+                f.write(json.dumps(r, separators=(",", ":")) + "\n")
+                f.flush()
+                done[r["id"]] = r
+                written += 1
+                fill(b)
+            total += active
+            new_tokens += active
+            if bar is not None:
+                bar.update(active)
+                bar.set_postfix(samples=len(done), tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}",
+                                refresh=False)
+    if bar is not None:
+        bar.close()
+    secs = time.perf_counter() - t0
+    return {"written": written, "tokens": new_tokens, "total_tokens": total, "seconds": secs,
+            "tokens_per_s": new_tokens / secs if secs > 0 else 0.0}
+
+
+# --------------------------------------------------------------------------------------------
+# the full pipeline
+
+
+def tokenized_prompts(tokenizer, pool: Sequence[Tuple[str, str]], seed: int, max_prompt_tokens: int,
+                      skip_ids: Iterable[str] = ()) -> Iterator[Tuple[str, List[int]]]:
+    """Shuffle `pool` with `seed` (numpy permutation) and yield (id, chat-templated ids), skipping
+    prompts longer than `max_prompt_tokens` or empty. Ids in `skip_ids` are yielded with an empty
+    list (already done; not tokenized) so that they still count towards a limit."""
+    from ..loading import apply_chat_template
+    skip = set(skip_ids)
+    order = np.random.default_rng(seed).permutation(len(pool))
+    for i in order:
+        pid, text = pool[int(i)]
+        if pid in skip:
+            yield pid, []
+            continue
+        if not text.strip():
+            continue
+        ids = apply_chat_template(tokenizer, text)
+        if len(ids) <= max_prompt_tokens:
+            yield pid, ids
+
+
+def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None,
+            target_tokens: Optional[int] = None, max_new_tokens: int = 256, batch_size: int = 32,
+            temperature: float = 0.0, seed: int = 0, limit: Optional[int] = None,
+            max_prompt_tokens: int = 256, progress: bool = True) -> dict:
+    """Self-distil a prompt pool into ``out`` (see the module doc). Plain keyword arguments, so a
+    YAML config can be passed as ``distill(**cfg)``.
+
+    Args:
+      out: output directory (created).
+      model: backbone path (HF dir or GGUF); None: the default SmolLM2 GGUF.
+      prompts: JSONL with a ``prompt`` field; None: `default_prompts_path()`.
+      target_tokens: stop taking prompts once the file holds this many response tokens.
+      max_new_tokens, batch_size, temperature, seed, limit: see `generate_samples`; `seed` also
+        fixes the pool's shuffle.
+      max_prompt_tokens: skip prompts longer than this after the chat template.
+    Returns: `generate_samples`'s summary.
+    Raises:
+      EvalSetError: `prompts` names an evaluation set.
+      ValueError: ``out`` holds a meta.json made with different settings.
+    """
+    from ..loading import load_model
+
+    prompts = os.path.abspath(prompts or default_prompts_path())
+    check_not_eval_set(prompts)
+    pool = read_prompt_pool(prompts)
+    lm = load_model(model)
+    meta = {"model": os.path.abspath(lm.path), "max_new_tokens": int(max_new_tokens),
+            "temperature": float(temperature), "seed": int(seed), "prompts": prompts,
+            "max_prompt_tokens": int(max_prompt_tokens), "eos_token_ids": list(lm.cfg.eos_token_ids)}
+    os.makedirs(out, exist_ok=True)
+    meta_path = os.path.join(out, META_FILE)
+    if os.path.exists(meta_path):
+        with open(meta_path) as f:
+            old = json.load(f)
+        diff = [k for k in _META_KEYS if k in old and old[k] != meta[k]
+                and not (k in ("model", "prompts") and os.path.basename(str(old[k])) == os.path.basename(meta[k]))]
+        if diff:
+            raise ValueError(f"{out} was made with different settings ({', '.join(f'{k}: {old[k]!r} != {meta[k]!r}' for k in diff)}); "
+                             "use the same arguments to resume, or another --out")
+    with open(meta_path, "w") as f:
+        json.dump(meta, f, indent=2)
+    done = read_samples(os.path.join(out, SAMPLES_FILE))
+    S = min(-(-(max_prompt_tokens + max_new_tokens + 1) // 64) * 64, lm.cfg.max_position_embeddings)
+    max_prompt_tokens = min(max_prompt_tokens, S - max_new_tokens)
+    it = tokenized_prompts(lm.tokenizer, pool, seed, max_prompt_tokens, skip_ids=done.keys())
+    return generate_samples(lm.cfg, lm.params, it, out, max_new_tokens=max_new_tokens,
+                            batch_size=batch_size, temperature=temperature, seed=seed,
+                            target_tokens=target_tokens, limit=limit, cache_size=S, progress=progress)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m medusa_jax.train.distill", description=__doc__.split("\n")[0])
+    p.add_argument("--out", required=True, help="output directory (samples.jsonl, meta.json)")
+    p.add_argument("--model", default=None, help="backbone: HF directory or GGUF (default: SmolLM2 GGUF)")
+    p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field (default: the permissive pool)")
+    p.add_argument("--target-tokens", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the shuffled pool")
+    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    a = p.parse_args(argv)
+    try:
+        res = distill(a.out, model=a.model, prompts=a.prompts, target_tokens=a.target_tokens,
+                      max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, temperature=a.temperature,
+                      seed=a.seed, limit=a.limit, max_prompt_tokens=a.max_prompt_tokens)
+    except (EvalSetError, FileNotFoundError, ValueError) as e:
+        sys.exit(f"error: {e}")
+    print(json.dumps(res), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,135 @@
+"""Self-distillation: continuous batching equals single-prompt greedy decoding; resume; safety checks."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax.config import ModelConfig
+from medusa_jax.generate import generate
+from medusa_jax.models.llama import LlamaModel
+from medusa_jax.train import distill as D
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny Llama whose greedy output is varied; EOS = a token it emits for some prompts only."""
+    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=512, eos_token_ids=())
+    params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32),
+                                  jnp.zeros((1, 4), jnp.int32))["params"]
+    params = jax.tree_util.tree_map(lambda a: a * 3 if a.ndim == 2 else a, params)
+    rng = np.random.default_rng(0)
+    prompts = [(f"p{i}", rng.integers(0, V, size=int(rng.integers(1, 40))).tolist()) for i in range(11)]
+    # choose as EOS a token that appears early in some (not all) greedy outputs
+    outs = [generate(cfg, params, p, max_new_tokens=20).tokens for _, p in prompts]
+    counts = np.bincount([t for o in outs for t in o[:10]], minlength=V)
+    eos = int(np.argsort(counts)[-3])
+    return cfg.replace(eos_token_ids=(eos,)), params, prompts
+
+
+def _reference(cfg, params, prompt, n):
+    r = generate(cfg, params, prompt, max_new_tokens=n)
+    return r.tokens, ("eos" if r.stop_reason == "eos" else "length")
+
+
+def _records(out_dir):
+    with open(os.path.join(out_dir, D.SAMPLES_FILE)) as f:
+        return {r["id"]: r for r in map(json.loads, f)}
+
+
+def test_continuous_batching_equals_single_prompt_greedy(tiny, tmp_path):
+    cfg, params, prompts = tiny
+    res = D.generate_samples(cfg, params, prompts, str(tmp_path), max_new_tokens=24, batch_size=3,
+                             progress=False)
+    recs = _records(tmp_path)
+    assert set(recs) == {i for i, _ in prompts} and res["written"] == len(prompts)
+    finishes = set()
+    for pid, p in prompts:
+        ref, finish = _reference(cfg, params, p, 24)
+        assert recs[pid]["prompt_ids"] == p
+        assert recs[pid]["response_ids"] == ref, pid
+        assert recs[pid]["finish"] == finish
+        finishes.add(finish)
+        if finish == "eos":
+            assert ref[-1] in cfg.eos_token_ids
+    assert finishes == {"eos", "length"}  # both stopping rules exercised, with rows refilled
+    assert res["tokens"] == sum(len(r["response_ids"]) for r in recs.values())
+
+
+def test_resume_after_interrupt_equals_one_run(tiny, tmp_path):
+    cfg, params, prompts = tiny
+    kw = dict(max_new_tokens=16, batch_size=4, progress=False)
+    D.generate_samples(cfg, params, prompts, str(tmp_path / "one"), limit=9, **kw)
+    part = tmp_path / "part"
+    D.generate_samples(cfg, params, prompts, str(part), limit=4, **kw)
+    with open(part / D.SAMPLES_FILE, "a") as f:
+        f.write('{"id": "p7", "prompt_ids": [1, 2')  # killed mid-write
+    assert set(D.read_samples(str(part / D.SAMPLES_FILE))) == set(_records(tmp_path / "one")) & set(
+        i for i, _ in prompts[:4])
+    res = D.generate_samples(cfg, params, prompts, str(part), limit=9, **kw)
+    assert res["written"] == 5
+    assert _records(part) == _records(tmp_path / "one")
+    assert len(_records(part)) == 9
+    # nothing left to do: a rerun writes nothing
+    assert D.generate_samples(cfg, params, prompts, str(part), limit=9, **kw)["written"] == 0
+
+
+def test_target_tokens_stops_taking_prompts(tiny, tmp_path):
+    cfg, params, prompts = tiny
+    res = D.generate_samples(cfg, params, prompts, str(tmp_path), max_new_tokens=16, batch_size=2,
+                             target_tokens=20, progress=False)
+    recs = _records(tmp_path)
+    assert 2 <= len(recs) < len(prompts)
+    assert res["total_tokens"] >= 20
+    # stopped taking prompts once the target was reached: without the last two started, below it
+    lens = [len(r["response_ids"]) for r in recs.values()]
+    assert sum(sorted(lens)[:-2]) < 20 or len(recs) == 2
+
+
+def test_prompt_too_long_for_cache(tiny, tmp_path):
+    cfg, params, _ = tiny
+    with pytest.raises(ValueError, match="do not fit"):
+        D.generate_samples(cfg, params, [("a", list(range(60)))], str(tmp_path), max_new_tokens=16,
+                           cache_size=64, progress=False)
+
+
+def test_refuses_evaluation_sets(tmp_path):
+    for name in ("FastChat_mt_bench_question.jsonl", "Spec-Bench_question.jsonl"):
+        path = tmp_path / name
+        path.write_text('{"prompt": "hi"}\n')
+        with pytest.raises(D.EvalSetError, match="evaluation set"):
+            D.read_prompt_pool(str(path))
+        with pytest.raises(D.EvalSetError):
+            D.distill(str(tmp_path / "out"), prompts=str(path))
+
+
+def test_read_prompt_pool_and_shuffle(tmp_path):
+    path = tmp_path / "pool.jsonl"
+    path.write_text("".join(json.dumps({"id": f"x{i}", "prompt": f"q {i}"}) + "\n" for i in range(5)) + "\n")
+    pool = D.read_prompt_pool(str(path))
+    assert pool == [(f"x{i}", f"q {i}") for i in range(5)]
+
+    class Tok:  # minimal tokenizer: one token per character, a chat template
+        chat_template = "x"
+
+        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
+            return [ord(c) for c in messages[-1]["content"]]
+
+    a = [i for i, _ in D.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=10)]
+    b = [i for i, _ in D.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=10)]
+    assert a == b and sorted(a) == [f"x{i}" for i in range(5)]
+    assert list(D.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=2)) == []
+    assert dict(D.tokenized_prompts(Tok(), pool, 3, 10, skip_ids=["x1"]))["x1"] == []
+
+
+def test_default_prompts_path_is_the_permissive_pool():
+    p = D.default_prompts_path()
+    assert p.endswith(os.path.join("shared", "data", "prompt_pool_permissive.jsonl"))
+    D.check_not_eval_set(p)
