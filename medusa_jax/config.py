@@ -208,3 +208,271 @@ class MedusaConfig:
 
     def replace(self, **kw) -> "MedusaConfig":
         return dataclasses.replace(self, **kw)
+
+
+# ------------------------------------------------------------------------------------- training
+
+#: TrainConfig.mode values: "frozen" = Medusa-1 (heads only, Sec. 2.2.1 of the Medusa paper),
+#: "joint" = Medusa-2 (backbone and heads, Sec. 2.2.2).
+TRAIN_MODES: Tuple[str, ...] = ("frozen", "joint")
+
+
+class TrainConfigError(ValueError):
+    """A training config with an unknown key, a value of the wrong type or an invalid value."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Everything `train.py` / `medusa_jax.train.trainer.train` needs; built from YAML.
+
+    Load with `TrainConfig.from_yaml(path, overrides=["steps=10", ...])`; every key of the YAML
+    file is a field below (unknown keys raise `TrainConfigError`). Sources: Cai et al. 2024,
+    "Medusa", Sec. 2.2 (Medusa-1 / Medusa-2 training) and Sec. 2.3.2 (self-distillation).
+
+    Backbone:
+      model: path of an HF directory or GGUF file; None: the default SmolLM2-135M-Instruct GGUF
+        (`medusa_jax.loading.load_model`); "random": a tiny random backbone built in-process from
+        the ``random_*`` fields (tests, CI).
+      random_vocab_size, random_hidden_size, random_intermediate_size, random_num_layers,
+      random_num_heads, random_num_kv_heads: sizes of the "random" backbone (Llama, untied
+        embeddings).
+      random_init_std: std of the random backbone's token embedding (normal); the other params
+        keep Flax's default init. A large embedding keeps the current token visible in the
+        hidden state.
+    Data:
+      data: a self-distillation directory (``samples.jsonl`` from ``python -m
+        medusa_jax.train.distill``), or "synthetic": sequences that follow a random permutation f
+        of the vocabulary (x[t+1] = f(x[t])), so that token t+k+2 = f^(k+2)(token t) is a
+        deterministic function of token t.
+      synthetic_num_sequences, synthetic_seq_len, synthetic_prompt_len: size of the synthetic set;
+        the first synthetic_prompt_len tokens of each sequence are masked out like a prompt.
+      val_fraction: fraction of the sequences held out for validation (split by sequence).
+      max_seq_len: sequences are truncated to this many tokens.
+      max_val_positions: cap on validation positions used per evaluation (0: all).
+    Heads (`MedusaConfig`):
+      num_heads: K; head k predicts token t+k+2. num_layers: residual blocks per head.
+      shared_lm_head: heads end in the base lm_head, frozen and shared (True) or in their own
+        copies of it, trained (False).
+      topk: candidates per head at decoding time (stored with the exported heads).
+      tree: tree stored with the exported heads: None (none), a preset name of
+        `medusa_jax.tree.PRESETS`, a tree file, or "search" (greedy search from the final
+        validation rank accuracies, Medusa Sec. 3.3.1, with tree_nodes tree tokens).
+      tree_nodes: tree tokens (root included) for tree="search".
+      init_heads: a heads directory (`load_heads`) to start from instead of fresh heads (e.g. the
+        Medusa-1 heads before joint training); None: fresh heads (zero blocks, which reproduce the
+        base model's next-token logits). Its K, L and shared_lm_head must match the fields above.
+    Optimisation (Optax AdamW, linear warm-up then cosine decay, global-norm clipping):
+      mode: "frozen" (Medusa-1: only the heads train; the backbone's hidden states are computed
+        once) or "joint" (Medusa-2: backbone and heads).
+      steps: optimizer steps in total (in joint mode heads_warmup_steps of them are heads-only).
+      batch_size: training positions per step in frozen mode; sequences per step in joint mode.
+      learning_rate: peak learning rate of the backbone (joint); the heads' is learning_rate *
+        heads_lr_multiplier (both modes).
+      heads_lr_multiplier: learning-rate multiplier of the heads.
+      warmup_steps: linear warm-up steps from 0 to the peak (per parameter group; the backbone's
+        schedule starts after heads_warmup_steps).
+      min_lr_ratio: the cosine decay ends at peak * min_lr_ratio.
+      weight_decay: AdamW decoupled weight decay (not applied to biases and norm scales).
+      adam_b1, adam_b2, adam_eps: AdamW moments and epsilon.
+      grad_clip: clip gradients to this global norm (0: no clipping).
+      loss_decay: head k's loss weight is loss_decay**k (Medusa's lambda_k = 0.8^k).
+      head_matmul_dtype: "float32" or "bfloat16": input dtype of the heads' vocabulary projection
+        during training (float32 accumulation, softmax and loss in float32 either way);
+        bfloat16 is about 1.7x faster on CPUs with AVX512-BF16 and halves the lm_head's memory.
+      loss_chunk: positions per chunk of the heads' vocabulary projection (0: whole batch at once);
+        bounds memory at about 3 * K * loss_chunk * V floats.
+      lambda_base: weight of the backbone's own loss in joint mode; the heads' summed loss has
+        weight 1. Medusa-2 (Sec. 2.2.2) writes L_LM + lambda_0 * L_heads with lambda_0 = 0.2, the
+        same up to a constant factor as lambda_base = 5.
+      base_loss: backbone loss in joint mode: "ce" (cross-entropy on the data's next tokens) or
+        "kl" (KL divergence from the frozen original model's distribution, suits self-distilled data).
+      heads_warmup_steps: joint mode: heads-only steps before the backbone trains (Medusa-2's
+        two-stage recipe).
+    Run:
+      out_dir: where metrics, plots, checkpoints and the exported heads go.
+      seed: seed of the split, the data order (per epoch, from seed and epoch) and the random
+        backbone.
+      hidden_batch_tokens: frozen mode: tokens per batch when computing the hidden states once.
+      cache_hidden: frozen mode: keep the computed hidden states in out_dir/hidden (numpy), reused
+        when resuming.
+      log_every: steps between metrics lines (mean of the steps since the last line).
+      eval_every: steps between validation evaluations (0: only at the end).
+      checkpoint_every: steps between Orbax checkpoints (0: only at the end).
+      keep_checkpoints: how many checkpoints to keep.
+      save_backbone: joint mode: also save the trained backbone params (numpy .npz) to out_dir.
+    """
+    # backbone
+    model: Optional[str] = None
+    random_vocab_size: int = 64
+    random_hidden_size: int = 64
+    random_intermediate_size: int = 128
+    random_num_layers: int = 2
+    random_num_heads: int = 4
+    random_num_kv_heads: int = 2
+    random_init_std: float = 1.0
+    # data
+    data: str = "data/distill/smollm2"
+    synthetic_num_sequences: int = 256
+    synthetic_seq_len: int = 32
+    synthetic_prompt_len: int = 4
+    val_fraction: float = 0.02
+    max_seq_len: int = 1024
+    max_val_positions: int = 4096
+    # heads
+    num_heads: int = 4
+    num_layers: int = 1
+    shared_lm_head: bool = True
+    topk: int = 10
+    tree: Optional[str] = None
+    tree_nodes: int = 16
+    init_heads: Optional[str] = None
+    # optimisation
+    mode: str = "frozen"
+    steps: int = 1000
+    batch_size: int = 256
+    learning_rate: float = 1e-3
+    heads_lr_multiplier: float = 1.0
+    warmup_steps: int = 50
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.999
+    adam_eps: float = 1e-8
+    grad_clip: float = 1.0
+    loss_decay: float = 0.8
+    head_matmul_dtype: str = "float32"
+    loss_chunk: int = 0
+    lambda_base: float = 5.0
+    base_loss: str = "ce"
+    heads_warmup_steps: int = 0
+    # run
+    out_dir: str = "runs/medusa"
+    seed: int = 0
+    hidden_batch_tokens: int = 4096
+    cache_hidden: bool = True
+    log_every: int = 10
+    eval_every: int = 200
+    checkpoint_every: int = 200
+    keep_checkpoints: int = 2
+    save_backbone: bool = True
+
+    def __post_init__(self):
+        problems = []
+        if self.mode not in TRAIN_MODES:
+            problems.append(f"mode must be one of {TRAIN_MODES}, got {self.mode!r}")
+        if self.head_matmul_dtype not in ("float32", "bfloat16"):
+            problems.append(f"head_matmul_dtype must be 'float32' or 'bfloat16', got {self.head_matmul_dtype!r}")
+        if self.base_loss not in ("ce", "kl"):
+            problems.append(f"base_loss must be 'ce' or 'kl', got {self.base_loss!r}")
+        for name in ("steps", "batch_size", "num_heads", "max_seq_len", "hidden_batch_tokens", "log_every",
+                     "keep_checkpoints", "topk", "tree_nodes"):
+            if getattr(self, name) < 1:
+                problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("num_layers", "warmup_steps", "heads_warmup_steps", "eval_every", "checkpoint_every",
+                     "loss_chunk", "max_val_positions", "synthetic_prompt_len"):
+            if getattr(self, name) < 0:
+                problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 <= self.val_fraction < 1.0:
+            problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
+        if self.learning_rate <= 0 or self.heads_lr_multiplier <= 0:
+            problems.append("learning_rate and heads_lr_multiplier must be > 0")
+        if self.mode == "joint" and self.heads_warmup_steps >= self.steps:
+            problems.append(f"heads_warmup_steps ({self.heads_warmup_steps}) must be < steps ({self.steps})")
+        if problems:
+            raise TrainConfigError("invalid training config: " + "; ".join(problems))
+
+    # ---- loading
+
+    @classmethod
+    def field_types(cls) -> dict:
+        """{field name: (base type, optional)} for every field, used to coerce YAML values."""
+        out = {}
+        for f in dataclasses.fields(cls):
+            t = f.type if isinstance(f.type, str) else getattr(f.type, "__name__", str(f.type))
+            optional = t.startswith("Optional[")
+            base = t[len("Optional["):-1] if optional else t
+            out[f.name] = ({"int": int, "float": float, "bool": bool, "str": str}[base], optional)
+        return out
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+        """Build from a mapping, coercing each value to its field's type.
+
+        Ints are accepted for float fields, "1e-3"-style strings for numbers, "true"/"false" for
+        booleans, and null / "none" for Optional fields.
+        Raises:
+          TrainConfigError: an unknown key (the message lists the known ones), a value of the
+            wrong type, or an invalid value (see the field docs).
+        """
+        types = cls.field_types()
+        unknown = sorted(set(d) - set(types))
+        if unknown:
+            raise TrainConfigError(f"{source}: unknown training config key(s) {unknown}; known keys: "
+                                   f"{', '.join(sorted(types))}")
+        kw = {k: _coerce(k, v, *types[k], source) for k, v in d.items()}
+        return cls(**kw)
+
+    @classmethod
+    def from_yaml(cls, path: Optional[str] = None, overrides: Tuple[str, ...] = ()) -> "TrainConfig":
+        """Load a YAML file (a mapping of fields; None: all defaults) and apply ``key=value`` overrides.
+
+        Override values are parsed as YAML scalars (``steps=10``, ``model=null``,
+        ``learning_rate=3e-4``) and win over the file.
+        Raises:
+          FileNotFoundError: no such file. TrainConfigError: not a mapping, an override without
+            '=', or any `from_dict` error.
+        """
+        import yaml
+
+        d: dict = {}
+        if path is not None:
+            with open(path) as f:
+                loaded = yaml.safe_load(f)
+            if loaded is not None and not isinstance(loaded, dict):
+                raise TrainConfigError(f"{path}: expected a mapping of training config fields, got "
+                                       f"{type(loaded).__name__}")
+            d.update(loaded or {})
+        for item in overrides:
+            if "=" not in item:
+                raise TrainConfigError(f"override {item!r} is not key=value")
+            k, v = item.split("=", 1)
+            d[k.strip()] = yaml.safe_load(v) if v.strip() else ""
+        return cls.from_dict(d, source=path or "config")
+
+    def to_dict(self) -> dict:
+        """All fields as a plain dict (JSON / YAML serialisable)."""
+        return dataclasses.asdict(self)
+
+    def replace(self, **kw) -> "TrainConfig":
+        return dataclasses.replace(self, **kw)
+
+
+def _coerce(key: str, value: Any, typ: type, optional: bool, source: str) -> Any:
+    if value is None or (optional and isinstance(value, str) and value.strip().lower() in ("none", "null", "")):
+        if optional:
+            return None
+        raise TrainConfigError(f"{source}: {key} may not be null")
+    bad = TrainConfigError(f"{source}: {key} must be {typ.__name__}, got {value!r}")
+    if typ is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.strip().lower() in ("true", "false", "yes", "no"):
+            return value.strip().lower() in ("true", "yes")
+        raise bad
+    if typ is str:
+        if isinstance(value, (dict, list, bool)):
+            raise bad
+        return str(value)
+    if isinstance(value, bool):
+        raise bad
+    try:
+        num = float(value) if isinstance(value, str) else value
+    except ValueError:
+        raise bad from None
+    if typ is int:
+        if not isinstance(num, (int, float)) or float(num) != int(num):
+            raise bad
+        return int(num)
+    if not isinstance(num, (int, float)):
+        raise bad
+    return float(num)

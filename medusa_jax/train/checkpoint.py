@@ -1,0 +1,172 @@
+"""Resumable training: Orbax checkpoints, the data order, and the metrics log.
+
+A checkpoint holds, under ``out_dir/checkpoints/<step>/``:
+
+* ``state``: a pytree ``{"params": what is trained, "opt_state": the Optax state, "step": int}``
+  (Orbax ``StandardSave``; arrays restored with the dtypes and structure of a template);
+* ``meta``: JSON with the step, the data-order RNG (seed, epoch, index within the epoch: the
+  data order of an epoch is a pure function of the seed and the epoch number, see
+  `medusa_jax.train.trainer.epoch_permutation`), the training config, and free fields.
+
+Saving is synchronous (a killed run never leaves a half-written checkpoint behind that Orbax
+would pick up: Orbax writes to a temporary directory and renames it when complete) and keeps the
+last ``keep`` checkpoints.
+
+The data order is a pure function of (seed, step) (`batch_indices`), so nothing but the step has to
+be restored for the data; `MetricsLog` drops the metrics lines of steps after the checkpoint a run
+resumes from, so ``metrics.jsonl`` reads like that of an uninterrupted run.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+
+class Checkpointer:
+    """Save and restore training state with an Orbax ``CheckpointManager``.
+
+    Args:
+      directory: checkpoint directory (created; made absolute, as Orbax requires).
+      keep: how many of the latest checkpoints to keep (older ones are deleted).
+    """
+
+    def __init__(self, directory: str, keep: int = 2):
+        import orbax.checkpoint as ocp
+
+        self._ocp = ocp
+        self.directory = os.path.abspath(os.fspath(directory))
+        options = ocp.CheckpointManagerOptions(max_to_keep=int(keep), create=True,
+                                               enable_async_checkpointing=False)
+        self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+    def latest_step(self) -> Optional[int]:
+        """The step of the newest complete checkpoint, or None when there is none."""
+        return self.manager.latest_step()
+
+    def save(self, step: int, state: Any, meta: dict) -> None:
+        """Write the checkpoint of `step` (overwrites nothing: a step already saved is skipped).
+
+        Args:
+          step: the number of optimizer steps done.
+          state: pytree of arrays (jax or numpy), e.g. {"params", "opt_state", "step"}.
+          meta: JSON-serialisable dict (data-order RNG, config, ...).
+        """
+        ocp = self._ocp
+        if step in self.manager.all_steps():
+            return
+        state = jax.tree_util.tree_map(np.asarray, state)
+        self.manager.save(int(step), args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                                              meta=ocp.args.JsonSave(dict(meta))))
+        self.manager.wait_until_finished()
+
+    def restore(self, template: Any, step: Optional[int] = None) -> Tuple[int, Any, dict]:
+        """Restore a checkpoint into the structure and dtypes of `template`.
+
+        Args:
+          template: a pytree shaped like the saved state (e.g. the freshly initialised state).
+          step: which checkpoint; None: the latest.
+        Returns:
+          (step, state as numpy arrays in template's structure, meta dict).
+        Raises:
+          FileNotFoundError: no checkpoint (or not that step) in the directory.
+          ValueError: the saved state does not match the template (different model or heads).
+        """
+        ocp = self._ocp
+        if step is None:
+            step = self.latest_step()
+        if step is None or step not in self.manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint{'' if step is None else f' for step {step}'} in "
+                                    f"{self.directory}")
+        abstract = jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), template)
+        try:
+            out = self.manager.restore(int(step), args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{self.directory}: checkpoint {step} does not match this training setup "
+                             f"(different model, heads or mode?): {e}. Use another out_dir or --no-resume.") from e
+        state = jax.tree_util.tree_map(np.asarray, out["state"])
+        return int(step), state, dict(out["meta"])
+
+    def close(self) -> None:
+        """Finish pending writes and release the manager."""
+        self.manager.wait_until_finished()
+        self.manager.close()
+
+
+# ------------------------------------------------------------------------------ data order, metrics
+
+@functools.lru_cache(maxsize=2)
+def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The data order of one epoch: a permutation of range(n) from (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch, n]).permutation(n)
+
+
+def batch_indices(n: int, batch: int, seed: int, step: int) -> np.ndarray:
+    """Indices of step `step`'s batch: items [step*batch, (step+1)*batch) of the stream of epochs
+    ``epoch_permutation(n, seed, 0) ++ epoch_permutation(n, seed, 1) ++ ...``."""
+    out, start = [], step * batch
+    while sum(len(o) for o in out) < batch:
+        e, off = divmod(start, n)
+        take = epoch_permutation(n, seed, e)[off:off + batch - sum(len(o) for o in out)]
+        out.append(take)
+        start += len(take)
+    return np.concatenate(out)
+
+
+class MetricsLog:
+    """``out_dir/metrics.jsonl`` (one JSON object per line, each with a "step") and
+    ``out_dir/accuracy.png``, redrawn whenever a line with validation accuracies is written.
+
+    Lines of steps after `start_step` (the step a run resumes from) are dropped on opening.
+    """
+
+    def __init__(self, out_dir: str, start_step: int):
+        self.path, self.png = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "accuracy.png")
+        kept = []
+        if os.path.isfile(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        rec = json.loads(line)
+                    except json.JSONDecodeError:
+                        continue
+                    if rec.get("step", 0) <= start_step:
+                        kept.append(rec)
+        self.records = kept
+        with open(self.path, "w") as f:
+            f.writelines(json.dumps(r) + "\n" for r in kept)
+
+    def write(self, rec: dict) -> None:
+        self.records.append(rec)
+        with open(self.path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        if "val_top1" in rec:
+            plot_accuracy(self.records, self.png)
+
+
+def plot_accuracy(records: Sequence[dict], path: str) -> None:
+    """PNG of per-head validation top-1 (solid) and top-5 (dashed) accuracy over steps."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    ev = [r for r in records if "val_top1" in r]
+    if not ev:
+        return
+    steps = [r["step"] for r in ev]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for k in range(len(ev[0]["val_top1"])):
+        line, = ax.plot(steps, [r["val_top1"][k] for r in ev], marker="o", ms=3, label=f"head {k} top-1")
+        ax.plot(steps, [r["val_top5"][k] for r in ev], ls="--", color=line.get_color(), label=f"head {k} top-5")
+    ax.set(xlabel="step", ylabel="validation accuracy", ylim=(0, 1), title="Medusa heads: token t+k+2")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path + ".tmp.png", dpi=110)
+    plt.close(fig)
+    os.replace(path + ".tmp.png", path)

@@ -1,0 +1,561 @@
+"""Train Medusa heads: frozen backbone (Medusa-1) or jointly with the backbone (Medusa-2).
+
+Cai et al. 2024, "Medusa", Sec. 2.2. Head k (0-based) reads the backbone's last hidden state at t
+and is trained with cross-entropy on token t+k+2, weighted ``loss_decay**k`` (Sec. 2.2.1).
+
+* ``frozen`` (Medusa-1): the backbone's hidden states are computed once (batched by length, jitted,
+  ``compute_logits=False``) and reused across epochs; training runs on a flat dataset of positions
+  (hidden [D] at t, labels of every head) shuffled across sequences, keeping only positions where
+  at least one head has a valid label. Only the heads get gradients and optimizer state. With a
+  shared lm_head the loss is `losses.shared_head_loss` (no lm_head gradient, fused backward).
+* ``joint`` (Medusa-2, Sec. 2.2.2): backbone and heads; loss = ``lambda_base * L_base +
+  sum_k decay^k L_k`` with L_base the next-token cross-entropy, or the KL divergence from the frozen
+  original model (``base_loss: kl``, for self-distilled data, Sec. 2.3.2). The heads have their own
+  learning-rate multiplier, and the first ``heads_warmup_steps`` steps train the heads only (the
+  backbone's optimizer and schedule start after them).
+
+Optax AdamW, linear warm-up + cosine decay, global-norm clipping. The data order of epoch e is
+`epoch_permutation` (seed, e): a pure function, so a run resumed from an Orbax checkpoint
+(`checkpoint.Checkpointer`) ends with the same params as an uninterrupted one.
+
+Outputs in ``out_dir``: ``metrics.jsonl``, ``accuracy.png``, ``checkpoints/``, ``heads/`` (our
+format, `medusa_jax.convert.medusa_format.save_heads`, with the final metrics), and in joint mode
+``backbone/`` (an HF directory: config.json + model.safetensors, loadable by `load_model`).
+"""
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from ..config import MedusaConfig, ModelConfig, TrainConfig
+from ..heads import MedusaHeads, init_heads
+from ..models.llama import LlamaModel, lm_head_matrix
+from . import data as D
+from .checkpoint import Checkpointer, MetricsLog, batch_indices
+from .losses import (NUM_RANKS, heads_ce, kl_to_teacher_sums, masked_ce_sums, safe_mean, shared_head_loss,
+                     topk_from_ranks, total_heads_loss)
+
+Pair = Tuple[np.ndarray, np.ndarray]  # (ids [T] int32, loss_mask [T] bool)
+#: Sequences are padded to a multiple of this many tokens (one compiled shape per bucket).
+LENGTH_BUCKET = 128
+#: Config fields that may change between a checkpoint and its resumption without a warning.
+_RESUME_FREE = ("out_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_hidden",
+                "hidden_batch_tokens", "tree", "tree_nodes", "save_backbone", "max_val_positions")
+
+
+@dataclass
+class Backbone:
+    """cfg: `ModelConfig`; params: `LlamaModel` params (jnp); path: where it came from or "random";
+    tokenizer: a transformers tokenizer or None."""
+    cfg: ModelConfig
+    params: Any
+    path: str
+    tokenizer: Any = None
+
+
+@dataclass
+class TrainResult:
+    """What `train` returns. heads_params / backbone_params are numpy pytrees (backbone_params only
+    in joint mode); metrics holds the last evaluation (val_loss, val_top1, val_top5 per head, ranks);
+    steps_done < steps only when stopped early with ``stop_at_step``; heads_dir is None then."""
+    heads_cfg: MedusaConfig
+    heads_params: dict
+    backbone_params: Optional[dict]
+    metrics: dict
+    steps_done: int
+    heads_dir: Optional[str]
+
+
+# ---------------------------------------------------------------------------------- backbone, data
+
+def build_backbone(tc: TrainConfig) -> Backbone:
+    """The backbone: a tiny random Llama (``model: random``) or `load_model(tc.model)` (None: SmolLM2)."""
+    if tc.model == "random":
+        cfg = ModelConfig(arch="llama", vocab_size=tc.random_vocab_size, hidden_size=tc.random_hidden_size,
+                          intermediate_size=tc.random_intermediate_size, num_layers=tc.random_num_layers,
+                          num_heads=tc.random_num_heads, num_kv_heads=tc.random_num_kv_heads, rms_norm_eps=1e-5,
+                          max_position_embeddings=max(tc.max_seq_len, 256))
+        k1, k2 = jax.random.split(jax.random.PRNGKey(tc.seed))
+        tok = jnp.zeros((1, 4), jnp.int32)
+        params = LlamaModel(cfg).init(k1, tok, jnp.arange(4, dtype=jnp.int32)[None])["params"]
+        params = jax.tree_util.tree_map(lambda x: x, params)  # a mutable copy
+        params["embed"]["embedding"] = tc.random_init_std * jax.random.normal(
+            k2, (cfg.vocab_size, cfg.hidden_size), jnp.float32)
+        return Backbone(cfg, params, "random")
+    from ..loading import load_model
+    lm = load_model(tc.model, with_tokenizer=tc.mode == "joint")
+    return Backbone(lm.cfg, lm.params, lm.path, lm.tokenizer)
+
+
+def synthetic_examples(tc: TrainConfig, vocab_size: int) -> List[Pair]:
+    """Sequences of a random permutation f of the vocabulary: x[t+1] = f(x[t]), x[0] random.
+
+    Token t+k+2 is then f^(k+2)(token t), a deterministic function of token t. The first
+    ``synthetic_prompt_len`` tokens are masked out (like a prompt). Returns `data.Example`s
+    (ids int32 [T], loss_mask bool [T], id "synthetic-<i>").
+    """
+    rng = np.random.default_rng([tc.seed, 12345])
+    f = rng.permutation(vocab_size)
+    out = []
+    for i in range(tc.synthetic_num_sequences):
+        ids = np.empty(tc.synthetic_seq_len, np.int32)
+        ids[0] = rng.integers(vocab_size)
+        for t in range(1, len(ids)):
+            ids[t] = f[ids[t - 1]]
+        out.append(D.Example(ids, np.arange(len(ids)) >= tc.synthetic_prompt_len, id=f"synthetic-{i}"))
+    return out
+
+
+def load_examples(tc: TrainConfig, vocab_size: int) -> Tuple[List[Pair], List[Pair]]:
+    """(train, val) examples, truncated to max_seq_len. Raises ValueError for out-of-vocabulary ids
+    or an empty training split; FileNotFoundError for a missing data directory."""
+    examples = synthetic_examples(tc, vocab_size) if tc.data == "synthetic" else D.load_distilled(tc.data)
+    top = max((int(np.max(i)) for i, _ in examples if len(i)), default=-1)
+    if top >= vocab_size:
+        raise ValueError(f"{tc.data}: token id {top} is outside the backbone's vocabulary ({vocab_size}); "
+                         "the data was made with another tokenizer")
+    train, val = D.split_train_val(examples, tc.val_fraction, tc.seed)  # by example id: stable
+    if not train:
+        raise ValueError(f"{tc.data}: no training sequences (val_fraction={tc.val_fraction})")
+    cut = lambda exs: [(np.asarray(i, np.int32)[:tc.max_seq_len], np.asarray(m, bool)[:tc.max_seq_len])
+                       for i, m in exs]
+    return cut(train), cut(val)
+
+
+def _bucket_len(n: int, max_len: int) -> int:
+    return int(min(max_len, max(LENGTH_BUCKET, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)))
+
+
+def _padded(examples: Sequence[Pair], rows: int, max_len: int):
+    """pad_batch to a bucketed length, plus all-masked rows up to `rows`: tokens, mask [rows, T]."""
+    T = _bucket_len(max(len(i) for i, _ in examples), max_len)
+    tokens, mask, _ = D.pad_batch(list(examples), T)
+    tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
+    extra = rows - tokens.shape[0]
+    if extra > 0:
+        tokens = np.concatenate([tokens, np.zeros((extra, T), np.int32)])
+        mask = np.concatenate([mask, np.zeros((extra, T), bool)])
+    return tokens, mask
+
+
+def _positions(tokens) -> jax.Array:
+    B, T = tokens.shape
+    return jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+
+
+@functools.lru_cache(maxsize=4)
+def _hidden_fn(cfg: ModelConfig):
+    @jax.jit
+    def fn(params, tokens):
+        return LlamaModel(cfg).apply({"params": params}, tokens, _positions(tokens), compute_logits=False)[1]
+    return fn
+
+
+def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: int, max_len: int,
+                      batch_tokens: int, desc: str = "hidden states", progress: bool = True):
+    """The flat frozen-mode dataset: hidden states and every head's labels at each useful position.
+
+    Sequences are sorted by length and run in batches of about ``batch_tokens`` tokens padded to
+    a multiple of LENGTH_BUCKET (one compiled shape per bucket), jitted, without logits.
+    Returns:
+      (hidden [P, D] float32, labels [K, P] int32, valid [K, P] bool): the positions where at least
+      one head has a valid label (`data.head_targets`), in a deterministic order.
+    """
+    from tqdm import tqdm
+    fn = _hidden_fn(backbone.cfg)
+    order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), i))
+    hs, labs, oks = [], [], []
+    bar = tqdm(total=sum(len(examples[i][0]) for i in order), desc=desc, unit="tok", leave=False,
+               disable=not progress)
+    i = 0
+    while i < len(order):
+        T = _bucket_len(len(examples[order[i]][0]), max_len)
+        rows = max(1, batch_tokens // T)
+        group = [order[j] for j in range(i, min(i + rows, len(order)))
+                 if _bucket_len(len(examples[order[j]][0]), max_len) == T]
+        i += len(group)
+        tokens, mask = _padded([examples[j] for j in group], rows, max_len)
+        lab, ok = (np.asarray(a) for a in D.head_targets(tokens, mask, num_heads))
+        keep = ok.any(axis=0)  # [N, T]
+        if keep.any():
+            h = np.asarray(fn(backbone.params, jnp.asarray(tokens)))
+            hs.append(h[keep].astype(np.float32))
+            labs.append(lab[:, keep].astype(np.int32))
+            oks.append(ok[:, keep].astype(bool))
+        bar.update(sum(len(examples[j][0]) for j in group))
+    bar.close()
+    if not hs:
+        return (np.zeros((0, backbone.cfg.hidden_size), np.float32), np.zeros((num_heads, 0), np.int32),
+                np.zeros((num_heads, 0), bool))
+    return np.concatenate(hs), np.concatenate(labs, axis=1), np.concatenate(oks, axis=1)
+
+
+def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, out_dir: str,
+                     progress: bool = True):
+    """`compute_positions`, kept in ``out_dir/hidden/<split>.npz`` when ``tc.cache_hidden``.
+
+    The cache is used only when its fingerprint (model, data, split, K, lengths) matches."""
+    lengths = np.array([len(i) for i, _ in examples], np.int64)
+    key = {"model": backbone.path, "data": tc.data, "split": split, "num_heads": tc.num_heads,
+           "max_seq_len": tc.max_seq_len, "n": len(examples), "tokens": int(lengths.sum()),
+           "checksum": int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) for i, _ in examples))}
+    fn = os.path.join(out_dir, "hidden", f"{split}.npz")
+    if tc.cache_hidden and os.path.isfile(fn):
+        with np.load(fn) as z:
+            if json.loads(str(z["key"])) == key:
+                return z["hidden"], z["labels"], z["valid"]
+    out = compute_positions(backbone, examples, tc.num_heads, tc.max_seq_len, tc.hidden_batch_tokens,
+                            desc=f"hidden states ({split})", progress=progress)
+    if tc.cache_hidden:
+        os.makedirs(os.path.dirname(fn), exist_ok=True)
+        np.savez(fn + ".tmp.npz", hidden=out[0], labels=out[1], valid=out[2], key=json.dumps(key))
+        os.replace(fn + ".tmp.npz", fn)
+    return out
+
+
+# ------------------------------------------------------------------------------------- optimizers
+
+def _schedule(tc: TrainConfig, peak: float, steps: int):
+    warm = min(tc.warmup_steps, max(steps - 1, 0))
+    return optax.warmup_cosine_decay_schedule(0.0, peak, warm, max(steps, warm + 1), peak * tc.min_lr_ratio)
+
+
+def _decay_mask(params):
+    def keep(path, _):
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        return not ("bias" in name or "scale" in name)
+    return jax.tree_util.tree_map_with_path(keep, params)
+
+
+def make_optimizer(tc: TrainConfig, peak: float, steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warm-up to `peak` then cosine decay over `steps` (clipping is done outside,
+    over every trained parameter together)."""
+    return optax.adamw(_schedule(tc, peak, steps), tc.adam_b1, tc.adam_b2, tc.adam_eps,
+                       weight_decay=tc.weight_decay, mask=_decay_mask)
+
+
+def _clip(grads, max_norm: float):
+    norm = optax.global_norm(grads)
+    if max_norm > 0:
+        scale = jnp.minimum(1.0, max_norm / jnp.maximum(norm, 1e-12))
+        grads = jax.tree_util.tree_map(lambda g: g * scale, grads)
+    return grads, norm
+
+
+# ------------------------------------------------------------------------------------ step functions
+
+def _heads_loss(hcfg: MedusaConfig, tc: TrainConfig, hp, lm, hidden, lab, ok, with_grad=True):
+    """hidden [N, D], lab/ok [K, N] -> (weighted loss, (per-head loss [K], counts [K], ranks [K, R]))."""
+    states = MedusaHeads(hcfg).apply({"params": hp}, hidden, method=MedusaHeads.head_states)
+    dt = jnp.dtype(tc.head_matmul_dtype)
+    if hcfg.shared_lm_head:
+        per, cnt, ranks = shared_head_loss(states, lm.astype(dt), lab, ok, tc.loss_chunk, with_grad)
+    else:
+        logits = jnp.einsum("knd,kdv->knv", states.astype(dt), hp["lm_head"].astype(dt),
+                            preferred_element_type=jnp.float32)
+        per, cnt, ranks = heads_ce(logits, lab, ok)
+    return total_heads_loss(per, tc.loss_decay), (per, cnt, ranks)
+
+
+def make_frozen_step(hcfg: MedusaConfig, tc: TrainConfig, opt):
+    """Jitted ``(heads, opt_state, lm [D, V], hidden [B, D], lab [K, B], ok [K, B]) -> (heads,
+    opt_state, stats)``; only the heads are differentiated."""
+    def step(hp, opt_state, lm, hidden, lab, ok):
+        (loss, (per, cnt, ranks)), g = jax.value_and_grad(
+            lambda p: _heads_loss(hcfg, tc, p, lm, hidden, lab, ok), has_aux=True)(hp)
+        g, gnorm = _clip(g, tc.grad_clip)
+        upd, opt_state = opt.update(g, opt_state, hp)
+        return optax.apply_updates(hp, upd), opt_state, dict(loss=loss, head_loss=per, counts=cnt, ranks=ranks,
+                                                              grad_norm=gnorm)
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+def make_joint_step(mcfg: ModelConfig, hcfg: MedusaConfig, tc: TrainConfig, opts, train_backbone: bool):
+    """Jitted joint step on sequences ``(params {"backbone", "heads"}, opt_state, ref_params, tokens
+    [B, T], lab/ok [K, B, T], base_lab/base_ok [B, T])``; with train_backbone False only the heads
+    train (the backbone is a constant and its optimizer state is left untouched)."""
+    model, K = LlamaModel(mcfg), hcfg.num_heads
+
+    def loss_fn(params, ref, tokens, lab, ok, blab, bok):
+        bb = params["backbone"] if train_backbone else jax.lax.stop_gradient(params["backbone"])
+        logits, hidden, _ = model.apply({"params": bb}, tokens, _positions(tokens), compute_logits=train_backbone)
+        B, T, Dm = hidden.shape
+        loss, (per, cnt, ranks) = _heads_loss(hcfg, tc, params["heads"], lm_head_matrix(mcfg, bb),
+                                              hidden.reshape(B * T, Dm), lab.reshape(K, B * T), ok.reshape(K, B * T))
+        base = jnp.zeros((), jnp.float32)
+        if train_backbone:
+            n = jnp.sum(bok, dtype=jnp.float32)
+            if tc.base_loss == "kl":
+                teacher = model.apply({"params": ref}, tokens, _positions(tokens))[0]
+                base = safe_mean(kl_to_teacher_sums(logits, teacher, bok), n)
+            else:
+                base = safe_mean(masked_ce_sums(logits[None], blab[None], bok[None])[0], n)
+            loss = loss + tc.lambda_base * base
+        return loss, (per, cnt, ranks, base)
+
+    def step(params, opt_state, ref, tokens, lab, ok, blab, bok):
+        (loss, (per, cnt, ranks, base)), g = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, ref, tokens, lab, ok, blab, bok)
+        if not train_backbone:
+            g = {"heads": g["heads"]}
+        g, gnorm = _clip(g, tc.grad_clip)
+        new_params, new_state = dict(params), dict(opt_state)
+        for name in g:
+            upd, new_state[name] = opts[name].update(g[name], opt_state[name], params[name])
+            new_params[name] = optax.apply_updates(params[name], upd)
+        return new_params, new_state, dict(loss=loss, head_loss=per, counts=cnt, ranks=ranks, grad_norm=gnorm,
+                                           base_loss=base)
+    return jax.jit(step, donate_argnums=(0, 1))
+
+
+# ---------------------------------------------------------------------------------------- training
+
+def _summary(per_sum, counts, ranks) -> dict:
+    counts = np.asarray(counts, np.float64)
+    acc = topk_from_ranks(ranks, counts)
+    return {"val_loss": (np.asarray(per_sum) / np.maximum(counts, 1)).round(5).tolist(),
+            "val_top1": acc[0].round(5).tolist(), "val_top5": acc[1].round(5).tolist(),
+            "val_positions": counts.astype(int).tolist(),
+            "val_rank_acc": (np.asarray(ranks) / np.maximum(counts, 1)[:, None]).round(5).tolist()}
+
+
+@functools.lru_cache(maxsize=8)
+def _eval_fn(hcfg: MedusaConfig, tc: TrainConfig):
+    return jax.jit(lambda hp, lm, h, lab, ok: _heads_loss(hcfg, tc, hp, lm, h, lab, ok, with_grad=False)[1])
+
+
+def evaluate_positions(hcfg, tc, heads_params, lm, hidden, labels, valid) -> dict:
+    """Per-head validation loss, top-1/top-5 and rank accuracies on flat positions (batches of
+    batch_size, the last one padded with invalid rows)."""
+    K, R = hcfg.num_heads, NUM_RANKS
+    tot, cnt, ranks = np.zeros(K), np.zeros(K), np.zeros((K, R))
+    B, fn = tc.batch_size, _eval_fn(hcfg, tc)
+    for s in range(0, hidden.shape[0], B):
+        h, lab, ok = hidden[s:s + B], labels[:, s:s + B], valid[:, s:s + B]
+        pad = B - h.shape[0]
+        if pad:
+            h = np.pad(h, ((0, pad), (0, 0)))
+            lab, ok = np.pad(lab, ((0, 0), (0, pad))), np.pad(ok, ((0, 0), (0, pad)))
+        per, c, r = (np.asarray(x, np.float64) for x in fn(heads_params, lm, h, lab, ok))
+        tot, cnt, ranks = tot + per * c, cnt + c, ranks + r
+    return _summary(tot, cnt, ranks)
+
+
+def initial_heads(tc: TrainConfig, hcfg: MedusaConfig, mcfg: ModelConfig, lm) -> dict:
+    """Fresh heads (`init_heads`) or those of ``tc.init_heads``. Raises ValueError when the loaded
+    heads' K, L or shared_lm_head differ from the config, HeadsMismatchError when they do not fit."""
+    if not tc.init_heads:
+        return init_heads(hcfg, lm)
+    from ..convert.medusa_format import load_heads
+    cfg, p = load_heads(tc.init_heads, mcfg)
+    got = (cfg.num_heads, cfg.num_layers, cfg.shared_lm_head)
+    if got != (hcfg.num_heads, hcfg.num_layers, hcfg.shared_lm_head):
+        raise ValueError(f"init_heads {tc.init_heads}: (num_heads, num_layers, shared_lm_head) = {got}, but the "
+                         f"config asks for {(hcfg.num_heads, hcfg.num_layers, hcfg.shared_lm_head)}")
+    return {k: jnp.asarray(v) for k, v in p.items()}
+
+
+def _check_resume(meta: dict, tc: TrainConfig) -> None:
+    old = meta.get("config", {})
+    diff = {k: (old.get(k), v) for k, v in tc.to_dict().items() if k not in _RESUME_FREE and old.get(k) != v}
+    if diff:
+        warnings.warn(f"resuming a checkpoint made with a different config {diff}: the result will differ "
+                      "from an uninterrupted run", stacklevel=3)
+
+
+def _frozen_data(tc: TrainConfig, bb: Backbone, train_ex, val_ex, out_dir: str, progress: bool):
+    """Flat train positions and (capped) validation positions, computed once (cached)."""
+    hid, lab, ok = cached_positions(tc, bb, train_ex, "train", out_dir, progress)
+    if hid.shape[0] == 0:
+        raise ValueError(f"{tc.data}: no training position has a valid label for any head")
+    val = cached_positions(tc, bb, val_ex, "val", out_dir, progress) if val_ex else None
+    if val is not None and tc.max_val_positions and val[0].shape[0] > tc.max_val_positions:
+        pick = np.sort(np.random.default_rng([tc.seed, 7]).permutation(val[0].shape[0])[:tc.max_val_positions])
+        val = (val[0][pick], val[1][:, pick], val[2][:, pick])
+    return (hid, lab, ok), val
+
+
+def _val_sequences(tc: TrainConfig, val_ex):
+    """The first validation sequences holding at most about max_val_positions answer tokens."""
+    picked, total = [], 0
+    for ex in val_ex:
+        if tc.max_val_positions and total >= tc.max_val_positions:
+            break
+        picked.append(ex)
+        total += int(ex[1].sum())
+    return picked
+
+
+def _record(tc: TrainConfig, acc: dict, step: int, n_items: int, seconds: float, joint: bool) -> dict:
+    """A metrics line from the sums of the step stats since the last line."""
+    n = acc["n"]
+    train_acc = topk_from_ranks(acc["ranks"], acc["counts"])
+    rec = {"step": step, "epoch": round(step * tc.batch_size / n_items, 4),
+           "lr": float(_schedule(tc, tc.learning_rate * tc.heads_lr_multiplier, tc.steps)(step - 1)),
+           "loss": round(acc["loss"] / n, 5), "head_loss": (acc["head_loss"] / n).round(5).tolist(),
+           "train_top1": train_acc[0].round(4).tolist(), "grad_norm": round(acc["grad_norm"] / n, 4),
+           "step_time_s": round(seconds / n, 4)}
+    if joint:
+        hw = tc.heads_warmup_steps
+        rec["lr_backbone"] = float(_schedule(tc, tc.learning_rate, tc.steps - hw)(step - 1 - hw)) if step > hw else 0.0
+        rec["base_loss"] = round(acc["base_loss"] / n, 5)
+    return rec
+
+
+def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = None,
+          backbone: Optional[Backbone] = None, progress: bool = True) -> TrainResult:
+    """Train Medusa heads as `tc` says (see the module docstring); resumable.
+
+    Args:
+      tc: the training config.
+      resume: continue from the latest checkpoint in ``out_dir/checkpoints`` when there is one;
+        False: start over (checkpoints and metrics.jsonl are deleted; the hidden-state cache stays).
+      stop_at_step: return after this many steps without a final checkpoint or export (simulates
+        an interruption; the next run resumes from the last checkpoint).
+      backbone: a prebuilt `Backbone` (default `build_backbone(tc)`).
+      progress: show tqdm progress bars.
+    Returns: a `TrainResult`.
+    Raises: FileNotFoundError (model or data missing), ValueError (bad data, mismatched checkpoint
+      or init_heads).
+    """
+    from tqdm import tqdm
+    out_dir = os.path.abspath(tc.out_dir)
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "train_config.json"), "w") as f:
+        json.dump(tc.to_dict(), f, indent=2)
+    ck_dir = os.path.join(out_dir, "checkpoints")
+    if not resume:
+        shutil.rmtree(ck_dir, ignore_errors=True)
+    bb = backbone or build_backbone(tc)
+    mcfg, K, joint = bb.cfg, tc.num_heads, tc.mode == "joint"
+    hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=K,
+                        num_layers=tc.num_layers, shared_lm_head=tc.shared_lm_head, topk=tc.topk,
+                        base_model=bb.path)
+    lm0 = jnp.asarray(lm_head_matrix(mcfg, bb.params))
+    lm_train = lm0.astype(tc.head_matmul_dtype)  # cast once: the frozen steps take it as is
+    train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
+    heads_lr = tc.learning_rate * tc.heads_lr_multiplier
+    heads0 = initial_heads(tc, hcfg, mcfg, lm0)
+    if joint:
+        opts = {"heads": make_optimizer(tc, heads_lr, tc.steps),
+                "backbone": make_optimizer(tc, tc.learning_rate, tc.steps - tc.heads_warmup_steps)}
+        params = {"heads": heads0, "backbone": bb.params}
+        opt_state = {k: opts[k].init(params[k]) for k in opts}
+        step_fns = {b: make_joint_step(mcfg, hcfg, tc, opts, b) for b in (False, True)}
+        n_items = len(train_ex)
+    else:
+        opt = make_optimizer(tc, heads_lr, tc.steps)
+        params, opt_state = heads0, opt.init(heads0)
+        frozen_step = make_frozen_step(hcfg, tc, opt)
+        (hid, lab, ok), val = _frozen_data(tc, bb, train_ex, val_ex, out_dir, progress)
+        n_items = hid.shape[0]
+    ck = Checkpointer(ck_dir, tc.keep_checkpoints)
+    step = 0
+    if resume and ck.latest_step() is not None:
+        step, state, meta = ck.restore({"params": params, "opt_state": opt_state, "step": np.int64(0)})
+        _check_resume(meta, tc)
+        params, opt_state = jax.tree_util.tree_map(jnp.asarray, (state["params"], state["opt_state"]))
+    else:  # copies: the steps donate their inputs, and bb.params must survive (teacher, export)
+        params, opt_state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, opt_state))
+    metrics = MetricsLog(out_dir, step)
+    ref = bb.params if joint and tc.base_loss == "kl" else None
+
+    def evaluate(p) -> dict:
+        if not joint:
+            return evaluate_positions(hcfg, tc, p, lm_train, *val) if val is not None and val[0].shape[0] else {}
+        if not val_ex:
+            return {}
+        v = compute_positions(Backbone(mcfg, p["backbone"], bb.path), _val_sequences(tc, val_ex), K,
+                              tc.max_seq_len, tc.hidden_batch_tokens, progress=False)
+        return evaluate_positions(hcfg, tc, p["heads"], lm_head_matrix(mcfg, p["backbone"]), *v)
+
+    def save(s):
+        meta = {"step": s, "seed": tc.seed, "data_items": n_items, "epoch": (s * tc.batch_size) // n_items,
+                "index_in_epoch": (s * tc.batch_size) % n_items, "config": tc.to_dict()}
+        ck.save(s, {"params": params, "opt_state": opt_state, "step": np.int64(s)}, meta)
+
+    acc, last_eval = None, {}
+    if step == 0 and tc.eval_every:  # the starting point of the accuracy curves
+        metrics.write({"step": 0, "epoch": 0.0, **evaluate(params)})
+    t_log, end = time.perf_counter(), min(tc.steps, stop_at_step if stop_at_step is not None else tc.steps)
+    bar = tqdm(total=tc.steps, initial=step, desc=f"train ({tc.mode})", disable=not progress, dynamic_ncols=True)
+    while step < end:
+        idx = batch_indices(n_items, tc.batch_size, tc.seed, step)
+        if joint:
+            tokens, mask = _padded([train_ex[i] for i in idx], tc.batch_size, tc.max_seq_len)
+            params, opt_state, st = step_fns[step >= tc.heads_warmup_steps](
+                params, opt_state, ref, tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask))
+        else:
+            params, opt_state, st = frozen_step(params, opt_state, lm_train, hid[idx], lab[:, idx], ok[:, idx])
+        st = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), st)
+        acc = dict(st, n=1) if acc is None else {k: acc[k] + st.get(k, 1) for k in acc}
+        step += 1
+        bar.update(1)
+        is_eval = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
+        if step % tc.log_every == 0 or is_eval or step == end:
+            rec = _record(tc, acc, step, n_items, time.perf_counter() - t_log, joint)
+            if is_eval:
+                last_eval = evaluate(params)
+                rec.update(last_eval)
+            metrics.write(rec)
+            bar.set_postfix(loss=rec["loss"], top1=rec.get("val_top1", rec["train_top1"])[0])
+            acc, t_log = None, time.perf_counter()
+        if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
+            save(step)
+    bar.close()
+    np_params = jax.tree_util.tree_map(np.asarray, params)
+    heads_p, backbone_p = (np_params["heads"], np_params["backbone"]) if joint else (np_params, None)
+    heads_dir = None
+    if step >= tc.steps:
+        save(step)
+        last_eval = last_eval or evaluate(params)
+        heads_dir = export(tc, hcfg, heads_p, backbone_p, bb, last_eval, out_dir)
+    ck.close()
+    return TrainResult(hcfg, heads_p, backbone_p, last_eval, step, heads_dir)
+
+
+def export(tc: TrainConfig, hcfg: MedusaConfig, heads_params, backbone_params, bb: Backbone, metrics: dict,
+           out_dir: str) -> str:
+    """Write ``out_dir/heads`` (`save_heads`, metrics in ``extra``, the tree if configured) and, in
+    joint mode with save_backbone, ``out_dir/backbone`` (HF config.json + model.safetensors)."""
+    from ..convert.medusa_format import save_heads
+    from ..tree import get_tree, greedy_tree_search
+    if tc.tree == "search" and metrics.get("val_rank_acc"):
+        hcfg = hcfg.replace(medusa_choices=greedy_tree_search(np.asarray(metrics["val_rank_acc"]), tc.tree_nodes,
+                                                              tc.topk))
+    elif tc.tree and tc.tree != "search":
+        hcfg = hcfg.replace(medusa_choices=get_tree(tc.tree, tc.topk, hcfg.num_heads).medusa_choices)
+    lm = None if backbone_params is None else lm_head_matrix(bb.cfg, backbone_params)
+    extra = {"metrics": {k: metrics.get(k) for k in ("val_loss", "val_top1", "val_top5", "val_rank_acc",
+                                                    "val_positions")},
+             "training": {"mode": tc.mode, "steps": tc.steps, "batch_size": tc.batch_size, "data": tc.data,
+                          "loss_decay": tc.loss_decay, "seed": tc.seed,
+                          "backbone": os.path.join(out_dir, "backbone") if backbone_params is not None else bb.path}}
+    heads_dir = os.path.join(out_dir, "heads")
+    save_heads(heads_dir, hcfg, heads_params, base_lm_head=lm, extra=extra)
+    if backbone_params is not None and tc.save_backbone:
+        _save_backbone(os.path.join(out_dir, "backbone"), bb, backbone_params)
+    return heads_dir
+
+
+def _save_backbone(path: str, bb: Backbone, params) -> None:
+    from safetensors.numpy import save_file
+
+    from ..convert.hf import hf_tensors_from_params
+    os.makedirs(path, exist_ok=True)
+    save_file(hf_tensors_from_params(bb.cfg, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(bb.cfg.to_hf_dict(), f, indent=2)
+    if bb.tokenizer is not None:
+        bb.tokenizer.save_pretrained(path)

@@ -1,0 +1,75 @@
+#!/usr/bin/env python
+"""Train Medusa heads: frozen backbone (Medusa-1) or jointly with it (Medusa-2).
+
+    python train.py --config configs/smollm2_medusa1.yaml
+    python train.py --config configs/tiny.yaml --set steps=50 --set out_dir=runs/try
+    python train.py --config configs/smollm2_medusa1.yaml --no-resume      # start over
+
+Every YAML field is documented in `medusa_jax.config.TrainConfig` and in the config files.
+A run killed at any point continues from its last checkpoint when started again with the same
+command (``--resume`` is the default) and ends with the same heads as an uninterrupted run.
+Outputs go to ``out_dir``: metrics.jsonl, accuracy.png, checkpoints/, heads/ (load them with
+``python decode.py --heads OUT_DIR/heads``) and, in joint mode, backbone/.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description="Train Medusa heads (frozen backbone or joint).",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--config", default=None,
+                   help="YAML training config (see configs/); default: TrainConfig's defaults")
+    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
+                   help="override config fields, e.g. --set steps=100 learning_rate=3e-4 model=null")
+    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
+                   help="continue from the latest checkpoint in out_dir/checkpoints (--no-resume: start over)")
+    p.add_argument("--stop-at-step", type=int, default=None,
+                   help="stop after this many steps without a final checkpoint or export, as if killed "
+                        "(to try resumption)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from medusa_jax.config import TrainConfig, TrainConfigError
+
+    try:
+        tc = TrainConfig.from_yaml(args.config, tuple(args.overrides))
+    except (TrainConfigError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        print(json.dumps(tc.to_dict(), indent=2))
+        return 0
+    from medusa_jax.runtime import enable_compilation_cache
+    from medusa_jax.train.trainer import train
+
+    enable_compilation_cache()
+    try:
+        res = train(tc, resume=args.resume, stop_at_step=args.stop_at_step, progress=not args.no_progress)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if res.heads_dir is None:
+        print(f"stopped at step {res.steps_done}/{tc.steps}; run the same command again to resume", file=sys.stderr)
+        return 0
+    m = res.metrics
+    print(f"trained {tc.mode} Medusa heads ({tc.num_heads} heads, {res.steps_done} steps) -> {res.heads_dir}")
+    if m.get("val_top1"):
+        for k, (a1, a5) in enumerate(zip(m["val_top1"], m["val_top5"])):
+            print(f"  head {k} (token t+{k + 2}): val top-1 {a1:.3f}  top-5 {a5:.3f}")
+    print(f"metrics: {os.path.join(os.path.abspath(tc.out_dir), 'metrics.jsonl')}, plot: "
+          f"{os.path.join(os.path.abspath(tc.out_dir), 'accuracy.png')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
