@@ -1,4 +1,4 @@
-"""Resumable training: Orbax checkpoints, the data order, and the metrics log.
+"""What a training run keeps on disk: Orbax checkpoints, the data order, metrics, the export.
 
 A checkpoint holds, under ``out_dir/checkpoints/<step>/``:
 
@@ -14,7 +14,8 @@ last ``keep`` checkpoints.
 
 The data order is a pure function of (seed, step) (`batch_indices`), so nothing but the step has to
 be restored for the data; `MetricsLog` drops the metrics lines of steps after the checkpoint a run
-resumes from, so ``metrics.jsonl`` reads like that of an uninterrupted run.
+resumes from, so ``metrics.jsonl`` reads like that of an uninterrupted run. `export` writes the
+final heads (and the backbone after joint training).
 """
 from __future__ import annotations
 
@@ -170,3 +171,53 @@ def plot_accuracy(records: Sequence[dict], path: str) -> None:
     fig.savefig(path + ".tmp.png", dpi=110)
     plt.close(fig)
     os.replace(path + ".tmp.png", path)
+
+
+# ------------------------------------------------------------------------------------------ export
+
+def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: str) -> str:
+    """Write the trained heads and, in joint mode, the trained backbone.
+
+    Args:
+      tc: the `TrainConfig`; hcfg: the heads' `MedusaConfig`; heads_params: their params (numpy).
+      backbone_params: the trained backbone's params (joint mode) or None (frozen).
+      bb: the `trainer.Backbone` (its cfg, path and tokenizer).
+      metrics: the final evaluation (val_loss, val_top1, val_top5, val_rank_acc, val_positions).
+      out_dir: the run directory.
+    Writes ``out_dir/heads`` (`save_heads`: our format, the metrics and training info in
+    ``extra``, the tree when ``tc.tree`` names one or asks for a greedy search on the validation
+    rank accuracies) and, in joint mode with save_backbone, ``out_dir/backbone`` (config.json,
+    model.safetensors and the tokenizer: an HF directory `load_model` reads).
+    Returns the heads directory.
+    """
+    from ..convert.medusa_format import save_heads
+    from ..models.llama import lm_head_matrix
+    from ..tree import get_tree, greedy_tree_search
+    if tc.tree == "search" and metrics.get("val_rank_acc"):
+        hcfg = hcfg.replace(medusa_choices=greedy_tree_search(np.asarray(metrics["val_rank_acc"]), tc.tree_nodes,
+                                                              tc.topk))
+    elif tc.tree and tc.tree != "search":
+        hcfg = hcfg.replace(medusa_choices=get_tree(tc.tree, tc.topk, hcfg.num_heads).medusa_choices)
+    lm = None if backbone_params is None else lm_head_matrix(bb.cfg, backbone_params)
+    extra = {"metrics": {k: metrics.get(k) for k in ("val_loss", "val_top1", "val_top5", "val_rank_acc",
+                                                    "val_positions")},
+             "training": {"mode": tc.mode, "steps": tc.steps, "batch_size": tc.batch_size, "data": tc.data,
+                          "loss_decay": tc.loss_decay, "seed": tc.seed,
+                          "backbone": os.path.join(out_dir, "backbone") if backbone_params is not None else bb.path}}
+    heads_dir = os.path.join(out_dir, "heads")
+    save_heads(heads_dir, hcfg, heads_params, base_lm_head=lm, extra=extra)
+    if backbone_params is not None and tc.save_backbone:
+        _save_backbone(os.path.join(out_dir, "backbone"), bb, backbone_params)
+    return heads_dir
+
+
+def _save_backbone(path: str, bb, params) -> None:
+    from safetensors.numpy import save_file
+
+    from ..convert.hf import hf_tensors_from_params
+    os.makedirs(path, exist_ok=True)
+    save_file(hf_tensors_from_params(bb.cfg, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(bb.cfg.to_hf_dict(), f, indent=2)
+    if bb.tokenizer is not None:
+        bb.tokenizer.save_pretrained(path)

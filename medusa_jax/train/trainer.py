@@ -14,9 +14,9 @@ and is trained with cross-entropy on token t+k+2, weighted ``loss_decay**k`` (Se
   learning-rate multiplier, and the first ``heads_warmup_steps`` steps train the heads only (the
   backbone's optimizer and schedule start after them).
 
-Optax AdamW, linear warm-up + cosine decay, global-norm clipping. The data order of epoch e is
-`epoch_permutation` (seed, e): a pure function, so a run resumed from an Orbax checkpoint
-(`checkpoint.Checkpointer`) ends with the same params as an uninterrupted one.
+Optax AdamW, linear warm-up + cosine decay, global-norm clipping. The data order of epoch e is a
+permutation drawn from (seed, e) only (`checkpoint.batch_indices`), so a run resumed from an Orbax
+checkpoint (`checkpoint.Checkpointer`) ends with the same params as an uninterrupted one.
 
 Outputs in ``out_dir``: ``metrics.jsonl``, ``accuracy.png``, ``checkpoints/``, ``heads/`` (our
 format, `medusa_jax.convert.medusa_format.save_heads`, with the final metrics), and in joint mode
@@ -42,7 +42,7 @@ from ..config import MedusaConfig, ModelConfig, TrainConfig
 from ..heads import MedusaHeads, init_heads
 from ..models.llama import LlamaModel, lm_head_matrix
 from . import data as D
-from .checkpoint import Checkpointer, MetricsLog, batch_indices
+from .checkpoint import Checkpointer, MetricsLog, batch_indices, export
 from .losses import (NUM_RANKS, heads_ce, kl_to_teacher_sums, masked_ce_sums, safe_mean, shared_head_loss,
                      topk_from_ranks, total_heads_loss)
 
@@ -205,11 +205,10 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
                      progress: bool = True):
     """`compute_positions`, kept in ``out_dir/hidden/<split>.npz`` when ``tc.cache_hidden``.
 
-    The cache is used only when its fingerprint (model, data, split, K, lengths) matches."""
-    lengths = np.array([len(i) for i, _ in examples], np.int64)
-    key = {"model": backbone.path, "data": tc.data, "split": split, "num_heads": tc.num_heads,
-           "max_seq_len": tc.max_seq_len, "n": len(examples), "tokens": int(lengths.sum()),
-           "checksum": int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) for i, _ in examples))}
+    The cache is used only when its fingerprint (model, data, split, K, token checksum) matches."""
+    key = {"model": backbone.path, "cfg": repr(backbone.cfg), "data": tc.data, "split": split, "K": tc.num_heads,
+           "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None, "n": len(examples),
+           "sum": int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) + int(m.sum()) for i, m in examples))}
     fn = os.path.join(out_dir, "hidden", f"{split}.npz")
     if tc.cache_hidden and os.path.isfile(fn):
         with np.load(fn) as z:
@@ -523,39 +522,3 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
         heads_dir = export(tc, hcfg, heads_p, backbone_p, bb, last_eval, out_dir)
     ck.close()
     return TrainResult(hcfg, heads_p, backbone_p, last_eval, step, heads_dir)
-
-
-def export(tc: TrainConfig, hcfg: MedusaConfig, heads_params, backbone_params, bb: Backbone, metrics: dict,
-           out_dir: str) -> str:
-    """Write ``out_dir/heads`` (`save_heads`, metrics in ``extra``, the tree if configured) and, in
-    joint mode with save_backbone, ``out_dir/backbone`` (HF config.json + model.safetensors)."""
-    from ..convert.medusa_format import save_heads
-    from ..tree import get_tree, greedy_tree_search
-    if tc.tree == "search" and metrics.get("val_rank_acc"):
-        hcfg = hcfg.replace(medusa_choices=greedy_tree_search(np.asarray(metrics["val_rank_acc"]), tc.tree_nodes,
-                                                              tc.topk))
-    elif tc.tree and tc.tree != "search":
-        hcfg = hcfg.replace(medusa_choices=get_tree(tc.tree, tc.topk, hcfg.num_heads).medusa_choices)
-    lm = None if backbone_params is None else lm_head_matrix(bb.cfg, backbone_params)
-    extra = {"metrics": {k: metrics.get(k) for k in ("val_loss", "val_top1", "val_top5", "val_rank_acc",
-                                                    "val_positions")},
-             "training": {"mode": tc.mode, "steps": tc.steps, "batch_size": tc.batch_size, "data": tc.data,
-                          "loss_decay": tc.loss_decay, "seed": tc.seed,
-                          "backbone": os.path.join(out_dir, "backbone") if backbone_params is not None else bb.path}}
-    heads_dir = os.path.join(out_dir, "heads")
-    save_heads(heads_dir, hcfg, heads_params, base_lm_head=lm, extra=extra)
-    if backbone_params is not None and tc.save_backbone:
-        _save_backbone(os.path.join(out_dir, "backbone"), bb, backbone_params)
-    return heads_dir
-
-
-def _save_backbone(path: str, bb: Backbone, params) -> None:
-    from safetensors.numpy import save_file
-
-    from ..convert.hf import hf_tensors_from_params
-    os.makedirs(path, exist_ok=True)
-    save_file(hf_tensors_from_params(bb.cfg, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(bb.cfg.to_hf_dict(), f, indent=2)
-    if bb.tokenizer is not None:
-        bb.tokenizer.save_pretrained(path)
