@@ -286,12 +286,12 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
     return out, count, steps, hist
 
 
-generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnames=("state",))
+generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5))
 generate_jit.__doc__ = """Whole generation on the device: one lax.while_loop, no host sync per step.
 
 Args (static first): cfg, heads_cfg (None for plain), tree (`PLAIN_TREE` for plain), acc,
   max_new_tokens, eos ids (tuple); then params, head_params, and a prefilled `DecodeState`
-  (from `start_state`, donated). The cache must have room for max_new_tokens + tree size;
+  (from `start_state`). The cache must have room for max_new_tokens + tree size;
   near its end the loop falls back to plain steps.
 Returns:
   (tokens [B, max_new_tokens] int32 (valid up to count), count [B] int32,
