@@ -1,0 +1,94 @@
+"""Command-line plumbing: heads/tree resolution, text streaming, lossless-check and bench summaries."""
+import io
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from medusa_jax import runtime
+from medusa_jax.bench import markdown_table, summarize
+from medusa_jax.check import first_difference, load_first_turns
+from medusa_jax.config import MedusaConfig, ModelConfig
+from medusa_jax.convert.medusa_format import save_heads
+from medusa_jax.heads import HeadsMismatchError, init_heads
+
+CFG = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
+
+
+def _heads_dir(tmp_path, hidden=16, vocab=50, choices=None, k=3):
+    hcfg = MedusaConfig(hidden_size=hidden, vocab_size=vocab, num_heads=k, medusa_choices=choices)
+    d = tmp_path / f"heads_{hidden}_{vocab}"
+    save_heads(str(d), hcfg, init_heads(hcfg))
+    return str(d)
+
+
+def test_resolve_heads_reads_saved_tree_and_overrides(tmp_path):
+    model = SimpleNamespace(cfg=CFG)
+    d = _heads_dir(tmp_path, choices=[(0,), (1,), (0, 0)])
+    heads, tree, note = runtime.resolve_heads(model, d)
+    assert note == "" and heads[0].num_heads == 3
+    assert tree.medusa_choices == ((0,), (1,), (0, 0))
+    _, tree2, _ = runtime.resolve_heads(model, d, "chain2")
+    assert tree2.medusa_choices == ((0,), (0, 0))
+    with pytest.raises(ValueError, match="deeper|exceeds|depth"):
+        runtime.resolve_heads(model, d, "chain5")
+
+
+def test_default_tree_is_cut_to_the_heads_depth(tmp_path):
+    _, tree, _ = runtime.resolve_heads(SimpleNamespace(cfg=CFG), _heads_dir(tmp_path, k=2))
+    assert tree.max_depth <= 2 and tree.size > 2
+
+
+def test_resolve_heads_mismatch_and_missing(tmp_path, monkeypatch):
+    model = SimpleNamespace(cfg=CFG)
+    with pytest.raises(HeadsMismatchError, match="32"):
+        runtime.resolve_heads(model, _heads_dir(tmp_path, hidden=32))
+    with pytest.raises(FileNotFoundError):
+        runtime.resolve_heads(model, str(tmp_path / "nope"))
+    monkeypatch.setattr(runtime, "DEFAULT_HEADS_DIR", str(tmp_path / "none"))
+    heads, tree, note = runtime.resolve_heads(model, None)
+    assert heads is None and "plainly" in note
+    assert runtime.resolve_heads(model, None, use_medusa=False) == (None, None, "")
+
+
+def test_text_streamer_holds_back_partial_characters():
+    class Tok:
+        pieces = {1: b"caf", 2: b"\xc3", 3: b"\xa9 ok"}
+
+        def decode(self, ids, skip_special_tokens=True):
+            return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
+
+    out = io.StringIO()
+    s = runtime.TextStreamer(Tok(), stream=out)
+    s.push([1])
+    s.push([2])
+    assert out.getvalue() == "caf"
+    s.push([3])
+    s.end()
+    assert out.getvalue() == "café ok\n"
+
+
+def test_first_difference():
+    assert first_difference([1, 2, 3], [1, 2, 3]) is None
+    assert first_difference([1, 2, 3], [1, 5, 3]) == 1
+    assert first_difference([1, 2], [1, 2, 3]) == 2
+
+
+def test_load_first_turns_reads_mt_bench():
+    recs = load_first_turns("../shared/data/FastChat_mt_bench_question.jsonl")
+    assert len(recs) == 80 and recs[0]["id"] == 81 and recs[0]["category"] == "writing"
+    assert recs[0]["prompt"].startswith("Compose an engaging travel blog post")
+
+
+def test_bench_summary_figures():
+    rows = [dict(category="a", new_tokens=100, plain_s=4.0, medusa_s=2.0, medusa_steps=50, hist=[10, 30, 10],
+                 identical=True, near_tie=False),
+            dict(category="b", new_tokens=60, plain_s=2.0, medusa_s=1.5, medusa_steps=40, hist=[20, 20, 0],
+                 identical=True, near_tie=False)]
+    s = summarize(rows, depth=2)
+    assert s["a"]["speedup"] == 2.0 and s["a"]["tokens_per_step"] == 2.0
+    assert s["overall"]["plain_tok_s"] == pytest.approx(160 / 6.0)
+    assert s["overall"]["speedup"] == pytest.approx(6.0 / 3.5)
+    assert s["a"]["acceptance_per_depth"] == pytest.approx([40 / 50, 10 / 50])
+    table = markdown_table(s)
+    assert "| overall | 2 |" in table and "2.00x" in table
