@@ -21,7 +21,7 @@ import os
 import sys
 import time
 from collections import defaultdict
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import jax
 import numpy as np
@@ -146,23 +146,15 @@ def main(argv=None) -> int:
 
     from . import runtime
     from .check import compare, load_first_turns
-    from .config import MedusaConfig
-    from .heads import init_heads
     from .loading import apply_chat_template, load_model
-    from .models.llama import lm_head_matrix
 
     runtime.enable_compilation_cache()
     model = load_model(args.model)
     cfg, params = model.cfg, model.params
-    if args.heads == "zero":
-        hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=4)
-        heads = (hcfg, init_heads(hcfg, lm_head_matrix(cfg, params)))
-        tree = runtime.resolve_tree(args.tree, hcfg)
-    else:
-        heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree)
-        if heads is None:
-            print(f"error: {note}", file=sys.stderr)
-            return 2
+    heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=4)
+    if heads is None:
+        print(f"error: {note}", file=sys.stderr)
+        return 2
     records = load_first_turns(args.prompts, None if args.per_category else args.limit)
     if args.per_category:
         seen: Dict[str, int] = defaultdict(int)

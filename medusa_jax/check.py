@@ -18,7 +18,6 @@ from typing import List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 
 @dataclass
@@ -98,24 +97,15 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from . import runtime
-    from .config import MedusaConfig
     from .generate import generate
-    from .heads import init_heads
     from .loading import apply_chat_template, load_model
-    from .models.llama import lm_head_matrix
 
     runtime.enable_compilation_cache()
     model = load_model(args.model)
-    if args.heads == "zero":
-        hcfg = MedusaConfig(hidden_size=model.cfg.hidden_size, vocab_size=model.cfg.vocab_size,
-                            num_heads=args.num_heads)
-        heads = (hcfg, init_heads(hcfg, lm_head_matrix(model.cfg, model.params)))
-        tree = runtime.resolve_tree(args.tree, hcfg)
-    else:
-        heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree)
-        if heads is None:
-            print(f"error: {note}", file=sys.stderr)
-            return 2
+    heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=args.num_heads)
+    if heads is None:
+        print(f"error: {note}", file=sys.stderr)
+        return 2
     records = load_first_turns(args.prompts, args.limit)
     rows, steps, new_tokens = [], 0, 0
     for rec in tqdm(records, desc="prompts", unit="prompt"):

@@ -7,7 +7,7 @@ be a static argument of jitted functions, and it is built from a Hugging Face ``
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
 #: Architectures the backbone implements, keyed by HF ``model_type``.

@@ -9,7 +9,6 @@ an EOS token ends the output (the EOS is included), ``max_new_tokens`` caps it, 
 """
 from __future__ import annotations
 
-import functools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, List, Optional, Sequence, Tuple

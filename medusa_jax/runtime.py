@@ -44,14 +44,15 @@ def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
     return get_tree(choices, topk=heads_cfg.topk, num_heads=heads_cfg.num_heads)
 
 
-def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: bool = True
-                  ) -> Tuple[Optional[Tuple[MedusaConfig, dict]], Optional[TreeBuffers], str]:
+def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: bool = True,
+                  zero_heads: int = 4) -> Tuple[Optional[Tuple[MedusaConfig, dict]], Optional[TreeBuffers], str]:
     """Heads and tree for a loaded model.
 
     Args:
       model: a `loading.LoadedModel`.
-      heads_path: a heads directory or file; None: the heads shipped for the default model, when
-        `model` is that model and they exist.
+      heads_path: a heads directory or file; "zero": `zero_heads` fresh zero-initialised heads
+        (they propose the base model's next-token guesses; for lossless checks); None: the heads
+        shipped for the default model, when `model` is that model and they exist.
       tree_spec: see `resolve_tree`.
       use_medusa: False gives (None, None, "").
     Returns:
@@ -66,7 +67,14 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     from .convert.medusa_format import load_heads
     from .heads import check_heads_match
 
-    if heads_path is None:
+    if heads_path == "zero":
+        from .heads import init_heads
+        from .models.llama import lm_head_matrix
+
+        heads_cfg = MedusaConfig(hidden_size=model.cfg.hidden_size, vocab_size=model.cfg.vocab_size,
+                                 num_heads=zero_heads)
+        params = init_heads(heads_cfg, lm_head_matrix(model.cfg, model.params))
+    elif heads_path is None:
         if not os.path.isdir(DEFAULT_HEADS_DIR):
             return None, None, "no default Medusa heads are installed; decoding plainly (pass --heads DIR)"
         heads_cfg, params = load_heads(DEFAULT_HEADS_DIR)

@@ -170,7 +170,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     """
     key, k_root = jax.random.split(state.key)
     root = sample_logits(state.logits, k_root, acc.temperature, acc.top_p)
-    D, T = tree.max_depth, tree.size
+    D = tree.max_depth
     if D > 0:
         if heads_cfg is None:
             raise ValueError("a tree deeper than the root needs Medusa heads")

@@ -164,3 +164,17 @@ def smollm2_hf(smollm2_path):
 
     return AutoModelForCausalLM.from_pretrained(os.path.dirname(smollm2_path), gguf_file=os.path.basename(smollm2_path),
                                                 dtype=torch.float32, local_files_only=True).eval()
+
+
+def tiny_decoding_model(vocab_size: int = 64, seed: int = 0):
+    """(ModelConfig, params) of a GQA tiny Llama made in JAX (no torch), its 2-D weights scaled by 3
+    so that greedy output is varied rather than stuck on one token. No EOS ids."""
+    import jax.numpy as jnp
+
+    from medusa_jax.models.llama import LlamaModel
+
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, max_position_embeddings=1024, eos_token_ids=())
+    params = LlamaModel(cfg).init(jax.random.PRNGKey(seed), jnp.zeros((1, 4), jnp.int32),
+                                  jnp.zeros((1, 4), jnp.int32))["params"]
+    return cfg, jax.tree_util.tree_map(lambda a: a * 3 if a.ndim == 2 else a, params)

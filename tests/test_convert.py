@@ -7,7 +7,6 @@ import importlib.metadata
 import importlib.util
 import json
 import os
-import time
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from medusa_jax.config import UnsupportedArchitectureError
 from medusa_jax.convert.gguf import hf_to_gguf_name, load_gguf
 from medusa_jax.convert.hf import ConversionError, load_hf, params_from_hf_tensors
 from medusa_jax.loading import (INSTALL_HINT, DefaultModelNotInstalledError, apply_chat_template,
-                                default_model_path, load_model)
+                                load_model)
 
 
 def assert_params_equal(a, b, tol=0.0):

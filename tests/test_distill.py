@@ -3,14 +3,13 @@ import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.config import ModelConfig
 from medusa_jax.generate import generate
-from medusa_jax.models.llama import LlamaModel
 from medusa_jax.train import distill as D
+
+from conftest import tiny_decoding_model
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -20,11 +19,8 @@ V = 64
 @pytest.fixture(scope="module")
 def tiny():
     """A tiny Llama whose greedy output is varied; EOS = a token it emits for some prompts only."""
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, max_position_embeddings=512, eos_token_ids=())
-    params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32),
-                                  jnp.zeros((1, 4), jnp.int32))["params"]
-    params = jax.tree_util.tree_map(lambda a: a * 3 if a.ndim == 2 else a, params)
+    cfg, params = tiny_decoding_model(V)
+    cfg = cfg.replace(max_position_embeddings=512)
     rng = np.random.default_rng(0)
     prompts = [(f"p{i}", rng.integers(0, V, size=int(rng.integers(1, 40))).tolist()) for i in range(11)]
     # choose as EOS a token that appears early in some (not all) greedy outputs

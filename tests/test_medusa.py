@@ -5,12 +5,14 @@ import numpy as np
 import pytest
 
 from medusa_jax import verify
-from medusa_jax.config import MedusaConfig, ModelConfig
-from medusa_jax.generate import PLAIN_TREE, _COMPILED, generate, generate_jit, start_state
+from medusa_jax.config import MedusaConfig
+from medusa_jax.generate import _COMPILED, generate, generate_jit, start_state
 from medusa_jax.heads import init_heads
-from medusa_jax.models.llama import LlamaModel, lm_head_matrix
+from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.tree import build_tree, get_tree, random_tree
 from medusa_jax.verify import Acceptance, evaluate_posterior
+
+from conftest import tiny_decoding_model
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -21,11 +23,7 @@ PROMPTS = [[1, 5, 9, 3, 7], [4, 4, 2, 8, 19, 33, 2, 6, 11, 60, 3], [12]]
 @pytest.fixture(scope="module")
 def tiny():
     """A GQA tiny Llama with weights scaled up so that greedy output is varied, and 5 random heads."""
-    cfg = ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, max_position_embeddings=1024, eos_token_ids=())
-    params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32),
-                                  jnp.zeros((1, 4), jnp.int32))["params"]
-    params = jax.tree_util.tree_map(lambda a: a * 3 if a.ndim == 2 else a, params)
+    cfg, params = tiny_decoding_model(V)
     hcfg = MedusaConfig(hidden_size=32, vocab_size=V, num_heads=5, num_layers=1, shared_lm_head=True)
     hp = init_heads(hcfg, lm_head_matrix(cfg, params))
     keys = jax.random.split(jax.random.PRNGKey(1), len(hp))

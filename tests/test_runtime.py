@@ -2,7 +2,6 @@
 import io
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 from medusa_jax import runtime

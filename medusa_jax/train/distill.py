@@ -229,7 +229,6 @@ def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], 
                    mininterval=5.0, file=sys.stderr)
 
     def next_prompt():
-        nonlocal total
         if target_tokens is not None and total >= target_tokens:
             return None
         for pid, ids in it:
