@@ -440,7 +440,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     mcfg, K, joint = bb.cfg, tc.num_heads, tc.mode == "joint"
     hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=K,
                         num_layers=tc.num_layers, shared_lm_head=tc.shared_lm_head, topk=tc.topk,
-                        base_model=bb.path)
+                        base_model=os.path.basename(os.path.normpath(bb.path)))
     lm0 = jnp.asarray(lm_head_matrix(mcfg, bb.params))
     lm_train = lm0.astype(tc.head_matmul_dtype)  # cast once: the frozen steps take it as is
     train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
