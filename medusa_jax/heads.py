@@ -74,7 +74,7 @@ def _check_lm_head(cfg: MedusaConfig, base_lm_head) -> None:
     if shape != (cfg.hidden_size, cfg.vocab_size):
         raise HeadsMismatchError(
             f"base lm_head has shape {shape}, expected [D, V] = ({cfg.hidden_size}, {cfg.vocab_size}) "
-            "for these heads; pass LlamaModel.lm_head_matrix() ([D, V], not torch's [V, D]) of the "
+            "for these heads; pass models.llama.lm_head_matrix(cfg, params) ([D, V], not torch's [V, D]) of the "
             "backbone the heads were trained for.")
 
 
@@ -122,7 +122,7 @@ class MedusaHeads(nn.Module):
 
         Args:
           hidden: [..., D] backbone hidden states at positions t (e.g. [B, T, D]).
-          base_lm_head: [D, V] the backbone's lm_head (`LlamaModel.lm_head_matrix()`); required
+          base_lm_head: [D, V] the backbone's lm_head (`models.llama.lm_head_matrix(cfg, params)`); required
             when cfg.shared_lm_head, ignored otherwise.
         Returns:
           [K, ..., V] float32; entry k at position t scores token t+k+2.
@@ -135,7 +135,7 @@ class MedusaHeads(nn.Module):
             if base_lm_head is None:
                 raise ValueError("these Medusa heads share the base model's lm_head "
                                  "(cfg.shared_lm_head=True): pass base_lm_head=[D, V], e.g. "
-                                 "LlamaModel.lm_head_matrix()")
+                                 "models.llama.lm_head_matrix(cfg, params)")
             _check_lm_head(self.cfg, base_lm_head)
             logits = jnp.einsum("k...d,dv->k...v", x, base_lm_head.astype(self.dtype))
         else:
@@ -152,7 +152,7 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
 
     Args:
       cfg: the heads' config.
-      base_lm_head: [D, V] the backbone's output projection (`LlamaModel.lm_head_matrix()`);
+      base_lm_head: [D, V] the backbone's output projection (`models.llama.lm_head_matrix(cfg, params)`);
         required unless cfg.shared_lm_head (then it is only shape-checked if given).
       dtype: dtype of the returned arrays.
     Returns:
@@ -169,7 +169,7 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
     if not cfg.shared_lm_head:
         if base_lm_head is None:
             raise ValueError("heads with their own lm_head (cfg.shared_lm_head=False) start from copies "
-                             "of the base lm_head: pass base_lm_head=[D, V], e.g. LlamaModel.lm_head_matrix()")
+                             "of the base lm_head: pass base_lm_head=[D, V], e.g. models.llama.lm_head_matrix(cfg, params)")
         lm = jnp.asarray(base_lm_head, dtype)
         params["lm_head"] = jnp.tile(lm[None], (K, 1, 1))
     return params

@@ -74,7 +74,7 @@ def test_fresh_heads_reproduce_base_logits(shared):
 
 
 def test_fresh_heads_on_a_real_backbone_match_its_logits():
-    from medusa_jax.models.llama import LlamaModel
+    from medusa_jax.models.llama import LlamaModel, lm_head_matrix
     mcfg = ModelConfig(vocab_size=V, hidden_size=D, intermediate_size=32, num_layers=2, num_heads=2,
                        num_kv_heads=1, tie_word_embeddings=True)
     model = LlamaModel(mcfg)
@@ -82,7 +82,7 @@ def test_fresh_heads_on_a_real_backbone_match_its_logits():
     positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
     mp = model.init(jax.random.PRNGKey(0), tokens, positions)["params"]
     logits, hidden, _ = model.apply({"params": mp}, tokens, positions)
-    base = model.apply({"params": mp}, method=LlamaModel.lm_head_matrix)
+    base = lm_head_matrix(model.cfg, mp)
     for shared in (True, False):
         cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=4, num_layers=1, shared_lm_head=shared)
         out = _logits(cfg, init_heads(cfg, base), np.asarray(hidden), np.asarray(base))

@@ -244,12 +244,6 @@ class LlamaModel(nn.Module):
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
 
-    def lm_head_matrix(self) -> jax.Array:
-        """The output projection as [D, V] (the transposed embedding when tied)."""
-        if self.cfg.tie_word_embeddings:
-            return self.embed.embedding.T
-        return self.lm_head.variables["params"]["kernel"]
-
 
 def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
     """The base model's output projection from a params tree, as [D, V] (embedding.T when tied)."""
