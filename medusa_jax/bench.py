@@ -28,26 +28,17 @@ import numpy as np
 
 
 def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: int, eos) -> dict:
-    """One fully on-device generation (compiled beforehand), timed from prefill to the last token.
+    """One fully on-device generation (`generate_device`; compilation never timed).
 
     Returns {"tokens": list, "seconds": float (decode only), "prefill_s", "steps", "hist": list}.
     """
-    from .generate import PLAIN_TREE, _aot, cache_size_for, generate_jit, start_state
-    from .verify import Acceptance
+    from .generate import generate_device
 
-    heads_cfg, head_params = heads if heads is not None else (None, None)
-    tr = tree if heads is not None else PLAIN_TREE
-    S = cache_size_for(cfg, len(ids), max_new_tokens, tr.size)
-    timing: dict = {}
-    state = start_state(cfg, params, [ids], S, timing=timing)
-    static = (cfg, heads_cfg, tr, Acceptance(), max_new_tokens, tuple(eos))
-    fn = _aot(generate_jit, static, (params, head_params, state))
-    t0 = time.perf_counter()
-    out, count, steps, hist = jax.block_until_ready(fn(params, head_params, state))
-    dt = time.perf_counter() - t0
-    n = int(count[0])
-    return {"tokens": np.asarray(out[0, :n]).tolist(), "seconds": dt, "prefill_s": timing["prefill_s"],
-            "steps": int(steps), "hist": np.asarray(hist).tolist()}
+    r = generate_device(cfg, params, [ids], max_new_tokens=max_new_tokens, heads=heads, tree=tree,
+                        eos_token_ids=eos)
+    n = int(r.count[0])
+    return {"tokens": r.tokens[0, :n].tolist(), "seconds": r.decode_s, "prefill_s": r.prefill_s,
+            "steps": r.steps, "hist": r.hist.tolist()}
 
 
 def time_hf_generate(hf_model, ids: List[int], max_new_tokens: int, eos) -> dict:
@@ -195,10 +186,17 @@ def main(argv=None) -> int:
             row.update(hf_s=hf["seconds"], hf_tokens=len(hf["tokens"]), hf_identical=hf["tokens"] == plain["tokens"])
         rows.append(row)
     summary = summarize(rows, tree.max_depth)
+    predicted = runtime.predicted_tokens_per_step(tree, runtime.heads_calibration(args.heads))
+    overall = summary.get("overall", summary.get("all"))
+    tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
+                + (f"{predicted:.3f} (calibrated rank accuracies, independent heads)" if predicted else "n/a (heads not tuned)")
+                + f"; tree of {tree.size} tokens; acceptance per depth "
+                + " ".join(f"{a:.3f}" for a in overall["acceptance_per_depth"]))
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"summary": summary, "tree": [list(c) for c in tree.medusa_choices], "rows": rows}, f, indent=1)
-    table = markdown_table(summary)
+        json.dump({"summary": summary, "tree": [list(c) for c in tree.medusa_choices],
+                   "predicted_tokens_per_step": predicted, "rows": rows}, f, indent=1)
+    table = markdown_table(summary) + "\n" + tps_line + "\n"
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     plot(summary, os.path.join(args.out, "speed.png"))

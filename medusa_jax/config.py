@@ -189,6 +189,10 @@ class MedusaConfig:
     topk: candidates taken from each head (ranks in medusa_choices are < topk).
     medusa_choices: the tree as a tuple of rank paths, or None for the default preset.
     base_model: name or path of the backbone the heads were trained for (informational).
+    proposal_vocab_size: 0 = the heads propose from the whole vocabulary; N > 0 = only from N
+      frequent tokens (params ``proposal_ids [N]``), which cuts the heads' vocabulary projection
+      per step by V / N (vLLM's ``truncated_vocab_size``). Verification always uses the full
+      vocabulary, so the output does not change; only rare tokens are never proposed.
     """
     hidden_size: int
     vocab_size: int
@@ -198,10 +202,16 @@ class MedusaConfig:
     topk: int = 10
     medusa_choices: Optional[Tuple[Tuple[int, ...], ...]] = None
     base_model: str = ""
+    proposal_vocab_size: int = 0
 
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if not 0 <= self.proposal_vocab_size <= self.vocab_size:
+            raise ValueError(f"proposal_vocab_size must be in [0, vocab_size={self.vocab_size}], "
+                             f"got {self.proposal_vocab_size}")
+        if self.proposal_vocab_size and self.topk > self.proposal_vocab_size:
+            raise ValueError(f"topk={self.topk} exceeds proposal_vocab_size={self.proposal_vocab_size}")
         if self.medusa_choices is not None:
             object.__setattr__(self, "medusa_choices",
                                tuple(tuple(int(r) for r in path) for path in self.medusa_choices))

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, List, Optional, Sequence, Tuple
+from typing import Callable, Generator, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from .config import MedusaConfig, ModelConfig
-from .kv_cache import KVCache, init_cache
+from .kv_cache import KVCache, grow_cache, init_cache
 from .models.llama import LlamaModel
 from .tree import TreeBuffers, build_tree
 from .verify import Acceptance, DecodeState, StepOutput, medusa_step
@@ -227,11 +227,15 @@ def generate(cfg: ModelConfig, params, prompt: Sequence[int], *, on_tokens: Opti
 _COMPILED: dict = {}
 
 
+def _aot_key(fn, static: tuple, args: tuple):
+    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), args)
+    return (fn, static, str(shapes))
+
+
 def _aot(fn, static: tuple, args: tuple):
     """`fn` (a jitted function whose leading arguments are `static`) compiled ahead of time for
     these static values and argument shapes, cached, so that timings never include compilation."""
-    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), args)
-    key = (fn, static, str(shapes))
+    key = _aot_key(fn, static, args)
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = fn.lower(*static, *args).compile()
@@ -239,14 +243,33 @@ def _aot(fn, static: tuple, args: tuple):
     return compiled
 
 
+class DeviceResult(NamedTuple):
+    """Output of `generate_device` (B prompts).
+
+    tokens: [B, max_new_tokens] int32 numpy; row b is valid up to ``count[b]``.
+    count: [B] int32 new tokens per row (EOS included when it ended the row).
+    steps: decoding steps (tree forwards) of the batch.
+    hist: [D+1] int32; ``hist[n-1]`` counts the (row, step) pairs that emitted n tokens.
+    prefill_s / decode_s: wall-clock seconds, compilation excluded.
+    cache_sizes: the cache sizes S the loop ran with (it grows in power-of-two steps).
+    """
+    tokens: np.ndarray
+    count: np.ndarray
+    steps: int
+    hist: np.ndarray
+    prefill_s: float
+    decode_s: float
+    cache_sizes: Tuple[int, ...]
+
+
 def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
-                   max_new_tokens: int, eos: Tuple[int, ...], params, head_params, state: DecodeState):
-    """Fully on-device generation (lax.while_loop). See `generate_jit`."""
+                   max_new_tokens: int, eos: Tuple[int, ...], params, head_params, carry, final):
+    """One segment of on-device generation (lax.while_loop). See `generate_jit`."""
+    state = carry[0]
     B = state.logits.shape[0]
     S = state.cache.size
     D = tree.max_depth
     width = D + 1
-    out0 = jnp.zeros((B, max_new_tokens), jnp.int32)
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
 
     def plain(st):
@@ -257,14 +280,16 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
     def full(st):
         return medusa_step(cfg, heads_cfg, tree, acc, params, head_params, st)
 
+    def fits(st):
+        return jnp.all(st.cache.lengths + tree.size <= S)
+
     def cond(c):
-        _, _, _, done, steps, _ = c
-        return jnp.logical_not(jnp.all(done)) & (steps < max_new_tokens)
+        st, _, _, done, steps, _ = c
+        return jnp.logical_not(jnp.all(done)) & (steps < max_new_tokens) & (final | fits(st))
 
     def body(c):
         st, out, count, done, steps, hist = c
-        fits = jnp.all(st.cache.lengths + tree.size <= S)
-        o, st = (jax.lax.cond(fits, full, plain, st) if D > 0 else plain(st))
+        o, st = (jax.lax.cond(fits(st), full, plain, st) if D > 0 else plain(st))
         j = jnp.arange(width)[None, :]
         live = j < o.num_tokens[:, None]
         is_eos = jnp.isin(o.tokens, eos_arr) & live
@@ -276,23 +301,82 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
         out = out.at[jnp.arange(B)[:, None], idx].set(o.tokens, mode="drop")
         hist = hist.at[o.num_tokens - 1].add(jnp.where(done, 0, 1))
         count = count + n
-        done = done | (has_eos & (n > 0)) | (count >= max_new_tokens) | (st.cache.lengths >= S)
+        done = done | (has_eos & (n > 0)) | (count >= max_new_tokens) | (final & (st.cache.lengths >= S))
         return st, out, count, done, steps + 1, hist
 
-    init = (state, out0, jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool), jnp.int32(0),
-            jnp.zeros((width,), jnp.int32))
-    state, out, count, _, steps, hist = jax.lax.while_loop(cond, body, init)
-    return out, count, steps, hist
+    return jax.lax.while_loop(cond, body, tuple(carry))
 
 
-generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5))
-generate_jit.__doc__ = """Whole generation on the device: one lax.while_loop, no host sync per step.
+generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnames=("carry",))
+generate_jit.__doc__ = """One segment of whole-generation-on-the-device: a lax.while_loop, no host sync per step.
 
 Args (static first): cfg, heads_cfg (None for plain), tree (`PLAIN_TREE` for plain), acc,
-  max_new_tokens, eos ids (tuple); then params, head_params, and a prefilled `DecodeState`
-  (from `start_state`). The cache must have room for max_new_tokens + tree size;
-  near its end the loop falls back to plain steps.
-Returns:
-  (tokens [B, max_new_tokens] int32 (valid up to count), count [B] int32,
-   steps () int32, histogram [D+1] int32: index n-1 counts the (row, step) pairs that emitted n tokens).
+  max_new_tokens, eos ids (tuple); then params, head_params, the loop carry (donated)
+  ``(DecodeState, out [B, max_new_tokens] int32, count [B] int32, done [B] bool, steps () int32,
+  hist [D+1] int32)`` and ``final`` (bool scalar).
+The loop stops when every row is done, or, unless ``final``, as soon as the tree no longer fits in
+the cache (the caller grows the cache and calls again). With ``final`` it falls back to plain steps
+near the cache end and a row is done when its cache is full. Use `generate_device`, which drives it.
+Returns the carry after the segment.
 """
+
+
+def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
+                    heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
+                    acceptance: Acceptance = Acceptance(), seed: int = 0,
+                    eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
+                    ) -> DeviceResult:
+    """Generate for B prompts with the whole decoding loop on the device (the fast path).
+
+    The KV cache starts just big enough for the longest prompt plus one tree (a power of two,
+    >= 128 slots) and doubles whenever the tree no longer fits, up to `cache_size`; attention reads
+    every slot, so a tight cache is faster. Each segment is one `generate_jit` call (compiled once
+    per tree and cache size; the cache is donated); the host syncs only between segments.
+    Same stopping rules and the same output as `generate` (token for token in greedy mode).
+
+    Args: as `generate_stream` (``prompts`` is a list of token-id lists; ``cache_size`` is the
+      largest cache, default `cache_size_for` the longest prompt).
+    Returns: `DeviceResult`.
+    Raises: ValueError for an empty prompt list or prompt, PromptTooLongError, ValueError for a tree
+      deeper than the heads.
+    """
+    if not prompts:
+        raise ValueError("no prompts given")
+    eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    heads_cfg, head_params = heads if heads is not None else (None, None)
+    tr = tree if heads is not None and tree is not None else PLAIN_TREE
+    if tr.max_depth > 0 and tr.max_depth > heads_cfg.num_heads:
+        raise ValueError(f"tree depth {tr.max_depth} exceeds the {heads_cfg.num_heads} Medusa heads; "
+                         "use a shallower tree")
+    longest = max((len(p) for p in prompts), default=0)
+    s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.size)
+    S = min(bucket(longest + tr.size + 1, 128), s_max)
+    timing: dict = {}
+    state = start_state(cfg, params, [list(p) for p in prompts], S, seed, timing=timing)
+    B = len(prompts)
+    carry = (state, jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B,), jnp.int32),
+             jnp.zeros((B,), bool), jnp.int32(0), jnp.zeros((tr.max_depth + 1,), jnp.int32))
+    static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos)
+    sizes = []
+    t0, compile_s = None, 0.0
+    while True:
+        final = S >= s_max
+        sizes.append(S)
+        args = (params, head_params, carry, jnp.bool_(final))
+        tc = time.perf_counter()
+        fn = _aot(generate_jit, static, args)  # compiled once per tree and cache size, never timed
+        if t0 is None:
+            t0 = time.perf_counter()
+        else:
+            compile_s += time.perf_counter() - tc
+        carry = fn(*args)
+        done, steps = jax.device_get((carry[3], carry[4]))
+        if final or bool(np.all(done)) or int(steps) >= max_new_tokens:
+            break
+        S = min(S * 2, s_max)
+        st = carry[0]
+        carry = (st.replace(cache=grow_cache(st.cache, S)),) + tuple(carry[1:])
+    _, out, count, _, steps, hist = jax.block_until_ready(carry)
+    decode_s = time.perf_counter() - t0 - compile_s
+    return DeviceResult(tokens=np.asarray(out), count=np.asarray(count), steps=int(steps), hist=np.asarray(hist),
+                        prefill_s=timing["prefill_s"], decode_s=decode_s, cache_sizes=tuple(sizes))

@@ -23,6 +23,8 @@ Params (fixed layout; `medusa_jax.convert.medusa_format` and the trainer depend 
     blocks_kernel [K, L, D, D]   y = x @ W (layout [in, out], the transpose of torch's Linear.weight)
     blocks_bias   [K, L, D]
     lm_head       [K, D, V]      only when cfg.shared_lm_head is False
+    proposal_ids  [N] int32      only when cfg.proposal_vocab_size = N > 0: the tokens the heads
+                                 may propose at decoding time (see `proposal_projection`)
 
 Used pure-functionally, like the backbone::
 
@@ -175,6 +177,52 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
     return params
 
 
+BLOCK_KEYS = ("blocks_kernel", "blocks_bias")
+
+
+def proposal_projection(cfg: MedusaConfig, params, base_lm_head=None) -> jax.Array:
+    """The heads' vocabulary projection restricted to ``params["proposal_ids"]``.
+
+    Returns [D, N] (shared lm_head: columns of `base_lm_head` [D, V]) or [K, D, N] (own lm_heads).
+    `with_proposal_projection` stores it once, so decoding does not gather it every step.
+    Raises ValueError when ``cfg.proposal_vocab_size`` is 0 or the ids are missing or mis-sized.
+    """
+    ids = params.get("proposal_ids") if cfg.proposal_vocab_size else None
+    if ids is None or tuple(ids.shape) != (cfg.proposal_vocab_size,):
+        raise ValueError(f"proposal_vocab_size={cfg.proposal_vocab_size} needs params['proposal_ids'] of that "
+                         f"length, got {None if ids is None else tuple(ids.shape)}")
+    ids = jnp.asarray(ids, jnp.int32)
+    if cfg.shared_lm_head:
+        if base_lm_head is None:
+            raise ValueError("shared-lm_head heads need base_lm_head [D, V] for their proposal projection")
+        _check_lm_head(cfg, base_lm_head)
+        return jnp.take(jnp.asarray(base_lm_head), ids, axis=1)
+    return jnp.take(jnp.asarray(params["lm_head"]), ids, axis=2)
+
+
+def with_proposal_projection(cfg: MedusaConfig, params, base_lm_head=None) -> dict:
+    """`params` plus ``"proposal_lm_head"`` (`proposal_projection`, computed once) when the heads
+    propose from a truncated vocabulary; unchanged otherwise. For decoding only."""
+    if not cfg.proposal_vocab_size:
+        return params
+    return {**params, "proposal_lm_head": proposal_projection(cfg, params, base_lm_head)}
+
+
+def frequent_tokens(sequences, size: int, vocab_size: int) -> np.ndarray:
+    """The `size` most frequent token ids in `sequences` (iterables of ids), most frequent first;
+    ties and never-seen tokens by id. Returns [size] int32. Raises ValueError unless 1 <= size <= V."""
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"size must be in [1, {vocab_size}], got {size}")
+    counts = np.zeros(vocab_size, np.int64)
+    for seq in sequences:
+        a = np.asarray(seq, np.int64)
+        if a.size and (a.min() < 0 or a.max() >= vocab_size):
+            raise ValueError(f"token id outside [0, {vocab_size}) in the data")
+        np.add.at(counts, a, 1)
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    return order[:size].astype(np.int32)
+
+
 def num_head_params(cfg: MedusaConfig) -> int:
     """Number of trainable head parameters (blocks, plus the per-head lm_heads when not shared)."""
     K, L, D, V = cfg.num_heads, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
@@ -182,7 +230,9 @@ def num_head_params(cfg: MedusaConfig) -> int:
 
 
 def heads_params_to_numpy(params) -> dict:
-    """Unwrap ``{"params": ...}`` if present and convert every leaf to a float32 numpy array."""
+    """Unwrap ``{"params": ...}`` if present and convert every leaf to a float32 numpy array
+    (``proposal_ids`` to int32; the derived ``proposal_lm_head`` is dropped)."""
     if "params" in params and "blocks_kernel" not in params:
         params = params["params"]
-    return {k: np.asarray(v, dtype=np.float32) for k, v in params.items()}
+    return {k: np.asarray(v, dtype=np.int32 if k == "proposal_ids" else np.float32) for k, v in params.items()
+            if k != "proposal_lm_head"}

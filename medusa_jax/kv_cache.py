@@ -42,3 +42,19 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KV
     shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
+
+
+def grow_cache(cache: KVCache, size: int) -> KVCache:
+    """The same cache with `size` slots per row (new slots are zeros; lengths unchanged).
+
+    Decoding starts with a cache just big enough for the prompt and grows it in power-of-two
+    steps (`medusa_jax.generate.generate_device`), because attention reads every slot of the
+    cache each step: a tight cache is faster.
+    Raises ValueError if `size` is smaller than the current size.
+    """
+    if size < cache.size:
+        raise ValueError(f"cannot shrink a KV cache from {cache.size} to {size} slots")
+    if size == cache.size:
+        return cache
+    pad = ((0, 0), (0, 0), (0, size - cache.size), (0, 0), (0, 0))
+    return KVCache(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad), lengths=cache.lengths)

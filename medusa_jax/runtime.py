@@ -88,8 +88,40 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     import jax.numpy as jnp
     import jax
 
+    from .heads import with_proposal_projection
+    from .models.llama import lm_head_matrix
+
     params = jax.tree_util.tree_map(jnp.asarray, params)
+    if heads_cfg.proposal_vocab_size:  # the truncated projection, computed once rather than every step
+        params = with_proposal_projection(heads_cfg, params, lm_head_matrix(model.cfg, model.params))
     return (heads_cfg, params), resolve_tree(tree_spec, heads_cfg), ""
+
+
+def heads_calibration(heads_path: Optional[str]) -> Optional[dict]:
+    """The ``tree_search`` report that `medusa_jax.tune` saved with the heads (calibrated
+    ``rank_accuracies`` [K][topk], measured costs, the chosen tree), or None when there is none.
+    `heads_path` None means the shipped heads; "zero" has none."""
+    if heads_path == "zero":
+        return None
+    from .convert.medusa_format import _read_config, _resolve
+
+    try:
+        _, cfg_fn = _resolve(heads_path or DEFAULT_HEADS_DIR)
+        return _read_config(cfg_fn).get("tree_search")
+    except (OSError, ValueError):
+        return None
+
+
+def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) -> Optional[float]:
+    """1 + E[accepted] of `tree` under the calibrated rank accuracies (independent heads), or None."""
+    from .tree import expected_acceptance_length
+
+    if not calibration or "rank_accuracies" not in calibration:
+        return None
+    try:
+        return 1.0 + expected_acceptance_length(tree, calibration["rank_accuracies"])
+    except ValueError:
+        return None
 
 
 class TextStreamer:

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from .config import MedusaConfig, ModelConfig
-from .heads import MedusaHeads
+from .heads import BLOCK_KEYS, MedusaHeads, proposal_projection
 from .kv_cache import KVCache
 from .models.llama import LlamaModel, lm_head_matrix
 from .sampling import sample_logits
@@ -55,24 +55,48 @@ class StepOutput(NamedTuple):
     num_tokens: jax.Array
 
 
-def propose_candidates(heads_cfg: MedusaConfig, head_params, state: DecodeState,
-                       base_lm_head: Optional[jax.Array], depth: int, topk: int) -> jax.Array:
-    """Top-k tokens of the first `depth` heads at the last accepted position.
+def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_head: Optional[jax.Array],
+              depth: int, topk: int) -> jax.Array:
+    """Top-k proposals of the first `depth` heads.
 
     Args:
-      state: the decode state; the heads read ``state.hidden`` [B, D] (the root token will sit at
-        position ``state.cache.lengths``).
+      hidden: [N, D] backbone hidden states (after the final norm).
       base_lm_head: [D, V] (used by heads that share the base lm_head).
+      With ``heads_cfg.proposal_vocab_size = P``, the top-k is taken over the P tokens of
+      ``head_params["proposal_ids"]`` only, projected with ``head_params["proposal_lm_head"]``
+      (`heads.with_proposal_projection`; gathered here when absent).
     Returns:
-      [depth, B, topk] int32; head k's rank-r token is a guess for position ``lengths + k + 1``
-      (k + 2 positions after the hidden state's own token).
+      [depth, N, topk] int32 token ids, best first; head k guesses the token k + 2 positions
+      after each hidden state's own token.
     """
-    hidden = state.hidden
-    sub_cfg = heads_cfg.replace(num_heads=depth)
-    sub_params = jax.tree_util.tree_map(lambda a: a[:depth], head_params)
-    logits = MedusaHeads(sub_cfg).apply({"params": sub_params}, hidden,
-                                        None if not heads_cfg.shared_lm_head else base_lm_head)
-    return jax.lax.top_k(logits, topk)[1].astype(jnp.int32)
+    sub_cfg = heads_cfg.replace(num_heads=depth, proposal_vocab_size=0)
+    if not heads_cfg.proposal_vocab_size:
+        sub_params = {k: v[:depth] for k, v in head_params.items() if k in BLOCK_KEYS + ("lm_head",)}
+        logits = MedusaHeads(sub_cfg).apply({"params": sub_params}, hidden,
+                                            None if not heads_cfg.shared_lm_head else base_lm_head)
+        return jax.lax.top_k(logits, topk)[1].astype(jnp.int32)
+    blocks = {k: head_params[k][:depth] for k in BLOCK_KEYS}
+    states = MedusaHeads(sub_cfg).apply({"params": blocks}, hidden, method=MedusaHeads.head_states)  # [depth, N, D]
+    proj = head_params.get("proposal_lm_head")
+    if proj is None:
+        proj = proposal_projection(heads_cfg, head_params, base_lm_head)
+    if heads_cfg.shared_lm_head:
+        logits = jnp.einsum("knd,dp->knp", states, proj.astype(states.dtype))
+    else:
+        logits = jnp.einsum("knd,kdp->knp", states, proj[:depth].astype(states.dtype))
+    idx = jax.lax.top_k(logits, topk)[1]
+    return jnp.asarray(head_params["proposal_ids"], jnp.int32)[idx]
+
+
+def propose_candidates(heads_cfg: MedusaConfig, head_params, state: DecodeState,
+                       base_lm_head: Optional[jax.Array], depth: int, topk: int) -> jax.Array:
+    """Top-k tokens of the first `depth` heads at the last accepted position (`head_topk` of
+    ``state.hidden`` [B, D]; the root token will sit at position ``state.cache.lengths``).
+
+    Returns:
+      [depth, B, topk] int32; head k's rank-r token is a guess for position ``lengths + k + 1``.
+    """
+    return head_topk(heads_cfg, head_params, state.hidden, base_lm_head, depth, topk)
 
 
 def tree_candidates(root: jax.Array, head_tokens: jax.Array, tree: TreeBuffers) -> jax.Array:

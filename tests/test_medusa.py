@@ -6,7 +6,7 @@ import pytest
 
 from medusa_jax import verify
 from medusa_jax.config import MedusaConfig
-from medusa_jax.generate import _COMPILED, generate, generate_jit, start_state
+from medusa_jax.generate import _COMPILED, generate, generate_device
 from medusa_jax.heads import init_heads
 from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.tree import build_tree, get_tree, random_tree
@@ -48,11 +48,15 @@ def test_medusa_greedy_equals_plain_greedy(tiny, tree_spec):
         med = generate(cfg, params, prompt, max_new_tokens=200, heads=(hcfg, hp), tree=tree)
         assert med.tokens == base.tokens
         assert med.steps == len(med.tokens_per_step) and sum(med.tokens_per_step) == 200
-        st = start_state(cfg, params, [prompt], 200 + len(prompt) + tree.size)
-        out, count, steps, hist = generate_jit(cfg, hcfg, tree, Acceptance(), 200, (), params, hp, st)
-        assert int(count[0]) == 200
-        assert np.asarray(out[0]).tolist() == base.tokens
-        assert int(np.asarray(hist).sum()) == int(steps)
+        # on the device; the cache starts at 128 slots and grows to 256 on the way
+        r = generate_device(cfg, params, [prompt], max_new_tokens=200, heads=(hcfg, hp), tree=tree,
+                            eos_token_ids=())
+        assert r.cache_sizes[0] == 128 and len(r.cache_sizes) >= 2
+        assert int(r.count[0]) == 200
+        assert r.tokens[0].tolist() == base.tokens
+        assert int(r.hist.sum()) == r.steps == med.steps
+        p = generate_device(cfg, params, [prompt], max_new_tokens=200, eos_token_ids=())
+        assert p.tokens[0].tolist() == base.tokens and p.steps == 200
 
 
 def oracle_proposer(sequence, topk):
@@ -119,9 +123,8 @@ def test_eos_inside_accepted_chunk_ends_output_exactly(tiny, monkeypatch):
     assert med.tokens == ref.tokens == base.tokens[:idx + 1]
     assert med.stop_reason == ref.stop_reason == "eos"
     assert med.tokens_per_step[-1] == 3  # root, depth 1, depth 2 (the EOS); depths 3-4 dropped
-    st = start_state(cfg, params, [prompt], 128)
-    out, count, _, _ = generate_jit(cfg, hcfg, tree, Acceptance(), 60, (eos,), params, hp, st)
-    assert np.asarray(out[0, :int(count[0])]).tolist() == ref.tokens
+    r = generate_device(cfg, params, [prompt], max_new_tokens=60, heads=(hcfg, hp), tree=tree, eos_token_ids=[eos])
+    assert r.tokens[0, :int(r.count[0])].tolist() == ref.tokens
     jax.clear_caches()
     _COMPILED.clear()
 
@@ -137,9 +140,8 @@ def test_prompt_near_cache_end(tiny):
         tree = get_tree(spec, num_heads=hcfg.num_heads)
         med = generate(cfg, params, prompt, max_new_tokens=50, heads=(hcfg, hp), tree=tree, cache_size=S)
         assert med.tokens == ref.tokens and med.stop_reason == "cache_full"
-        st = start_state(cfg, params, [prompt], S)
-        out, count, _, _ = generate_jit(cfg, hcfg, tree, Acceptance(), 50, (), params, hp, st)
-        assert np.asarray(out[0, :int(count[0])]).tolist() == ref.tokens
+        r = generate_device(cfg, params, [prompt], max_new_tokens=50, heads=(hcfg, hp), tree=tree, cache_size=S)
+        assert r.tokens[0, :int(r.count[0])].tolist() == ref.tokens and r.cache_sizes == (S,)
 
 
 def _logits_for(argmaxes, T, V=16, scale=10.0, seed=0):

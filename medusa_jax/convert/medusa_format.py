@@ -19,7 +19,8 @@ Formats (DESIGN.md, "Formats to read and write"):
   ``medusa_fc_bias`` (the blocks have a bias only when true); weights ``blocks.{h}.layers.{l}.weight
   | bias`` and ``lm_heads.{h}.weight`` (or one ``lm_head.weight`` when ``original_lm_head``).
 * Ours (`save_heads`): the official safetensors format plus ``medusa_choices``, ``topk``,
-  ``shared_lm_head`` and free extra fields (metrics, training info) in ``config.json``.
+  ``shared_lm_head``, optionally ``proposal_token_ids`` (the tokens the heads may propose; see
+  `MedusaConfig.proposal_vocab_size`) and free extra fields (metrics, training info) in ``config.json``.
 
 Params are the `medusa_jax.heads.MedusaHeads` layout (kernels [in, out]); files hold torch's
 [out, in]. ``.pt`` files are read with ``torch.load(weights_only=True)`` only, and torch is imported
@@ -44,7 +45,7 @@ OFFICIAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_FILES = OFFICIAL_FILES + VLLM_FILES
 _OUR_KEYS = ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
-             "vocab_size", "version", "medusa_choices", "topk", "shared_lm_head")
+             "vocab_size", "version", "medusa_choices", "topk", "shared_lm_head", "proposal_token_ids")
 
 
 class HeadsFormatError(ConversionError):
@@ -304,15 +305,34 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     choices = raw.get("medusa_choices")
     if choices is not None:
         choices = tuple(tuple(int(r) for r in p) for p in choices if len(p) <= K) or None
+    ids = _proposal_ids(raw.get("proposal_token_ids"), V, int(raw.get("topk", 10)), weights_fn)
     cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=L, shared_lm_head=lm is None,
                        topk=int(raw.get("topk", 10)), medusa_choices=choices,
-                       base_model=str(raw.get("base_model_name_or_path") or ""))
+                       base_model=str(raw.get("base_model_name_or_path") or ""),
+                       proposal_vocab_size=0 if ids is None else len(ids))
     if model_cfg is not None:
         check_heads_match(cfg, model_cfg, source=path)
     params = {"blocks_kernel": kern.astype(dtype), "blocks_bias": bias.astype(dtype)}
     if lm is not None:
         params["lm_head"] = lm.astype(dtype)
+    if ids is not None:
+        params["proposal_ids"] = ids
     return cfg, params
+
+
+def _proposal_ids(raw_ids, V: int, topk: int, source: str) -> Optional[np.ndarray]:
+    """config.json's ``proposal_token_ids`` (distinct ids in [0, V), at least topk) as int32, or None."""
+    if raw_ids is None:
+        return None
+    try:
+        ids = np.asarray(raw_ids, np.int64)
+    except (TypeError, ValueError):
+        ids = np.zeros((0, 0))
+    if ids.ndim != 1 or ids.size < max(topk, 1) or ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != ids.size:
+        raise HeadsFormatError(f"{source}: config.json's proposal_token_ids must be at least topk={topk} distinct "
+                               f"token ids in [0, {V}); fix or delete the field (the heads then propose from "
+                               "the whole vocabulary)")
+    return ids.astype(np.int32)
 
 
 # ---------------------------------------------------------------------------------------- writing
@@ -322,6 +342,8 @@ def _check_params(cfg: MedusaConfig, p: Dict[str, np.ndarray]) -> None:
     want = {"blocks_kernel": (K, L, D, D), "blocks_bias": (K, L, D)}
     if not cfg.shared_lm_head:
         want["lm_head"] = (K, D, V)
+    if cfg.proposal_vocab_size:
+        want["proposal_ids"] = (cfg.proposal_vocab_size,)
     for k, shape in want.items():
         if k not in p or tuple(p[k].shape) != shape:
             raise ValueError(f"head params {k!r}: {None if k not in p else tuple(p[k].shape)}, expected {shape} "
@@ -400,7 +422,8 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
 
     Writes ``path/config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
     ``base_model_name_or_path``, ``hidden_size``, ``vocab_size``, ``"version": "2"`` when shared,
-    ``medusa_choices``, ``topk``, ``shared_lm_head``, and every field of `extra`) and
+    ``medusa_choices``, ``topk``, ``shared_lm_head``, ``proposal_token_ids`` when the heads propose
+    from a truncated vocabulary, and every field of `extra`) and
     ``path/medusa_lm_head.safetensors`` (float32, torch layout, no lm_head tensors when shared).
 
     Args:
@@ -419,6 +442,8 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
     config = _official_config(cfg, cfg.shared_lm_head)
     config.update(shared_lm_head=cfg.shared_lm_head, topk=cfg.topk,
                   medusa_choices=None if cfg.medusa_choices is None else [list(c) for c in cfg.medusa_choices])
+    if cfg.proposal_vocab_size:
+        config["proposal_token_ids"] = [int(i) for i in p["proposal_ids"]]
     for k, v in (extra or {}).items():
         if k in config or k in _OUR_KEYS:
             raise ValueError(f"extra field {k!r} collides with a Medusa config field")

@@ -1,0 +1,132 @@
+"""Measured cost of a Medusa step on the current device: c(T) and the per-step overhead breakdown.
+
+The hardware-aware tree choice (`medusa_jax.tune`) needs the wall-clock cost of one Medusa step
+with a T-node tree relative to one plain decoding step, ``c(T) = t_step(T) / t_step(plain)``.
+Steps are timed on the device, many per call (a `lax.fori_loop` of `medusa_step`, no host sync in
+between), on a real prefilled prompt; the best of a few repeats is kept, as usual for
+micro-benchmarks. Compilation is never timed.
+"""
+from __future__ import annotations
+
+import functools
+import time
+from typing import Dict, Iterable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from .config import MedusaConfig, ModelConfig
+from .generate import PLAIN_TREE, _aot, start_state
+from .models.llama import LlamaModel, lm_head_matrix
+from .tree import TreeBuffers
+from .verify import Acceptance, DecodeState, medusa_step, propose_candidates
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _run_steps(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, n: int,
+               params, head_params, state: DecodeState) -> DecodeState:
+    """`n` Medusa (or plain, with `PLAIN_TREE`) greedy steps in one on-device loop."""
+    def body(_, st):
+        return medusa_step(cfg, heads_cfg, tree, Acceptance(), params, head_params, st)[1]
+    return jax.lax.fori_loop(0, n, body, state)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _run_forwards(cfg: ModelConfig, tree: TreeBuffers, n: int, params, state: DecodeState) -> jax.Array:
+    """`n` tree forwards alone (no heads, posterior or compaction) at the same cache position."""
+    T = tree.size
+    tokens = jnp.zeros((state.logits.shape[0], T), jnp.int32)
+    positions = state.cache.lengths[:, None] + jnp.asarray(tree.depth)[None, :]
+    mask = jnp.asarray(tree.ancestor_mask)
+
+    def body(i, acc):
+        logits, _, _ = LlamaModel(cfg).apply({"params": params}, tokens + i, positions, state.cache, mask)
+        return acc + jnp.argmax(logits, axis=-1).sum()
+    return jax.lax.fori_loop(0, n, body, jnp.int32(0))
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
+def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, n: int, params, head_params,
+               state: DecodeState) -> jax.Array:
+    """`n` head proposals alone (blocks, vocabulary projection, top-k)."""
+    lm = lm_head_matrix(cfg, params)
+
+    def body(i, acc):
+        st = state.replace(hidden=state.hidden + i.astype(state.hidden.dtype) * 1e-6)
+        return acc + propose_candidates(heads_cfg, head_params, st, lm, depth, 10).sum()
+    return jax.lax.fori_loop(0, n, body, jnp.int32(0))
+
+
+def _best_time(fn, args: tuple, n: int, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best / n
+
+
+def prepared_state(cfg: ModelConfig, params, prompt_ids: Sequence[int], cache_size: int) -> DecodeState:
+    """A prefilled single-prompt state with `cache_size` slots (the timing position)."""
+    return start_state(cfg, params, [list(prompt_ids)], cache_size)
+
+
+def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
+                 state: DecodeState, steps: int = 16, repeats: int = 3) -> float:
+    """Seconds per greedy step with `tree` (`PLAIN_TREE` and heads None for a plain step).
+
+    The cache of `state` must hold ``steps * (tree.max_depth + 1) + tree.size`` more tokens.
+    Raises ValueError when it does not.
+    """
+    need = int(state.cache.lengths.max()) + steps * (tree.max_depth + 1) + tree.size
+    if need > state.cache.size:
+        raise ValueError(f"timing {steps} steps of a {tree.size}-node tree needs {need} cache slots, "
+                         f"the state has {state.cache.size}")
+    heads_cfg, head_params = heads if heads is not None and tree.size > 1 else (None, None)
+    args = (params, head_params, state)
+    fn = _aot(_run_steps, (cfg, heads_cfg, tree, steps), args)
+    return _best_time(fn, args, steps, repeats)
+
+
+def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees: Iterable[TreeBuffers],
+               prompt_ids: Sequence[int], steps: int = 16, repeats: int = 3, cache_size: int = 1024,
+               progress: bool = True) -> Dict[str, object]:
+    """c(T) for every tree: seconds per Medusa step divided by seconds per plain step.
+
+    Args:
+      heads: (MedusaConfig, params) used to propose the candidates (their accuracy does not
+        change the cost: every step runs the whole tree).
+      trees: trees to time (any sizes; depth <= the number of heads).
+      prompt_ids: the prompt that fills the cache before timing (its length sets the attention work).
+      steps, repeats: steps per timed call, best-of repeats.
+    Returns:
+      {"plain_s": seconds per plain step, "seconds": {T: s}, "cost": {T: c(T)}} (T = tree size).
+    """
+    from tqdm import tqdm
+
+    state = prepared_state(cfg, params, prompt_ids, cache_size)
+    plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
+    seconds, cost = {}, {}
+    for tree in tqdm(list(trees), desc="c(T)", unit="tree", disable=not progress):
+        s = step_seconds(cfg, params, heads, tree, state, steps, repeats)
+        seconds[tree.size], cost[tree.size] = s, s / plain
+    return {"plain_s": plain, "seconds": seconds, "cost": cost}
+
+
+def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], tree: TreeBuffers,
+                       prompt_ids: Sequence[int], steps: int = 16, repeats: int = 3,
+                       cache_size: int = 1024) -> Dict[str, float]:
+    """Milliseconds per step of: a plain step, the T-node tree forward alone, the heads' proposal
+    alone (blocks + vocabulary projection + top-k), and the whole Medusa step; ``rest`` is the
+    whole step minus forward and heads (candidate placement, posterior, cache compaction, loop)."""
+    state = prepared_state(cfg, params, prompt_ids, cache_size)
+    heads_cfg, head_params = heads
+    plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
+    fwd_args = (params, state)
+    fwd = _best_time(_aot(_run_forwards, (cfg, tree, steps), fwd_args), fwd_args, steps, repeats)
+    h_args = (params, head_params, state)
+    hd = _best_time(_aot(_run_heads, (cfg, heads_cfg, tree.max_depth, steps), h_args), h_args, steps, repeats)
+    full = step_seconds(cfg, params, heads, tree, state, steps, repeats)
+    ms = 1e3
+    return {"plain_ms": plain * ms, "tree_forward_ms": fwd * ms, "heads_ms": hd * ms, "medusa_step_ms": full * ms,
+            "rest_ms": (full - fwd - hd) * ms, "tree_size": tree.size}

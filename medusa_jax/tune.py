@@ -1,0 +1,243 @@
+"""Fit the Medusa tree to the heads and to the hardware, and save it with the heads.
+
+``python -m medusa_jax.tune --heads DIR [--data data/distill/smollm2] [--proposal-vocab 8192]``
+
+1. Proposal vocabulary (optional, ``--proposal-vocab N``): the N most frequent tokens of the
+   self-distilled training split; the heads then propose only those (their vocabulary projection
+   per step shrinks by V / N; verification still uses the full vocabulary, so output is unchanged).
+2. Calibration: each head's rank accuracies ``acc[k][r]`` = P(head k's rank-r proposal equals the
+   base model's greedy token k + 2 positions ahead), counted over the held-out chats of the
+   self-distillation data (prompts from the training pool, never the evaluation sets; answers are the
+   backbone's own greedy tokens) and normalised per head by that head's own number of positions.
+3. Tree search: for every candidate size T, the greedy tree of Medusa Sec. 3.3.1 (maximal expected
+   acceptance length E[T] under independent heads, `tree.greedy_tree_search`).
+4. Hardware-aware choice: the verify cost ``c(T) = t(Medusa step with the T-node tree) / t(plain
+   step)`` is measured on this device (`medusa_jax.cost`), and the tree that maximises the predicted
+   speedup ``(1 + E[T]) / c(T)`` is saved as the heads' ``medusa_choices``, with the whole table
+   (``tree_search`` in config.json). decode.py and the benchmark use it by default; the benchmark
+   prints the predicted tokens per step (1 + E) beside the measured one.
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import sys
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .config import MedusaConfig
+from .tree import build_tree, expected_acceptance_length, greedy_tree_search
+
+DEFAULT_SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _rank_hits(heads_cfg: MedusaConfig, topk: int, head_params, lm, hidden, labels, valid):
+    from .verify import head_topk
+
+    tokens = head_topk(heads_cfg, head_params, hidden, lm, heads_cfg.num_heads, topk)  # [K, N, topk]
+    hit = (tokens == labels[:, :, None]) & valid[:, :, None]
+    return jnp.sum(hit, axis=1, dtype=jnp.int32)  # [K, topk]
+
+
+def rank_accuracies(heads_cfg: MedusaConfig, head_params, base_lm_head, hidden: np.ndarray, labels: np.ndarray,
+                    valid: np.ndarray, topk: int = 10, batch: int = 1024) -> Tuple[np.ndarray, np.ndarray]:
+    """Calibrated rank accuracies of the heads, exactly as decoding proposes (proposal vocabulary included).
+
+    Args:
+      hidden: [P, D] float32 backbone hidden states at positions t.
+      labels: [K, P] int32, the base model's greedy token at t + k + 2 for head k.
+      valid: [K, P] bool, whether that label exists.
+      topk: ranks to measure.
+    Returns:
+      (acc [K, topk] float64: acc[k][r] = hits of head k at rank r / counts[k], counts [K] int64).
+    Raises ValueError when some head has no valid position.
+    """
+    K = heads_cfg.num_heads
+    hits = np.zeros((K, topk), np.int64)
+    for s in range(0, hidden.shape[0], batch):
+        h, lab, ok = hidden[s:s + batch], labels[:, s:s + batch], valid[:, s:s + batch]
+        pad = batch - h.shape[0]
+        if pad:
+            h = np.pad(h, ((0, pad), (0, 0)))
+            lab, ok = np.pad(lab, ((0, 0), (0, pad))), np.pad(ok, ((0, 0), (0, pad)))
+        hits += np.asarray(_rank_hits(heads_cfg, topk, head_params, base_lm_head, h, lab, ok))
+    counts = valid.sum(axis=1).astype(np.int64)
+    if np.any(counts == 0):
+        raise ValueError(f"no calibration position for heads {np.flatnonzero(counts == 0).tolist()}: "
+                         "use more (or longer) held-out chats")
+    return hits / counts[:, None], counts
+
+
+def choose_tree(acc: np.ndarray, cost: Dict[int, float], topk: int = 10) -> Tuple[dict, List[dict]]:
+    """The hardware-aware choice among greedy trees.
+
+    Args:
+      acc: [K, topk] calibrated rank accuracies.
+      cost: {T: c(T)} measured relative step costs (T = tree tokens, root included; T = 1 is plain
+        decoding with c = 1 and is always a candidate).
+    Returns:
+      (best row, all rows); a row is {"size": T, "expected_accepted": E, "predicted_tokens_per_step":
+      1 + E, "cost": c(T), "predicted_speedup": (1 + E) / c(T), "medusa_choices": paths}.
+    """
+    rows = [{"size": 1, "expected_accepted": 0.0, "predicted_tokens_per_step": 1.0, "cost": 1.0,
+             "predicted_speedup": 1.0, "medusa_choices": []}]
+    for T in sorted(cost):
+        if T <= 1:
+            continue
+        choices = greedy_tree_search(acc, T, topk)
+        e = expected_acceptance_length(choices, acc)
+        rows.append({"size": len(choices) + 1, "expected_accepted": e, "predicted_tokens_per_step": 1 + e,
+                     "cost": float(cost[T]), "predicted_speedup": (1 + e) / float(cost[T]),
+                     "medusa_choices": [list(p) for p in choices]})
+    best = max(rows, key=lambda r: (r["predicted_speedup"], -r["size"]))
+    return best, rows
+
+
+def _table(rows: List[dict], best: dict) -> str:
+    lines = ["| tree tokens T | E[accepted] | predicted tokens/step | c(T) | predicted speedup |",
+             "|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        mark = " **(chosen)**" if r is best else ""
+        lines.append(f"| {r['size']}{mark} | {r['expected_accepted']:.3f} | {r['predicted_tokens_per_step']:.3f} | "
+                     f"{r['cost']:.3f} | {r['predicted_speedup']:.3f} |")
+    return "\n".join(lines)
+
+
+def _calibration_data(model, data_dir: str, val_fraction: float, seed: int, num_heads: int, max_seq_len: int,
+                      max_positions: int, progress: bool):
+    from .train import data as D
+    from .train.trainer import Backbone, compute_positions
+
+    examples = D.load_distilled(data_dir)
+    train, val = D.split_train_val(examples, val_fraction, seed)
+    if not val:
+        raise ValueError(f"{data_dir}: val_fraction={val_fraction} leaves no held-out chat for calibration")
+    cut = [(np.asarray(i, np.int32)[:max_seq_len], np.asarray(m, bool)[:max_seq_len]) for i, m in val]
+    bb = Backbone(model.cfg, model.params, model.path)
+    hidden, labels, valid = compute_positions(bb, cut, num_heads, max_seq_len, 4096, desc="calibration hidden states",
+                                              progress=progress)
+    if max_positions and hidden.shape[0] > max_positions:
+        keep = np.sort(np.random.default_rng(seed).choice(hidden.shape[0], max_positions, replace=False))
+        hidden, labels, valid = hidden[keep], labels[:, keep], valid[:, keep]
+    return train, val, (hidden, labels, valid)
+
+
+def _timing_prompt(val, target_len: int) -> List[int]:
+    """The prompt part of the held-out chat whose prompt length is closest to target_len."""
+    prompts = []
+    for ids, mask in val:
+        mask = np.asarray(mask, bool)
+        start = int(np.argmax(mask)) if mask.any() else len(ids)
+        prompts.append(list(np.asarray(ids[:start], np.int64)))
+    prompts = [p for p in prompts if p]
+    return min(prompts, key=lambda p: (abs(len(p) - target_len), len(p)))
+
+
+def _format_extras(raw: dict) -> dict:
+    from .convert.medusa_format import _OUR_KEYS
+    return {k: v for k, v in raw.items() if k not in _OUR_KEYS and k != "version" and k != "tree_search"}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(
+        description="Calibrate the heads, measure the verify cost c(T) on this device and save the tree that "
+                    "maximises (1 + E[accepted]) / c(T) with the heads (see the module docs).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--model", default=None, help="HF directory or GGUF (default: the SmolLM2 GGUF)")
+    p.add_argument("--data", default="data/distill/smollm2",
+                   help="self-distillation directory (samples.jsonl); its held-out split calibrates the heads")
+    p.add_argument("--val-fraction", type=float, default=0.04,
+                   help="held-out fraction of the chats; use the training config's so the heads never saw them")
+    p.add_argument("--seed", type=int, default=0, help="split seed (the training config's)")
+    p.add_argument("--max-seq-len", type=int, default=512, help="tokens per chat kept (the training config's)")
+    p.add_argument("--max-positions", type=int, default=16384, help="calibration positions kept (0 = all)")
+    p.add_argument("--proposal-vocab", type=int, default=None,
+                   help="restrict proposals to the N most frequent training tokens (0 = whole vocabulary; "
+                        "default: keep what the heads have)")
+    p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
+                   help="tree sizes T (tokens, root included) to time and compare")
+    p.add_argument("--cost-cache-size", type=int, default=256,
+                   help="KV cache slots while timing c(T) (the size most answers decode in)")
+    p.add_argument("--cost-prompt-len", type=int, default=100, help="approximate prompt tokens while timing")
+    p.add_argument("--steps", type=int, default=16, help="steps per timed call")
+    p.add_argument("--repeats", type=int, default=3, help="timed calls per tree (the best is kept)")
+    p.add_argument("--out", default=None, help="write the tuned heads here (default: update --heads in place)")
+    p.add_argument("--dry-run", action="store_true", help="print the table, save nothing")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+
+    from . import runtime
+    from .convert.medusa_format import _read_config, _resolve, load_heads, save_heads
+    from .cost import step_costs
+    from .heads import frequent_tokens, with_proposal_projection
+    from .loading import load_model
+    from .models.llama import lm_head_matrix
+
+    runtime.enable_compilation_cache()
+    heads_dir = args.heads or runtime.DEFAULT_HEADS_DIR
+    model = load_model(args.model)
+    hcfg, hp = load_heads(heads_dir, model.cfg)
+    lm = lm_head_matrix(model.cfg, model.params)
+    progress = not args.no_progress
+    train, val, (hidden, labels, valid) = _calibration_data(
+        model, args.data, args.val_fraction, args.seed, hcfg.num_heads, args.max_seq_len, args.max_positions,
+        progress)
+    if args.proposal_vocab is not None:
+        if args.proposal_vocab:
+            hp = {**hp, "proposal_ids": frequent_tokens((ids for ids, _ in train), args.proposal_vocab,
+                                                        model.cfg.vocab_size)}
+        else:
+            hp = {k: v for k, v in hp.items() if k != "proposal_ids"}
+        hcfg = hcfg.replace(proposal_vocab_size=args.proposal_vocab)
+    jhp = with_proposal_projection(hcfg, jax.tree_util.tree_map(jnp.asarray, hp), lm)
+    acc, counts = rank_accuracies(hcfg, jhp, lm, hidden, labels, valid, hcfg.topk)
+    print(f"calibration: {len(val)} held-out chats, positions per head {counts.tolist()}")
+    for k in range(hcfg.num_heads):
+        print(f"  head {k}: top-1 {acc[k, 0]:.3f}  top-5 {acc[k, :5].sum():.3f}  ranks "
+              + " ".join(f"{a:.3f}" for a in acc[k]))
+
+    sizes = sorted({int(s) for s in args.sizes.split(",") if int(s) > 1})
+    trees = [build_tree(greedy_tree_search(acc, T, hcfg.topk), hcfg.topk) for T in sizes]
+    prompt = _timing_prompt(val, args.cost_prompt_len)
+    costs = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
+                       args.cost_cache_size, progress)
+    best, rows = choose_tree(acc, costs["cost"], hcfg.topk)
+    print(f"plain step {costs['plain_s'] * 1e3:.2f} ms on {jax.devices()[0].device_kind} "
+          f"(cache {args.cost_cache_size} slots, prompt {len(prompt)} tokens)")
+    print(_table(rows, best))
+    if best["size"] == 1:
+        best = max(rows[1:], key=lambda r: r["predicted_speedup"])
+        print(f"note: on this device no tree beats plain decoding with these heads (best: {best['size']} tokens, "
+              f"predicted {best['predicted_speedup']:.3f}x); that tree is saved, but decode.py --no-medusa is "
+              "faster here", file=sys.stderr)
+    if args.dry_run:
+        return 0
+    report = {"device": str(jax.devices()[0].device_kind), "plain_step_ms": costs["plain_s"] * 1e3,
+              "cost_cache_size": args.cost_cache_size, "cost_prompt_tokens": len(prompt),
+              "calibration_chats": len(val), "calibration_positions": counts.tolist(),
+              "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
+              "predicted_tokens_per_step": best["predicted_tokens_per_step"],
+              "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows]}
+    out_dir = args.out or heads_dir
+    _, cfg_fn = _resolve(heads_dir)
+    extras = _format_extras(_read_config(cfg_fn))
+    extras["tree_search"] = report
+    tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in best["medusa_choices"]))
+    save_heads(out_dir, tuned, hp, extra=extras)
+    with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
+        f.write(f"# Tree search ({report['device']}, plain step {report['plain_step_ms']:.2f} ms)\n\n"
+                + _table(rows, best) + "\n")
+    print(f"saved the {best['size']}-node tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step, "
+          f"speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""Speed machinery: proposal vocabulary, cache growth, calibration, c(T) timing and the hardware-aware tree."""
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax.config import MedusaConfig
+from medusa_jax.convert.medusa_format import HeadsFormatError, load_heads, save_heads
+from medusa_jax.cost import overhead_breakdown, prepared_state, step_costs, step_seconds
+from medusa_jax.generate import PLAIN_TREE, generate, generate_device
+from medusa_jax.heads import MedusaHeads, frequent_tokens, init_heads, with_proposal_projection
+from medusa_jax.kv_cache import grow_cache, init_cache
+from medusa_jax.models.llama import lm_head_matrix
+from medusa_jax.tree import build_tree, get_tree, greedy_tree_search
+from medusa_jax.tune import choose_tree, rank_accuracies
+from medusa_jax.verify import head_topk
+
+from conftest import tiny_decoding_model
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+V = 64
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = tiny_decoding_model(V)
+    hcfg = MedusaConfig(hidden_size=32, vocab_size=V, num_heads=4, num_layers=1, shared_lm_head=True, topk=4)
+    hp = init_heads(hcfg, lm_head_matrix(cfg, params))
+    keys = jax.random.split(jax.random.PRNGKey(1), len(hp))
+    hp = {k: jax.random.normal(kk, a.shape) * 0.5 for kk, (k, a) in zip(keys, sorted(hp.items()))}
+    return cfg, params, hcfg, hp
+
+
+def _restricted(hcfg, hp, ids):
+    return hcfg.replace(proposal_vocab_size=len(ids)), {**hp, "proposal_ids": jnp.asarray(ids, jnp.int32)}
+
+
+def test_frequent_tokens_order_and_errors():
+    ids = frequent_tokens([[3, 3, 5, 1], [5, 3, 7]], 4, 10)
+    assert ids.tolist() == [3, 5, 1, 7]  # 3 x3, 5 x2, then 1 and 7 once each by id
+    assert frequent_tokens([[2]], 3, 4).tolist() == [2, 0, 1]  # never-seen tokens fill up by id
+    with pytest.raises(ValueError, match="size must be"):
+        frequent_tokens([[1]], 0, 4)
+    with pytest.raises(ValueError, match="outside"):
+        frequent_tokens([[9]], 2, 4)
+
+
+def test_head_topk_with_proposal_vocab_is_the_restricted_ranking(tiny):
+    cfg, params, hcfg, hp = tiny
+    lm = lm_head_matrix(cfg, params)
+    ids = np.random.RandomState(0).choice(V, 24, replace=False)
+    rcfg, rp = _restricted(hcfg, hp, ids)
+    hidden = jax.random.normal(jax.random.PRNGKey(3), (5, 32))
+    full = np.asarray(MedusaHeads(hcfg).apply({"params": hp}, hidden, lm))  # [K, 5, V]
+    masked = np.full_like(full, -np.inf)
+    masked[..., ids] = full[..., ids]
+    want = np.argsort(-masked, axis=-1, kind="stable")[..., :4]
+    got_gather = np.asarray(head_topk(rcfg, rp, hidden, lm, 4, 4))
+    got_pre = np.asarray(head_topk(rcfg, with_proposal_projection(rcfg, rp, lm), hidden, lm, 4, 4))
+    np.testing.assert_array_equal(got_gather, want)
+    np.testing.assert_array_equal(got_pre, want)
+    assert set(got_pre.ravel()) <= set(ids.tolist())
+
+
+def test_proposal_vocab_keeps_greedy_output_lossless(tiny):
+    cfg, params, hcfg, hp = tiny
+    lm = lm_head_matrix(cfg, params)
+    prompt = [4, 4, 2, 8, 19, 33]
+    base = generate(cfg, params, prompt, max_new_tokens=80)
+    rcfg, rp = _restricted(hcfg, hp, np.arange(0, V, 2))
+    rp = with_proposal_projection(rcfg, rp, lm)
+    tree = build_tree(greedy_tree_search(np.full((4, 4), 0.3), 20, 4), 4)
+    med = generate(cfg, params, prompt, max_new_tokens=80, heads=(rcfg, rp), tree=tree)
+    dev = generate_device(cfg, params, [prompt], max_new_tokens=80, heads=(rcfg, rp), tree=tree)
+    assert med.tokens == base.tokens == dev.tokens[0, :int(dev.count[0])].tolist()
+
+
+def test_proposal_ids_round_trip_and_bad_ids(tmp_path, tiny):
+    cfg, params, hcfg, hp = tiny
+    rcfg, rp = _restricted(hcfg, hp, [5, 1, 9, 30, 2])
+    save_heads(str(tmp_path), rcfg, rp)
+    cfg2, p2 = load_heads(str(tmp_path), cfg)
+    assert cfg2.proposal_vocab_size == 5 and p2["proposal_ids"].tolist() == [5, 1, 9, 30, 2]
+    assert p2["proposal_ids"].dtype == np.int32
+    np.testing.assert_array_equal(p2["blocks_kernel"], np.asarray(hp["blocks_kernel"]))
+    fn = os.path.join(tmp_path, "config.json")
+    raw = json.load(open(fn))
+    for bad in ([5, 5, 1, 2], [1, 2, 3, V], [1, 2]):
+        raw["proposal_token_ids"] = bad
+        json.dump(raw, open(fn, "w"))
+        with pytest.raises(HeadsFormatError, match="proposal_token_ids"):
+            load_heads(str(tmp_path))
+    with pytest.raises(ValueError, match="topk=4 exceeds proposal_vocab_size=2"):
+        hcfg.replace(proposal_vocab_size=2)
+
+
+def test_grow_cache_keeps_entries():
+    from medusa_jax.config import ModelConfig
+    mc = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1)
+    c = init_cache(mc, 1, 4)
+    c = c.replace(k=c.k + 1.0, v=c.v + 2.0, lengths=jnp.array([3], jnp.int32))
+    g = grow_cache(c, 8)
+    assert g.size == 8 and int(g.lengths[0]) == 3
+    np.testing.assert_array_equal(np.asarray(g.k[:, :, :4]), np.asarray(c.k))
+    assert float(jnp.abs(g.v[:, :, 4:]).sum()) == 0.0
+    with pytest.raises(ValueError, match="shrink"):
+        grow_cache(g, 4)
+
+
+def test_rank_accuracies_count_each_rank_per_head(tiny):
+    cfg, params, hcfg, hp = tiny
+    lm = lm_head_matrix(cfg, params)
+    hidden = np.asarray(jax.random.normal(jax.random.PRNGKey(4), (30, 32)))
+    top = np.asarray(head_topk(hcfg, hp, hidden, lm, 4, 4))  # [K, N, 4]
+    # head k's label is its rank-(k % 4) token; head 3 has only 10 valid positions, 5 of them wrong
+    labels = np.stack([top[k, :, k % 4] for k in range(4)]).astype(np.int32)
+    valid = np.ones((4, 30), bool)
+    valid[3, 10:] = False
+    labels[3, :5] = [next(t for t in range(V) if t not in top[3, i]) for i in range(5)]
+    acc, counts = rank_accuracies(hcfg, hp, lm, hidden, labels, valid, topk=4, batch=8)
+    assert counts.tolist() == [30, 30, 30, 10]
+    want = np.zeros((4, 4))
+    want[0, 0] = want[1, 1] = want[2, 2] = 1.0
+    want[3, 3] = 0.5
+    np.testing.assert_allclose(acc, want)
+
+
+def test_choose_tree_maximises_predicted_speedup():
+    acc = np.array([[0.5, 0.2, 0.1], [0.4, 0.1, 0.05]])
+    best, rows = choose_tree(acc, {2: 1.2, 4: 1.3, 6: 2.5}, topk=3)
+    assert [r["size"] for r in rows] == [1, 2, 4, 6]
+    by = {r["size"]: r for r in rows}
+    assert by[2]["predicted_tokens_per_step"] == pytest.approx(1.5)
+    # T=4: (0,), (1,), (0,0) -> 0.5 + 0.2 + 0.2
+    assert by[4]["predicted_tokens_per_step"] == pytest.approx(1.9)
+    assert by[4]["predicted_speedup"] == pytest.approx(1.9 / 1.3)
+    assert best is by[4]
+    best, _ = choose_tree(acc, {2: 3.0}, topk=3)
+    assert best["size"] == 1  # nothing beats plain decoding at that cost
+
+
+def test_step_costs_time_every_tree(tiny):
+    cfg, params, hcfg, hp = tiny
+    acc = np.full((4, 4), 0.2)
+    trees = [build_tree(greedy_tree_search(acc, T, 4), 4) for T in (3, 9)]
+    out = step_costs(cfg, params, (hcfg, hp), trees, [1, 2, 3], steps=4, repeats=1, cache_size=128, progress=False)
+    assert set(out["cost"]) == {3, 9} and out["plain_s"] > 0
+    assert all(out["seconds"][T] == pytest.approx(out["cost"][T] * out["plain_s"]) for T in (3, 9))
+    br = overhead_breakdown(cfg, params, (hcfg, hp), trees[1], [1, 2, 3], steps=4, repeats=1, cache_size=128)
+    assert br["tree_size"] == 9 and br["medusa_step_ms"] > 0 and br["heads_ms"] > 0
+    st = prepared_state(cfg, params, [1, 2, 3], 16)
+    with pytest.raises(ValueError, match="cache slots"):
+        step_seconds(cfg, params, (hcfg, hp), trees[1], st, steps=4)
