@@ -53,6 +53,33 @@ def time_hf_generate(hf_model, ids: List[int], max_new_tokens: int, eos) -> dict
     return {"tokens": out[0, len(ids):].tolist(), "seconds": dt}
 
 
+#: MT-bench's eight categories; in Spec-Bench they are one task, "multi-turn conversation".
+MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
+
+
+def spec_bench_groups(records: List[dict]) -> List[dict]:
+    """Spec-Bench's six tasks: when the file has other tasks too (translation, summarization, qa,
+    math_reasoning, rag), its MT-bench questions become category "mt_bench" (the original
+    category is kept as "subcategory"). MT-bench alone keeps its eight categories."""
+    cats = {r["category"] for r in records}
+    if not cats - set(MT_BENCH_CATEGORIES) - {""} or not cats & set(MT_BENCH_CATEGORIES):
+        return records
+    return [{**r, "category": "mt_bench", "subcategory": r["category"]} if r["category"] in MT_BENCH_CATEGORIES
+            else r for r in records]
+
+
+def per_category(records: List[dict], n: int) -> List[dict]:
+    """n prompts of every category, evenly spaced over that category's prompts (file order kept)."""
+    groups: Dict[str, List[int]] = defaultdict(list)
+    for i, r in enumerate(records):
+        groups[r["category"]].append(i)
+    keep = set()
+    for idx in groups.values():
+        m = min(n, len(idx))
+        keep.update(idx[int(j * len(idx) / m)] for j in range(m))
+    return [r for i, r in enumerate(records) if i in keep]
+
+
 def summarize(rows: List[dict], depth: int) -> Dict[str, dict]:
     """Per-category and overall totals: tokens/s = total tokens / total seconds."""
     groups: Dict[str, List[dict]] = defaultdict(list)
@@ -124,7 +151,8 @@ def main(argv=None) -> int:
     p.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench JSONL (first turns are used)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
     p.add_argument("--per-category", type=int, default=None,
-                   help="take the first N prompts of every category instead of --limit")
+                   help="take N prompts of every category, evenly spaced, instead of --limit (Spec-Bench: its "
+                        "six tasks, MT-bench's questions counting as one)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md, speed.png")
     p.add_argument("--hf", action="store_true", help="also time transformers' greedy generate (the peer)")
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2 GGUF)")
@@ -147,14 +175,9 @@ def main(argv=None) -> int:
         print(f"error: {note}", file=sys.stderr)
         return 2
     records = load_first_turns(args.prompts, None if args.per_category else args.limit)
+    records = spec_bench_groups(records)
     if args.per_category:
-        seen: Dict[str, int] = defaultdict(int)
-        kept = []
-        for r in records:
-            if seen[r["category"]] < args.per_category:
-                seen[r["category"]] += 1
-                kept.append(r)
-        records = kept
+        records = per_category(records, args.per_category)
     hf_model = None
     if args.hf:
         import torch

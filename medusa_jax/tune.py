@@ -175,7 +175,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from . import runtime
     from .convert.medusa_format import _read_config, _resolve, load_heads, save_heads
-    from .cost import step_costs
+    from .cost import overhead_breakdown, step_costs
     from .heads import frequent_tokens, with_proposal_projection
     from .loading import load_model
     from .models.llama import lm_head_matrix
@@ -217,13 +217,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: on this device no tree beats plain decoding with these heads (best: {best['size']} tokens, "
               f"predicted {best['predicted_speedup']:.3f}x); that tree is saved, but decode.py --no-medusa is "
               "faster here", file=sys.stderr)
+    chosen_tree = build_tree([tuple(p) for p in best["medusa_choices"]], hcfg.topk)
+    breakdown = overhead_breakdown(model.cfg, model.params, (hcfg, jhp), chosen_tree, prompt, args.steps,
+                                   args.repeats, args.cost_cache_size)
+    print("per step (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in breakdown.items() if k.endswith("_ms")))
     if args.dry_run:
         return 0
     report = {"device": str(jax.devices()[0].device_kind), "plain_step_ms": costs["plain_s"] * 1e3,
               "cost_cache_size": args.cost_cache_size, "cost_prompt_tokens": len(prompt),
               "calibration_chats": len(val), "calibration_positions": counts.tolist(),
               "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
-              "predicted_tokens_per_step": best["predicted_tokens_per_step"],
+              "predicted_tokens_per_step": best["predicted_tokens_per_step"], "step_breakdown_ms": breakdown,
               "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows]}
     out_dir = args.out or heads_dir
     _, cfg_fn = _resolve(heads_dir)

@@ -91,3 +91,18 @@ def test_bench_summary_figures():
     assert s["a"]["acceptance_per_depth"] == pytest.approx([40 / 50, 10 / 50])
     table = markdown_table(s)
     assert "| overall | 2 |" in table and "2.00x" in table
+
+
+def test_spec_bench_six_tasks_and_even_per_category_pick():
+    from medusa_jax.bench import per_category, spec_bench_groups
+    recs = spec_bench_groups(load_first_turns("../shared/data/Spec-Bench_question.jsonl"))
+    cats = {r["category"] for r in recs}
+    assert cats == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
+    picked = per_category(recs, 20)
+    assert len(picked) == 120
+    mt = [r for r in picked if r["category"] == "mt_bench"]
+    assert len({r["subcategory"] for r in mt}) == 8  # spread over MT-bench's eight categories
+    # MT-bench alone keeps its own categories
+    mtb = spec_bench_groups(load_first_turns("../shared/data/FastChat_mt_bench_question.jsonl"))
+    assert len({r["category"] for r in mtb}) == 8
+    assert [r["id"] for r in per_category(mtb, 2)][:4] == [81, 86, 91, 96]
