@@ -182,7 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     runtime.enable_compilation_cache()
     heads_dir = args.heads or runtime.DEFAULT_HEADS_DIR
-    model = load_model(args.model)
+    model = load_model(args.model, with_tokenizer=False)  # token ids only
     hcfg, hp = load_heads(heads_dir, model.cfg)
     lm = lm_head_matrix(model.cfg, model.params)
     progress = not args.no_progress

@@ -155,3 +155,44 @@ def test_step_costs_time_every_tree(tiny):
     st = prepared_state(cfg, params, [1, 2, 3], 16)
     with pytest.raises(ValueError, match="cache slots"):
         step_seconds(cfg, params, (hcfg, hp), trees[1], st, steps=4)
+
+
+def test_tune_command_saves_the_chosen_tree(tmp_path):
+    """End to end on a tiny HF model: calibration, c(T), choice, saved with the heads and used by default."""
+    from conftest import random_hf_model, tiny_config
+    from medusa_jax import tune
+    from medusa_jax.loading import load_model
+    from medusa_jax.runtime import heads_calibration, predicted_tokens_per_step, resolve_heads
+
+    cfg = tiny_config(tie_word_embeddings=True)
+    model, _ = random_hf_model(cfg, seed=3)
+    model.save_pretrained(tmp_path / "model")
+    lm = load_model(str(tmp_path / "model"), with_tokenizer=False)
+    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=3, topk=5)
+    hp = init_heads(hcfg, lm_head_matrix(lm.cfg, lm.params))
+    hp = {k: np.asarray(jax.random.normal(jax.random.PRNGKey(i), a.shape)) * 0.3 for i, (k, a) in enumerate(hp.items())}
+    save_heads(str(tmp_path / "heads"), hcfg, hp, extra={"metrics": {"note": "kept"}})
+    rng = np.random.RandomState(0)
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "samples.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"id": f"p{i}", "prompt_ids": rng.randint(0, 128, 12).tolist(),
+                                "response_ids": rng.randint(0, 64, 30).tolist(), "finish": "length"}) + "\n")
+    rc = tune.main(["--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--data",
+                    str(tmp_path / "data"), "--val-fraction", "0.3", "--sizes", "2,4", "--steps", "2", "--repeats",
+                    "1", "--proposal-vocab", "64", "--cost-cache-size", "128", "--cost-prompt-len", "12",
+                    "--out", str(tmp_path / "tuned"), "--no-progress"])
+    assert rc == 0
+    cfg2, p2 = load_heads(str(tmp_path / "tuned"), lm.cfg)
+    raw = json.load(open(tmp_path / "tuned" / "config.json"))
+    report = raw["tree_search"]
+    assert raw["metrics"] == {"note": "kept"}
+    assert [r["size"] for r in report["rows"]] == [1, 2, 4]
+    assert len(cfg2.medusa_choices) + 1 == report["chosen_size"] in (2, 4)
+    # only response tokens (ids < 64) are frequent; the 64 proposal ids are exactly those
+    assert cfg2.proposal_vocab_size == 64 and sorted(p2["proposal_ids"].tolist()) == list(range(64))
+    assert np.asarray(report["rank_accuracies"]).shape == (3, 5)
+    heads, tree, _ = resolve_heads(lm, str(tmp_path / "tuned"))
+    assert tree.size == report["chosen_size"] and "proposal_lm_head" in heads[1]
+    pred = predicted_tokens_per_step(tree, heads_calibration(str(tmp_path / "tuned")))
+    assert pred == pytest.approx(report["predicted_tokens_per_step"], abs=1e-4)  # accuracies saved to 5 places
