@@ -69,6 +69,8 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if heads is not None and not heads_note:
+        heads_note = runtime.speed_note(tree, runtime.heads_calibration(args.heads))
     if heads_note and not args.json:
         print(f"note: {heads_note}", file=sys.stderr)
     try:

@@ -124,6 +124,22 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
         return None
 
 
+def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
+    """A hint when `medusa_jax.tune` measured, on this kind of device, that the heads' chosen tree is
+    slower than plain decoding (predicted speedup < 1); "" otherwise."""
+    if tree is None or not calibration:
+        return ""
+    import jax
+
+    if calibration.get("device") != str(jax.devices()[0].device_kind) or calibration.get("chosen_size") != tree.size:
+        return ""
+    row = next((r for r in calibration.get("rows", []) if r.get("size") == tree.size), None)
+    if row is None or row.get("predicted_speedup", 1.0) >= 1.0:
+        return ""
+    return (f"on this device ({calibration['device']}) these heads' tree is predicted at "
+            f"{row['predicted_speedup']:.2f}x plain decoding (python -m medusa_jax.tune); --no-medusa is faster")
+
+
 class TextStreamer:
     """Prints generated text as token chunks arrive, detokenizing incrementally (a character
     split across tokens is held back until complete)."""

@@ -106,3 +106,18 @@ def test_spec_bench_six_tasks_and_even_per_category_pick():
     mtb = spec_bench_groups(load_first_turns("../shared/data/FastChat_mt_bench_question.jsonl"))
     assert len({r["category"] for r in mtb}) == 8
     assert [r["id"] for r in per_category(mtb, 2)][:4] == [81, 86, 91, 96]
+
+
+def test_speed_note_only_for_a_slow_tuned_tree_on_this_device():
+    import jax
+    from medusa_jax.runtime import speed_note
+    from medusa_jax.tree import build_tree
+    tree = build_tree([(0,), (1,)], topk=2)
+    dev = str(jax.devices()[0].device_kind)
+    cal = {"device": dev, "chosen_size": 3, "rows": [{"size": 1, "predicted_speedup": 1.0},
+                                                      {"size": 3, "predicted_speedup": 0.8}]}
+    assert "0.80x" in speed_note(tree, cal) and "--no-medusa" in speed_note(tree, cal)
+    assert speed_note(tree, {**cal, "device": "other"}) == ""
+    assert speed_note(build_tree([(0,)], topk=2), cal) == ""  # not the tuned tree
+    fast = {**cal, "rows": [{"size": 3, "predicted_speedup": 1.2}]}
+    assert speed_note(tree, fast) == "" and speed_note(tree, None) == ""

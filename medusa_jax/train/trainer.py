@@ -362,7 +362,7 @@ def initial_heads(tc: TrainConfig, hcfg: MedusaConfig, mcfg: ModelConfig, lm) ->
     if got != (hcfg.num_heads, hcfg.num_layers, hcfg.shared_lm_head):
         raise ValueError(f"init_heads {tc.init_heads}: (num_heads, num_layers, shared_lm_head) = {got}, but the "
                          f"config asks for {(hcfg.num_heads, hcfg.num_layers, hcfg.shared_lm_head)}")
-    return {k: jnp.asarray(v) for k, v in p.items()}
+    return {k: jnp.asarray(v) for k, v in p.items() if k != "proposal_ids"}  # decoding-only field
 
 
 def _check_resume(meta: dict, tc: TrainConfig) -> None:
