@@ -19,7 +19,7 @@ from .config import MedusaConfig, ModelConfig
 from .generate import PLAIN_TREE, _aot, start_state
 from .models.llama import LlamaModel, lm_head_matrix
 from .tree import TreeBuffers
-from .verify import Acceptance, DecodeState, medusa_step, propose_candidates
+from .verify import Acceptance, DecodeState, head_topk, medusa_step
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -51,9 +51,9 @@ def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, n: int, pa
     """`n` head proposals alone (blocks, vocabulary projection, top-k)."""
     lm = lm_head_matrix(cfg, params)
 
-    def body(i, acc):
-        st = state.replace(hidden=state.hidden + i.astype(state.hidden.dtype) * 1e-6)
-        return acc + propose_candidates(heads_cfg, head_params, st, lm, depth, 10).sum()
+    def body(i, acc):  # a different input each time, so nothing is hoisted out of the loop
+        hidden = state.hidden + i.astype(state.hidden.dtype) * 1e-6
+        return acc + head_topk(heads_cfg, head_params, hidden, lm, depth, heads_cfg.topk).sum()
     return jax.lax.fori_loop(0, n, body, jnp.int32(0))
 
 
@@ -64,11 +64,6 @@ def _best_time(fn, args: tuple, n: int, repeats: int) -> float:
         jax.block_until_ready(fn(*args))
         best = min(best, time.perf_counter() - t0)
     return best / n
-
-
-def prepared_state(cfg: ModelConfig, params, prompt_ids: Sequence[int], cache_size: int) -> DecodeState:
-    """A prefilled single-prompt state with `cache_size` slots (the timing position)."""
-    return start_state(cfg, params, [list(prompt_ids)], cache_size)
 
 
 def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
@@ -104,7 +99,7 @@ def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees
     """
     from tqdm import tqdm
 
-    state = prepared_state(cfg, params, prompt_ids, cache_size)
+    state = start_state(cfg, params, [list(prompt_ids)], cache_size)
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
     seconds, cost = {}, {}
     for tree in tqdm(list(trees), desc="c(T)", unit="tree", disable=not progress):
@@ -119,7 +114,7 @@ def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict
     """Milliseconds per step of: a plain step, the T-node tree forward alone, the heads' proposal
     alone (blocks + vocabulary projection + top-k), and the whole Medusa step; ``rest`` is the
     whole step minus forward and heads (candidate placement, posterior, cache compaction, loop)."""
-    state = prepared_state(cfg, params, prompt_ids, cache_size)
+    state = start_state(cfg, params, [list(prompt_ids)], cache_size)
     heads_cfg, head_params = heads
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
     fwd_args = (params, state)

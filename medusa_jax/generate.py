@@ -227,15 +227,11 @@ def generate(cfg: ModelConfig, params, prompt: Sequence[int], *, on_tokens: Opti
 _COMPILED: dict = {}
 
 
-def _aot_key(fn, static: tuple, args: tuple):
-    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), args)
-    return (fn, static, str(shapes))
-
-
 def _aot(fn, static: tuple, args: tuple):
     """`fn` (a jitted function whose leading arguments are `static`) compiled ahead of time for
     these static values and argument shapes, cached, so that timings never include compilation."""
-    key = _aot_key(fn, static, args)
+    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), args)
+    key = (fn, static, str(shapes))
     compiled = _COMPILED.get(key)
     if compiled is None:
         compiled = fn.lower(*static, *args).compile()

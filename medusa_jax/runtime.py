@@ -103,11 +103,10 @@ def heads_calibration(heads_path: Optional[str]) -> Optional[dict]:
     `heads_path` None means the shipped heads; "zero" has none."""
     if heads_path == "zero":
         return None
-    from .convert.medusa_format import _read_config, _resolve
+    from .convert.medusa_format import read_heads_config
 
     try:
-        _, cfg_fn = _resolve(heads_path or DEFAULT_HEADS_DIR)
-        return _read_config(cfg_fn).get("tree_search")
+        return read_heads_config(heads_path or DEFAULT_HEADS_DIR).get("tree_search")
     except (OSError, ValueError):
         return None
 

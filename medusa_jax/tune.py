@@ -174,7 +174,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
 
     from . import runtime
-    from .convert.medusa_format import _read_config, _resolve, load_heads, save_heads
+    from .convert.medusa_format import load_heads, read_heads_config, save_heads
     from .cost import overhead_breakdown, step_costs
     from .heads import frequent_tokens, with_proposal_projection
     from .loading import load_model
@@ -230,8 +230,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "predicted_tokens_per_step": best["predicted_tokens_per_step"], "step_breakdown_ms": breakdown,
               "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows]}
     out_dir = args.out or heads_dir
-    _, cfg_fn = _resolve(heads_dir)
-    extras = _format_extras(_read_config(cfg_fn))
+    extras = _format_extras(read_heads_config(heads_dir))
     extras["tree_search"] = report
     tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in best["medusa_choices"]))
     save_heads(out_dir, tuned, hp, extra=extras)

@@ -9,8 +9,8 @@ import pytest
 
 from medusa_jax.config import MedusaConfig
 from medusa_jax.convert.medusa_format import HeadsFormatError, load_heads, save_heads
-from medusa_jax.cost import overhead_breakdown, prepared_state, step_costs, step_seconds
-from medusa_jax.generate import PLAIN_TREE, generate, generate_device
+from medusa_jax.cost import overhead_breakdown, step_costs, step_seconds
+from medusa_jax.generate import generate, generate_device, start_state
 from medusa_jax.heads import MedusaHeads, frequent_tokens, init_heads, with_proposal_projection
 from medusa_jax.kv_cache import grow_cache, init_cache
 from medusa_jax.models.llama import lm_head_matrix
@@ -152,7 +152,7 @@ def test_step_costs_time_every_tree(tiny):
     assert all(out["seconds"][T] == pytest.approx(out["cost"][T] * out["plain_s"]) for T in (3, 9))
     br = overhead_breakdown(cfg, params, (hcfg, hp), trees[1], [1, 2, 3], steps=4, repeats=1, cache_size=128)
     assert br["tree_size"] == 9 and br["medusa_step_ms"] > 0 and br["heads_ms"] > 0
-    st = prepared_state(cfg, params, [1, 2, 3], 16)
+    st = start_state(cfg, params, [[1, 2, 3]], 16)
     with pytest.raises(ValueError, match="cache slots"):
         step_seconds(cfg, params, (hcfg, hp), trees[1], st, steps=4)
 

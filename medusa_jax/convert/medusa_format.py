@@ -254,6 +254,13 @@ def _assemble(tensors, raw: dict, source: str, vllm: bool, model_cfg: Optional[M
     return K, L, D, V, kern, bias, lm_out
 
 
+def read_heads_config(path: str) -> dict:
+    """The config.json fields of a heads directory or weight file (ours: also ``metrics``,
+    ``training``, ``tree_search``; {} when there is no config.json).
+    Raises FileNotFoundError when `path` holds no known weight file, HeadsFormatError for bad JSON."""
+    return _read_config(_resolve(path)[1])
+
+
 def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Optional[int] = None,
                dtype=np.float32) -> Tuple[MedusaConfig, dict]:
     """Load Medusa heads (official .pt / .safetensors, ours, or vLLM) as (MedusaConfig, params).
