@@ -58,6 +58,8 @@ def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, n: int, pa
 
 
 def _best_time(fn, args: tuple, n: int, repeats: int) -> float:
+    """Seconds per step: best of `repeats` timed calls after one untimed warm-up call."""
+    jax.block_until_ready(fn(*args))
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()

@@ -215,8 +215,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if best["size"] == 1:
         best = max(rows[1:], key=lambda r: r["predicted_speedup"])
         print(f"note: on this device no tree beats plain decoding with these heads (best: {best['size']} tokens, "
-              f"predicted {best['predicted_speedup']:.3f}x); that tree is saved, but decode.py --no-medusa is "
-              "faster here", file=sys.stderr)
+              f"predicted {best['predicted_speedup']:.3f}x); that tree is the one kept with the heads, but "
+              "decode.py --no-medusa is faster here", file=sys.stderr)
     chosen_tree = build_tree([tuple(p) for p in best["medusa_choices"]], hcfg.topk)
     breakdown = overhead_breakdown(model.cfg, model.params, (hcfg, jhp), chosen_tree, prompt, args.steps,
                                    args.repeats, args.cost_cache_size)
