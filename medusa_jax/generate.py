@@ -149,6 +149,18 @@ def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
     return chunk, False
 
 
+def _decoding_setup(cfg: ModelConfig, heads, tree: Optional[TreeBuffers], eos_token_ids):
+    """(eos ids tuple, heads_cfg or None, head params or None, the tree to run: `PLAIN_TREE` without
+    heads). Raises ValueError for a tree deeper than the heads."""
+    eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    heads_cfg, head_params = heads if heads is not None else (None, None)
+    tr = tree if heads is not None and tree is not None else PLAIN_TREE
+    if tr.max_depth > 0 and tr.max_depth > heads_cfg.num_heads:
+        raise ValueError(f"tree depth {tr.max_depth} exceeds the {heads_cfg.num_heads} Medusa heads; "
+                         "use a shallower tree")
+    return eos, heads_cfg, head_params, tr
+
+
 def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_tokens: int = 256,
                     heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
                     acceptance: Acceptance = Acceptance(), seed: int = 0,
@@ -169,12 +181,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
     Raises: ValueError for an empty prompt, PromptTooLongError, ValueError for a tree deeper
       than the heads.
     """
-    eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    heads_cfg, head_params = heads if heads is not None else (None, None)
-    full_tree = tree if heads is not None and tree is not None else PLAIN_TREE
-    if full_tree.max_depth > 0 and full_tree.max_depth > heads_cfg.num_heads:
-        raise ValueError(f"tree depth {full_tree.max_depth} exceeds the {heads_cfg.num_heads} Medusa heads; "
-                         "use a shallower tree")
+    eos, heads_cfg, head_params, full_tree = _decoding_setup(cfg, heads, tree, eos_token_ids)
     S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.size)
     result = GenerationResult()
     timing: dict = {}
@@ -338,12 +345,7 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     """
     if not prompts:
         raise ValueError("no prompts given")
-    eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    heads_cfg, head_params = heads if heads is not None else (None, None)
-    tr = tree if heads is not None and tree is not None else PLAIN_TREE
-    if tr.max_depth > 0 and tr.max_depth > heads_cfg.num_heads:
-        raise ValueError(f"tree depth {tr.max_depth} exceeds the {heads_cfg.num_heads} Medusa heads; "
-                         "use a shallower tree")
+    eos, heads_cfg, head_params, tr = _decoding_setup(cfg, heads, tree, eos_token_ids)
     longest = max((len(p) for p in prompts), default=0)
     s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.size)
     S = min(bucket(longest + tr.size + 1, 128), s_max)

@@ -60,12 +60,9 @@ def rank_accuracies(heads_cfg: MedusaConfig, head_params, base_lm_head, hidden: 
     """
     K = heads_cfg.num_heads
     hits = np.zeros((K, topk), np.int64)
-    for s in range(0, hidden.shape[0], batch):
-        h, lab, ok = hidden[s:s + batch], labels[:, s:s + batch], valid[:, s:s + batch]
-        pad = batch - h.shape[0]
-        if pad:
-            h = np.pad(h, ((0, pad), (0, 0)))
-            lab, ok = np.pad(lab, ((0, 0), (0, pad))), np.pad(ok, ((0, 0), (0, pad)))
+    from .train.data import position_batches
+
+    for h, lab, ok in position_batches(hidden, labels, valid, batch):
         hits += np.asarray(_rank_hits(heads_cfg, topk, head_params, base_lm_head, h, lab, ok))
     counts = valid.sum(axis=1).astype(np.int64)
     if np.any(counts == 0):

@@ -310,6 +310,18 @@ def gather_positions(hidden, labels, valid, positions) -> Tuple[np.ndarray, np.n
     return hidden[n, t], np.asarray(labels)[:, n, t], np.asarray(valid)[:, n, t]
 
 
+def position_batches(hidden, labels, valid, batch: int):
+    """Fixed-size batches of flat positions: yields (hidden [batch, D], labels [K, batch],
+    valid [K, batch]); the last batch is padded with invalid rows, so one compiled shape serves all."""
+    for s in range(0, hidden.shape[0], batch):
+        h, lab, ok = hidden[s:s + batch], labels[:, s:s + batch], valid[:, s:s + batch]
+        pad = batch - h.shape[0]
+        if pad:
+            h = np.pad(h, ((0, pad), (0, 0)))
+            lab, ok = np.pad(lab, ((0, 0), (0, pad))), np.pad(ok, ((0, 0), (0, pad)))
+        yield h, lab, ok
+
+
 def read_chat_jsonl(path: str, field: str = "messages") -> Iterable[Tuple[str, list]]:
     """(id, messages) from a JSONL file whose lines hold a list of {"role", "content"} in `field`.
     Raises `medusa_jax.train.distill.EvalSetError` for an evaluation set (MT-Bench, Spec-Bench)."""

@@ -340,12 +340,7 @@ def evaluate_positions(hcfg, tc, heads_params, lm, hidden, labels, valid) -> dic
     K, R = hcfg.num_heads, NUM_RANKS
     tot, cnt, ranks = np.zeros(K), np.zeros(K), np.zeros((K, R))
     B, fn = tc.batch_size, _eval_fn(hcfg, tc)
-    for s in range(0, hidden.shape[0], B):
-        h, lab, ok = hidden[s:s + B], labels[:, s:s + B], valid[:, s:s + B]
-        pad = B - h.shape[0]
-        if pad:
-            h = np.pad(h, ((0, pad), (0, 0)))
-            lab, ok = np.pad(lab, ((0, 0), (0, pad))), np.pad(ok, ((0, 0), (0, pad)))
+    for h, lab, ok in D.position_batches(hidden, labels, valid, B):
         per, c, r = (np.asarray(x, np.float64) for x in fn(heads_params, lm, h, lab, ok))
         tot, cnt, ranks = tot + per * c, cnt + c, ranks + r
     return _summary(tot, cnt, ranks)
