@@ -338,3 +338,73 @@ def test_vllm_without_bias_and_num_heads(tmp_path):
     cfg, p = load_heads(str(tmp_path), num_heads=2)
     assert cfg.num_heads == 2 and not cfg.shared_lm_head and not p["blocks_bias"].any()
     np.testing.assert_array_equal(p["lm_head"][1], t["lm_heads.1.weight"].T)
+
+
+# ------------------------------------------------------------------- files that disagree with themselves
+
+@pytest.mark.parametrize("prefix", ["medusa_head.", "medusa_heads."])
+def test_one_parameter_under_two_names_is_an_error(tmp_path, prefix):
+    t = _official_tensors(2, 1)
+    t[prefix + "0.0.linear.weight"] = np.zeros((D, D), np.float32)  # the same parameter, zeros
+    _write_official(str(tmp_path), t, {"medusa_num_heads": 2, "medusa_num_layers": 1})
+    with pytest.raises(HeadsFormatError, match=rf"'0\.0\.linear\.weight' and '{prefix}0\.0\.linear\.weight' "
+                                               r"are the same parameter '0\.0\.linear\.weight'"):
+        load_heads(str(tmp_path))
+
+
+def test_two_lm_heads_for_one_head_name_both_keys(tmp_path):
+    t = _official_tensors(2, 1)
+    t["1.2.weight"] = t["1.1.weight"]
+    _write_official(str(tmp_path), t, {})
+    with pytest.raises(HeadsFormatError, match=r"head 1 has two lm_head weights, '1\.1\.weight' and '1\.2\.weight'"):
+        load_heads(str(tmp_path))
+
+
+def test_vllm_shared_and_per_head_lm_heads_together_is_an_error(tmp_path):
+    from safetensors.numpy import save_file
+    r = np.random.RandomState(0)
+    t = {f"blocks.{h}.layers.0.weight": r.randn(D, D).astype(np.float32) for h in range(2)}
+    t.update({f"lm_heads.{h}.weight": r.randn(V, D).astype(np.float32) for h in range(2)})
+    t["medusa_heads.lm_head.weight"] = r.randn(V, D).astype(np.float32)
+    save_file(t, str(tmp_path / "model.safetensors"))
+    with pytest.raises(HeadsFormatError, match=r"both 'medusa_heads\.lm_head\.weight' \(one projection for every "
+                                               r"head\) and per-head 'lm_heads\.0\.weight', 'lm_heads\.1\.weight'"):
+        load_heads(str(tmp_path))
+
+
+def test_empty_weight_file_is_always_an_error(tmp_path):
+    _write_official(str(tmp_path / "a"), {}, {"medusa_num_heads": 4, "medusa_num_layers": 1})
+    with pytest.raises(HeadsFormatError, match=r"holds no tensors \(0 heads, 0 layers\) but config\.json says "
+                                               r"medusa_num_heads=4, medusa_num_layers=1"):
+        load_heads(str(tmp_path / "a"))
+    _write_official(str(tmp_path / "b"), {}, {"medusa_num_heads": 4, "medusa_num_layers": 0, "version": "2"})
+    with pytest.raises(HeadsFormatError, match="holds no tensors"):
+        load_heads(str(tmp_path / "b"))
+    cfg = _cfg(True, l=0)  # nothing to store, so nothing is written
+    with pytest.raises(ValueError, match="no tensors to write"):
+        save_heads(str(tmp_path / "c"), cfg, _random_params(cfg))
+    assert not os.path.exists(tmp_path / "c")
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"medusa_num_heads": 2, "medusa_num_layers": 2}, r"medusa_num_layers=2 but the tensors hold 1 block layer"),
+    ({"medusa_num_heads": 2, "medusa_num_layers": 0}, r"medusa_num_layers=0 but the tensors hold 1 block layer"),
+    ({"medusa_num_heads": 3, "medusa_num_layers": 1}, r"medusa_num_heads=3 but the tensors hold 2 head"),
+    ({"medusa_num_heads": "2"}, r"medusa_num_heads must be a non-negative integer, got '2'"),
+])
+def test_config_that_disagrees_with_the_weights_names_both_numbers(tmp_path, config, message):
+    _write_official(str(tmp_path), _official_tensors(2, 1), config)
+    with pytest.raises(HeadsFormatError, match=message):
+        load_heads(str(tmp_path))
+
+
+def test_vllm_config_that_disagrees_with_the_weights(tmp_path):
+    cfg = _cfg(False, k=2, l=1)
+    export_vllm(str(tmp_path), cfg, _random_params(cfg))
+    fn = tmp_path / "config.json"
+    raw = json.load(open(fn))
+    json.dump({**raw, "num_hidden_layers": 3}, open(fn, "w"))
+    with pytest.raises(HeadsFormatError, match=r"num_hidden_layers=3 but the tensors hold 1 block layer"):
+        load_heads(str(tmp_path))
+    json.dump({**raw, "num_heads": 1}, open(fn, "w"))  # fewer heads in the config: the tensors' count wins
+    assert load_heads(str(tmp_path))[0].num_heads == 2

@@ -12,8 +12,8 @@ Formats (DESIGN.md, "Formats to read and write"):
       {h}.{L}.weight         [V, D]  head h's lm_head; absent in the shared variant
                                      (config ``"version": "2"``), which uses the base lm_head
 
-  The head and layer counts come from the keys: first-release hub configs say 2 heads where the
-  weights hold 5.
+  The head and layer counts come from the keys; config.json may say fewer heads (first-release hub
+  configs say 2 where the weights hold 5) but no other count (see `load_heads`).
 * vLLM (``vllm/model_executor/models/medusa.py``): ``config.json`` with ``model_type: "medusa"``,
   ``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``,
   ``medusa_fc_bias`` (the blocks have a bias only when true); weights ``blocks.{h}.layers.{l}.weight
@@ -134,12 +134,34 @@ _OFFICIAL_RE = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$
 _VLLM_RE = re.compile(r"^(?:blocks\.(\d+)\.layers\.(\d+)\.(weight|bias)|lm_heads\.(\d+)\.weight|lm_head\.weight|token_map)$")
 
 
-def _strip_prefix(tensors: Mapping[str, np.ndarray], prefix: str) -> Dict[str, np.ndarray]:
-    return {(k[len(prefix):] if k.startswith(prefix) else k): v for k, v in tensors.items()}
+#: Module prefixes a head file may carry on every name (the original ``MedusaModel.medusa_head``,
+#: vLLM's ``medusa_heads``); names are read with it removed.
+NAME_PREFIXES = ("medusa_heads.", "medusa_head.")
 
 
-def _group(tensors, source: str, vllm: bool):
-    """Sort tensors into weights[h][l], biases[h][l], lm[h]. Unknown names raise."""
+def _normalise_names(tensors: Mapping[str, np.ndarray],
+                     source: str) -> Tuple[Dict[str, np.ndarray], Dict[str, str]]:
+    """Remove a `NAME_PREFIXES` prefix from every name.
+
+    Returns (canonical name -> array, canonical name -> the name in the file). Raises HeadsFormatError,
+    naming both, when two names of the file become the same parameter (e.g. ``0.0.linear.weight`` and
+    ``medusa_head.0.0.linear.weight``): which one the file means cannot be told.
+    """
+    out: Dict[str, np.ndarray] = {}
+    origin: Dict[str, str] = {}
+    for name, arr in tensors.items():
+        key = next((name[len(p):] for p in NAME_PREFIXES if name.startswith(p)), name)
+        if key in out:
+            raise HeadsFormatError(f"{source}: tensors {origin[key]!r} and {name!r} are the same parameter "
+                                   f"{key!r}; the file is ambiguous: keep one of them (delete the other) and "
+                                   "save the file again")
+        out[key], origin[key] = arr, name
+    return out, origin
+
+
+def _group(tensors, source: str, vllm: bool, origin: Mapping[str, str]):
+    """Sort tensors into weights[h][l], biases[h][l], lm[h]. Unknown names, and two names for one
+    head's lm_head, raise HeadsFormatError (naming the tensors as the file spells them)."""
     weights, biases, lm, shared_lm = {}, {}, {}, None
     for name, arr in tensors.items():
         if vllm:
@@ -163,32 +185,69 @@ def _group(tensors, source: str, vllm: bool):
                 target = {"linear.weight": weights, "linear.bias": biases, "weight": lm}[kind]
                 if kind == "weight":
                     if h in lm:
-                        raise HeadsFormatError(f"{source}: head {h} has two lm_head weights ({h}.{l}.weight)")
+                        raise HeadsFormatError(
+                            f"{source}: head {h} has two lm_head weights, {origin[f'{h}.{lm[h][0]}.weight']!r} and "
+                            f"{origin[name]!r}; keep the one whose middle index is the head's block count")
                     lm[h] = (l, arr)
                 else:
                     target.setdefault(h, {})[l] = arr
                 continue
         fmt = "vLLM (blocks.{h}.layers.{l}.weight|bias, lm_heads.{h}.weight)" if vllm else \
             "official ({h}.{l}.linear.weight|bias, {h}.{L}.weight)"
-        raise HeadsFormatError(f"{source}: unexpected tensor {name!r} for the {fmt} Medusa format")
+        raise HeadsFormatError(f"{source}: unexpected tensor {origin[name]!r} for the {fmt} Medusa format")
+    if shared_lm is not None and lm:
+        raise HeadsFormatError(
+            f"{source}: holds both {origin['lm_head.weight']!r} (one projection for every head) and per-head "
+            f"{', '.join(repr(origin[f'lm_heads.{h}.weight']) for h in sorted(lm))}; the file is ambiguous: keep "
+            "one kind (delete the other)")
     return weights, biases, lm, shared_lm
 
 
-def _assemble(tensors, raw: dict, source: str, vllm: bool, model_cfg: Optional[ModelConfig]):
+def _config_count(raw: dict, key: str, source: str) -> Optional[int]:
+    """config.json's integer field `key`, or None when absent. Raises HeadsFormatError when it is not a
+    non-negative integer."""
+    v = raw.get(key)
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        raise HeadsFormatError(f"{source}: config.json's {key} must be a non-negative integer, got {v!r}")
+    return v
+
+
+def _check_counts(raw: dict, vllm: bool, K: int, L: int, source: str) -> None:
+    """The head and layer counts of config.json against those of the tensors (see `load_heads`).
+
+    Raises HeadsFormatError, naming both numbers, when the layer counts differ or config.json says
+    more heads than the file holds. Fewer heads in config.json is the first-release hub quirk and
+    is accepted (the tensors' count wins).
+    """
+    heads_key, layers_key = ("num_heads", "num_hidden_layers") if vllm else ("medusa_num_heads", "medusa_num_layers")
+    cfg_k, cfg_l = _config_count(raw, heads_key, source), _config_count(raw, layers_key, source)
+    if cfg_l is not None and cfg_l != L:
+        raise HeadsFormatError(f"{source}: config.json says {layers_key}={cfg_l} but the tensors hold {L} block "
+                               f"layer(s) per head; the weight file does not belong to this config.json "
+                               "(or is incomplete): re-export or re-download the heads")
+    if cfg_k is not None and cfg_k > K:
+        raise HeadsFormatError(f"{source}: config.json says {heads_key}={cfg_k} but the tensors hold {K} head(s); "
+                               "the weight file is incomplete or belongs to other heads: re-export or re-download them")
+
+
+def _assemble(tensors, raw: dict, source: str, vllm: bool, model_cfg: Optional[ModelConfig],
+              origin: Mapping[str, str]):
     """Tensors (torch layout) -> (K, L, D, V, kernels [K,L,D,D] [in,out], biases [K,L,D], lm [K,D,V] | None)."""
-    weights, biases, lm, shared_lm = _group(tensors, source, vllm)
+    weights, biases, lm, shared_lm = _group(tensors, source, vllm, origin)
     heads = sorted(set(weights) | set(biases) | set(lm))
     if heads and heads != list(range(len(heads))):
         raise HeadsFormatError(f"{source}: head indices {heads} are not 0..{len(heads) - 1}")
     if heads:
         K = len(heads)
-    else:  # no tensors at all: zero-layer shared heads; only the config knows K
-        K = raw.get("num_heads" if vllm else "medusa_num_heads")
+    else:  # only vLLM's one shared lm_head.weight: zero-layer heads; only the config knows K
+        K = _config_count(raw, "num_heads" if vllm else "medusa_num_heads", source)
         if not K:
             raise HeadsFormatError(f"{source}: no head tensors and no head count in config.json")
-        K = int(K)
     layer_sets = {h: sorted(weights.get(h, {})) for h in range(K)}
     L = len(layer_sets[0])
+    _check_counts(raw, vllm, K, L, source)
     for h, ls in layer_sets.items():
         if ls != list(range(L)):
             raise HeadsFormatError(f"{source}: head {h} has block weights for layers {ls}, "
@@ -275,20 +334,35 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
       dtype: numpy dtype of the returned params.
     Returns:
       (MedusaConfig, {"blocks_kernel" [K, L, D, D] ([in, out]), "blocks_bias" [K, L, D], and
-      "lm_head" [K, D, V] unless the heads share the base lm_head}), numpy arrays. K and L come from
-      the tensor names, whatever config.json says. The heads are shared when the file holds no
-      lm_head tensors (official ``"version": "2"``), or our config says ``shared_lm_head: true``.
+      "lm_head" [K, D, V] unless the heads share the base lm_head}), numpy arrays. The heads are
+      shared when the file holds no lm_head tensors (official ``"version": "2"``), or our config
+      says ``shared_lm_head: true``.
+    Head and layer counts: K and L come from the tensor names (a name may carry one
+      `NAME_PREFIXES` prefix). config.json's layer count (``medusa_num_layers``; vLLM
+      ``num_hidden_layers``) must equal L. Its head count (``medusa_num_heads``; vLLM ``num_heads``)
+      may be smaller than K, and K is used: the first-release hub configs of FasterDecoding/Medusa
+      say 2 heads where the weights hold 5, and the original code loads them all the same. It may
+      not be larger (the file would be missing heads).
     Raises:
       FileNotFoundError: no such path, or a directory without a known weight file.
-      HeadsFormatError (a ValueError): corrupt or truncated file, unknown or mis-shaped tensors,
-        fewer heads in the file than num_heads.
+      HeadsFormatError (a ValueError): corrupt or truncated file; a file with no tensors; unknown or
+        mis-shaped tensors; two names for one parameter (e.g. ``0.0.linear.weight`` and
+        ``medusa_head.0.0.linear.weight``, or vLLM's ``lm_head.weight`` beside ``lm_heads.{h}.weight``),
+        naming both; config.json's layer count != the tensors', or its head count > the tensors'
+        (naming both numbers); fewer heads in the file than num_heads.
       HeadsMismatchError (a ValueError): heads that do not fit model_cfg.
       ImportError: a .pt file and no torch.
     """
     weights_fn, cfg_fn = _resolve(path)
     raw = _read_config(cfg_fn)
     tensors = read_tensors(weights_fn, np.float32)
-    stripped = _strip_prefix(_strip_prefix(tensors, "medusa_heads."), "medusa_head.")
+    if not tensors:
+        counts = ", ".join(f"{k}={raw[k]}" for k in ("medusa_num_heads", "medusa_num_layers", "num_heads",
+                                                     "num_hidden_layers") if k in raw)
+        raise HeadsFormatError(f"{weights_fn}: holds no tensors (0 heads, 0 layers)"
+                               + (f" but config.json says {counts}" if counts else "")
+                               + "; the export was interrupted or wrote nothing: re-export or re-download the heads")
+    stripped, origin = _normalise_names(tensors, weights_fn)
     vllm = raw.get("model_type") == "medusa" or any(
         k.startswith(("blocks.", "lm_heads.")) or k == "lm_head.weight" for k in stripped)
     if vllm:
@@ -296,7 +370,7 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
         if trunc is not None and raw.get("vocab_size") is not None and int(trunc) < int(raw["vocab_size"]):
             raise HeadsFormatError(f"{weights_fn}: vLLM heads with a truncated vocabulary (truncated_vocab_size="
                                    f"{trunc} < vocab_size={raw['vocab_size']}, token_map) are not supported")
-    K, L, D, V, kern, bias, lm = _assemble(stripped, raw, weights_fn, vllm, model_cfg)
+    K, L, D, V, kern, bias, lm = _assemble(stripped, raw, weights_fn, vllm, model_cfg, origin)
     if raw.get("shared_lm_head") is True and lm is not None:
         lm = None  # our own config: the per-head copies are copies of the base lm_head
     if raw.get("shared_lm_head") is False and lm is None:
@@ -393,7 +467,12 @@ def _json_default(o):
 
 
 def _write(path: str, filename: str, tensors: Dict[str, np.ndarray], config: dict, fmt: str) -> str:
-    """Write config.json and the weight file atomically; remove other known weight files in `path`."""
+    """Write config.json and the weight file atomically; remove other known weight files in `path`.
+    Raises ValueError when there are no tensors (a file that `load_heads` would refuse)."""
+    if not tensors:
+        raise ValueError("these heads have no tensors to write (0 block layers and the shared base lm_head): "
+                         "they are the base model's own next-token head; use init_heads (or --heads zero) "
+                         "instead of a file, or give them at least one block layer")
     os.makedirs(path, exist_ok=True)
     target = os.path.join(path, filename)
     tmp = target + ".tmp"
@@ -438,8 +517,8 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
       cfg, params: the heads (`MedusaHeads` params, optionally wrapped in {"params": ...}).
       base_lm_head: [D, V], only shape-checked (shared heads are stored without it).
       extra: JSON-serialisable fields to add, e.g. {"metrics": {...}}; may not override ours.
-    Returns the weight file's path. Raises ValueError for params that do not match cfg or an
-    `extra` key that collides with a format field.
+    Returns the weight file's path. Raises ValueError for params that do not match cfg, heads with
+    no tensors (0 layers and shared), or an `extra` key that collides with a format field.
     """
     p = heads_params_to_numpy(params)
     _check_params(cfg, p)
@@ -472,8 +551,9 @@ def export_official(path: str, cfg: MedusaConfig, params, base_lm_head=None, fmt
         always write them.
       base_lm_head: [D, V]; required when include_lm_head and the heads are shared.
       dtype: numpy float dtype of the written tensors (float32 or float16).
-    Returns the weight file's path. The original ties the blocks of a head when L > 1
-    (``[ResBlock(D)] * L`` repeats one module); a warning is given when exported blocks differ.
+    Returns the weight file's path; raises ValueError as `save_heads` does. The original ties the
+    blocks of a head when L > 1 (``[ResBlock(D)] * L`` repeats one module); a warning is given when
+    exported blocks differ.
     """
     if fmt not in ("pt", "safetensors"):
         raise ValueError(f"fmt must be 'pt' or 'safetensors', got {fmt!r}")
