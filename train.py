@@ -7,7 +7,10 @@
 
 Every YAML field is documented in `medusa_jax.config.TrainConfig` and in the config files.
 A run killed at any point continues from its last checkpoint when started again with the same
-command (``--resume`` is the default) and ends with the same heads as an uninterrupted run.
+command (``--resume`` is the default) and ends with the same heads as an uninterrupted run. A
+finished run continues when started again with a larger ``steps`` (the schedule then spans the new
+total); a run in ``out_dir`` made with other settings is refused (exit code 2) rather than mixed
+with this one: start over with ``--no-resume`` or pick another ``--set out_dir=DIR``.
 Outputs go to ``out_dir``: metrics.jsonl, accuracy.png, checkpoints/, heads/ (load them with
 ``python decode.py --heads OUT_DIR/heads``) and, in joint mode, backbone/.
 """
@@ -18,16 +21,21 @@ import json
 import os
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # medusa_jax from this checkout
+
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="Train Medusa heads (frozen backbone or joint).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from medusa_jax.cli_help import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="train.py", description="Train Medusa heads (frozen backbone or joint).",
+                                formatter_class=HelpFormatter)
     p.add_argument("--config", default=None,
-                   help="YAML training config (see configs/); default: TrainConfig's defaults")
+                   help="YAML training config (see configs/; default: TrainConfig's defaults)")
     p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
                    help="override config fields, e.g. --set steps=100 learning_rate=3e-4 model=null")
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="continue from the latest checkpoint in out_dir/checkpoints (--no-resume: start over)")
+                   help="continue the run in out_dir from its latest checkpoint; --no-resume deletes its "
+                        "checkpoints and metrics and starts over")
     p.add_argument("--stop-at-step", type=int, default=None,
                    help="stop after this many steps without a final checkpoint or export, as if killed "
                         "(to try resumption)")
@@ -38,7 +46,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from medusa_jax.config import TrainConfig, TrainConfigError
 
     try:
@@ -50,11 +57,14 @@ def main(argv=None) -> int:
         print(json.dumps(tc.to_dict(), indent=2))
         return 0
     from medusa_jax.runtime import enable_compilation_cache
-    from medusa_jax.train.trainer import train
+    from medusa_jax.train.trainer import ResumeConflictError, train
 
     enable_compilation_cache()
     try:
         res = train(tc, resume=args.resume, stop_at_step=args.stop_at_step, progress=not args.no_progress)
+    except ResumeConflictError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -62,7 +72,8 @@ def main(argv=None) -> int:
         print(f"stopped at step {res.steps_done}/{tc.steps}; run the same command again to resume", file=sys.stderr)
         return 0
     m = res.metrics
-    print(f"trained {tc.mode} Medusa heads ({tc.num_heads} heads, {res.steps_done} steps) -> {res.heads_dir}")
+    done = "already trained" if res.already_finished else "trained"
+    print(f"{done} {tc.mode} Medusa heads ({tc.num_heads} heads, {res.steps_done} steps) -> {res.heads_dir}")
     if m.get("val_top1"):
         for k, (a1, a5) in enumerate(zip(m["val_top1"], m["val_top5"])):
             print(f"  head {k} (token t+{k + 2}): val top-1 {a1:.3f}  top-5 {a5:.3f}")

@@ -146,10 +146,13 @@ def plot(summary: Dict[str, dict], path: str) -> None:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description="Plain vs Medusa greedy speed, side by side (see module docs).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .cli_help import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m medusa_jax.bench",
+                                description="Plain vs Medusa greedy speed, side by side (see module docs).",
+                                formatter_class=HelpFormatter)
     p.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench JSONL (first turns are used)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
     p.add_argument("--per-category", type=int, default=None,
                    help="take N prompts of every category, evenly spaced, instead of --limit (Spec-Bench: its "
                         "six tasks, MT-bench's questions counting as one)")

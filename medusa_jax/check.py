@@ -80,18 +80,20 @@ def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    from .cli_help import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m medusa_jax.check", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
     p.add_argument("--prompts", required=True, help="JSONL with MT-bench style 'turns' or a 'prompt' field")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2 GGUF)")
     p.add_argument("--heads", default=None,
-                   help="heads directory; 'zero' for fresh zero-initialised heads; default: the shipped heads")
+                   help="heads directory, or 'zero' for fresh zero-initialised heads (default: the shipped heads)")
     p.add_argument("--num-heads", type=int, default=4, help="head count for --heads zero")
     p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--tie-gap", type=float, default=1e-4, help="top-2 logit gap below which a difference is a near-tie")
-    p.add_argument("--out", default=None, help="write per-prompt results as JSON here")
+    p.add_argument("--out", default=None, help="also write per-prompt results as JSON to this file")
     args = p.parse_args(argv)
 
     from tqdm import tqdm

@@ -405,29 +405,37 @@ class TrainConfig:
         return out
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> "TrainConfig":
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config",
+                  sources: Optional[Mapping[str, str]] = None) -> "TrainConfig":
         """Build from a mapping, coercing each value to its field's type.
 
         Ints are accepted for float fields, "1e-3"-style strings for numbers, "true"/"false" for
         booleans, and null / "none" for Optional fields.
+        Args:
+          d: {field name: value}.
+          source: where the values came from, named in error messages.
+          sources: {field name: where that value came from} for keys whose origin differs from
+            `source` (e.g. ``"--set steps=x"``).
         Raises:
-          TrainConfigError: an unknown key (the message lists the known ones), a value of the
-            wrong type, or an invalid value (see the field docs).
+          TrainConfigError: an unknown key (naming where it came from and the closest known keys),
+            a value of the wrong type, or an invalid value (see the field docs).
         """
         types = cls.field_types()
-        unknown = sorted(set(d) - set(types))
-        if unknown:
-            raise TrainConfigError(f"{source}: unknown training config key(s) {unknown}; known keys: "
-                                   f"{', '.join(sorted(types))}")
-        kw = {k: _coerce(k, v, *types[k], source) for k, v in d.items()}
+        where = lambda k: (sources or {}).get(k, source)
+        for k in d:
+            if k not in types:
+                raise TrainConfigError(unknown_key_message(k, types, where(k)))
+        kw = {k: _coerce(k, v, *types[k], where(k)) for k, v in d.items()}
         return cls(**kw)
 
     @classmethod
-    def from_yaml(cls, path: Optional[str] = None, overrides: Tuple[str, ...] = ()) -> "TrainConfig":
+    def from_yaml(cls, path: Optional[str] = None, overrides: Tuple[str, ...] = (),
+                  overrides_label: str = "--set") -> "TrainConfig":
         """Load a YAML file (a mapping of fields; None: all defaults) and apply ``key=value`` overrides.
 
         Override values are parsed as YAML scalars (``steps=10``, ``model=null``,
-        ``learning_rate=3e-4``) and win over the file.
+        ``learning_rate=3e-4``) and win over the file. Errors about a file key name the file and
+        the key's line; errors about an override name ``overrides_label`` and the override.
         Raises:
           FileNotFoundError: no such file. TrainConfigError: not a mapping, an override without
             '=', or any `from_dict` error.
@@ -435,19 +443,25 @@ class TrainConfig:
         import yaml
 
         d: dict = {}
+        sources: dict = {}
         if path is not None:
             with open(path) as f:
-                loaded = yaml.safe_load(f)
+                text = f.read()
+            loaded = yaml.safe_load(text)
             if loaded is not None and not isinstance(loaded, dict):
                 raise TrainConfigError(f"{path}: expected a mapping of training config fields, got "
                                        f"{type(loaded).__name__}")
             d.update(loaded or {})
+            sources.update({k: _yaml_key_location(path, text, k) for k in d})
         for item in overrides:
             if "=" not in item:
-                raise TrainConfigError(f"override {item!r} is not key=value")
+                raise TrainConfigError(f"{overrides_label} {item!r}: expected KEY=VALUE, e.g. "
+                                       f"{overrides_label} steps=100")
             k, v = item.split("=", 1)
-            d[k.strip()] = yaml.safe_load(v) if v.strip() else ""
-        return cls.from_dict(d, source=path or "config")
+            k = k.strip()
+            d[k] = yaml.safe_load(v) if v.strip() else ""
+            sources[k] = f"{overrides_label} {item}"
+        return cls.from_dict(d, source=path or "config", sources=sources)
 
     def to_dict(self) -> dict:
         """All fields as a plain dict (JSON / YAML serialisable)."""
@@ -455,6 +469,28 @@ class TrainConfig:
 
     def replace(self, **kw) -> "TrainConfig":
         return dataclasses.replace(self, **kw)
+
+
+def unknown_key_message(key: str, known, source: str) -> str:
+    """The error message for an unknown training config key: where it came from and the closest
+    known keys (`difflib.get_close_matches`), never the whole list of keys."""
+    import difflib
+
+    close = difflib.get_close_matches(str(key), sorted(known), n=3, cutoff=0.6)
+    hint = (f"did you mean {' or '.join(repr(c) for c in close)}?" if close else
+            "no known key is close to it")
+    return (f"{source}: unknown training config key {key!r}; {hint} (`train.py --print-config` lists every "
+            "key; medusa_jax.config.TrainConfig documents them)")
+
+
+def _yaml_key_location(path: str, text: str, key: str) -> str:
+    """``"path, line N"`` of a top-level YAML key (plain ``key:`` lines only), or just the path."""
+    import re
+
+    for n, line in enumerate(text.splitlines(), 1):
+        if re.match(rf"{re.escape(str(key))}\s*:", line):
+            return f"{path}, line {n}"
+    return path
 
 
 def _coerce(key: str, value: Any, typ: type, optional: bool, source: str) -> Any:

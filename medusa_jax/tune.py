@@ -1,6 +1,10 @@
 """Fit the Medusa tree to the heads and to the hardware, and save it with the heads.
 
-``python -m medusa_jax.tune --heads DIR [--data data/distill/smollm2] [--proposal-vocab 8192]``
+``python -m medusa_jax.tune --heads DIR [--data data/distill/smollm2] [--proposal-vocab 8192] [--out DIR]``
+
+Where the tuned heads go (`output_dir`): ``--out``; without it, back into ``--heads`` (your own
+heads directory) or, for the shipped heads, ``./tuned_heads``. Nothing is ever written inside the
+installed package unless ``--update-shipped-heads`` says so (maintainers re-tuning the shipped heads).
 
 1. Proposal vocabulary (optional, ``--proposal-vocab N``): the N most frequent tokens of the
    self-distilled training split; the heads then propose only those (their vocabulary projection
@@ -34,6 +38,50 @@ from .config import MedusaConfig
 from .tree import build_tree, expected_acceptance_length, greedy_tree_search
 
 DEFAULT_SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
+#: Where tuned shipped heads go without --out (relative to the current directory).
+DEFAULT_OUT = "tuned_heads"
+
+
+class OutputDirError(ValueError):
+    """A tune output directory that would write into the installed package (or conflicting flags)."""
+
+
+def _inside(path: str, directory: str) -> bool:
+    path, directory = os.path.realpath(path), os.path.realpath(directory)
+    return os.path.commonpath([path, directory]) == directory
+
+
+def output_dir(heads: Optional[str], out: Optional[str], update_shipped: bool = False) -> str:
+    """Where `main` writes the tuned heads.
+
+    Args:
+      heads: the --heads directory, or None for the shipped heads (`runtime.DEFAULT_HEADS_DIR`).
+      out: the --out directory, or None.
+      update_shipped: --update-shipped-heads: write into the shipped heads directory.
+    Returns: `out` when given; the shipped heads directory when `update_shipped`; else `heads` when it
+      is a directory outside the installed package (tuned in place); else `DEFAULT_OUT` in the
+      current directory. The path is absolute.
+    Raises:
+      OutputDirError: `out` is inside the installed medusa_jax package without `update_shipped`, or
+        both `out` and `update_shipped` are given.
+    """
+    from . import runtime
+
+    package = os.path.dirname(os.path.abspath(__file__))
+    if update_shipped:
+        if out is not None:
+            raise OutputDirError("give either --out or --update-shipped-heads (which writes to "
+                                 f"{runtime.DEFAULT_HEADS_DIR}), not both")
+        return os.path.abspath(runtime.DEFAULT_HEADS_DIR)
+    if out is not None:
+        if _inside(out, package):
+            raise OutputDirError(f"--out {out} is inside the installed medusa_jax package ({package}); tuned "
+                                 f"heads go elsewhere, e.g. --out {DEFAULT_OUT}. To re-tune the shipped heads "
+                                 "themselves (maintainers), pass --update-shipped-heads instead of --out")
+        return os.path.abspath(out)
+    if heads is not None and not _inside(heads, package):
+        return os.path.abspath(heads)
+    return os.path.abspath(DEFAULT_OUT)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -142,10 +190,13 @@ def _format_extras(raw: dict) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    from .cli_help import HelpFormatter
+
     p = argparse.ArgumentParser(
+        prog="python -m medusa_jax.tune",
         description="Calibrate the heads, measure the verify cost c(T) on this device and save the tree that "
                     "maximises (1 + E[accepted]) / c(T) with the heads (see the module docs).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: the SmolLM2 GGUF)")
     p.add_argument("--data", default="data/distill/smollm2",
@@ -165,10 +216,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--cost-prompt-len", type=int, default=100, help="approximate prompt tokens while timing")
     p.add_argument("--steps", type=int, default=16, help="steps per timed call")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per tree (the best is kept)")
-    p.add_argument("--out", default=None, help="write the tuned heads here (default: update --heads in place)")
+    p.add_argument("--out", default=None,
+                   help=f"write the tuned heads here (default: back into --heads when it is your own heads "
+                        f"directory; ./{DEFAULT_OUT} for the shipped heads). Never inside the installed package")
+    p.add_argument("--update-shipped-heads", action="store_true",
+                   help="maintainers: write the tuned heads into the shipped heads directory inside the package "
+                        "(medusa_jax/assets/heads/...), replacing them; not with --out")
     p.add_argument("--dry-run", action="store_true", help="print the table, save nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
+    try:
+        out_dir = None if args.dry_run else output_dir(args.heads, args.out, args.update_shipped_heads)
+    except OutputDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from . import runtime
     from .convert.medusa_format import load_heads, read_heads_config, save_heads
@@ -226,7 +287,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
               "predicted_tokens_per_step": best["predicted_tokens_per_step"], "step_breakdown_ms": breakdown,
               "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows]}
-    out_dir = args.out or heads_dir
     extras = _format_extras(read_heads_config(heads_dir))
     extras["tree_search"] = report
     tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in best["medusa_choices"]))
@@ -236,6 +296,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 + _table(rows, best) + "\n")
     print(f"saved the {best['size']}-node tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step, "
           f"speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
+    if os.path.realpath(out_dir) != os.path.realpath(runtime.DEFAULT_HEADS_DIR):
+        print(f"use them with: python decode.py --heads {out_dir}")
     return 0
 
 

@@ -208,3 +208,137 @@ def test_cli_stop_and_resume(tmp_path, capsys):
     assert "val top-1" in capsys.readouterr().out
     assert os.path.isfile(tmp_path / "cli" / "heads" / "medusa_lm_head.safetensors")
     assert cli.main(["--config", TINY, "--set", "nonsense=1"]) == 2
+
+
+# ------------------------------------------------------------------------------ config messages
+
+def test_unknown_key_names_its_source_and_closest_keys(tmp_path):
+    with pytest.raises(TrainConfigError) as e:
+        TrainConfig.from_yaml(TINY, ("steps=3", "lerning_rate=0.1"))
+    msg = str(e.value)
+    assert msg.startswith("--set lerning_rate=0.1: unknown training config key 'lerning_rate'")
+    assert "did you mean 'learning_rate'?" in msg and "tiny.yaml" not in msg
+    assert "random_vocab_size" not in msg  # the closest keys, not all ~50 of them
+    with pytest.raises(TrainConfigError, match="no known key is close"):
+        TrainConfig.from_yaml(TINY, ("nonexistent_field=3",))
+    with pytest.raises(TrainConfigError, match=r"^--set steps=abc: steps must be int"):
+        TrainConfig.from_yaml(TINY, ("steps=abc",))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("# a comment\nsteps: 3\nnum_head: 2\n")
+    with pytest.raises(TrainConfigError) as e:
+        TrainConfig.from_yaml(str(bad))
+    msg = str(e.value)
+    assert msg.startswith(f"{bad}, line 3: unknown training config key 'num_head'; did you mean 'num_heads'")
+    assert "--set" not in msg and "random_vocab_size" not in msg
+
+
+# ------------------------------------------------------------------------- re-running in an out_dir
+
+def _snapshot(directory) -> dict:
+    """{relative path: (bytes, mtime_ns)} of every file under `directory`."""
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            fn = os.path.join(root, name)
+            with open(fn, "rb") as f:
+                out[os.path.relpath(fn, directory)] = (f.read(), os.stat(fn).st_mtime_ns)
+    return out
+
+
+def test_rerun_of_finished_run_with_other_settings_is_refused(frozen_run, capsys):
+    import train as train_cli
+
+    tc, _, _, res = frozen_run
+    before = _snapshot(tc.out_dir)
+    base = ["--config", TINY, "--no-progress", "--set", "synthetic_num_sequences=128", "log_every=5",
+            f"out_dir={tc.out_dir}"]
+    assert train_cli.main(base + ["steps=50", "learning_rate=0.001"]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err and "Warning" not in err
+    assert err.startswith(f"error: {tc.out_dir} holds a finished run (150/150 steps) made with other settings")
+    assert "learning_rate 0.01 -> 0.001" in err and "steps 150 -> 50" in err
+    assert "--no-resume" in err and "--set out_dir=" in err
+    assert _snapshot(tc.out_dir) == before  # nothing trained, nothing rewritten (train_config.json included)
+
+    # the same settings again: says it is finished and where its heads are; trains and writes nothing
+    assert train_cli.main(base) == 0
+    out, err = capsys.readouterr()
+    assert f"already holds this run, finished (150/150 steps) with the same settings" in err
+    assert f"Its heads: {res.heads_dir}" in err and "--no-resume" in err and "steps=N (N > 150)" in err
+    assert out.startswith(f"already trained frozen Medusa heads (4 heads, 150 steps) -> {res.heads_dir}")
+    assert f"val top-1 {res.metrics['val_top1'][0]:.3f}" in out
+    assert _snapshot(tc.out_dir) == before
+    again = trainer.train(tc, progress=False)
+    assert again.already_finished and again.steps_done == tc.steps and again.metrics["val_top1"] == res.metrics["val_top1"]
+    assert tree_equal(again.heads_params, res.heads_params)
+
+
+def test_resume_of_unfinished_run_with_other_shape_is_refused(frozen_run, tmp_path):
+    _, bb, _, _ = frozen_run
+    over = ("steps=20", "checkpoint_every=10", "eval_every=0")
+    tc = tiny(tmp_path, "cut", *over)
+    trainer.train(tc, backbone=bb, stop_at_step=12, progress=False)
+    before = _snapshot(tc.out_dir)
+    for change, want in (("num_heads=3", "num_heads 4 -> 3"), ("random_num_heads=2", "random_num_heads 4 -> 2"),
+                         ("mode=joint", "mode 'frozen' -> 'joint'")):
+        with pytest.raises(trainer.ResumeConflictError) as e:
+            trainer.train(tiny(tmp_path, "cut", *over, change), progress=False)
+        msg = str(e.value)
+        assert "holds an unfinished run (checkpoint at step 10 of 20) made with other settings" in msg
+        assert want in msg and "--no-resume" in msg and "--set out_dir=DIR" in msg
+    assert _snapshot(tc.out_dir) == before
+    fresh = trainer.train(tiny(tmp_path, "cut", *over, "num_heads=3"), backbone=bb, resume=False, stop_at_step=2,
+                          progress=False)  # --no-resume starts over with the new shape
+    assert fresh.steps_done == 2 and fresh.heads_params["blocks_kernel"].shape[0] == 3
+
+
+def test_finished_run_continues_with_more_steps(frozen_run, tmp_path, capsys):
+    _, bb, _, _ = frozen_run
+    over = ("checkpoint_every=0", "eval_every=0", "warmup_steps=2")
+    tc10 = tiny(tmp_path, "grow", "steps=10", *over)
+    first = trainer.train(tc10, backbone=bb, progress=False)
+    with pytest.raises(trainer.ResumeConflictError, match="already past steps=5"):
+        trainer.train(tiny(tmp_path, "grow", "steps=5", *over), backbone=bb, progress=False)
+    capsys.readouterr()
+    tc20 = tiny(tmp_path, "grow", "steps=20", *over)
+    more = trainer.train(tc20, backbone=bb, progress=False)
+    err = capsys.readouterr().err
+    lr_new = float(trainer._schedule(tc20, tc20.learning_rate, 20)(10))
+    lr_old = float(trainer._schedule(tc20, tc20.learning_rate, 10)(10))
+    assert f"continuing the run in {tc20.out_dir} from step 10 to 20 steps (it was set up for 10)" in err
+    assert f"is {lr_new:.3g} instead of {lr_old:.3g}" in err and lr_new > 2 * lr_old
+    assert more.steps_done == 20 and not more.already_finished
+    assert not tree_equal(more.heads_params, first.heads_params)
+    with open(os.path.join(tc20.out_dir, "metrics.jsonl")) as f:
+        steps = [json.loads(line)["step"] for line in f]
+    assert steps == [5, 10, 15, 20]  # eval_every=0: no step-0 evaluation line
+    assert load_heads(more.heads_dir)[1]["blocks_kernel"].tolist() == more.heads_params["blocks_kernel"].tolist()
+
+
+def test_accuracy_plot_has_training_and_validation_curves(tmp_path, monkeypatch):
+    """accuracy.png: left the training loss per metrics line, right per head train top-1 (every line)
+    and validation top-1 (evaluation lines)."""
+    from matplotlib.figure import Figure
+
+    from medusa_jax.train.checkpoint import plot_accuracy
+
+    figs = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda self, *a, **k: (figs.append(self), real_savefig(self, *a, **k)))
+    recs = [{"step": 0, "val_top1": [0.1, 0.0]},
+            {"step": 5, "loss": 4.0, "train_top1": [0.2, 0.1]},
+            {"step": 10, "loss": 3.0, "train_top1": [0.4, 0.2], "val_top1": [0.5, 0.3]},
+            {"step": 15, "loss": 2.5, "train_top1": [0.6, 0.3]}]
+    png = str(tmp_path / "accuracy.png")
+    plot_accuracy(recs, png)
+    with open(png, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+    loss_ax, acc_ax = figs[0].axes
+    (loss,) = loss_ax.get_lines()
+    assert list(loss.get_xdata()) == [5, 10, 15] and list(loss.get_ydata()) == [4.0, 3.0, 2.5]
+    lines = {ln.get_label(): ln for ln in acc_ax.get_lines()}
+    assert set(lines) == {"head 0 train", "head 0 validation", "head 1 train", "head 1 validation"}
+    assert list(lines["head 1 train"].get_ydata()) == [0.1, 0.2, 0.3]
+    assert list(lines["head 0 validation"].get_xdata()) == [0, 10]
+    assert list(lines["head 0 validation"].get_ydata()) == [0.1, 0.5]
+    assert lines["head 0 train"].get_color() == lines["head 0 validation"].get_color()

@@ -196,3 +196,50 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     assert tree.size == report["chosen_size"] and "proposal_lm_head" in heads[1]
     pred = predicted_tokens_per_step(tree, heads_calibration(str(tmp_path / "tuned")))
     assert pred == pytest.approx(report["predicted_tokens_per_step"], abs=1e-4)  # accuracies saved to 5 places
+
+
+def _files(directory) -> dict:
+    """{relative path: (bytes, mtime_ns)} of every file under `directory`."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for n in names:
+            fn = os.path.join(root, n)
+            with open(fn, "rb") as f:
+                out[os.path.relpath(fn, directory)] = (f.read(), os.stat(fn).st_mtime_ns)
+    return out
+
+
+def test_tune_output_never_defaults_into_the_package(tmp_path, monkeypatch):
+    import medusa_jax
+    from medusa_jax import runtime
+    from medusa_jax.tune import DEFAULT_OUT, OutputDirError, output_dir
+
+    package = os.path.dirname(os.path.abspath(medusa_jax.__file__))
+    monkeypatch.chdir(tmp_path)
+    mine = tmp_path / "runs" / "heads"
+    assert output_dir(None, None) == str(tmp_path / DEFAULT_OUT)  # shipped heads -> ./tuned_heads
+    assert output_dir(runtime.DEFAULT_HEADS_DIR, None) == str(tmp_path / DEFAULT_OUT)
+    assert output_dir(str(mine), None) == str(mine)  # the user's own heads: tuned in place
+    assert output_dir(None, "elsewhere") == str(tmp_path / "elsewhere")
+    assert output_dir(None, None, update_shipped=True) == os.path.abspath(runtime.DEFAULT_HEADS_DIR)
+    for inside in (runtime.DEFAULT_HEADS_DIR, package, os.path.join(package, "assets", "new")):
+        with pytest.raises(OutputDirError, match="inside the installed medusa_jax package.*--update-shipped-heads"):
+            output_dir(None, inside)
+    with pytest.raises(OutputDirError, match="either --out or --update-shipped-heads"):
+        output_dir(None, "x", update_shipped=True)
+
+
+def test_tune_command_refuses_out_inside_the_package(capsys):
+    """Refused before anything is loaded; the shipped heads and the package are untouched."""
+    import medusa_jax
+    from medusa_jax import runtime, tune
+
+    package = os.path.dirname(os.path.abspath(medusa_jax.__file__))
+    target = os.path.join(package, "assets", "heads", "tuned-here")
+    before = _files(runtime.DEFAULT_HEADS_DIR)
+    assert tune.main(["--out", target, "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --out {target} is inside the installed medusa_jax package")
+    assert "--update-shipped-heads" in err and len(err.strip().splitlines()) == 1
+    assert tune.main(["--out", runtime.DEFAULT_HEADS_DIR, "--no-progress"]) == 2
+    assert not os.path.exists(target) and _files(runtime.DEFAULT_HEADS_DIR) == before

@@ -94,6 +94,17 @@ class Checkpointer:
         state = jax.tree_util.tree_map(np.asarray, out["state"])
         return int(step), state, dict(out["meta"])
 
+    def restore_meta(self, step: Optional[int] = None) -> dict:
+        """The meta dict of a checkpoint (None: the latest) without reading its arrays.
+        Raises FileNotFoundError when there is no such checkpoint."""
+        ocp = self._ocp
+        if step is None:
+            step = self.latest_step()
+        if step is None or step not in self.manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint{'' if step is None else f' for step {step}'} in "
+                                    f"{self.directory}")
+        return dict(self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
+
     def close(self) -> None:
         """Finish pending writes and release the manager."""
         self.manager.wait_until_finished()
@@ -122,9 +133,11 @@ def batch_indices(n: int, batch: int, seed: int, step: int) -> np.ndarray:
 
 class MetricsLog:
     """``out_dir/metrics.jsonl`` (one JSON object per line, each with a "step") and
-    ``out_dir/accuracy.png``, redrawn whenever a line with validation accuracies is written.
+    ``out_dir/accuracy.png`` (`plot_accuracy`), redrawn whenever a line with validation accuracies
+    is written and by `plot`.
 
-    Lines of steps after `start_step` (the step a run resumes from) are dropped on opening.
+    Lines of steps after `start_step` (the step a run resumes from; -1 keeps none) are dropped on
+    opening.
     """
 
     def __init__(self, out_dir: str, start_step: int):
@@ -140,6 +153,7 @@ class MetricsLog:
                     if rec.get("step", 0) <= start_step:
                         kept.append(rec)
         self.records = kept
+        self._plotted: Optional[int] = None  # len(records) at the last drawing
         with open(self.path, "w") as f:
             f.writelines(json.dumps(r) + "\n" for r in kept)
 
@@ -148,25 +162,54 @@ class MetricsLog:
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if "val_top1" in rec:
+            self.plot()
+
+    def plot(self) -> None:
+        """Redraw accuracy.png from every record so far (skipped when nothing changed since the last)."""
+        if self._plotted != len(self.records):
             plot_accuracy(self.records, self.png)
+            self._plotted = len(self.records)
 
 
 def plot_accuracy(records: Sequence[dict], path: str) -> None:
-    """PNG of per-head validation top-1 (solid) and top-5 (dashed) accuracy over steps."""
+    """Two-panel PNG of a run's metrics.jsonl records at `path` (matplotlib, Agg backend).
+
+    Left: the training loss (the weighted sum over heads, per metrics line; joint mode also the
+    backbone's own loss) over steps. Right: per head k (one colour each), the training top-1 accuracy
+    (thin line, from each metrics line's ``train_top1``) and the validation top-1 (markers, from the
+    evaluation lines' ``val_top1``) of token t+k+2. Does nothing when no record has either.
+    """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    tr = [r for r in records if "loss" in r]
     ev = [r for r in records if "val_top1" in r]
-    if not ev:
+    if not tr and not ev:
         return
-    steps = [r["step"] for r in ev]
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for k in range(len(ev[0]["val_top1"])):
-        line, = ax.plot(steps, [r["val_top1"][k] for r in ev], marker="o", ms=3, label=f"head {k} top-1")
-        ax.plot(steps, [r["val_top5"][k] for r in ev], ls="--", color=line.get_color(), label=f"head {k} top-5")
-    ax.set(xlabel="step", ylabel="validation accuracy", ylim=(0, 1), title="Medusa heads: token t+k+2")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, ncol=2)
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4.2))
+    if tr:
+        steps = [r["step"] for r in tr]
+        ax_loss.plot(steps, [r["loss"] for r in tr], color="black", label="heads (weighted sum)")
+        if any("base_loss" in r for r in tr):
+            ax_loss.plot(steps, [r.get("base_loss", float("nan")) for r in tr], color="grey", ls="--",
+                         label="backbone")
+        ax_loss.legend(fontsize=8)
+    ax_loss.set(xlabel="step", ylabel="training loss (nats)", title="training loss")
+    ax_loss.grid(alpha=0.3)
+    K = len((tr or ev)[0].get("train_top1") or (ev or tr)[0].get("val_top1") or [])
+    for k in range(K):
+        color = f"C{k % 10}"
+        pts = [(r["step"], r["train_top1"][k]) for r in tr if "train_top1" in r]
+        if pts:
+            ax_acc.plot(*zip(*pts), color=color, lw=1, alpha=0.6, label=f"head {k} train")
+        if ev:
+            ax_acc.plot([r["step"] for r in ev], [r["val_top1"][k] for r in ev], color=color, marker="o", ms=4,
+                        lw=1.5, label=f"head {k} validation")
+    ax_acc.set(xlabel="step", ylabel="top-1 accuracy", ylim=(0, 1.02),
+               title="top-1 of head k (token t+k+2): train (thin), validation (dots)")
+    ax_acc.grid(alpha=0.3)
+    if K:
+        ax_acc.legend(fontsize=7, ncol=2, loc="best")
     fig.tight_layout()
     fig.savefig(path + ".tmp.png", dpi=110)
     plt.close(fig)

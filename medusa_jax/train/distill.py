@@ -369,17 +369,26 @@ def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m medusa_jax.train.distill", description=__doc__.split("\n")[0])
-    p.add_argument("--out", required=True, help="output directory (samples.jsonl, meta.json)")
+    from ..cli_help import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="python -m medusa_jax.train.distill", description=__doc__.split("\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--out", required=True,
+                   help="output directory (samples.jsonl, meta.json); an interrupted run resumes there")
     p.add_argument("--model", default=None, help="backbone: HF directory or GGUF (default: SmolLM2 GGUF)")
-    p.add_argument("--prompts", default=None, help="JSONL with a 'prompt' field (default: the permissive pool)")
-    p.add_argument("--target-tokens", type=int, default=None)
-    p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--batch-size", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts of the shuffled pool")
-    p.add_argument("--max-prompt-tokens", type=int, default=256)
+    p.add_argument("--prompts", default=None,
+                   help="JSONL with a 'prompt' field (default: the permissive pool); never an evaluation set")
+    p.add_argument("--target-tokens", type=int, default=None,
+                   help="stop taking new prompts once samples.jsonl holds this many response tokens "
+                        "(default: answer the whole pool)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="response tokens per prompt at most")
+    p.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (continuous batching)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled")
+    p.add_argument("--seed", type=int, default=0, help="seed of the pool's shuffle and of sampling")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N prompts of the shuffled pool (default: all)")
+    p.add_argument("--max-prompt-tokens", type=int, default=256,
+                   help="skip prompts longer than this many tokens after the chat template")
     a = p.parse_args(argv)
     try:
         res = distill(a.out, model=a.model, prompts=a.prompts, target_tokens=a.target_tokens,

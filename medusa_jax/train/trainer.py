@@ -28,8 +28,8 @@ import functools
 import json
 import os
 import shutil
+import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Tuple
 
@@ -49,9 +49,22 @@ from .losses import (NUM_RANKS, heads_ce, kl_to_teacher_sums, masked_ce_sums, sa
 Pair = Tuple[np.ndarray, np.ndarray]  # (ids [T] int32, loss_mask [T] bool)
 #: Sequences are padded to a multiple of this many tokens (one compiled shape per bucket).
 LENGTH_BUCKET = 128
-#: Config fields that may change between a checkpoint and its resumption without a warning.
+#: Config fields that may change between a checkpoint and its resumption: they change neither the
+#: trained params (up to float rounding: loss_chunk) nor the data order. ``steps`` may change too
+#: (`check_resume`); any other difference refuses to resume.
 _RESUME_FREE = ("out_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_hidden",
-                "hidden_batch_tokens", "tree", "tree_nodes", "save_backbone", "max_val_positions")
+                "hidden_batch_tokens", "tree", "tree_nodes", "save_backbone", "max_val_positions", "topk",
+                "loss_chunk")
+#: Of those, the fields the export depends on: a finished run is exported again when one changes.
+_EXPORT_FIELDS = ("tree", "tree_nodes", "topk", "save_backbone", "max_val_positions")
+#: How to get past a run in out_dir that cannot be continued, for messages.
+_START_OVER = ("to start over in that out_dir use --no-resume (train(resume=False)); to keep that run, "
+               "train elsewhere with --set out_dir=DIR")
+
+
+class ResumeConflictError(ValueError):
+    """out_dir holds a checkpoint that this config cannot continue (other settings, or more steps
+    done than asked for)."""
 
 
 @dataclass
@@ -68,13 +81,16 @@ class Backbone:
 class TrainResult:
     """What `train` returns. heads_params / backbone_params are numpy pytrees (backbone_params only
     in joint mode); metrics holds the last evaluation (val_loss, val_top1, val_top5 per head, ranks);
-    steps_done < steps only when stopped early with ``stop_at_step``; heads_dir is None then."""
+    steps_done < steps only when stopped early with ``stop_at_step``; heads_dir is None then.
+    already_finished: out_dir held this run, finished with the same settings: nothing was trained
+    or written, heads_params and metrics were read back from heads_dir (backbone_params is None)."""
     heads_cfg: MedusaConfig
     heads_params: dict
     backbone_params: Optional[dict]
     metrics: dict
     steps_done: int
     heads_dir: Optional[str]
+    already_finished: bool = False
 
 
 # ---------------------------------------------------------------------------------- backbone, data
@@ -360,12 +376,69 @@ def initial_heads(tc: TrainConfig, hcfg: MedusaConfig, mcfg: ModelConfig, lm) ->
     return {k: jnp.asarray(v) for k, v in p.items() if k != "proposal_ids"}  # decoding-only field
 
 
-def _check_resume(meta: dict, tc: TrainConfig) -> None:
-    old = meta.get("config", {})
-    diff = {k: (old.get(k), v) for k, v in tc.to_dict().items() if k not in _RESUME_FREE and old.get(k) != v}
+def latest_checkpoint(ck_dir: str) -> Optional[Tuple[int, dict]]:
+    """(step, meta) of the newest checkpoint in `ck_dir` (meta only, no arrays are read), or None
+    when the directory holds none."""
+    if not os.path.isdir(ck_dir):
+        return None
+    ck = Checkpointer(ck_dir)
+    try:
+        step = ck.latest_step()
+        return None if step is None else (step, ck.restore_meta(step))
+    finally:
+        ck.close()
+
+
+def _note(msg: str) -> None:
+    print(f"note: {msg}", file=sys.stderr, flush=True)
+
+
+def check_resume(tc: TrainConfig, step: int, old: dict) -> Optional[str]:
+    """Whether `tc` may continue the checkpoint of `step` made with config `old` (a `to_dict`).
+
+    Resuming is allowed when every field outside `_RESUME_FREE` is unchanged, except ``steps``,
+    which may grow (or shrink down to `step`): the warm-up + cosine schedule is then laid over the
+    new total, so the learning rate jumps at `step` and the heads differ from those of one
+    uninterrupted run of the new length.
+    Returns: None, or a notice to show when ``steps`` changed (it names both learning rates).
+    Raises:
+      ResumeConflictError: other fields differ (the message lists each old -> new value), or the
+        checkpoint is already past ``tc.steps``; it says how to start over or train elsewhere.
+    """
+    out, old_steps = os.path.abspath(tc.out_dir), int(old.get("steps", step))
+    what = (f"a finished run ({step}/{old_steps} steps)" if step >= old_steps else
+            f"an unfinished run (checkpoint at step {step} of {old_steps})")
+    new = tc.to_dict()
+    diff = [k for k in new if k not in _RESUME_FREE and k != "steps" and old.get(k) != new[k]]
     if diff:
-        warnings.warn(f"resuming a checkpoint made with a different config {diff}: the result will differ "
-                      "from an uninterrupted run", stacklevel=3)
+        changes = ", ".join(f"{k} {old.get(k)!r} -> {new[k]!r}" for k in (diff + ["steps"] * (old_steps != tc.steps)))
+        raise ResumeConflictError(f"{out} holds {what} made with other settings ({changes}); {_START_OVER}")
+    if tc.steps < step:
+        raise ResumeConflictError(f"{out} holds {what}, already past steps={tc.steps}; {_START_OVER}")
+    if tc.steps == old_steps:
+        return None
+    lr = lambda n: float(_schedule(tc, tc.learning_rate * tc.heads_lr_multiplier, n)(step))
+    return (f"continuing the run in {out} from step {step} to {tc.steps} steps (it was set up for {old_steps}): "
+            f"the learning-rate schedule now spans {tc.steps} steps, so the heads' learning rate at step {step} "
+            f"is {lr(tc.steps):.3g} instead of {lr(old_steps):.3g}, and the heads will differ from those of one "
+            f"uninterrupted {tc.steps}-step run")
+
+
+def _finished_result(tc: TrainConfig, out_dir: str, step: int) -> Optional[TrainResult]:
+    """The TrainResult of a finished run read back from its export, or None when out_dir/heads is
+    missing or was exported with other export settings (tree, topk, ...)."""
+    from ..convert.medusa_format import load_heads, read_heads_config
+    heads_dir = os.path.join(out_dir, "heads")
+    try:
+        raw = read_heads_config(heads_dir)
+        with open(os.path.join(out_dir, "train_config.json")) as f:
+            exported_with = json.load(f)
+    except (FileNotFoundError, ValueError):
+        return None
+    if any(exported_with.get(k) != getattr(tc, k) for k in _EXPORT_FIELDS) or exported_with.get("steps") != step:
+        return None
+    hcfg, hp = load_heads(heads_dir)
+    return TrainResult(hcfg, hp, None, raw.get("metrics") or {}, step, heads_dir, already_finished=True)
 
 
 def _frozen_data(tc: TrainConfig, bb: Backbone, train_ex, val_ex, out_dir: str, progress: bool):
@@ -413,24 +486,44 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
 
     Args:
       tc: the training config.
-      resume: continue from the latest checkpoint in ``out_dir/checkpoints`` when there is one;
-        False: start over (checkpoints and metrics.jsonl are deleted; the hidden-state cache stays).
+      resume: continue from the latest checkpoint in ``out_dir/checkpoints`` when there is one
+        (`check_resume` says which config changes are allowed; a larger ``steps`` continues a
+        finished run, with a notice on stderr). A run already finished with the same settings
+        trains and writes nothing: its export is returned with ``already_finished`` set (and a
+        notice). False: start over (checkpoints and metrics.jsonl are deleted; the hidden-state
+        cache stays).
       stop_at_step: return after this many steps without a final checkpoint or export (simulates
         an interruption; the next run resumes from the last checkpoint).
       backbone: a prebuilt `Backbone` (default `build_backbone(tc)`).
       progress: show tqdm progress bars.
     Returns: a `TrainResult`.
-    Raises: FileNotFoundError (model or data missing), ValueError (bad data, mismatched checkpoint
-      or init_heads).
+    Raises: ResumeConflictError (a ValueError: out_dir holds a run this config cannot continue,
+      checked before anything is loaded or written), FileNotFoundError (model or data missing),
+      ValueError (bad data, mismatched checkpoint or init_heads).
     """
     from tqdm import tqdm
     out_dir = os.path.abspath(tc.out_dir)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "train_config.json"), "w") as f:
-        json.dump(tc.to_dict(), f, indent=2)
     ck_dir = os.path.join(out_dir, "checkpoints")
     if not resume:
         shutil.rmtree(ck_dir, ignore_errors=True)
+    point = latest_checkpoint(ck_dir)
+    if point is not None:
+        notice = check_resume(tc, point[0], point[1].get("config", {}))
+        if notice:
+            _note(notice)
+        elif point[0] == tc.steps:
+            done = _finished_result(tc, out_dir, point[0])
+            if done is not None:
+                _note(f"{out_dir} already holds this run, finished ({point[0]}/{tc.steps} steps) with the same "
+                      f"settings; nothing was trained. Its heads: {done.heads_dir}. To train longer: --set "
+                      f"steps=N (N > {tc.steps}); to train again from scratch: --no-resume; for a separate run: "
+                      "--set out_dir=DIR")
+                return done
+            _note(f"{out_dir} holds this run, finished ({point[0]}/{tc.steps} steps); exporting its heads again "
+                  f"(export settings changed or {os.path.join(out_dir, 'heads')} is missing)")
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "train_config.json"), "w") as f:
+        json.dump(tc.to_dict(), f, indent=2)
     bb = backbone or build_backbone(tc)
     mcfg, K, joint = bb.cfg, tc.num_heads, tc.mode == "joint"
     hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=K,
@@ -457,12 +550,11 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     ck = Checkpointer(ck_dir, tc.keep_checkpoints)
     step = 0
     if resume and ck.latest_step() is not None:
-        step, state, meta = ck.restore({"params": params, "opt_state": opt_state, "step": np.int64(0)})
-        _check_resume(meta, tc)
+        step, state, _ = ck.restore({"params": params, "opt_state": opt_state, "step": np.int64(0)})
         params, opt_state = jax.tree_util.tree_map(jnp.asarray, (state["params"], state["opt_state"]))
     else:  # copies: the steps donate their inputs, and bb.params must survive (teacher, export)
         params, opt_state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, opt_state))
-    metrics = MetricsLog(out_dir, step)
+    metrics = MetricsLog(out_dir, step if step else -1)  # from step 0: no line of an earlier run is kept
     ref = bb.params if joint and tc.base_loss == "kl" else None
 
     def evaluate(p) -> dict:
@@ -508,6 +600,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
         if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
             save(step)
     bar.close()
+    metrics.plot()  # also for runs stopped early or without validation data
     np_params = jax.tree_util.tree_map(np.asarray, params)
     heads_p, backbone_p = (np_params["heads"], np_params["backbone"]) if joint else (np_params, None)
     heads_dir = None

@@ -1,0 +1,42 @@
+"""Every command-line tool's --help: the usage line names the command as it is run, every flag has
+a help text, and no flag prints its default twice."""
+import re
+
+import pytest
+
+
+def _mains():
+    import train
+    from medusa_jax import bench, check, tune
+    from medusa_jax.train import distill
+    return {"train.py": train.main, "python -m medusa_jax.check": check.main, "python -m medusa_jax.bench": bench.main,
+            "python -m medusa_jax.tune": tune.main, "python -m medusa_jax.train.distill": distill.main}
+
+
+def _option_entries(text: str) -> dict:
+    """{flag names: help text} from argparse's help output (options section)."""
+    entries, current = {}, None
+    for line in text.split("options:", 1)[1].splitlines():
+        m = re.match(r"^  (-\S.*?)(?: {2,}(\S.*))?$", line)
+        if m:
+            current = m.group(1)
+            entries[current] = m.group(2) or ""
+        elif current and line.startswith("   "):
+            entries[current] += " " + line.strip()
+    return entries
+
+
+@pytest.mark.parametrize("prog", list(_mains()))
+def test_help_names_the_command_and_explains_every_flag(prog, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "100")
+    with pytest.raises(SystemExit) as e:
+        _mains()[prog](["--help"])
+    assert e.value.code == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"usage: {prog} [-h]")
+    entries = _option_entries(text)
+    assert len(entries) >= 5 and "-h, --help" in entries
+    for flag, help_text in entries.items():
+        assert help_text.lower().count("default:") <= 1, (flag, help_text)
+        assert "(default: None)" not in help_text and "(default: False)" not in help_text, (flag, help_text)
+        assert re.sub(r"\(default: [^)]*\)", "", help_text).strip(), f"{prog} {flag} has no help text"
