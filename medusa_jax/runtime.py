@@ -166,3 +166,53 @@ class TextStreamer:
             text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
             self.stream.write(text[self.printed:] + "\n")
             self.stream.flush()
+
+
+def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=None, use_medusa: bool = True,
+              zero_heads: int = 4) -> None:
+    """Check the command-line inputs that name files before anything slow runs (the model load
+    takes seconds), so that a typo fails at once.
+
+    Checks: the model path exists and is an HF directory (config.json) or a GGUF file, or, with
+    none, that the default model is installed; the heads path holds a known weight file and a
+    readable config; the tree is a preset, a readable medusa_choices file or a list of paths, and
+    is not deeper than the heads when the heads' config states their count (ours always does).
+    Raises:
+      FileNotFoundError: a missing model, heads or tree file, or the default model not installed
+        (the message says how to install it).
+      ValueError: a malformed tree, heads config (`HeadsFormatError`), or a file that is neither
+        GGUF nor an HF directory; a tree deeper than the heads.
+    """
+    from .convert.gguf import GGUF_MAGIC
+    from .loading import default_model_path
+
+    path = default_model_path() if model_path is None else os.fspath(model_path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"--model {path}: no such file or directory; expected a Hugging Face model "
+                                "directory (config.json + *.safetensors) or a .gguf file")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"--model {path}: directory without config.json; expected a Hugging Face "
+                                    "model directory (config.json + *.safetensors) or a .gguf file")
+    else:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+        if magic != GGUF_MAGIC:
+            raise ValueError(f"--model {path}: not a GGUF file (first bytes {magic!r}) and not a directory; "
+                             "expected a Hugging Face model directory or a .gguf file")
+    if not use_medusa:
+        return
+    num_heads = None
+    if heads_path == "zero":
+        num_heads = zero_heads
+    elif heads_path is not None:
+        from .convert.medusa_format import read_heads_config
+
+        raw = read_heads_config(heads_path)
+        if "medusa_choices" in raw or "shared_lm_head" in raw:  # our format states the true count
+            num_heads = raw.get("medusa_num_heads")
+    if tree_spec is not None:
+        tree = get_tree(tree_spec, topk=None, num_heads=None)
+        if num_heads is not None and tree.max_depth > int(num_heads):
+            raise ValueError(f"--tree has depth {tree.max_depth} but the heads have only {num_heads}; use a "
+                             "shallower tree (a preset such as chain3, or a medusa_choices file)")

@@ -260,12 +260,13 @@ def _dequantize(tensor, source: str) -> np.ndarray:
                               f"{shape} needs {math.prod(shape)}; the file may be corrupted") from e
 
 
-def load_gguf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
+def load_gguf(path: str, dtype=np.float32, reader=None) -> Tuple[ModelConfig, dict]:
     """Load a Llama/Mistral/Qwen2 GGUF file into (ModelConfig, params of numpy arrays).
 
     Args:
       path: a ``.gguf`` file (any quantization the ``gguf`` package can dequantize).
       dtype: numpy dtype of the params (dequantized values are computed in float32).
+      reader: the file already opened with `open_gguf` (None: open it here).
     Returns:
       (cfg, params) with the `LlamaModel` params tree; ``cfg.eos_token_ids`` holds the file's
       ``tokenizer.ggml.eos_token_id`` (plus eot / eom ids when present).
@@ -275,7 +276,7 @@ def load_gguf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
       ConversionError: not a GGUF file, a truncated/corrupt one, a tensor type that cannot be
         dequantized, missing metadata, or an unmapped/missing/mis-shaped tensor.
     """
-    reader = open_gguf(path)
+    reader = reader if reader is not None else open_gguf(path)
     cfg, file_arch = gguf_config(reader, source=path)
     permuted = file_arch == "llama"
     hf: Dict[str, np.ndarray] = {}
