@@ -9,9 +9,10 @@ an EOS token ends the output (the EOS is included), ``max_new_tokens`` caps it, 
 """
 from __future__ import annotations
 
+import operator
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Generator, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,162 @@ PLAIN_TREE: TreeBuffers = build_tree([], topk=1)
 
 class PromptTooLongError(ValueError):
     """The prompt does not fit in the model's context (or the requested cache)."""
+
+
+_ONE_PROMPT = ("decodes one prompt: pass a list (or 1-D array) of token ids, or a [1, T] array; for "
+               "several prompts use generate_device(prompts=[[...], [...]])")
+_PROMPTS = ("takes a batch of prompts: a list of token-id lists (or a [B, T] array), e.g. "
+            "prompts=[[1, 2, 3], [4, 5]]; for one prompt pass [ids]")
+
+
+def _as_int(x: Any, what: str) -> int:
+    """`x` as a Python int (int, numpy integer, 0-d integer array); ValueError naming `what` otherwise."""
+    if isinstance(x, (bool, np.bool_)):
+        raise ValueError(f"{what} must be an integer, got the bool {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {type(x).__name__} {x!r}") from None
+
+
+def _token_ids(p: Any, caller: str, what: str) -> Optional[List[int]]:
+    """One prompt as a list of ints, or None when `p` is not a flat sequence of ids (nested)."""
+    if isinstance(p, str):
+        raise ValueError(f"{caller}() takes token ids, not text ({what} is a str): tokenize it first, "
+                         "e.g. medusa_jax.apply_chat_template(tokenizer, text)")
+    if isinstance(p, (np.ndarray, jax.Array)):
+        arr = np.asarray(p)
+        if arr.ndim != 1:
+            return None
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{caller}(): {what} must hold integer token ids, got an array of {arr.dtype}")
+        return arr.astype(np.int64).tolist()
+    if not isinstance(p, Sequence):
+        raise ValueError(f"{caller}(): {what} must be a list or array of token ids, got {type(p).__name__}")
+    if any(isinstance(t, (Sequence, np.ndarray, jax.Array)) and not isinstance(t, str)
+           and np.ndim(t) > 0 for t in p):
+        return None
+    return [_as_int(t, f"{what}[{i}] (a token id)") for i, t in enumerate(p)]
+
+
+def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch: bool,
+                          max_new_tokens: Optional[int] = None, cache_size: Optional[int] = None,
+                          heads: Any = None, tree: Any = None, eos_token_ids: Any = None,
+                          acceptance: Any = None, seed: Any = 0,
+                          check_decoding: bool = True) -> Tuple[List[List[int]], Tuple[int, ...]]:
+    """Validate the arguments of every generation entry point (`generate`, `generate_stream`,
+    `generate_device`, `start_state`) and normalise the prompts.
+
+    Args:
+      prompts: ``batch=False``: one prompt, a list / tuple / 1-D numpy or jax array of ints, or a
+        [1, T] array (or a list holding one list). ``batch=True``: a list of such prompts, or a
+        [B, T] integer array (each row a whole prompt). Every id must be in [0, cfg.vocab_size).
+      caller: the entry point's name, for messages.
+      max_new_tokens: an int >= 1 (None: not checked).
+      cache_size: None, or S slots with longest prompt < S <= ``cfg.max_position_embeddings``: a
+        larger cache would give positions the model was never trained on, so it is refused, not capped.
+      heads: None or (MedusaConfig, head params) fitting the backbone (`heads.check_heads_match`).
+      tree: a `TreeBuffers` no deeper than the heads; given exactly when heads are.
+      eos_token_ids: None (the config's), one id, or a sequence of ids in [0, vocab_size).
+      acceptance: None or an `Acceptance`; seed: an int.
+      check_decoding: False checks only prompts and cache_size (`start_state`).
+    Returns:
+      (prompts as lists of ints, eos ids tuple).
+    Raises:
+      ValueError: any argument of the wrong kind or out of range; the message says what it takes.
+      PromptTooLongError: a prompt with no room left in `cache_size`.
+      HeadsMismatchError: heads made for another backbone.
+    """
+    if batch:
+        if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
+            prompts = list(np.asarray(prompts))
+        if isinstance(prompts, (str, np.ndarray, jax.Array)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"{caller}() {_PROMPTS}; got {type(prompts).__name__}"
+                             + (f" of shape {np.shape(prompts)}" if hasattr(prompts, "shape") else ""))
+        if len(prompts) == 0:
+            raise ValueError(f"no prompts given: {caller}() {_PROMPTS}")
+        if not any(isinstance(p, (Sequence, np.ndarray, jax.Array)) and not isinstance(p, str) for p in prompts):
+            raise ValueError(f"{caller}() {_PROMPTS}; got a flat sequence of {len(prompts)} ids")
+        out = []
+        for b, p in enumerate(prompts):
+            ids = _token_ids(p, caller, f"prompt {b}")
+            if ids is None:
+                raise ValueError(f"{caller}(): prompt {b} is not a flat list of token ids; {caller}() {_PROMPTS}")
+            out.append(ids)
+    else:
+        p = prompts
+        if isinstance(p, (np.ndarray, jax.Array)) and np.ndim(p) == 2 and np.shape(p)[0] == 1:
+            p = np.asarray(p)[0]
+        ids = _token_ids(p, caller, "the prompt")
+        if ids is None and isinstance(p, Sequence) and len(p) == 1:
+            ids = _token_ids(p[0], caller, "the prompt")
+        if ids is None:
+            got = (f"an array of shape {np.shape(p)}" if hasattr(p, "shape") else f"{len(p)} prompts")
+            raise ValueError(f"{caller}() {_ONE_PROMPT}; got {got}")
+        out = [ids]
+    V = cfg.vocab_size
+    for b, ids in enumerate(out):
+        if not ids:
+            raise ValueError("empty prompt: give at least one token (after the chat template)")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < V), None)
+        if bad is not None:
+            where = f" of prompt {b}" if batch else ""
+            raise ValueError(f"{caller}(): token id {ids[bad]} at position {bad}{where} is outside the model's "
+                             f"vocabulary [0, {V}); were the ids made by another model's tokenizer?")
+    ctx = cfg.max_position_embeddings
+    if cache_size is not None:
+        S = _as_int(cache_size, "cache_size")
+        if not 1 <= S <= ctx:
+            raise ValueError(f"{caller}(): cache_size={S} is outside [1, {ctx}]: the model's context "
+                             f"(max_position_embeddings) is {ctx} positions, and no position beyond "
+                             f"{ctx - 1} is decoded. Pass cache_size <= {ctx}, or None to size the cache "
+                             "from the prompt and max_new_tokens")
+        longest = max(len(p) for p in out)
+        if longest >= S:
+            raise PromptTooLongError(f"a prompt has {longest} tokens but the cache holds {S}; "
+                                     "shorten the prompt or raise the cache size / context")
+    if not check_decoding:
+        return out, ()
+    if acceptance is not None and not isinstance(acceptance, Acceptance):
+        raise ValueError(f"{caller}(): acceptance takes a medusa_jax.verify.Acceptance(temperature=...), "
+                         f"got {type(acceptance).__name__}")
+    _as_int(seed, "seed")
+    if max_new_tokens is not None:
+        n = _as_int(max_new_tokens, "max_new_tokens")
+        if n < 1:
+            raise ValueError(f"{caller}(): max_new_tokens must be >= 1 (the most new tokens to generate), got {n}")
+    if eos_token_ids is None:
+        eos = tuple(cfg.eos_token_ids)
+    elif isinstance(eos_token_ids, (int, np.integer)) and not isinstance(eos_token_ids, bool):
+        eos = (int(eos_token_ids),)
+    elif isinstance(eos_token_ids, (Sequence, np.ndarray, jax.Array)) and not isinstance(eos_token_ids, str):
+        eos = tuple(_as_int(e, "each of eos_token_ids") for e in eos_token_ids)
+    else:
+        raise ValueError(f"{caller}(): eos_token_ids takes None, a token id or a list of token ids, "
+                         f"got {type(eos_token_ids).__name__}")
+    if any(not 0 <= e < V for e in eos):
+        raise ValueError(f"{caller}(): eos_token_ids {list(eos)} must be in the vocabulary [0, {V})")
+    if heads is not None:
+        if not (isinstance(heads, tuple) and len(heads) == 2 and isinstance(heads[0], MedusaConfig)):
+            raise ValueError(f"{caller}(): heads takes (MedusaConfig, head params), e.g. from "
+                             f"medusa_jax.load_heads(path), got {type(heads).__name__}")
+        from .heads import check_heads_match
+
+        check_heads_match(heads[0], cfg)
+        if tree is None:
+            raise ValueError(f"{caller}(): heads given without a tree; pass tree=medusa_jax.tree.get_tree(...) "
+                             "(or heads=None for plain decoding)")
+    if tree is not None:
+        if not isinstance(tree, TreeBuffers):
+            raise ValueError(f"{caller}(): tree takes a TreeBuffers (medusa_jax.tree.get_tree(spec)), "
+                             f"got {type(tree).__name__}")
+        if heads is None:
+            raise ValueError(f"{caller}(): a tree was given without heads; pass heads=(MedusaConfig, params) "
+                             "too, or tree=None for plain decoding")
+        if tree.max_depth > heads[0].num_heads:
+            raise ValueError(f"tree depth {tree.max_depth} exceeds the {heads[0].num_heads} Medusa heads; "
+                             "use a shallower tree")
+    return out, eos
 
 
 @dataclass
@@ -118,14 +275,13 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
       cache_size: S slots per row.
       timing: if a dict, ``timing["prefill_s"]`` gets the prefill's seconds (compilation excluded).
     Raises:
-      ValueError: an empty prompt. PromptTooLongError: a prompt with no room left.
+      ValueError: an empty prompt, a malformed prompt list, an id outside the vocabulary, or a
+        cache_size beyond the model's context (`check_generation_args`).
+      PromptTooLongError: a prompt with no room left.
     """
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("empty prompt: give at least one token (after the chat template)")
+    prompts, _ = check_generation_args(cfg, prompts, caller="start_state", batch=True,
+                                       cache_size=cache_size, check_decoding=False)
     longest = max(len(p) for p in prompts)
-    if longest >= cache_size:
-        raise PromptTooLongError(f"a prompt has {longest} tokens but the cache holds {cache_size}; "
-                                 "shorten the prompt or raise the cache size / context")
     Tp = min(bucket(longest), cache_size)
     toks = np.zeros((len(prompts), Tp), np.int32)
     for i, p in enumerate(prompts):
@@ -149,43 +305,57 @@ def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
     return chunk, False
 
 
-def _decoding_setup(cfg: ModelConfig, heads, tree: Optional[TreeBuffers], eos_token_ids):
-    """(eos ids tuple, heads_cfg or None, head params or None, the tree to run: `PLAIN_TREE` without
-    heads). Raises ValueError for a tree deeper than the heads."""
-    eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+def _decoding_setup(heads, tree: Optional[TreeBuffers]):
+    """(heads_cfg or None, head params or None, the tree to run: `PLAIN_TREE` without heads), from
+    arguments that `check_generation_args` accepted."""
     heads_cfg, head_params = heads if heads is not None else (None, None)
-    tr = tree if heads is not None and tree is not None else PLAIN_TREE
-    if tr.max_depth > 0 and tr.max_depth > heads_cfg.num_heads:
-        raise ValueError(f"tree depth {tr.max_depth} exceeds the {heads_cfg.num_heads} Medusa heads; "
-                         "use a shallower tree")
-    return eos, heads_cfg, head_params, tr
+    return heads_cfg, head_params, (tree if heads is not None else PLAIN_TREE)
 
 
 def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_tokens: int = 256,
                     heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
                     acceptance: Acceptance = Acceptance(), seed: int = 0,
                     eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
-                    ) -> Generator[List[int], None, GenerationResult]:
+                    _caller: str = "generate_stream") -> Generator[List[int], None, GenerationResult]:
     """Generate for one prompt, yielding the tokens accepted at each step.
 
+    The arguments are checked here, before the generator is returned (`check_generation_args`).
+
     Args:
-      prompt: token ids (chat template already applied).
+      prompt: token ids (chat template already applied): a list, a 1-D numpy / jax integer array
+        or a [1, T] array.
+      max_new_tokens: the most new tokens (>= 1).
       heads: (MedusaConfig, head params) or None for plain decoding.
-      tree: the Medusa tree (required with heads; ignored without).
+      tree: the Medusa tree (`medusa_jax.tree.get_tree`); required with heads, refused without.
       acceptance: temperature 0 = greedy, > 0 = sampling with typical acceptance.
-      eos_token_ids: ids that end the output (default ``cfg.eos_token_ids``).
-      cache_size: S; default `cache_size_for` the prompt, budget and tree.
+      eos_token_ids: ids that end the output (default ``cfg.eos_token_ids``); one id or a list.
+      cache_size: S, at most the model's context (``cfg.max_position_embeddings``); default
+        `cache_size_for` the prompt, budget and tree.
     Yields:
       lists of new token ids, one list per step (the EOS included, nothing after it).
     Returns (as the generator's value): a `GenerationResult`.
-    Raises: ValueError for an empty prompt, PromptTooLongError, ValueError for a tree deeper
-      than the heads.
+    Raises: ValueError for a misused argument (`check_generation_args`: an empty prompt, several
+      prompts, ids outside the vocabulary, max_new_tokens < 1, a cache_size beyond the model's
+      context, heads without a tree or a tree deeper than the heads...), PromptTooLongError,
+      HeadsMismatchError.
     """
-    eos, heads_cfg, head_params, full_tree = _decoding_setup(cfg, heads, tree, eos_token_ids)
+    (prompt,), eos = check_generation_args(cfg, prompt, caller=_caller, batch=False,
+                                           max_new_tokens=max_new_tokens, cache_size=cache_size,
+                                           heads=heads, tree=tree, eos_token_ids=eos_token_ids,
+                                           acceptance=acceptance, seed=seed)
+    heads_cfg, head_params, full_tree = _decoding_setup(heads, tree)
     S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.size)
+    return _stream(cfg, params, prompt, max_new_tokens, heads_cfg, head_params, full_tree, acceptance,
+                   seed, eos, S)
+
+
+def _stream(cfg: ModelConfig, params, prompt: List[int], max_new_tokens: int, heads_cfg, head_params,
+            full_tree: TreeBuffers, acceptance: Acceptance, seed: int, eos: Tuple[int, ...], S: int,
+            ) -> Generator[List[int], None, GenerationResult]:
+    """The generator behind `generate_stream`, on checked arguments."""
     result = GenerationResult()
     timing: dict = {}
-    state = start_state(cfg, params, [list(prompt)], S, seed, timing=timing)
+    state = start_state(cfg, params, [prompt], S, seed, timing=timing)
     result.prefill_s = timing["prefill_s"]
     length = len(prompt)
     t_decode = 0.0
@@ -221,7 +391,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
 def generate(cfg: ModelConfig, params, prompt: Sequence[int], *, on_tokens: Optional[Callable[[List[int]], None]] = None,
              **kw) -> GenerationResult:
     """`generate_stream` run to the end; `on_tokens` gets each step's tokens. Same arguments."""
-    gen = generate_stream(cfg, params, prompt, **kw)
+    gen = generate_stream(cfg, params, prompt, _caller="generate", **kw)
     while True:
         try:
             chunk = next(gen)
@@ -340,17 +510,18 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     Args: as `generate_stream` (``prompts`` is a list of token-id lists; ``cache_size`` is the
       largest cache, default `cache_size_for` the longest prompt).
     Returns: `DeviceResult`.
-    Raises: ValueError for an empty prompt list or prompt, PromptTooLongError, ValueError for a tree
-      deeper than the heads.
+    Raises: as `generate_stream` (``prompts`` must be a batch: a flat list of ids is refused).
     """
-    if not prompts:
-        raise ValueError("no prompts given")
-    eos, heads_cfg, head_params, tr = _decoding_setup(cfg, heads, tree, eos_token_ids)
-    longest = max((len(p) for p in prompts), default=0)
+    prompts, eos = check_generation_args(cfg, prompts, caller="generate_device", batch=True,
+                                         max_new_tokens=max_new_tokens, cache_size=cache_size,
+                                         heads=heads, tree=tree, eos_token_ids=eos_token_ids,
+                                         acceptance=acceptance, seed=seed)
+    heads_cfg, head_params, tr = _decoding_setup(heads, tree)
+    longest = max(len(p) for p in prompts)
     s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.size)
     S = min(bucket(longest + tr.size + 1, 128), s_max)
     timing: dict = {}
-    state = start_state(cfg, params, [list(p) for p in prompts], S, seed, timing=timing)
+    state = start_state(cfg, params, prompts, S, seed, timing=timing)
     B = len(prompts)
     carry = (state, jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B,), jnp.int32),
              jnp.zeros((B,), bool), jnp.int32(0), jnp.zeros((tr.max_depth + 1,), jnp.int32))

@@ -55,8 +55,9 @@ def llama3_rope_scaling() -> RopeScaling:
 
 
 def random_hf_model(cfg: ModelConfig, seed: int = 0, std: float = 0.1,
-                    attn_implementation: str = "eager"):
-    """A transformers causal LM built from ``cfg.to_hf_dict()``, with random weights.
+                    attn_implementation: str = "eager", hf_dict: Optional[dict] = None):
+    """A transformers causal LM built from ``cfg.to_hf_dict()`` (or from `hf_dict`, an HF
+    config.json dict, when given), with random weights.
 
     Every linear weight and bias and the embedding are drawn from normal(0, std); RMSNorm scales
     from 1 + normal(0, std) so that they matter. The model is float32, in eval mode.
@@ -69,7 +70,7 @@ def random_hf_model(cfg: ModelConfig, seed: int = 0, std: float = 0.1,
 
     from medusa_jax.convert.hf import params_from_hf_tensors
 
-    d = cfg.to_hf_dict()
+    d = dict(hf_dict) if hf_dict is not None else cfg.to_hf_dict()
     hf_cfg = AutoConfig.for_model(d.pop("model_type"), **d)
     hf_cfg._attn_implementation = attn_implementation
     torch.manual_seed(seed)

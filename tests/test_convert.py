@@ -147,7 +147,7 @@ def write_gguf(path, cfg, hf_tensors, qtype=None, arch=None, tamper=None, extra=
     """Write a GGUF file as llama.cpp's convert_hf_to_gguf.py does for a Llama/Qwen2 model.
 
     llama: q/k rows (weights and biases) permuted per head, Llama-3 scaling as a rope_freqs
-    tensor. 1-D tensors stay F32; 2-D ones are F32, or quantized with `qtype` (e.g. Q8_0).
+    tensor; a sliding window as ``attention.sliding_window`` (+ ``sliding_window_pattern``). 1-D tensors stay F32; 2-D ones are F32, or quantized with `qtype` (e.g. Q8_0).
     `tamper(name, array) -> array | None` may alter or drop (None) a tensor, and `extra`
     ({gguf name: array}) adds tensors, for error tests.
     """
@@ -168,6 +168,10 @@ def write_gguf(path, cfg, hf_tensors, qtype=None, arch=None, tamper=None, extra=
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is None else gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_ids[0])
+    if cfg.sliding_window is not None:
+        w.add_sliding_window(cfg.sliding_window)
+    if cfg.layer_types is not None:
+        w.add_sliding_window_pattern([t == "sliding_attention" for t in cfg.layer_types])
     tensors = {}
     for name, arr in hf_tensors.items():
         gname = hf_to_gguf_name(name)

@@ -177,8 +177,9 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
       (config, the file's own ``general.architecture``), the latter deciding the q/k permutation.
     Raises:
       UnsupportedArchitectureError: architecture not llama/mistral/qwen2.
-      ConversionError: a required key is missing, partial rotary embeddings, or an unsupported
-        RoPE scaling type.
+      ConversionError: a required key is missing, partial rotary embeddings, an unsupported
+        RoPE scaling type, or a sliding-window pattern that is not one bool per layer.
+    A ``llama`` file with a sliding window is a Mistral model (llama.cpp writes Mistral as llama).
     """
     meta = read_gguf_metadata(reader)
     file_arch = str(meta.get("general.architecture", ""))
@@ -209,8 +210,8 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
     for key in ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
         if key in meta and int(meta[key]) not in eos:
             eos.append(int(meta[key]))
-    sliding = get("attention.sliding_window", None)
-    if sliding and arch == "llama":
+    window, layer_types = _sliding_layout(get, int(get("block_count")), source)
+    if window and arch == "llama":
         arch = "mistral"
     cfg = ModelConfig(
         arch=arch,
@@ -226,7 +227,8 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
         max_position_embeddings=int(get("context_length", 4096)),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias=arch == "qwen2" or "blk.0.attn_q.bias" in tensors,
-        sliding_window=int(sliding) if sliding else None,
+        sliding_window=window,
+        layer_types=layer_types,
         bos_token_id=int(meta["tokenizer.ggml.bos_token_id"]) if "tokenizer.ggml.bos_token_id" in meta else None,
         eos_token_ids=tuple(eos),
     )
@@ -241,6 +243,23 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
         orig = int(get("rope.scaling.original_context_length", 8192))
         cfg = cfg.replace(rope_scaling=_llama3_scaling_from_freqs(factors, cfg, orig, source))
     return cfg, file_arch
+
+
+def _sliding_layout(get, num_layers: int, source: str) -> Tuple[Optional[int], Optional[Tuple[str, ...]]]:
+    """(sliding_window, layer_types) from llama.cpp's ``attention.sliding_window`` (tokens; absent
+    or 0: no window) and ``attention.sliding_window_pattern`` (one bool per layer, true = the layer
+    uses the window; absent: every layer does). Raises ConversionError for a pattern that is not
+    one bool per layer."""
+    window = get("attention.sliding_window", None)
+    window = int(window) if window else None
+    pattern = get("attention.sliding_window_pattern", None)
+    if window is None or pattern is None:
+        return window, None
+    if not (isinstance(pattern, list) and len(pattern) == num_layers
+            and all(isinstance(p, bool) for p in pattern)):
+        raise ConversionError(f"{source}: attention.sliding_window_pattern must be one bool per layer "
+                              f"({num_layers}), got {pattern!r}")
+    return window, tuple("sliding_attention" if p else "full_attention" for p in pattern)
 
 
 def _dequantize(tensor, source: str) -> np.ndarray:

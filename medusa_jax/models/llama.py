@@ -80,7 +80,9 @@ def build_attention_mask(lengths: Optional[jax.Array], size: int, block: jax.Arr
     Slot ``s`` of row ``b`` is visible to query ``t`` when it is in the cached prefix
     (``s < lengths[b]``) or it is new token ``j = s - lengths[b]`` with ``block[b, t, j]``.
     With ``lengths=None`` there is no cache and ``S == T`` (the block alone).
-    A sliding window (Mistral) hides keys with ``q_pos - k_pos >= window``.
+    A sliding window (``ModelConfig.layer_windows``, per layer) hides keys with
+    ``q_pos - k_pos >= window``, as transformers' ``sliding_window_overlay``; cached slot ``s``
+    holds position ``s`` (rows start at position 0), so the whole cache is kept and masked.
 
     Args:
       lengths: [B] int32 or None.
@@ -207,7 +209,8 @@ class LlamaModel(nn.Module):
             ``lengths[b] .. lengths[b] + T - 1`` (caller guarantees ``lengths + T <= S``).
             None: no cache, attention over the T tokens only (training).
           mask: [T, T] or [B, T, T] bool block among the new tokens (default causal); the cached
-            prefix is always visible.
+            prefix is visible, except what a layer's sliding window (`ModelConfig.layer_windows`)
+            hides.
           num_new: [B] int32, how many of the T tokens are real per row (right padding);
             the returned cache's lengths advance by it (default T).
           compute_logits: when False, logits are None (saves the [B, T, V] projection).
@@ -222,12 +225,13 @@ class LlamaModel(nn.Module):
             mask = jnp.broadcast_to(mask, (B, T, T))
         lengths = cache.lengths if cache is not None else None
         S = cache.size if cache is not None else T
-        full_mask = build_attention_mask(lengths, S, mask, positions, self.cfg.sliding_window)
+        windows = self.cfg.layer_windows  # per layer: a window in tokens or None (full attention)
+        masks = {w: build_attention_mask(lengths, S, mask, positions, w) for w in set(windows)}
         inv_freq = rope_inv_freq(self.cfg)
         x = self.embed(tokens)
         kv = (cache.k, cache.v) if cache is not None else None
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, full_mask, kv, lengths, inv_freq, i)
+            x, kv = layer(x, positions, masks[windows[i]], kv, lengths, inv_freq, i)
         hidden = self.norm(x)
         new_cache = None
         if cache is not None:

@@ -1,0 +1,173 @@
+"""Misused generation arguments get a clear error naming what the argument takes (one checker,
+`generate.check_generation_args`, behind every entry point), and no position beyond the model's
+context is ever decoded."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import tiny_decoding_model
+from medusa_jax.config import MedusaConfig
+from medusa_jax.generate import (PromptTooLongError, generate, generate_device, generate_stream,
+                                 start_state)
+from medusa_jax.heads import HeadsMismatchError, init_heads
+from medusa_jax.models.llama import lm_head_matrix
+from medusa_jax.tree import get_tree
+
+V, CTX = 64, 64
+PROMPT = [5, 9, 3, 7]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A tiny Llama whose context (max_position_embeddings) is 64, and 2 fresh heads with a tree."""
+    cfg, params = tiny_decoding_model(V)
+    cfg = cfg.replace(max_position_embeddings=CTX)
+    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=V, num_heads=2)
+    heads = (hcfg, init_heads(hcfg, lm_head_matrix(cfg, params)))
+    return cfg, params, heads, get_tree("chain2", num_heads=2)
+
+
+def test_generate_refuses_two_prompts(tiny):
+    cfg, params, _, _ = tiny
+    with pytest.raises(ValueError) as e:
+        generate(cfg, params, [[1, 2, 3], [4, 5]], max_new_tokens=4)
+    msg = str(e.value)
+    assert msg.startswith("generate() decodes one prompt: pass a list (or 1-D array) of token ids")
+    assert "generate_device(prompts=[[...], [...]])" in msg and "got 2 prompts" in msg
+    with pytest.raises(ValueError, match=r"generate\(\) decodes one prompt.*got an array of shape \(2, 3\)"):
+        generate(cfg, params, np.ones((2, 3), np.int32), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"generate_stream\(\) decodes one prompt"):
+        generate_stream(cfg, params, [[1, 2], [3, 4]])  # checked when called, before the first step
+
+
+def test_generate_device_refuses_a_flat_prompt(tiny):
+    cfg, params, _, _ = tiny
+    with pytest.raises(ValueError) as e:
+        generate_device(cfg, params, [1, 2, 3], max_new_tokens=4)
+    msg = str(e.value)
+    assert msg.startswith("generate_device() takes a batch of prompts: a list of token-id lists")
+    assert "for one prompt pass [ids]" in msg and "got a flat sequence of 3 ids" in msg
+    with pytest.raises(ValueError, match=r"generate_device\(\) takes a batch of prompts.*shape \(3,\)"):
+        generate_device(cfg, params, np.array([1, 2, 3]), max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"no prompts given"):
+        generate_device(cfg, params, [], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"start_state\(\) takes a batch of prompts"):
+        start_state(cfg, params, [1, 2, 3], 16)
+
+
+@pytest.mark.parametrize("entry", ["generate", "generate_stream", "generate_device", "start_state"])
+def test_cache_beyond_the_context_is_refused(tiny, entry):
+    cfg, params, _, _ = tiny
+    calls = {
+        "generate": lambda: generate(cfg, params, PROMPT, max_new_tokens=100, cache_size=128),
+        "generate_stream": lambda: generate_stream(cfg, params, PROMPT, max_new_tokens=100, cache_size=128),
+        "generate_device": lambda: generate_device(cfg, params, [PROMPT], max_new_tokens=100, cache_size=128),
+        "start_state": lambda: start_state(cfg, params, [PROMPT], 128),
+    }
+    with pytest.raises(ValueError) as e:
+        calls[entry]()
+    msg = str(e.value)
+    assert msg.startswith(f"{entry}(): cache_size=128 is outside [1, 64]")
+    assert "max_position_embeddings) is 64 positions" in msg and "no position beyond 63" in msg
+
+
+def test_default_cache_never_passes_the_context(tiny):
+    """Asked for more tokens than the context holds, both loops stop at position 63."""
+    cfg, params, heads, tree = tiny
+    r = generate(cfg, params, PROMPT, max_new_tokens=200)
+    assert r.stop_reason == "cache_full" and len(PROMPT) + len(r.tokens) == CTX
+    d = generate_device(cfg, params, [PROMPT], max_new_tokens=200, heads=heads, tree=tree, eos_token_ids=())
+    assert max(d.cache_sizes) == CTX and len(PROMPT) + int(d.count[0]) == CTX
+    assert d.tokens[0, :int(d.count[0])].tolist() == r.tokens
+    with pytest.raises(PromptTooLongError, match="the prompt has 64 tokens but the model's context is 64"):
+        generate(cfg, params, [1] * CTX, max_new_tokens=1)
+    with pytest.raises(PromptTooLongError, match="a prompt has 8 tokens but the cache holds 8"):
+        generate(cfg, params, [1] * 8, max_new_tokens=1, cache_size=8)
+
+
+def test_arrays_are_accepted_as_prompts(tiny):
+    cfg, params, _, _ = tiny
+    ref = generate(cfg, params, PROMPT, max_new_tokens=6).tokens
+    assert len(ref) == 6
+    for p in (np.array(PROMPT, np.int32), jnp.array(PROMPT), np.array([PROMPT], np.int64), [PROMPT],
+              tuple(np.int64(t) for t in PROMPT)):
+        assert generate(cfg, params, p, max_new_tokens=6).tokens == ref
+    rows = np.array([PROMPT, [1, 2, 3, 4]], np.int32)
+    a = generate_device(cfg, params, rows, max_new_tokens=6)
+    b = generate_device(cfg, params, [jnp.array(PROMPT), [1, 2, 3, 4]], max_new_tokens=6)
+    assert a.tokens[0].tolist() == ref and a.tokens.tolist() == b.tokens.tolist()
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ([5, 64, 3], r"generate\(\): token id 64 at position 1 is outside the model's vocabulary \[0, 64\)"),
+    ([-1, 2], r"token id -1 at position 0 is outside the model's vocabulary"),
+    ("hello", r"generate\(\) takes token ids, not text .*tokenize it first"),
+    ([1.0, 2.0], r"the prompt\[0\] \(a token id\) must be an integer, got float 1.0"),
+    ([True, 2], r"must be an integer, got the bool True"),
+    (np.array([1.0, 2.0]), r"must hold integer token ids, got an array of float64"),
+    ([], r"empty prompt"),
+    (np.zeros((1, 2, 3), np.int32), r"decodes one prompt.*shape \(1, 2, 3\)"),
+])
+def test_bad_prompts(tiny, prompt, message):
+    cfg, params, _, _ = tiny
+    with pytest.raises(ValueError, match=message):
+        generate(cfg, params, prompt, max_new_tokens=4)
+
+
+def test_bad_batch_prompts(tiny):
+    cfg, params, _, _ = tiny
+    with pytest.raises(ValueError, match=r"token id 99 at position 2 of prompt 1 is outside"):
+        generate_device(cfg, params, [[1, 2], [3, 4, 99]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate_device(cfg, params, [[1, 2], []], max_new_tokens=4)
+    with pytest.raises(ValueError, match=r"prompt 1 is not a flat list of token ids"):
+        generate_device(cfg, params, [[1, 2], [[3, 4]]], max_new_tokens=4)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(max_new_tokens=-3), r"generate\(\): max_new_tokens must be >= 1 \(the most new tokens to generate\), got -3"),
+    (dict(max_new_tokens=0), r"max_new_tokens must be >= 1"),
+    (dict(max_new_tokens=2.5), r"max_new_tokens must be an integer, got float 2.5"),
+    (dict(cache_size=0), r"cache_size=0 is outside \[1, 64\]"),
+    (dict(eos_token_ids=[2, 64]), r"eos_token_ids \[2, 64\] must be in the vocabulary \[0, 64\)"),
+    (dict(eos_token_ids="2"), r"eos_token_ids takes None, a token id or a list of token ids, got str"),
+    (dict(seed=1.5), r"seed must be an integer"),
+    (dict(acceptance=0.7), r"acceptance takes a medusa_jax.verify.Acceptance"),
+])
+def test_bad_arguments(tiny, kw, message):
+    cfg, params, _, _ = tiny
+    args = dict(max_new_tokens=4)
+    args.update(kw)
+    with pytest.raises(ValueError, match=message):
+        generate(cfg, params, PROMPT, **args)
+    with pytest.raises(ValueError, match=message.replace(r"generate\(\)", r"generate_device\(\)")):
+        generate_device(cfg, params, [PROMPT], **args)
+
+
+def test_one_eos_id_is_accepted(tiny):
+    cfg, params, _, _ = tiny
+    ref = generate(cfg, params, PROMPT, max_new_tokens=8, eos_token_ids=())
+    eos = ref.tokens[3]
+    first = ref.tokens.index(eos)
+    out = generate(cfg, params, PROMPT, max_new_tokens=8, eos_token_ids=eos)
+    assert out.tokens == ref.tokens[:first + 1] and out.stop_reason == "eos"
+
+
+def test_heads_and_tree_misuse(tiny):
+    cfg, params, heads, tree = tiny
+    with pytest.raises(ValueError, match=r"generate\(\): heads given without a tree; pass tree=medusa_jax.tree.get_tree"):
+        generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads)
+    with pytest.raises(ValueError, match=r"generate_device\(\): a tree was given without heads"):
+        generate_device(cfg, params, [PROMPT], max_new_tokens=4, tree=tree)
+    with pytest.raises(ValueError, match=r"tree takes a TreeBuffers .*got str"):
+        generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads, tree="chain2")
+    with pytest.raises(ValueError, match=r"heads takes \(MedusaConfig, head params\).*got dict"):
+        generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads[1], tree=tree)
+    with pytest.raises(ValueError, match="tree depth 3 exceeds the 2 Medusa heads"):
+        generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads, tree=get_tree("chain3"))
+    other = (heads[0].replace(hidden_size=16), jax.tree_util.tree_map(lambda a: a, heads[1]))
+    with pytest.raises(HeadsMismatchError, match=r"hidden size 16 \(heads\) != 32 \(backbone\)"):
+        generate_device(cfg, params, [PROMPT], max_new_tokens=4, heads=other, tree=tree)
