@@ -12,7 +12,7 @@ Public API (every step of decode.py and train.py)::
 from .config import MedusaConfig, ModelConfig, RopeScaling  # noqa: F401
 from .kv_cache import KVCache, init_cache  # noqa: F401
 from .models.llama import LlamaModel, lm_head_matrix  # noqa: F401
-from .heads import MedusaHeads, init_heads  # noqa: F401
+from .heads import MedusaHeads, init_heads, prepare_heads  # noqa: F401
 from .tree import TreeBuffers, build_tree, get_tree  # noqa: F401
 from .verify import Acceptance, DecodeState, medusa_step  # noqa: F401
 from .generate import (DeviceResult, GenerationResult, PromptTooLongError, generate,  # noqa: F401

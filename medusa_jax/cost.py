@@ -17,6 +17,7 @@ import jax.numpy as jnp
 
 from .config import MedusaConfig, ModelConfig
 from .generate import PLAIN_TREE, _aot, start_state
+from .heads import prepare_heads
 from .models.llama import LlamaModel, lm_head_matrix
 from .tree import TreeBuffers
 from .verify import Acceptance, DecodeState, head_topk, medusa_step
@@ -68,9 +69,17 @@ def _best_time(fn, args: tuple, n: int, repeats: int) -> float:
     return best / n
 
 
+def _prepared(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers):
+    """`heads` as decoding runs them with `tree` (`heads.prepare_heads` to its depth), or (None, None)."""
+    if heads is None:
+        return None, None
+    return prepare_heads(heads[0], heads[1], lm_head_matrix(cfg, params), depth=max(tree.max_depth, 1))
+
+
 def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
                  state: DecodeState, steps: int = 16, repeats: int = 3) -> float:
-    """Seconds per greedy step with `tree` (`PLAIN_TREE` and heads None for a plain step).
+    """Seconds per greedy step with `tree` (`PLAIN_TREE` and heads None for a plain step), the
+    heads prepared for it as decoding prepares them (`heads.prepare_heads`).
 
     The cache of `state` must hold ``steps * (tree.max_depth + 1) + tree.size`` more tokens.
     Raises ValueError when it does not.
@@ -79,10 +88,20 @@ def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, d
     if need > state.cache.size:
         raise ValueError(f"timing {steps} steps of a {tree.size}-node tree needs {need} cache slots, "
                          f"the state has {state.cache.size}")
-    heads_cfg, head_params = heads if heads is not None and tree.size > 1 else (None, None)
+    heads_cfg, head_params = _prepared(cfg, params, heads, tree) if tree.size > 1 else (None, None)
     args = (params, head_params, state)
     fn = _aot(_run_steps, (cfg, heads_cfg, tree, steps), args)
     return _best_time(fn, args, steps, repeats)
+
+
+def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], depth: int, state: DecodeState,
+                  steps: int = 16, repeats: int = 3) -> float:
+    """Seconds per proposal of the first `depth` heads alone (blocks, vocabulary projection, top-k
+    at ``state.hidden`` [B, D]), with `heads` as given: pass them through `heads.prepare_heads`
+    first to time them as decoding runs them (`overhead_breakdown` does)."""
+    heads_cfg, head_params = heads
+    args = (params, head_params, state)
+    return _best_time(_aot(_run_heads, (cfg, heads_cfg, depth, steps), args), args, steps, repeats)
 
 
 def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees: Iterable[TreeBuffers],
@@ -114,15 +133,15 @@ def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict
                        prompt_ids: Sequence[int], steps: int = 16, repeats: int = 3,
                        cache_size: int = 1024) -> Dict[str, float]:
     """Milliseconds per step of: a plain step, the T-node tree forward alone, the heads' proposal
-    alone (blocks + vocabulary projection + top-k), and the whole Medusa step; ``rest`` is the
+    alone (blocks + vocabulary projection + top-k, the heads prepared for `tree` as decoding
+    prepares them: `heads.prepare_heads`), and the whole Medusa step; ``rest`` is the
     whole step minus forward and heads (candidate placement, posterior, cache compaction, loop)."""
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
-    heads_cfg, head_params = heads
+    heads = _prepared(cfg, params, heads, tree)
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
     fwd_args = (params, state)
     fwd = _best_time(_aot(_run_forwards, (cfg, tree, steps), fwd_args), fwd_args, steps, repeats)
-    h_args = (params, head_params, state)
-    hd = _best_time(_aot(_run_heads, (cfg, heads_cfg, tree.max_depth, steps), h_args), h_args, steps, repeats)
+    hd = heads_seconds(cfg, params, heads, tree.max_depth, state, steps, repeats)
     full = step_seconds(cfg, params, heads, tree, state, steps, repeats)
     ms = 1e3
     return {"plain_ms": plain * ms, "tree_forward_ms": fwd * ms, "heads_ms": hd * ms, "medusa_step_ms": full * ms,

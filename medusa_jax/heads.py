@@ -26,6 +26,9 @@ Params (fixed layout; `medusa_jax.convert.medusa_format` and the trainer depend 
     proposal_ids  [N] int32      only when cfg.proposal_vocab_size = N > 0: the tokens the heads
                                  may propose at decoding time (see `proposal_projection`)
 
+Decoding reads the heads through `prepare_heads` (once, at load time): only the heads the tree
+uses, the proposal projection precomputed, so the jitted step copies no weight.
+
 Used pure-functionally, like the backbone::
 
     logits = MedusaHeads(cfg).apply({"params": p}, hidden, base_lm_head)      # [K, ..., V]
@@ -33,7 +36,7 @@ Used pure-functionally, like the backbone::
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -206,6 +209,71 @@ def with_proposal_projection(cfg: MedusaConfig, params, base_lm_head=None) -> di
     if not cfg.proposal_vocab_size:
         return params
     return {**params, "proposal_lm_head": proposal_projection(cfg, params, base_lm_head)}
+
+
+#: Params with a leading head axis [K, ...] (so is ``proposal_lm_head`` [K, D, N] of own lm_heads).
+_PER_HEAD_KEYS = BLOCK_KEYS + ("lm_head",)
+
+
+def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
+                  depth: Optional[int] = None) -> Tuple[MedusaConfig, dict]:
+    """Heads made ready for decoding once, at load time, so that the jitted step (`verify.head_topk`)
+    slices and gathers no big weight, whatever the head file's layout.
+
+    Inside jit, taking the first `depth` heads of a stacked [K, D, V] projection is a copy of
+    depth * D * V floats every step (226 MB for two SmolLM2 heads), and a proposal projection not
+    precomputed is a gather every step. Here, once:
+
+    1. Only the first `depth` heads are kept (the tree's depth: deeper heads are never run).
+    2. Own lm_heads (``cfg.shared_lm_head`` False) that all equal `base_lm_head` exactly, as
+       ``export_official(include_lm_head=True)`` and ``export_vllm`` write shared heads, become the
+       shared lm_head: the same logits from one projection instead of `depth`.
+    3. With a proposal vocabulary (``cfg.proposal_vocab_size`` = N), ``"proposal_lm_head"`` is
+       computed (`proposal_projection`: [D, N] shared, [depth, D, N] own) and the own lm_heads
+       [depth, D, V], which decoding then never reads, are dropped.
+    Already prepared params pass through (cut further when `depth` is smaller).
+
+    Args:
+      cfg: the heads' config.
+      params: their params (`MedusaHeads` layout, numpy or jax arrays, optionally ``{"params": ...}``).
+      base_lm_head: [D, V] the backbone's lm_head (`models.llama.lm_head_matrix`); needed for shared
+        heads with a proposal vocabulary, and for step 2 (skipped without it).
+      depth: heads to keep, 1 <= depth <= cfg.num_heads; None keeps all.
+    Returns:
+      (cfg with num_heads = depth and medusa_choices cut to that depth, shared_lm_head set by step 2;
+      params as jax arrays). For decoding (`verify.head_topk`, `generate`); the full-vocabulary
+      logits of `MedusaHeads` and `medusa_format.save_heads` need the params as loaded.
+    Raises:
+      ValueError: depth outside [1, cfg.num_heads]; a shared-lm_head proposal vocabulary without
+        base_lm_head; proposal ids missing.
+      HeadsMismatchError: base_lm_head is not [D, V].
+    """
+    if "params" in params and "blocks_kernel" not in params:
+        params = params["params"]
+    K = cfg.num_heads
+    depth = K if depth is None else int(depth)
+    if not 1 <= depth <= K:
+        raise ValueError(f"depth must be in [1, {K}] (the number of heads), got {depth}; use a tree no deeper "
+                         "than the heads")
+    if base_lm_head is not None:
+        _check_lm_head(cfg, base_lm_head)
+    p = {k: (v[:depth] if k in _PER_HEAD_KEYS or (k == "proposal_lm_head" and v.ndim == 3) else v)
+         for k, v in params.items()}
+    choices = cfg.medusa_choices
+    if choices is not None:
+        choices = tuple(c for c in choices if len(c) <= depth) or None
+    cfg = cfg.replace(num_heads=depth, medusa_choices=choices)
+    if not cfg.shared_lm_head and "lm_head" in p and base_lm_head is not None:
+        base = np.asarray(base_lm_head)
+        if all(np.array_equal(np.asarray(p["lm_head"][k]), base) for k in range(depth)):
+            cfg = cfg.replace(shared_lm_head=True)
+            p = {k: v for k, v in p.items() if k not in ("lm_head", "proposal_lm_head")}
+    p = {k: jnp.asarray(v) for k, v in p.items()}
+    if cfg.proposal_vocab_size:
+        if "proposal_lm_head" not in p:
+            p["proposal_lm_head"] = proposal_projection(cfg, p, base_lm_head)
+        p.pop("lm_head", None)
+    return cfg, p
 
 
 def frequent_tokens(sequences, size: int, vocab_size: int) -> np.ndarray:

@@ -57,7 +57,9 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
       use_medusa: False gives (None, None, "").
     Returns:
       ((MedusaConfig, params as jnp arrays) or None, TreeBuffers or None, a note for the user
-      when Medusa was asked for but falls back to plain decoding).
+      when Medusa was asked for but falls back to plain decoding). The heads come prepared for
+      that tree (`heads.prepare_heads`): only its first ``tree.max_depth`` heads are kept, so a
+      deeper tree needs another call.
     Raises:
       FileNotFoundError / HeadsFormatError / HeadsMismatchError from `load_heads` for an explicit
       path that is missing, corrupt or made for another backbone; ValueError for a bad tree.
@@ -85,16 +87,15 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
                                 "plainly (train heads with train.py and pass --heads DIR)")
     else:
         heads_cfg, params = load_heads(heads_path, model.cfg)
-    import jax.numpy as jnp
-    import jax
-
-    from .heads import with_proposal_projection
+    from .heads import prepare_heads
     from .models.llama import lm_head_matrix
 
-    params = jax.tree_util.tree_map(jnp.asarray, params)
-    if heads_cfg.proposal_vocab_size:  # the truncated projection, computed once rather than every step
-        params = with_proposal_projection(heads_cfg, params, lm_head_matrix(model.cfg, model.params))
-    return (heads_cfg, params), resolve_tree(tree_spec, heads_cfg), ""
+    tree = resolve_tree(tree_spec, heads_cfg)
+    # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
+    need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
+    base = lm_head_matrix(model.cfg, model.params) if need_base else None
+    heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1))
+    return (heads_cfg, params), tree, ""
 
 
 def heads_calibration(heads_path: Optional[str]) -> Optional[dict]:

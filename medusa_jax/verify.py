@@ -64,7 +64,9 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
       base_lm_head: [D, V] (used by heads that share the base lm_head).
       With ``heads_cfg.proposal_vocab_size = P``, the top-k is taken over the P tokens of
       ``head_params["proposal_ids"]`` only, projected with ``head_params["proposal_lm_head"]``
-      (`heads.with_proposal_projection`; gathered here when absent).
+      (gathered here, every call, when absent).
+      Params from `heads.prepare_heads` (with ``depth`` = this depth) make this slice- and
+      gather-free; others work, at the cost of copying the first `depth` heads' weights per call.
     Returns:
       [depth, N, topk] int32 token ids, best first; head k guesses the token k + 2 positions
       after each hidden state's own token.
@@ -76,7 +78,8 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
                                             None if not heads_cfg.shared_lm_head else base_lm_head)
         return jax.lax.top_k(logits, topk)[1].astype(jnp.int32)
     blocks = {k: head_params[k][:depth] for k in BLOCK_KEYS}
-    states = MedusaHeads(sub_cfg).apply({"params": blocks}, hidden, method=MedusaHeads.head_states)  # [depth, N, D]
+    states = MedusaHeads(sub_cfg.replace(shared_lm_head=True)).apply(  # the blocks only: [depth, N, D]
+        {"params": blocks}, hidden, method=MedusaHeads.head_states)
     proj = head_params.get("proposal_lm_head")
     if proj is None:
         proj = proposal_projection(heads_cfg, head_params, base_lm_head)

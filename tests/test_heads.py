@@ -408,3 +408,120 @@ def test_vllm_config_that_disagrees_with_the_weights(tmp_path):
         load_heads(str(tmp_path))
     json.dump({**raw, "num_heads": 1}, open(fn, "w"))  # fewer heads in the config: the tensors' count wins
     assert load_heads(str(tmp_path))[0].num_heads == 2
+
+
+# ------------------------------------------------------------------- heads prepared for decoding
+
+def _own_heads_with_proposals(k=4, p_size=24, seed=3):
+    """Own-lm_head heads (D, V above) with a proposal vocabulary of p_size ids, and a base lm_head."""
+    cfg = _cfg(False, k=k, l=1, topk=4, medusa_choices=((0,), (1,), (0, 0), (0, 0, 0)))
+    p = _random_params(cfg, seed)
+    ids = np.random.RandomState(seed).choice(V, p_size, replace=False).astype(np.int32)
+    return cfg.replace(proposal_vocab_size=p_size), {**p, "proposal_ids": ids}, _base_lm(seed)
+
+
+def _weight_reads(fn, *args):
+    """Sizes of the arrays that slice/gather ops read in fn's jaxpr (a weight read that way is copied)."""
+    eqns = jax.make_jaxpr(fn)(*args).jaxpr.eqns
+    return [int(np.prod(v.aval.shape)) for e in eqns if e.primitive.name in ("slice", "gather", "dynamic_slice")
+            for v in e.invars[:1]]
+
+
+@pytest.mark.parametrize("proposals", [True, False])
+def test_prepare_heads_keeps_the_trees_heads_with_the_same_proposals(proposals):
+    from medusa_jax.heads import prepare_heads
+    from medusa_jax.verify import head_topk
+
+    cfg, p, base = _own_heads_with_proposals()
+    if not proposals:
+        cfg, p = cfg.replace(proposal_vocab_size=0), {k: v for k, v in p.items() if k != "proposal_ids"}
+    pcfg, pp = prepare_heads(cfg, p, base, depth=2)
+    assert (pcfg.num_heads, pcfg.shared_lm_head, pcfg.medusa_choices) == (2, False, ((0,), (1,), (0, 0)))
+    if proposals:  # only the precomputed per-head proposal projection [depth, D, P] is left
+        assert "lm_head" not in pp and pp["proposal_lm_head"].shape == (2, D, 24)
+    else:
+        assert pp["lm_head"].shape == (2, D, V) and "proposal_lm_head" not in pp
+    h = jnp.asarray(_hidden(shape=(5,)))
+    want = head_topk(cfg, p, h, base, 2, 4)
+    np.testing.assert_array_equal(np.asarray(head_topk(pcfg, pp, h, base, 2, 4)), np.asarray(want))
+    logits = _numpy_reference(cfg, p, np.asarray(h), base)[:2]  # [2, 5, V]
+    if proposals:
+        logits = np.where(np.isin(np.arange(V), p["proposal_ids"]), logits, -np.inf)
+    np.testing.assert_array_equal(np.asarray(want), np.argsort(-logits, axis=-1, kind="stable")[..., :4])
+    # the prepared heads read no weight through a slice or gather (a copy per step); the raw ones do
+    big = D * 24
+    assert max(_weight_reads(lambda q, x: head_topk(pcfg, q, x, base, 2, 4), pp, h), default=0) < big
+    assert max(_weight_reads(lambda q, x: head_topk(cfg, q, x, base, 2, 4), p, h)) >= big
+    again = prepare_heads(pcfg, pp, base, depth=1)  # prepared heads prepare again (cut further)
+    assert again[0].num_heads == 1 and again[1]["blocks_kernel"].shape[0] == 1
+
+
+def test_prepare_heads_folds_copies_of_the_base_lm_head_into_the_shared_one():
+    from medusa_jax.heads import prepare_heads
+    from medusa_jax.verify import head_topk
+
+    cfg, p, base = _own_heads_with_proposals()
+    p["lm_head"] = np.tile(base[None], (cfg.num_heads, 1, 1))  # what export_official(include_lm_head=True) writes
+    pcfg, pp = prepare_heads(cfg, p, base, depth=3)
+    assert pcfg.shared_lm_head and "lm_head" not in pp and pp["proposal_lm_head"].shape == (D, 24)
+    h = jnp.asarray(_hidden(shape=(4,)))
+    np.testing.assert_array_equal(np.asarray(head_topk(pcfg, pp, h, base, 3, 4)),
+                                  np.asarray(head_topk(cfg, p, h, base, 3, 4)))
+    p["lm_head"] = p["lm_head"].copy()
+    p["lm_head"][2, 5, 7] += 1e-3  # one head differs in one weight: its own projection stays
+    pcfg, pp = prepare_heads(cfg, p, base, depth=3)
+    assert not pcfg.shared_lm_head and pp["proposal_lm_head"].shape == (3, D, 24)
+    assert prepare_heads(cfg, p, None, depth=3)[0].shared_lm_head is False  # no base: nothing to compare
+
+
+def test_prepare_heads_errors():
+    from medusa_jax.heads import prepare_heads
+
+    cfg, p, base = _own_heads_with_proposals()
+    for depth in (0, 5):
+        with pytest.raises(ValueError, match=rf"depth must be in \[1, 4\].*got {depth}"):
+            prepare_heads(cfg, p, base, depth=depth)
+    scfg = cfg.replace(shared_lm_head=True)
+    sp = {k: v for k, v in p.items() if k != "lm_head"}
+    with pytest.raises(ValueError, match="need base_lm_head"):
+        prepare_heads(scfg, sp)
+    with pytest.raises(HeadsMismatchError, match=r"expected \[D, V\]"):
+        prepare_heads(scfg, sp, base.T)
+
+
+@pytest.mark.filterwarnings("ignore:the original Medusa code shares")
+def test_official_own_lm_heads_with_proposals_and_a_shallow_tree_are_lossless(tmp_path):
+    """Official-format heads with their own lm_heads, a proposal vocabulary added as tune does, and a
+    tree of depth 2 over 4 heads: resolve_heads prepares them, and greedy output equals plain greedy."""
+    from types import SimpleNamespace
+
+    from conftest import tiny_decoding_model
+    from medusa_jax.generate import generate, generate_device
+    from medusa_jax.models.llama import lm_head_matrix
+    from medusa_jax.runtime import resolve_heads
+    from medusa_jax.tree import build_tree
+
+    mcfg, mparams = tiny_decoding_model(64)
+    base = np.asarray(lm_head_matrix(mcfg, mparams))
+    r = np.random.RandomState(0)
+    hcfg = MedusaConfig(hidden_size=32, vocab_size=64, num_heads=4, num_layers=1, shared_lm_head=False, topk=4)
+    hp = {"blocks_kernel": r.randn(4, 1, 32, 32).astype(np.float32) * 0.05,
+          "blocks_bias": np.zeros((4, 1, 32), np.float32),
+          "lm_head": base[None] + r.randn(4, 32, 64).astype(np.float32) * 0.05}  # distinct per head
+    export_official(str(tmp_path / "official"), hcfg, hp, fmt="safetensors", include_lm_head=True)
+    lcfg, lp = load_heads(str(tmp_path / "official"), mcfg)
+    assert not lcfg.shared_lm_head and lp["lm_head"].shape == (4, 32, 64)
+    ids = np.arange(0, 64, 2, dtype=np.int32)  # half the vocabulary may be proposed
+    save_heads(str(tmp_path / "tuned"), lcfg.replace(proposal_vocab_size=32, topk=4),
+               {**lp, "proposal_ids": ids})
+    tree = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0)], topk=4)
+    model = SimpleNamespace(cfg=mcfg, params=mparams)
+    heads, tree, _ = resolve_heads(model, str(tmp_path / "tuned"), tree)
+    assert heads[0].num_heads == 2 and not heads[0].shared_lm_head
+    assert heads[1]["proposal_lm_head"].shape == (2, 32, 32) and "lm_head" not in heads[1]
+    prompt = [4, 4, 2, 8, 19, 33]
+    plain = generate(mcfg, mparams, prompt, max_new_tokens=60)
+    med = generate(mcfg, mparams, prompt, max_new_tokens=60, heads=heads, tree=tree)
+    dev = generate_device(mcfg, mparams, [prompt], max_new_tokens=60, heads=heads, tree=tree)
+    assert med.tokens == plain.tokens == dev.tokens[0, :int(dev.count[0])].tolist()
+    assert med.steps < len(med.tokens)  # the heads' candidates were accepted at some steps

@@ -25,7 +25,8 @@ def test_resolve_heads_reads_saved_tree_and_overrides(tmp_path):
     model = SimpleNamespace(cfg=CFG)
     d = _heads_dir(tmp_path, choices=[(0,), (1,), (0, 0)])
     heads, tree, note = runtime.resolve_heads(model, d)
-    assert note == "" and heads[0].num_heads == 3
+    assert note == "" and heads[0].num_heads == 2  # prepared for the tree: its depth-2 heads only
+    assert heads[1]["blocks_kernel"].shape[0] == 2
     assert tree.medusa_choices == ((0,), (1,), (0, 0))
     _, tree2, _ = runtime.resolve_heads(model, d, "chain2")
     assert tree2.medusa_choices == ((0,), (0, 0))
