@@ -2,26 +2,56 @@
 
 ``python -m medusa_jax.bench --prompts ../shared/data/Spec-Bench_question.jsonl --limit 120 --hf``
 
-For every prompt (first turn, chat template applied) the decoders run in the same process,
-interleaved, after a warm-up that compiles every shape: plain greedy and Medusa greedy both as one
-fully jitted on-device loop (`generate_jit`; no host sync per step), transformers' greedy
-``generate`` on the same weights with ``--hf``. Both of ours must give identical tokens; a difference
-is checked for a float32 near-tie as in `medusa_jax.check`. Reported per category and overall:
-tokens/s of each, the speedup (Medusa / plain, and plain / transformers), tokens per step and the
-acceptance rate per depth (the fraction of steps that accepted at least d candidates). Writes
-``results.json``, ``results.md`` and ``speed.png`` to --out. Speed figures follow Spec-Bench
-(Xia et al. 2024): wall-clock speedup over the same model's greedy decoding, and mean accepted
-tokens per step.
+For every prompt (first turn, chat template applied) the decoders run in the same process on the
+same prompt ids, interleaved (the order rotates from prompt to prompt), after an untimed warm-up of
+every decoder on the first prompt with the full token budget: plain greedy and Medusa greedy both
+as one fully jitted on-device loop (`generate_device`; no host sync per step, compilation never
+timed), and with ``--hf`` transformers' greedy ``generate`` on the same weights (float32, its
+default attention, torch limited to ``--torch-threads`` intra-op threads). Every decoder gets the
+same ``--max-new-tokens`` and the same EOS ids, and only generated tokens count.
+
+What is measured (the same way for every decoder):
+
+- **decode tokens/s** = total tokens emitted after the prompt's forward pass / total seconds from
+  the end of that forward pass to the last token, summed over the prompts. Prefill is excluded on
+  both sides: ours picks the first new token from the prefill's logits inside the decode loop, so
+  all n new tokens fall in its decode window; transformers' ``generate`` picks the first new token
+  in its prefill step, so its window (from the first streamed token to the return of ``generate``)
+  holds n - 1 tokens. Compilation of ours is excluded; transformers has none.
+- **prefill seconds** of plain greedy and transformers, summed, are reported beside it.
+- **identical**: Medusa against plain greedy must match token for token (a difference is checked
+  for a float32 near-tie as in `medusa_jax.check`; any other one fails the run). transformers'
+  output is compared with plain greedy too and counted (``hf_identical``); its first difference
+  and our top-2 logit gap there are recorded, but do not fail the run.
+
+Why one torch thread by default: on a 2-core machine, torch's own default (one intra-op thread per
+core) gives transformers no decode speed for this 135M model at batch 1, and whenever another
+process takes a core, its OpenMP threads wait on each other at every operation and a ``generate``
+call drops several-fold. Measured 2026-11-29 on a 2-core AMD EPYC VM (MT-bench, one prompt per
+category, 64 new tokens, 24 interleaved calls each, every call tagged with the CPU time other
+processes used meanwhile): on calls with the machine otherwise idle, 24.4 tok/s with 1 thread and
+24.3 with 2; on calls during which another process used one core, 23-25 tok/s with 1 thread and
+1.3-8 with 2 (5 idle calls each; our plain greedy: 62 idle, 38-51 loaded). A run in which some calls overlap other
+work therefore understates transformers and overstates plain / transformers; the 2.29x of an
+earlier run, which did not reproduce (docs/performance.md), fits that.
+
+Reported per category and overall: tokens/s of each decoder, the speedups (Medusa / plain, plain /
+transformers), tokens per step and the acceptance rate per depth (the fraction of steps that
+accepted at least d candidates). Writes ``results.json`` (with the run's conditions: torch threads,
+versions, load average before and after), ``results.md`` and ``speed.png`` to --out. Speed figures
+follow Spec-Bench (Xia et al. 2024): wall-clock speedup over the same model's greedy decoding, and
+mean accepted tokens per step.
 """
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import time
 from collections import defaultdict
-from typing import Dict, List
+from typing import Callable, Dict, List, Optional, Sequence
 
 import jax
 import numpy as np
@@ -30,7 +60,8 @@ import numpy as np
 def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: int, eos) -> dict:
     """One fully on-device generation (`generate_device`; compilation never timed).
 
-    Returns {"tokens": list, "seconds": float (decode only), "prefill_s", "steps", "hist": list}.
+    Returns {"tokens": list, "seconds": float (decode only: all new tokens), "prefill_s": float,
+    "steps": int, "hist": list}.
     """
     from .generate import generate_device
 
@@ -41,18 +72,88 @@ def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: 
             "steps": r.steps, "hist": r.hist.tolist()}
 
 
-def time_hf_generate(hf_model, ids: List[int], max_new_tokens: int, eos) -> dict:
-    """transformers' greedy generate on the same prompt; seconds include its prefill."""
+class TokenClock:
+    """A transformers ``generate`` streamer that only notes when each ``put`` arrives.
+
+    ``generate`` calls ``put`` once with the prompt before its prefill, then once per new token
+    (the first right after the prefill step); `first_token_s` is the time of that second call.
+    clock: the timer (seconds; `time.perf_counter` by default).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter):
+        self.clock = clock
+        self.times: List[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(self.clock())
+
+    def end(self) -> None:
+        pass
+
+    @property
+    def first_token_s(self) -> float:
+        """When the first new token was streamed. Raises RuntimeError if none was."""
+        if len(self.times) < 2:
+            raise RuntimeError(f"transformers' generate streamed {len(self.times)} time(s); expected the prompt "
+                               "and then each new token (has its streamer protocol changed?)")
+        return self.times[1]
+
+
+def time_hf_generate(hf_model, ids: List[int], max_new_tokens: int, eos: Sequence[int]) -> dict:
+    """transformers' greedy ``generate`` on the same prompt ids, timed like ours.
+
+    eos: the ids that end the output (the same as ours; empty: none, whatever the model's
+    generation_config says).
+
+    Returns {"tokens": list (all new tokens, EOS included), "prefill_s": float (from the call to the
+    first new token), "seconds": float (decode only: from the first new token to the return),
+    "decode_tokens": int (new tokens emitted in that window: all but the first)}.
+    """
     import torch
 
+    eos = list(eos)
+    clock = TokenClock()
     with torch.no_grad():
         t0 = time.perf_counter()
+        # eos_token_id=None (no EOS ids) overrides the model's generation_config, as ours does
         out = hf_model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                eos_token_id=list(eos), pad_token_id=list(eos)[0])
-        dt = time.perf_counter() - t0
-    return {"tokens": out[0, len(ids):].tolist(), "seconds": dt}
+                                eos_token_id=eos or None, pad_token_id=eos[0] if eos else None, streamer=clock)
+        t1 = time.perf_counter()
+    tokens = out[0, len(ids):].tolist()
+    return {"tokens": tokens, "prefill_s": clock.first_token_s - t0, "seconds": t1 - clock.first_token_s,
+            "decode_tokens": len(tokens) - 1}
 
 
+def load_hf_peer(path: str, torch_threads: int):
+    """transformers' float32 model of the same weights (HF directory or GGUF file; local files only),
+    in eval mode, with torch's intra-op threads set to `torch_threads`.
+
+    Raises ValueError for torch_threads < 1; ImportError (with the install hint) without torch.
+    """
+    if torch_threads < 1:
+        raise ValueError(f"--torch-threads must be >= 1, got {torch_threads}")
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+    except ImportError as e:
+        raise ImportError(f"--hf needs torch ({e}); install the test extra: pip install -e '.[test]'") from e
+    torch.set_num_threads(torch_threads)
+    if os.path.isdir(path):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, local_files_only=True)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32,
+                                                     gguf_file=os.path.basename(path), local_files_only=True)
+    return model.eval()
+
+
+def rate(tokens: Sequence[int], seconds: Sequence[float]) -> float:
+    """Tokens per second over several prompts: total tokens / total seconds (not a mean of rates).
+
+    Raises ValueError when the seconds sum to zero or less."""
+    total_s = float(np.sum(seconds))
+    if total_s <= 0:
+        raise ValueError(f"total time {total_s} s: nothing was timed")
+    return float(np.sum(tokens)) / total_s
 #: MT-bench's eight categories; in Spec-Bench they are one task, "multi-turn conversation".
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
@@ -81,7 +182,14 @@ def per_category(records: List[dict], n: int) -> List[dict]:
 
 
 def summarize(rows: List[dict], depth: int) -> Dict[str, dict]:
-    """Per-category and overall totals: tokens/s = total tokens / total seconds."""
+    """Per-category and overall totals; every tokens/s is `rate` (total tokens / total seconds).
+
+    rows: one dict per prompt, as `main` writes them: category, new_tokens, plain_s, medusa_s
+      (decode seconds), medusa_steps, hist, identical, near_tie; optionally plain_prefill_s; with
+      ``--hf`` also hf_decode_tokens, hf_s (decode seconds), hf_prefill_s, hf_identical.
+    Returns {category or "all" / "overall": figures}; the transformers figures (hf_tok_s,
+    plain_vs_hf, hf_identical, hf_prefill_s) only where every row has them.
+    """
     groups: Dict[str, List[dict]] = defaultdict(list)
     for r in rows:
         groups[r["category"] or "all"].append(r)
@@ -89,42 +197,44 @@ def summarize(rows: List[dict], depth: int) -> Dict[str, dict]:
             groups["overall"].append(r)
     out = {}
     for name, rs in groups.items():
-        tok = sum(r["new_tokens"] for r in rs)
+        tok = [r["new_tokens"] for r in rs]
         plain_s = sum(r["plain_s"] for r in rs)
         med_s = sum(r["medusa_s"] for r in rs)
         steps = sum(r["medusa_steps"] for r in rs)
         hist = np.sum([r["hist"] for r in rs], axis=0)
         at_least = [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, depth + 1)]
-        s = {"prompts": len(rs), "new_tokens": tok, "plain_tok_s": tok / plain_s, "medusa_tok_s": tok / med_s,
-             "speedup": plain_s / med_s, "tokens_per_step": tok / max(steps, 1),
-             "acceptance_per_depth": at_least,
+        s = {"prompts": len(rs), "new_tokens": sum(tok), "plain_tok_s": rate(tok, [r["plain_s"] for r in rs]),
+             "medusa_tok_s": rate(tok, [r["medusa_s"] for r in rs]), "speedup": plain_s / med_s,
+             "tokens_per_step": sum(tok) / max(steps, 1), "acceptance_per_depth": at_least,
              "identical": sum(r["identical"] for r in rs), "near_ties": sum(r["near_tie"] for r in rs)}
+        if all("plain_prefill_s" in r for r in rs):
+            s["plain_prefill_s"] = sum(r["plain_prefill_s"] for r in rs)
         if all("hf_s" in r for r in rs):
-            hf_tok = sum(r["hf_tokens"] for r in rs)
-            s["hf_tok_s"] = hf_tok / sum(r["hf_s"] for r in rs)
+            s["hf_tok_s"] = rate([r["hf_decode_tokens"] for r in rs], [r["hf_s"] for r in rs])
             s["plain_vs_hf"] = s["plain_tok_s"] / s["hf_tok_s"]
+            s["hf_identical"] = sum(r["hf_identical"] for r in rs)
+            s["hf_prefill_s"] = sum(r["hf_prefill_s"] for r in rs)
         out[name] = s
     return out
 
 
 def markdown_table(summary: Dict[str, dict]) -> str:
+    """The summary as a markdown table, "overall" last (transformers' columns when every group has them)."""
     has_hf = all("hf_tok_s" in s for s in summary.values())
     head = "| category | prompts | plain tok/s | Medusa tok/s | speedup | tokens/step |"
     sep = "|---|---|---|---|---|---|"
     if has_hf:
-        head += " transformers tok/s | plain / transformers |"
-        sep += "---|---|"
+        head += " transformers tok/s | plain / transformers | identical to transformers |"
+        sep += "---|---|---|"
     lines = [head, sep]
     for name in sorted(summary, key=lambda n: (n == "overall", n)):
         s = summary[name]
         line = (f"| {name} | {s['prompts']} | {s['plain_tok_s']:.1f} | {s['medusa_tok_s']:.1f} | "
                 f"{s['speedup']:.2f}x | {s['tokens_per_step']:.2f} |")
         if has_hf:
-            line += f" {s['hf_tok_s']:.1f} | {s['plain_vs_hf']:.2f}x |"
+            line += f" {s['hf_tok_s']:.1f} | {s['plain_vs_hf']:.2f}x | {s['hf_identical']}/{s['prompts']} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
-
-
 def plot(summary: Dict[str, dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -145,6 +255,17 @@ def plot(summary: Dict[str, dict], path: str) -> None:
     plt.close(fig)
 
 
+def run_conditions(torch_threads: Optional[int]) -> dict:
+    """What the figures depend on besides the code: versions, cores, torch threads, load average."""
+    import importlib.metadata as md
+
+    cond = {"jax": jax.__version__, "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+            else os.cpu_count(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
+    if torch_threads is not None:
+        cond.update(torch=md.version("torch"), transformers=md.version("transformers"), torch_threads=torch_threads)
+    return cond
+
+
 def main(argv=None) -> int:
     from .cli_help import HelpFormatter
 
@@ -157,12 +278,20 @@ def main(argv=None) -> int:
                    help="take N prompts of every category, evenly spaced, instead of --limit (Spec-Bench: its "
                         "six tasks, MT-bench's questions counting as one)")
     p.add_argument("--out", default="bench_out", help="directory for results.json, results.md, speed.png")
-    p.add_argument("--hf", action="store_true", help="also time transformers' greedy generate (the peer)")
+    p.add_argument("--hf", action="store_true",
+                   help="also time transformers' greedy generate on the same weights (the peer; needs torch)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads for --hf (on 2 cores, 2 threads were no faster than 1 and "
+                        "stalled whenever another process took a core: see module docs)")
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2 GGUF)")
     p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads); 'zero' for fresh heads")
     p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     args = p.parse_args(argv)
+    if args.torch_threads < 1:
+        p.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    if args.hf and importlib.util.find_spec("torch") is None:
+        p.error("--hf needs torch, which comes with the test extra: pip install -e '.[test]'")
 
     from tqdm import tqdm
 
@@ -170,6 +299,12 @@ def main(argv=None) -> int:
     from .check import compare, load_first_turns
     from .loading import apply_chat_template, load_model
 
+    records = load_first_turns(args.prompts, None if args.per_category else args.limit)  # before the slow load
+    records = spec_bench_groups(records)
+    if args.per_category:
+        records = per_category(records, args.per_category)
+    if not records:
+        p.error(f"--prompts {args.prompts}: no prompts in the file")
     runtime.enable_compilation_cache()
     model = load_model(args.model)
     cfg, params = model.cfg, model.params
@@ -177,40 +312,35 @@ def main(argv=None) -> int:
     if heads is None:
         print(f"error: {note}", file=sys.stderr)
         return 2
-    records = load_first_turns(args.prompts, None if args.per_category else args.limit)
-    records = spec_bench_groups(records)
-    if args.per_category:
-        records = per_category(records, args.per_category)
-    hf_model = None
-    if args.hf:
-        import torch
-        from transformers import AutoModelForCausalLM
-        if os.path.isdir(model.path):
-            hf_model = AutoModelForCausalLM.from_pretrained(model.path, dtype=torch.float32, local_files_only=True)
-        else:
-            hf_model = AutoModelForCausalLM.from_pretrained(os.path.dirname(model.path), dtype=torch.float32,
-                                                            gguf_file=os.path.basename(model.path),
-                                                            local_files_only=True)
-        hf_model.eval()
+    hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None
     eos = cfg.eos_token_ids
     prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
-    # warm-up (compilation is always outside the timed region, see `_aot`; this also settles caches)
-    time_jit_generate(cfg, params, None, None, prompts[0], args.max_new_tokens, eos)
-    time_jit_generate(cfg, params, heads, tree, prompts[0], args.max_new_tokens, eos)
+    decoders = {"plain": lambda ids: time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos),
+                "medusa": lambda ids: time_jit_generate(cfg, params, heads, tree, ids, args.max_new_tokens, eos)}
     if hf_model is not None:
-        time_hf_generate(hf_model, prompts[0], 8, eos)
+        decoders["hf"] = lambda ids: time_hf_generate(hf_model, ids, args.max_new_tokens, eos)
+    for run in decoders.values():  # untimed warm-up, full budget (ours: compiles every shape of this prompt)
+        run(prompts[0])
+    conditions = run_conditions(args.torch_threads if hf_model is not None else None)
+    names = list(decoders)
     rows = []
-    for rec, ids in tqdm(list(zip(records, prompts)), desc="bench", unit="prompt"):
-        plain = time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos)
-        med = time_jit_generate(cfg, params, heads, tree, ids, args.max_new_tokens, eos)
+    for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="bench", unit="prompt")):
+        k = i % len(names)  # rotate the order so that no decoder always runs first or last
+        res = {name: decoders[name](ids) for name in names[k:] + names[:k]}
+        plain, med = res["plain"], res["medusa"]
         c = compare(cfg, params, ids, plain["tokens"], med["tokens"])
-        row = {**rec, "new_tokens": len(plain["tokens"]), "plain_s": plain["seconds"], "medusa_s": med["seconds"],
-               "medusa_steps": med["steps"], "hist": med["hist"], "identical": c.identical,
-               "near_tie": c.near_tie, "first_diff": c.first_diff, "gap": c.gap}
-        if hf_model is not None:
-            hf = time_hf_generate(hf_model, ids, args.max_new_tokens, eos)
-            row.update(hf_s=hf["seconds"], hf_tokens=len(hf["tokens"]), hf_identical=hf["tokens"] == plain["tokens"])
+        row = {**rec, "prompt_tokens": len(ids), "new_tokens": len(plain["tokens"]), "plain_s": plain["seconds"],
+               "plain_prefill_s": plain["prefill_s"], "medusa_s": med["seconds"], "medusa_steps": med["steps"],
+               "hist": med["hist"], "identical": c.identical, "near_tie": c.near_tie, "first_diff": c.first_diff,
+               "gap": c.gap}
+        if "hf" in res:
+            hf = res["hf"]
+            h = compare(cfg, params, ids, plain["tokens"], hf["tokens"])
+            row.update(hf_tokens=len(hf["tokens"]), hf_decode_tokens=hf["decode_tokens"], hf_s=hf["seconds"],
+                       hf_prefill_s=hf["prefill_s"], hf_identical=h.identical, hf_first_diff=h.first_diff,
+                       hf_gap=h.gap)
         rows.append(row)
+    conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary = summarize(rows, tree.max_depth)
     predicted = runtime.predicted_tokens_per_step(tree, runtime.heads_calibration(args.heads))
     overall = summary.get("overall", summary.get("all"))
@@ -218,11 +348,17 @@ def main(argv=None) -> int:
                 + (f"{predicted:.3f} (calibrated rank accuracies, independent heads)" if predicted else "n/a (heads not tuned)")
                 + f"; tree of {tree.size} tokens; acceptance per depth "
                 + " ".join(f"{a:.3f}" for a in overall["acceptance_per_depth"]))
+    timing_line = ("tokens/s: decode only, total tokens emitted after the prompt's forward pass / total seconds "
+                   f"after it (prefill excluded for every decoder); prefill over {overall['prompts']} prompts: "
+                   f"plain {overall['plain_prefill_s']:.2f} s")
+    if hf_model is not None:
+        timing_line += (f", transformers {overall['hf_prefill_s']:.2f} s; transformers with "
+                        f"{args.torch_threads} torch thread(s), {conditions['cpu_cores']} cores")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"summary": summary, "tree": [list(c) for c in tree.medusa_choices],
-                   "predicted_tokens_per_step": predicted, "rows": rows}, f, indent=1)
-    table = markdown_table(summary) + "\n" + tps_line + "\n"
+                   "predicted_tokens_per_step": predicted, "conditions": conditions, "rows": rows}, f, indent=1)
+    table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     plot(summary, os.path.join(args.out, "speed.png"))
@@ -230,6 +366,12 @@ def main(argv=None) -> int:
     bugs = sum(1 for r in rows if not r["identical"] and not r["near_tie"])
     print(f"identical {sum(r['identical'] for r in rows)}/{len(rows)}, near-ties "
           f"{sum(r['near_tie'] for r in rows)}, other differences {bugs}")
+    if hf_model is not None:
+        diffs = [f"{r['id']} at token {r['hf_first_diff']} (top-2 gap "
+                 + ("n/a: one stopped earlier" if r["hf_gap"] is None else f"{r['hf_gap']:.2g}") + ")"
+                 for r in rows if not r["hf_identical"]]
+        print(f"transformers identical to plain greedy {len(rows) - len(diffs)}/{len(rows)}"
+              + (": differs on " + ", ".join(diffs) if diffs else ""))
     return 1 if bugs else 0
 
 

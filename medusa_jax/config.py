@@ -394,7 +394,8 @@ class TrainConfig:
       loss_decay: head k's loss weight is loss_decay**k (Medusa's lambda_k = 0.8^k).
       head_matmul_dtype: "float32" or "bfloat16": input dtype of the heads' vocabulary projection
         during training (float32 accumulation, softmax and loss in float32 either way);
-        bfloat16 is about 1.7x faster on CPUs with AVX512-BF16 and halves the lm_head's memory.
+        bfloat16 halves the lm_head's memory and made the loss with its gradient 1.46x faster on
+        the project's 2-core AVX512-BF16 CPU (`shared_head_loss`, docs/performance.md).
       loss_chunk: positions per chunk of the heads' vocabulary projection (0: whole batch at once);
         bounds memory at about 3 * K * loss_chunk * V floats.
       lambda_base: weight of the backbone's own loss in joint mode; the heads' summed loss has
