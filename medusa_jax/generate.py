@@ -10,6 +10,7 @@ an EOS token ends the output (the EOS is included), ``max_new_tokens`` caps it, 
 from __future__ import annotations
 
 import operator
+import sys
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Generator, List, NamedTuple, Optional, Sequence, Tuple
@@ -236,20 +237,75 @@ def cache_size_for(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_
     return int(min(bucket(prompt_len + max_new_tokens + tree_size, 128), cfg.max_position_embeddings))
 
 
-def _prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
-             key: jax.Array) -> DecodeState:
-    """tokens: [B, Tp] int32, right-padded; lengths: [B] int32 real prompt lengths (>= 1)."""
-    B, Tp = tokens.shape
-    positions = cache.lengths[:, None] + jnp.arange(Tp, dtype=jnp.int32)[None, :]
-    _, hidden, cache = LlamaModel(cfg).apply({"params": params}, tokens, positions, cache,
-                                             num_new=lengths, compute_logits=False)
-    last = hidden[jnp.arange(B), lengths - 1]
+PREFILL_CHUNK = 256
+"""Tokens per prefill chunk (`prefill_plan`). On this project's 2-core CPU, 256 was faster than
+128 and 512 on a 1,958-token prompt (docs/performance.md, "Prefill")."""
+
+PREFILL_KV_BLOCK = 512
+"""Cache slots per attention block during prefill (`medusa_jax.models.llama.blockwise_attention`)."""
+
+PROGRESS_DELAY_S = 2.0
+"""A prefill of several chunks shows a progress bar on stderr once it has run this many seconds."""
+
+
+def _prefill_chunk(cfg: ModelConfig, kv_block: Optional[int], params, tokens: jax.Array, lengths: jax.Array,
+                   cache: KVCache, last: jax.Array) -> Tuple[KVCache, jax.Array]:
+    """One chunk of a right-padded prompt batch into the cache (see `prefill_chunk`)."""
+    B, T = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    num_new = jnp.clip(lengths - cache.lengths, 0, T)  # this chunk's real tokens per row
+    _, hidden, new_cache = LlamaModel(cfg).apply({"params": params}, tokens, positions, cache, num_new=num_new,
+                                                 compute_logits=False, kv_block=kv_block)
+    j = lengths - 1 - cache.lengths  # where the row's last prompt token is in this chunk, if here
+    here = (j >= 0) & (j < T)
+    last = jnp.where(here[:, None], hidden[jnp.arange(B), jnp.clip(j, 0, T - 1)].astype(last.dtype), last)
+    return new_cache, last
+
+
+prefill_chunk = jax.jit(_prefill_chunk, static_argnums=(0, 1), donate_argnames=("cache",))
+prefill_chunk.__doc__ = """Jitted prefill of one chunk of a right-padded prompt batch (`start_state` drives it).
+
+Chunk ``c`` holds prompt positions ``[c * T, (c + 1) * T)`` of every row; the chunks go in order
+into one cache. Row ``b`` takes ``clip(lengths[b] - cache.lengths[b], 0, T)`` real tokens from the
+chunk; the rest (padding, or a whole chunk past a shorter row's end) is written past the row's
+length or dropped past the cache's end, and never read.
+
+Args:
+  cfg: ModelConfig (static).
+  kv_block: static; attention reads the cache in blocks of this many slots, up to the chunk's end
+    only, when S is a larger multiple of it (`medusa_jax.models.llama.blockwise_attention`);
+    None: all S slots in one pass.
+  params: backbone params.
+  tokens: [B, T] int32, this chunk of the right-padded prompts.
+  lengths: [B] int32 whole prompt lengths (>= 1).
+  cache: `KVCache` holding the earlier chunks (lengths ``min(c * T, lengths)``; donated).
+  last: [B, D], carried from chunk to chunk (zeros for the first).
+Returns:
+  (the cache with this chunk added, last [B, D]: the final hidden state of each row's last prompt
+  token once its chunk has run, else `last` unchanged).
+"""
+
+
+def _prefill_logits(cfg: ModelConfig, params, last: jax.Array, cache: KVCache, key: jax.Array) -> DecodeState:
+    """The decoding state after the last chunk: logits [B, V] float32 of the last prompt tokens."""
     logits = LlamaModel(cfg).apply({"params": params}, last, method=LlamaModel.logits)
     return DecodeState(logits=logits, hidden=last, cache=cache, key=key)
 
 
+prefill_logits = jax.jit(_prefill_logits, static_argnums=0, donate_argnames=("cache",))
+
+
+def _prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+             key: jax.Array) -> DecodeState:
+    """The whole prompt batch as one chunk (see `prefill`)."""
+    last = jnp.zeros((tokens.shape[0], cfg.hidden_size), jnp.float32)
+    cache, last = _prefill_chunk(cfg, PREFILL_KV_BLOCK, params, tokens, lengths, cache, last)
+    return _prefill_logits(cfg, params, last, cache, key)
+
+
 prefill = jax.jit(_prefill, static_argnums=0, donate_argnames=("cache",))
-prefill.__doc__ = """Jitted prefill of a right-padded batch of prompts into an empty cache.
+prefill.__doc__ = """Jitted prefill of a right-padded batch of prompts into an empty cache, the whole prompt
+in one chunk (`start_state` feeds long prompts in chunks of `PREFILL_CHUNK` tokens instead).
 
 Args:
   cfg: ModelConfig (static).
@@ -259,43 +315,93 @@ Args:
   cache: an empty `KVCache` with S >= Tp slots (donated).
   key: PRNG key for later sampling.
 Returns:
-  DecodeState with the last prompt position's logits [B, V] and hidden state [B, D].
+  DecodeState with the last prompt position's logits [B, V] float32 and hidden state [B, D].
 """
 
 step = jax.jit(medusa_step, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
 
 
+def prefill_plan(longest: int, chunk_size: int = PREFILL_CHUNK) -> Tuple[int, int]:
+    """How `start_state` splits a prompt batch: (tokens per chunk T, number of chunks).
+
+    A batch whose longest prompt has at most `chunk_size` tokens is one chunk of ``bucket(longest)``
+    tokens (>= 32); a longer one is ``ceil(longest / chunk_size)`` chunks of `chunk_size`, all run
+    by one compiled chunk function.
+    Raises ValueError for a chunk_size < 1.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 token, got {chunk_size}")
+    T = bucket(longest) if longest <= chunk_size else chunk_size
+    return T, -(-longest // T)
+
+
+def _progress_bar(show: bool, total: int, desc: str, unit: str):
+    """A tqdm bar on stderr that appears once it has run `PROGRESS_DELAY_S` seconds and is erased
+    when closed; None when not `show`."""
+    if not show:
+        return None
+    from tqdm import tqdm
+    return tqdm(total=total, desc=desc, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr)
+
+
 def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
-                seed: int = 0, dtype=jnp.float32,
-                timing: Optional[dict] = None) -> DecodeState:
-    """Validate prompts, build the cache and prefill it.
+                seed: int = 0, dtype=jnp.float32, timing: Optional[dict] = None, *,
+                chunk_size: int = PREFILL_CHUNK, kv_block: Optional[int] = PREFILL_KV_BLOCK,
+                progress: bool = True) -> DecodeState:
+    """Validate prompts, build the cache and prefill it, chunk by chunk (`prefill_plan`).
 
     Args:
       prompts: B lists of token ids (each non-empty and shorter than `cache_size`).
       cache_size: S slots per row.
+      seed: PRNG seed of the returned state's key.
+      dtype: the cache's dtype.
       timing: if a dict, ``timing["prefill_s"]`` gets the prefill's seconds (compilation excluded).
+      chunk_size: tokens per chunk; any value gives the same state up to float32 round-off.
+      kv_block: cache slots per attention block (`prefill_chunk`); None: one pass over the cache.
+      progress: for a prefill of several chunks, a progress bar on stderr once it has run
+        `PROGRESS_DELAY_S` seconds; the host then follows the chunks one behind (a one-chunk
+        prefill never waits and shows nothing). False: silent.
+    Returns:
+      DecodeState: logits [B, V] float32 and final hidden state [B, D] of each row's last prompt
+      token, a cache of `cache_size` slots with ``lengths`` = the prompt lengths, PRNGKey(seed).
     Raises:
       ValueError: an empty prompt, a malformed prompt list, an id outside the vocabulary, or a
-        cache_size beyond the model's context (`check_generation_args`).
+        cache_size beyond the model's context (`check_generation_args`); chunk_size < 1.
       PromptTooLongError: a prompt with no room left.
     """
     prompts, _ = check_generation_args(cfg, prompts, caller="start_state", batch=True,
                                        cache_size=cache_size, check_decoding=False)
     longest = max(len(p) for p in prompts)
-    Tp = min(bucket(longest), cache_size)
-    toks = np.zeros((len(prompts), Tp), np.int32)
+    T, chunks = prefill_plan(longest, chunk_size)
+    B = len(prompts)
+    toks = np.zeros((B, T * chunks), np.int32)
     for i, p in enumerate(prompts):
         toks[i, :len(p)] = p
-    lengths = np.array([len(p) for p in prompts], np.int32)
-    cache = init_cache(cfg, len(prompts), cache_size, dtype)
-    args = (params, jnp.asarray(toks), jnp.asarray(lengths), cache, jax.random.PRNGKey(seed))
-    fn = _aot(prefill, (cfg,), args)
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    cache = init_cache(cfg, B, cache_size, dtype)
+    last = jnp.zeros((B, cfg.hidden_size), jnp.float32)
+    key = jax.random.PRNGKey(seed)
+    run = _aot(prefill_chunk, (cfg, kv_block), (params, jnp.asarray(toks[:, :T]), lengths, cache, last))
+    finish = _aot(prefill_logits, (cfg,), (params, last, cache, key))
+    bar = _progress_bar(progress and chunks > 1, chunks, "prefill", "chunk")
+    t0 = time.perf_counter()
+    running = None
+    for c in range(chunks):
+        cache, last = run(params, jnp.asarray(toks[:, c * T:(c + 1) * T]), lengths, cache, last)
+        if bar is not None:  # follow one chunk behind, so that the next one is already queued
+            if running is not None:
+                jax.block_until_ready(running)
+                bar.update(1)
+            running = last
+    state = finish(params, last, cache, key)
+    if timing is not None or bar is not None:
+        state = jax.block_until_ready(state)
+    if bar is not None:
+        bar.update(1)
+        bar.close()
     if timing is not None:
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(fn(*args))
         timing["prefill_s"] = time.perf_counter() - t0
-        return state
-    return fn(*args)
+    return state
 
 
 def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
@@ -316,6 +422,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                     heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
                     acceptance: Acceptance = Acceptance(), seed: int = 0,
                     eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
+                    progress: bool = True,
                     _caller: str = "generate_stream") -> Generator[List[int], None, GenerationResult]:
     """Generate for one prompt, yielding the tokens accepted at each step.
 
@@ -331,6 +438,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
       eos_token_ids: ids that end the output (default ``cfg.eos_token_ids``); one id or a list.
       cache_size: S, at most the model's context (``cfg.max_position_embeddings``); default
         `cache_size_for` the prompt, budget and tree.
+      progress: a progress bar on stderr for a long prefill (`start_state`); False: silent.
     Yields:
       lists of new token ids, one list per step (the EOS included, nothing after it).
     Returns (as the generator's value): a `GenerationResult`.
@@ -346,16 +454,16 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
     heads_cfg, head_params, full_tree = _decoding_setup(heads, tree)
     S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.size)
     return _stream(cfg, params, prompt, max_new_tokens, heads_cfg, head_params, full_tree, acceptance,
-                   seed, eos, S)
+                   seed, eos, S, progress)
 
 
 def _stream(cfg: ModelConfig, params, prompt: List[int], max_new_tokens: int, heads_cfg, head_params,
             full_tree: TreeBuffers, acceptance: Acceptance, seed: int, eos: Tuple[int, ...], S: int,
-            ) -> Generator[List[int], None, GenerationResult]:
+            progress: bool) -> Generator[List[int], None, GenerationResult]:
     """The generator behind `generate_stream`, on checked arguments."""
     result = GenerationResult()
     timing: dict = {}
-    state = start_state(cfg, params, [prompt], S, seed, timing=timing)
+    state = start_state(cfg, params, [prompt], S, seed, timing=timing, progress=progress)
     result.prefill_s = timing["prefill_s"]
     length = len(prompt)
     t_decode = 0.0
@@ -498,7 +606,7 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
                     heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
                     acceptance: Acceptance = Acceptance(), seed: int = 0,
                     eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
-                    ) -> DeviceResult:
+                    progress: bool = True) -> DeviceResult:
     """Generate for B prompts with the whole decoding loop on the device (the fast path).
 
     The KV cache starts just big enough for the longest prompt plus one tree (a power of two,
@@ -521,7 +629,7 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.size)
     S = min(bucket(longest + tr.size + 1, 128), s_max)
     timing: dict = {}
-    state = start_state(cfg, params, prompts, S, seed, timing=timing)
+    state = start_state(cfg, params, prompts, S, seed, timing=timing, progress=progress)
     B = len(prompts)
     carry = (state, jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B,), jnp.int32),
              jnp.zeros((B,), bool), jnp.int32(0), jnp.zeros((tr.max_depth + 1,), jnp.int32))

@@ -106,6 +106,100 @@ def build_attention_mask(lengths: Optional[jax.Array], size: int, block: jax.Arr
     return mask
 
 
+def _grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
+    """[B, T, H, Dh] queries -> [B, KVH, g * T, Dh], scaled by ``1 / sqrt(Dh)``: each KV head's g
+    query heads stacked along the rows, so that both attention products are batched over
+    (B, KVH): on this project's CPU, XLA ran 256 queries over 2,048 slots about twice as fast in
+    this layout as with the heads between the token axes."""
+    B, T, H, Dh = q.shape
+    q = (q.astype(jnp.float32) * (1.0 / math.sqrt(Dh))).astype(q.dtype)
+    return q.reshape(B, T, kv_heads, H // kv_heads, Dh).transpose(0, 2, 3, 1, 4).reshape(B, kv_heads, -1, Dh)
+
+
+def _ungrouped(out: jax.Array) -> jax.Array:
+    """[B, KVH, g, T, Dh] -> [B, T, H * Dh] (query head ``h = kv_head * g + i``)."""
+    B, KVH, g, T, Dh = out.shape
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, KVH * g * Dh)
+
+
+def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array,
+                            dtype=jnp.float32) -> jax.Array:
+    """Masked softmax attention with grouped-query heads (KVH key/value heads, each shared by
+    ``g = H // KVH`` query heads, query head ``h`` reading KV head ``h // g``, as transformers'
+    ``repeat_kv``).
+
+    Args:
+      q: [B, T, H, Dh] queries (RoPE applied); k, v: [B, S, KVH, Dh]; mask: [B, T, S] bool
+        (True = visible; a query that sees no key gets the mean of all values).
+      dtype: the compute dtype of the output.
+    Returns:
+      [B, T, H * Dh]: ``softmax(q k^T / sqrt(Dh)) v`` per head, scores and softmax in float32.
+
+    The softmax is normalised after the product with v (``(exp(s - max) v) / sum``), so the
+    [B, H, T, S] scores are written once and read twice rather than five times.
+    """
+    B, T, H, Dh = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    qg = _grouped_queries(q, KVH)
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(q.dtype).transpose(0, 2, 1, 3),
+                        preferred_element_type=jnp.float32).reshape(B, KVH, H // KVH, T, S)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+    unnormalized = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
+    total = jnp.sum(unnormalized, axis=-1, keepdims=True)  # [B, KVH, g, T, 1], >= 1
+    out = jnp.einsum("bkqs,bksd->bkqd", unnormalized.reshape(B, KVH, -1, S).astype(dtype),
+                     v.astype(dtype).transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+    return _ungrouped((out.reshape(B, KVH, H // KVH, T, Dh) / total).astype(dtype))
+
+
+def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, end: jax.Array,
+                        block: int, dtype=jnp.float32) -> jax.Array:
+    """`grouped_query_attention` over the cache in blocks of `block` slots, with the online
+    softmax of FlashAttention (Dao et al. 2022; Milakov & Gimelshein 2018): a running max and sum
+    per query rescale the partial output as each block arrives. Only the blocks before `end` are
+    read (a `lax.fori_loop` with a traced trip count), and no [B, H, T, S] array is formed, so a
+    long prompt's chunks cost what their causal part of the cache costs.
+
+    Args:
+      q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; mask: [B, T, S] bool, as `grouped_query_attention`.
+      end: () int32, one past the last slot any query may see (slots ``>= end`` are skipped).
+      block: slots per block (static); S must be a multiple of it.
+      dtype: the compute dtype of the output.
+    Returns:
+      [B, T, H * Dh], equal to `grouped_query_attention` up to float32 round-off (a query that
+      sees no key gets the mean of the values it read).
+    Raises:
+      ValueError: S not a multiple of `block`.
+    """
+    B, T, H, Dh = q.shape
+    S, KVH = k.shape[1], k.shape[2]
+    if S % block:
+        raise ValueError(f"blockwise attention needs a cache size that is a multiple of the block: "
+                         f"S={S}, block={block}")
+    g = H // KVH
+    qg = _grouped_queries(q, KVH)
+    low = jnp.finfo(jnp.float32).min
+
+    def body(j, carry):
+        top, total, acc = carry  # running max and sum [B, KVH, g, T, 1], output [B, KVH, g, T, Dh]
+        kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=1).astype(q.dtype).transpose(0, 2, 1, 3)
+        vb = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=1).astype(dtype).transpose(0, 2, 1, 3)
+        mb = jax.lax.dynamic_slice_in_dim(mask, j * block, block, axis=2)
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, kb, preferred_element_type=jnp.float32).reshape(B, KVH, g, T, block)
+        s = jnp.where(mb[:, None, None, :, :], s, low)
+        new_top = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
+        p = jnp.exp(s - new_top)
+        rescale = jnp.exp(top - new_top)
+        part = jnp.einsum("bkqs,bksd->bkqd", p.reshape(B, KVH, g * T, block).astype(dtype), vb,
+                          preferred_element_type=jnp.float32).reshape(B, KVH, g, T, Dh)
+        return new_top, total * rescale + jnp.sum(p, axis=-1, keepdims=True), acc * rescale + part
+
+    init = (jnp.full((B, KVH, g, T, 1), low, jnp.float32), jnp.zeros((B, KVH, g, T, 1), jnp.float32),
+            jnp.zeros((B, KVH, g, T, Dh), jnp.float32))
+    blocks = jnp.clip((end + block - 1) // block, 1, S // block)
+    _, total, acc = jax.lax.fori_loop(0, blocks, body, init)
+    return _ungrouped((acc / total).astype(dtype))
+
+
 class Attention(nn.Module):
     cfg: ModelConfig
     dtype: jnp.dtype = jnp.float32
@@ -119,11 +213,13 @@ class Attention(nn.Module):
         self.o_proj = dense(c.hidden_size, False)
 
     def __call__(self, x, positions, mask, kv: Optional[Tuple[jax.Array, jax.Array]], lengths,
-                 inv_freq, layer: int):
+                 inv_freq, layer: int, kv_block: Optional[int] = None):
         """x: [B, T, D]; mask: [B, T, S]; kv: the whole cache (k, v: [L, B, S, KVH, Dh]) or None.
 
         The T new K/V go to slots ``lengths[b] + t`` of layer `layer` (a scatter that XLA does in
         place when the cache is donated; out-of-range slots are dropped, never clamped).
+        kv_block: read the cache with `blockwise_attention` in blocks of this many slots (when S
+        is a larger multiple of it), skipping the slots past every row's last new token.
         Returns (out [B, T, D], updated (k, v) or None).
         """
         c = self.cfg
@@ -141,14 +237,13 @@ class Attention(nn.Module):
             k_all, v_all, new_kv = k_full[layer], v_full[layer], (k_full, v_full)
         else:
             k_all, v_all, new_kv = k, v, None
-        g = c.num_heads // c.num_kv_heads
-        qg = q.reshape(B, T, c.num_kv_heads, g, c.head_dim)
-        scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_all.astype(q.dtype),
-                            preferred_element_type=jnp.float32) / math.sqrt(c.head_dim)
-        scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
-        probs = jax.nn.softmax(scores, axis=-1).astype(self.dtype)
-        out = jnp.einsum("bkgts,bskd->btkgd", probs, v_all.astype(self.dtype))
-        return self.o_proj(out.reshape(B, T, c.num_heads * c.head_dim)), new_kv
+        S = k_all.shape[1]
+        if kv is not None and kv_block and S > kv_block and S % kv_block == 0:
+            end = jnp.max(lengths) + T  # no row sees a slot at or past it
+            out = blockwise_attention(q, k_all, v_all, mask, end, kv_block, self.dtype)
+        else:
+            out = grouped_query_attention(q, k_all, v_all, mask, self.dtype)
+        return self.o_proj(out), new_kv
 
 
 class MLP(nn.Module):
@@ -173,8 +268,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(self.cfg.rms_norm_eps, self.dtype)
         self.mlp = MLP(self.cfg, self.dtype)
 
-    def __call__(self, x, positions, mask, kv, lengths, inv_freq, layer: int):
-        h, new_kv = self.attn(self.input_norm(x), positions, mask, kv, lengths, inv_freq, layer)
+    def __call__(self, x, positions, mask, kv, lengths, inv_freq, layer: int, kv_block: Optional[int] = None):
+        h, new_kv = self.attn(self.input_norm(x), positions, mask, kv, lengths, inv_freq, layer, kv_block)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x)), new_kv
 
@@ -198,7 +293,7 @@ class LlamaModel(nn.Module):
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache] = None,
                  mask: Optional[jax.Array] = None, num_new: Optional[jax.Array] = None,
-                 compute_logits: bool = True):
+                 compute_logits: bool = True, kv_block: Optional[int] = None):
         """Run T new tokens per row, optionally on top of a KV cache.
 
         Args:
@@ -214,6 +309,9 @@ class LlamaModel(nn.Module):
           num_new: [B] int32, how many of the T tokens are real per row (right padding);
             the returned cache's lengths advance by it (default T).
           compute_logits: when False, logits are None (saves the [B, T, V] projection).
+          kv_block: with a cache whose size S is a larger multiple of it, attention reads the cache
+            in blocks of this many slots and stops after the last new token's slot
+            (`blockwise_attention`): for long prompts. None: one pass over all S slots.
 
         Returns:
           (logits [B, T, V] float32 or None, hidden [B, T, D] after the final norm, new cache or None).
@@ -231,7 +329,7 @@ class LlamaModel(nn.Module):
         x = self.embed(tokens)
         kv = (cache.k, cache.v) if cache is not None else None
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, masks[windows[i]], kv, lengths, inv_freq, i)
+            x, kv = layer(x, positions, masks[windows[i]], kv, lengths, inv_freq, i, kv_block)
         hidden = self.norm(x)
         new_cache = None
         if cache is not None:
