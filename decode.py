@@ -54,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="print one JSON object at the end (text, new_tokens, steps, mean_accepted, "
                         "tokens_per_s, prefill_s, decode_s, ...) instead of streaming")
     p.add_argument("--no-progress", action="store_true",
-                   help="no progress bar during a long prefill (it is never shown with --json)")
+                   help="no progress bars (first-run model conversion, long prefills); never shown with --json")
     return p
 
 
@@ -115,8 +115,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runtime.enable_compilation_cache()
+    progress = not (args.json or args.no_progress)
     try:
-        model = mj.load_model(args.model)
+        model = mj.load_model(args.model, progress=progress)
         heads, tree, heads_note = mj.resolve_heads(model, None if args.no_medusa else args.heads,
                                                     args.tree, use_medusa=not args.no_medusa)
     except (FileNotFoundError, ValueError) as e:
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
     try:
         result = mj.generate(model.cfg, model.params, prompt_ids, heads=heads, tree=tree,
                               max_new_tokens=args.max_new_tokens, acceptance=acc, seed=args.seed,
-                              on_tokens=printer.push)
+                              on_tokens=printer.push, progress=progress)
     except ValueError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2

@@ -131,7 +131,7 @@ def load_tokenizer(path: str, reader=None):
                               "metadata in a GGUF file") from e
 
 
-def _load_gguf_cached(path: str, dtype, with_tokenizer: bool):
+def _load_gguf_cached(path: str, dtype, with_tokenizer: bool, progress: bool = False):
     """(cfg, numpy params, tokenizer or None) of a GGUF file, through the converted-model cache
     (`convert.cache`): a second load reads float params and the tokenizer's own files instead of
     parsing and dequantizing the GGUF again."""
@@ -145,7 +145,7 @@ def _load_gguf_cached(path: str, dtype, with_tokenizer: bool):
             tokenizer = load_tokenizer(tok_dir if os.path.isdir(tok_dir) else path)
         return cfg, params, tokenizer
     reader = open_gguf(path)
-    cfg, params = load_gguf(path, dtype=dtype, reader=reader)
+    cfg, params = load_gguf(path, dtype=dtype, reader=reader, progress=progress)
     try:
         tokenizer = load_tokenizer(path, reader=reader)
     except ConversionError:
@@ -193,7 +193,8 @@ def complete_eos_ids(cfg: ModelConfig, tokenizer=None, extra: Iterable[int] = ()
     return cfg.replace(eos_token_ids=tuple(ids))
 
 
-def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: bool = True) -> LoadedModel:
+def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: bool = True,
+               progress: bool = False) -> LoadedModel:
     """Load a backbone from an HF directory or a GGUF file (the default SmolLM2 GGUF if None).
 
     Args:
@@ -201,6 +202,7 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
         magic bytes, whatever its extension); None: `default_model_path()`.
       dtype: numpy dtype of the weights (float32 by default); params come back as ``jnp`` arrays.
       with_tokenizer: also load the tokenizer (from the same path).
+      progress: a progress bar on stderr while a GGUF file is converted (the first load only).
     A GGUF file is converted once and cached (`convert.cache`: ``~/.cache/medusa_jax/models``,
     keyed by the file's path, size and mtime; ``MEDUSA_JAX_NO_CACHE=1`` disables it).
     Returns:
@@ -230,7 +232,7 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
         extra = _generation_config_eos(path)
         tokenizer = load_tokenizer(path) if with_tokenizer else None
     elif _is_gguf(path):
-        cfg, params, tokenizer = _load_gguf_cached(path, dtype, with_tokenizer)
+        cfg, params, tokenizer = _load_gguf_cached(path, dtype, with_tokenizer, progress)
     else:
         with open(path, "rb") as f:
             head = f.read(4)

@@ -67,5 +67,7 @@ def test_decode_cli_json(capsys):
 
 def test_decode_cli_rejects_empty_prompt(capsys):
     import decode
-    assert decode.main(["--prompt", "   "]) == 2
-    assert "empty" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        decode.main(["--prompt", "   "])
+    assert e.value.code == 2
+    assert "prompt from --prompt is empty" in capsys.readouterr().err

@@ -279,13 +279,14 @@ def _dequantize(tensor, source: str) -> np.ndarray:
                               f"{shape} needs {math.prod(shape)}; the file may be corrupted") from e
 
 
-def load_gguf(path: str, dtype=np.float32, reader=None) -> Tuple[ModelConfig, dict]:
+def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False) -> Tuple[ModelConfig, dict]:
     """Load a Llama/Mistral/Qwen2 GGUF file into (ModelConfig, params of numpy arrays).
 
     Args:
       path: a ``.gguf`` file (any quantization the ``gguf`` package can dequantize).
       dtype: numpy dtype of the params (dequantized values are computed in float32).
       reader: the file already opened with `open_gguf` (None: open it here).
+      progress: a tqdm bar on stderr over the tensors being dequantized.
     Returns:
       (cfg, params) with the `LlamaModel` params tree; ``cfg.eos_token_ids`` holds the file's
       ``tokenizer.ggml.eos_token_id`` (plus eot / eom ids when present).
@@ -300,7 +301,10 @@ def load_gguf(path: str, dtype=np.float32, reader=None) -> Tuple[ModelConfig, di
     permuted = file_arch == "llama"
     hf: Dict[str, np.ndarray] = {}
     unmapped = []
-    for tensor in reader.tensors:
+    from tqdm.auto import tqdm
+
+    for tensor in tqdm(reader.tensors, desc=f"converting {os.path.basename(path)} (cached for later runs)",
+                       unit="tensor", disable=not progress, leave=False):
         if tensor.name == "rope_freqs.weight":
             continue  # folded into cfg.rope_scaling by gguf_config
         name = gguf_to_hf_name(tensor.name)
