@@ -141,8 +141,13 @@ def _load_gguf_cached(path: str, dtype, with_tokenizer: bool, progress: bool = F
     if hit is not None:
         cfg, params, tok_dir = hit
         tokenizer = None
-        if with_tokenizer:
-            tokenizer = load_tokenizer(tok_dir if os.path.isdir(tok_dir) else path)
+        if with_tokenizer and os.path.isdir(tok_dir):
+            # the class we stored (not AutoTokenizer, whose import pulls in torch where installed)
+            from transformers import PreTrainedTokenizerFast
+
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir, local_files_only=True)
+        elif with_tokenizer:
+            tokenizer = load_tokenizer(path)
         return cfg, params, tokenizer
     reader = open_gguf(path)
     cfg, params = load_gguf(path, dtype=dtype, reader=reader, progress=progress)
