@@ -73,7 +73,9 @@ def main(argv=None) -> int:
         return 0
     m = res.metrics
     done = "already trained" if res.already_finished else "trained"
-    print(f"{done} {tc.mode} Medusa heads ({tc.num_heads} heads, {res.steps_done} steps) -> {res.heads_dir}")
+    kind = "Medusa" if tc.head_type == "medusa" else "hydra"
+    soft = f", soft targets at T={tc.soft_temperature:g}" if tc.loss_targets == "soft" else ""
+    print(f"{done} {tc.mode} {kind} heads ({tc.num_heads} heads, {res.steps_done} steps{soft}) -> {res.heads_dir}")
     if m.get("val_top1"):
         for k, (a1, a5) in enumerate(zip(m["val_top1"], m["val_top5"])):
             print(f"  head {k} (token t+{k + 2}): val top-1 {a1:.3f}  top-5 {a5:.3f}")

@@ -284,12 +284,22 @@ def rope_scaling_from_dict(d: Optional[Mapping[str, Any]]) -> Optional[RopeScali
     )
 
 
+#: MedusaConfig.head_type values: "medusa" = the paper's heads (Cai et al. 2024, Sec. 2.1.1: head k
+#: reads h_t only); "hydra" = sequentially dependent heads (Ankner et al. 2024, "Hydra", Sec. 3: head k
+#: also reads the embeddings of the tokens on its path, root first; `medusa_jax.hydra`).
+HEAD_TYPES: Tuple[str, ...] = ("medusa", "hydra")
+
+
 @dataclass(frozen=True)
 class MedusaConfig:
-    """Medusa heads (Cai et al. 2024, Sec. 2.1.1).
+    """Medusa heads (Cai et al. 2024, Sec. 2.1.1), or Hydra heads (Ankner et al. 2024).
 
     num_heads: K; head k (0-based) reads the hidden state at t and predicts token t+k+2.
-    num_layers: residual blocks ``x + silu(W x + b)`` per head.
+    num_layers: residual blocks ``x + silu(W x + b)`` per head (hydra: >= 1; the first block also
+      reads the path's token embeddings, see `medusa_jax.hydra`).
+    head_type: "medusa" (head k reads h_t only) or "hydra" (head k reads h_t and the embeddings of
+      tokens t+1..t+k+1 on its path; a tree node's children are then proposed from that node's
+      own path, depth by depth).
     shared_lm_head: True: the heads end in the base model's frozen lm_head (the official format's
       ``"version": "2"`` variant); False: each head has its own copy ([K, D, V] extra params).
     topk: candidates taken from each head (ranks in medusa_choices are < topk).
@@ -309,10 +319,16 @@ class MedusaConfig:
     medusa_choices: Optional[Tuple[Tuple[int, ...], ...]] = None
     base_model: str = ""
     proposal_vocab_size: int = 0
+    head_type: str = "medusa"
 
     def __post_init__(self):
         if self.num_heads < 1 or self.num_layers < 0:
             raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if self.head_type not in HEAD_TYPES:
+            raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        if self.head_type == "hydra" and self.num_layers < 1:
+            raise ValueError("hydra heads need num_layers >= 1: their first block reads the path's token "
+                             "embeddings (Ankner et al. 2024, Sec. 3)")
         if not 0 <= self.proposal_vocab_size <= self.vocab_size:
             raise ValueError(f"proposal_vocab_size must be in [0, vocab_size={self.vocab_size}], "
                              f"got {self.proposal_vocab_size}")
@@ -331,6 +347,8 @@ class MedusaConfig:
 #: TrainConfig.mode values: "frozen" = Medusa-1 (heads only, Sec. 2.2.1 of the Medusa paper),
 #: "joint" = Medusa-2 (backbone and heads, Sec. 2.2.2).
 TRAIN_MODES: Tuple[str, ...] = ("frozen", "joint")
+#: TrainConfig.loss_targets values: "hard" = the data's tokens; "soft" = the backbone's distribution.
+LOSS_TARGETS: Tuple[str, ...] = ("hard", "soft")
 
 
 class TrainConfigError(ValueError):
@@ -374,9 +392,18 @@ class TrainConfig:
         `medusa_jax.tree.PRESETS`, a tree file, or "search" (greedy search from the final
         validation rank accuracies, Medusa Sec. 3.3.1, with tree_nodes tree tokens).
       tree_nodes: tree tokens (root included) for tree="search".
+      head_type: "medusa" (the paper's heads: head k reads h_t) or "hydra" (Ankner et al. 2024:
+        head k also reads the embeddings of tokens t+1..t+k+1, trained with teacher forcing on the
+        data's true tokens; `medusa_jax.hydra`).
       init_heads: a heads directory (`load_heads`) to start from instead of fresh heads (e.g. the
         Medusa-1 heads before joint training); None: fresh heads (zero blocks, which reproduce the
-        base model's next-token logits). Its K, L and shared_lm_head must match the fields above.
+        base model's next-token logits). Its K, L and shared_lm_head must match the fields above;
+        Medusa heads may start hydra heads (their path weights start at zero: the same heads).
+    Targets:
+      loss_targets: "hard" (cross-entropy on the data's token t+k+2) or "soft" (KL divergence from
+        the backbone's own distribution over token t+k+2, softmax(h_{t+k+1} @ lm_head /
+        soft_temperature), computed from the same hidden states: no extra backbone pass).
+      soft_temperature: temperature T > 0 of the soft targets (T > 1 flattens them).
     Optimisation (Optax AdamW, linear warm-up then cosine decay, global-norm clipping):
       mode: "frozen" (Medusa-1: only the heads train; the backbone's hidden states are computed
         once) or "joint" (Medusa-2: backbone and heads).
@@ -397,7 +424,7 @@ class TrainConfig:
         bfloat16 halves the lm_head's memory and made the loss with its gradient 1.46x faster on
         the project's 2-core AVX512-BF16 CPU (`shared_head_loss`, docs/performance.md).
       loss_chunk: positions per chunk of the heads' vocabulary projection (0: whole batch at once);
-        bounds memory at about 3 * K * loss_chunk * V floats.
+        bounds memory at about 3 * K * loss_chunk * V floats (5 * K * loss_chunk * V with soft targets).
       lambda_base: weight of the backbone's own loss in joint mode; the heads' summed loss has
         weight 1. Medusa-2 (Sec. 2.2.2) writes L_LM + lambda_0 * L_heads with lambda_0 = 0.2, the
         same up to a constant factor as lambda_base = 5.
@@ -412,6 +439,9 @@ class TrainConfig:
       hidden_batch_tokens: frozen mode: tokens per batch when computing the hidden states once.
       cache_hidden: frozen mode: keep the computed hidden states in out_dir/hidden (numpy), reused
         when resuming.
+      hidden_dir: where that cache lives instead of out_dir/hidden, so that runs of other head
+        types or targets on the same backbone, data and num_heads share it (a cache is used only when
+        its fingerprint matches; None: out_dir/hidden).
       log_every: steps between metrics lines (mean of the steps since the last line).
       eval_every: steps between validation evaluations (0: only at the end).
       checkpoint_every: steps between Orbax checkpoints (0: only at the end).
@@ -443,6 +473,9 @@ class TrainConfig:
     tree: Optional[str] = None
     tree_nodes: int = 16
     init_heads: Optional[str] = None
+    head_type: str = "medusa"
+    loss_targets: str = "hard"
+    soft_temperature: float = 1.0
     # optimisation
     mode: str = "frozen"
     steps: int = 1000
@@ -467,6 +500,7 @@ class TrainConfig:
     seed: int = 0
     hidden_batch_tokens: int = 4096
     cache_hidden: bool = True
+    hidden_dir: Optional[str] = None
     log_every: int = 10
     eval_every: int = 200
     checkpoint_every: int = 200
@@ -481,6 +515,14 @@ class TrainConfig:
             problems.append(f"head_matmul_dtype must be 'float32' or 'bfloat16', got {self.head_matmul_dtype!r}")
         if self.base_loss not in ("ce", "kl"):
             problems.append(f"base_loss must be 'ce' or 'kl', got {self.base_loss!r}")
+        if self.head_type not in HEAD_TYPES:
+            problems.append(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
+        elif self.head_type == "hydra" and self.num_layers < 1:
+            problems.append("head_type 'hydra' needs num_layers >= 1 (the first block reads the path embeddings)")
+        if self.loss_targets not in LOSS_TARGETS:
+            problems.append(f"loss_targets must be one of {LOSS_TARGETS}, got {self.loss_targets!r}")
+        if not self.soft_temperature > 0:
+            problems.append(f"soft_temperature must be > 0, got {self.soft_temperature}")
         for name in ("steps", "batch_size", "num_heads", "max_seq_len", "hidden_batch_tokens", "log_every",
                      "keep_checkpoints", "topk", "tree_nodes"):
             if getattr(self, name) < 1:

@@ -20,7 +20,7 @@ from .generate import PLAIN_TREE, _aot, start_state
 from .heads import prepare_heads
 from .models.llama import LlamaModel, lm_head_matrix
 from .tree import TreeBuffers
-from .verify import Acceptance, DecodeState, head_topk, medusa_step
+from .verify import Acceptance, DecodeState, draft_tokens, head_topk, medusa_step
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -46,14 +46,19 @@ def _run_forwards(cfg: ModelConfig, tree: TreeBuffers, n: int, params, state: De
     return jax.lax.fori_loop(0, n, body, jnp.int32(0))
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, n: int, params, head_params,
-               state: DecodeState) -> jax.Array:
-    """`n` head proposals alone (blocks, vocabulary projection, top-k)."""
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, tree: Optional[TreeBuffers], n: int, params,
+               head_params, state: DecodeState) -> jax.Array:
+    """`n` head proposals alone (blocks, vocabulary projection, top-k); with `tree` the whole draft
+    (`verify.draft_tokens`: hydra heads run depth by depth on it)."""
     lm = lm_head_matrix(cfg, params)
+    root = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)
 
     def body(i, acc):  # a different input each time, so nothing is hoisted out of the loop
         hidden = state.hidden + i.astype(state.hidden.dtype) * 1e-6
+        if tree is not None:
+            return acc + draft_tokens(cfg, heads_cfg, head_params, params, state.replace(hidden=hidden), root,
+                                      tree).sum()
         return acc + head_topk(heads_cfg, head_params, hidden, lm, depth, heads_cfg.topk).sum()
     return jax.lax.fori_loop(0, n, body, jnp.int32(0))
 
@@ -95,13 +100,17 @@ def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, d
 
 
 def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], depth: int, state: DecodeState,
-                  steps: int = 16, repeats: int = 3) -> float:
+                  steps: int = 16, repeats: int = 3, tree: Optional[TreeBuffers] = None) -> float:
     """Seconds per proposal of the first `depth` heads alone (blocks, vocabulary projection, top-k
     at ``state.hidden`` [B, D]), with `heads` as given: pass them through `heads.prepare_heads`
-    first to time them as decoding runs them (`overhead_breakdown` does)."""
+    first to time them as decoding runs them (`overhead_breakdown` does). With `tree`, the whole
+    draft on that tree instead (`verify.draft_tokens`; needed for hydra heads, whose work depends
+    on the tree). Raises ValueError for hydra heads without a tree."""
     heads_cfg, head_params = heads
+    if tree is None and heads_cfg.head_type == "hydra":
+        raise ValueError("timing hydra heads needs the tree they draft on: pass tree=")
     args = (params, head_params, state)
-    return _best_time(_aot(_run_heads, (cfg, heads_cfg, depth, steps), args), args, steps, repeats)
+    return _best_time(_aot(_run_heads, (cfg, heads_cfg, depth, tree, steps), args), args, steps, repeats)
 
 
 def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees: Iterable[TreeBuffers],
@@ -134,14 +143,16 @@ def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict
                        cache_size: int = 1024) -> Dict[str, float]:
     """Milliseconds per step of: a plain step, the T-node tree forward alone, the heads' proposal
     alone (blocks + vocabulary projection + top-k, the heads prepared for `tree` as decoding
-    prepares them: `heads.prepare_heads`), and the whole Medusa step; ``rest`` is the
+    prepares them: `heads.prepare_heads`; hydra heads: their whole draft on `tree`), and the whole
+    Medusa step; ``rest`` is the
     whole step minus forward and heads (candidate placement, posterior, cache compaction, loop)."""
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
     heads = _prepared(cfg, params, heads, tree)
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
     fwd_args = (params, state)
     fwd = _best_time(_aot(_run_forwards, (cfg, tree, steps), fwd_args), fwd_args, steps, repeats)
-    hd = heads_seconds(cfg, params, heads, tree.max_depth, state, steps, repeats)
+    hd = heads_seconds(cfg, params, heads, tree.max_depth, state, steps, repeats,
+                       tree=tree if heads[0].head_type == "hydra" else None)
     full = step_seconds(cfg, params, heads, tree, state, steps, repeats)
     ms = 1e3
     return {"plain_ms": plain * ms, "tree_forward_ms": fwd * ms, "heads_ms": hd * ms, "medusa_step_ms": full * ms,

@@ -26,6 +26,10 @@ Params (fixed layout; `medusa_jax.convert.medusa_format` and the trainer depend 
     proposal_ids  [N] int32      only when cfg.proposal_vocab_size = N > 0: the tokens the heads
                                  may propose at decoding time (see `proposal_projection`)
 
+Hydra heads (``cfg.head_type == "hydra"``, Ankner et al. 2024) have these params plus the path
+params of `medusa_jax.hydra` (their first block also reads the path's token embeddings); the
+functions here handle both types.
+
 Decoding reads the heads through `prepare_heads` (once, at load time): only the heads the tree
 uses, the proposal projection precomputed, so the jitted step copies no weight.
 
@@ -44,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import MedusaConfig, ModelConfig
+from .hydra import check_path_params, init_path_params, num_path_params, path_key_head
 
 
 class HeadsMismatchError(ValueError):
@@ -162,7 +167,9 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
       dtype: dtype of the returned arrays.
     Returns:
       {"blocks_kernel" [K, L, D, D], "blocks_bias" [K, L, D], and "lm_head" [K, D, V] when not
-      shared}: pass as ``{"params": params}`` to `MedusaHeads.apply`.
+      shared}: pass as ``{"params": params}`` to `MedusaHeads.apply`. Hydra heads
+      (``cfg.head_type == "hydra"``) also get their zero path params (`hydra.init_path_params`),
+      which keep the same starting logits.
     Raises:
       ValueError: not shared and base_lm_head is None.
       HeadsMismatchError: base_lm_head is not [D, V].
@@ -177,6 +184,8 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
                              "of the base lm_head: pass base_lm_head=[D, V], e.g. models.llama.lm_head_matrix(cfg, params)")
         lm = jnp.asarray(base_lm_head, dtype)
         params["lm_head"] = jnp.tile(lm[None], (K, 1, 1))
+    if cfg.head_type == "hydra":
+        params.update(init_path_params(cfg, dtype))
     return params
 
 
@@ -224,7 +233,8 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
     depth * D * V floats every step (226 MB for two SmolLM2 heads), and a proposal projection not
     precomputed is a gather every step. Here, once:
 
-    1. Only the first `depth` heads are kept (the tree's depth: deeper heads are never run).
+    1. Only the first `depth` heads are kept (the tree's depth: deeper heads are never run; for
+       hydra heads also their path params).
     2. Own lm_heads (``cfg.shared_lm_head`` False) that all equal `base_lm_head` exactly, as
        ``export_official(include_lm_head=True)`` and ``export_vllm`` write shared heads, become the
        shared lm_head: the same logits from one projection instead of `depth`.
@@ -245,7 +255,7 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
       logits of `MedusaHeads` and `medusa_format.save_heads` need the params as loaded.
     Raises:
       ValueError: depth outside [1, cfg.num_heads]; a shared-lm_head proposal vocabulary without
-        base_lm_head; proposal ids missing.
+        base_lm_head; proposal ids missing; hydra heads whose path params are missing or mis-shaped.
       HeadsMismatchError: base_lm_head is not [D, V].
     """
     if "params" in params and "blocks_kernel" not in params:
@@ -257,8 +267,10 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
                          "than the heads")
     if base_lm_head is not None:
         _check_lm_head(cfg, base_lm_head)
+    if cfg.head_type == "hydra":
+        check_path_params(cfg, params, depth)
     p = {k: (v[:depth] if k in _PER_HEAD_KEYS or (k == "proposal_lm_head" and v.ndim == 3) else v)
-         for k, v in params.items()}
+         for k, v in params.items() if (path_key_head(k) or 0) < depth}  # hydra: heads >= depth go
     choices = cfg.medusa_choices
     if choices is not None:
         choices = tuple(c for c in choices if len(c) <= depth) or None
@@ -292,9 +304,13 @@ def frequent_tokens(sequences, size: int, vocab_size: int) -> np.ndarray:
 
 
 def num_head_params(cfg: MedusaConfig) -> int:
-    """Number of trainable head parameters (blocks, plus the per-head lm_heads when not shared)."""
+    """Number of trainable head parameters (blocks, the per-head lm_heads when not shared, and the
+    path params of hydra heads)."""
     K, L, D, V = cfg.num_heads, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
-    return K * L * (D * D + D) + (0 if cfg.shared_lm_head else K * D * V)
+    n = K * L * (D * D + D) + (0 if cfg.shared_lm_head else K * D * V)
+    if cfg.head_type == "hydra":
+        n += num_path_params(cfg)
+    return n
 
 
 def heads_params_to_numpy(params) -> dict:

@@ -11,6 +11,13 @@ depth ``d >= 1`` with last rank ``r`` reads index ``1 + (d-1)*topk + r``.
 Source: Cai et al. 2024, "Medusa", Sec. 2.1.2 (tree attention) and Sec. 3.3.1 (optimised tree
 construction); conventions follow ``generate_medusa_buffers`` in FasterDecoding/Medusa
 (medusa/model/utils.py), except that retrieve rows are padded with node 0 plus a ``valid`` mask.
+
+Parent-dependent candidates (Hydra heads, Ankner et al. 2024, Sec. 3): a node's children are the
+top-k of head ``d`` evaluated on that node's own path, so the draft runs depth by depth over the
+nodes that have children ("expanded" nodes). Their static lists are ``expand_nodes`` (by depth,
+``expand_offsets``), ``node_paths`` (each node's path root..node), and ``parent_tree_indices``:
+node i's index into the flat vector ``[root, expanded node 0's top-k, expanded node 1's top-k, ...]``
+(``1 + slot(parent) * topk + rank``), the per-parent counterpart of ``tree_indices``.
 """
 from __future__ import annotations
 
@@ -72,6 +79,15 @@ class TreeBuffers:
       parents         [T]    int32  parent node index, -1 for the root
       retrieve_indices[P, D+1] int32 node indices root..leaf per leaf, padded with 0
       valid           [P, D+1] bool  False on the padding
+    For parent-dependent candidates (hydra heads; see the module docstring), with M nodes that have
+    children:
+      node_paths      [T, D+1] int32 node indices root..node per node (row i, entries 0..depth[i]),
+                                     padded with 0
+      expand_nodes    [M]    int32  the nodes with children, in node order (hence by depth)
+      expand_offsets  [D+1]  int32  depth d's expanded nodes are expand_nodes[off[d]:off[d+1]]
+                                     (every depth < D has at least one)
+      parent_tree_indices [T] int32 index into ``[root, top-k of expanded node 0, of node 1, ...]``
+                                     (``1 + slot(parent) * topk + rank``; 0 for the root)
     """
     medusa_choices: tuple[Path, ...]
     topk: int
@@ -81,6 +97,10 @@ class TreeBuffers:
     parents: np.ndarray
     retrieve_indices: np.ndarray
     valid: np.ndarray
+    node_paths: np.ndarray
+    expand_nodes: np.ndarray
+    expand_offsets: np.ndarray
+    parent_tree_indices: np.ndarray
 
     @property
     def size(self) -> int:
@@ -192,8 +212,19 @@ def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
         while node >= 0:
             retrieve[row, k] = node
             node, k = int(parents[node]), k - 1
+    node_paths = np.zeros((t, d + 1), np.int32)
+    for i in range(1, t):
+        node_paths[i] = node_paths[parents[i]]
+        node_paths[i, depth[i]] = i
+    expand = np.flatnonzero(has_child).astype(np.int32)  # node order: by depth, root first
+    offsets = np.searchsorted(depth[expand], np.arange(d + 1)).astype(np.int32)
+    slot = np.full(t, -1, np.int32)
+    slot[expand] = np.arange(len(expand), dtype=np.int32)
+    parent_idx = np.zeros(t, np.int32)
+    for i, p in enumerate(choices, start=1):
+        parent_idx[i] = 1 + slot[parents[i]] * topk + p[-1]
     return TreeBuffers(choices, int(topk), _ro(mask), _ro(depth), _ro(tree_indices), _ro(parents),
-                       _ro(retrieve), _ro(valid))
+                       _ro(retrieve), _ro(valid), _ro(node_paths), _ro(expand), _ro(offsets), _ro(parent_idx))
 
 
 def _load_choices_file(path: str) -> tuple[Any, int | None]:

@@ -10,7 +10,8 @@ installed package unless ``--update-shipped-heads`` says so (maintainers re-tuni
    self-distilled training split; the heads then propose only those (their vocabulary projection
    per step shrinks by V / N; verification still uses the full vocabulary, so output is unchanged).
 2. Calibration: each head's rank accuracies ``acc[k][r]`` = P(head k's rank-r proposal equals the
-   base model's greedy token k + 2 positions ahead), counted over the held-out chats of the
+   base model's greedy token k + 2 positions ahead; hydra heads read the true tokens before it),
+   counted over the held-out chats of the
    self-distillation data (prompts from the training pool, never the evaluation sets; answers are the
    backbone's own greedy tokens) and normalised per head by that head's own number of positions.
 3. Tree search: for every candidate size T, the greedy tree of Medusa Sec. 3.3.1 (maximal expected
@@ -85,33 +86,45 @@ def output_dir(heads: Optional[str], out: Optional[str], update_shipped: bool = 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _rank_hits(heads_cfg: MedusaConfig, topk: int, head_params, lm, hidden, labels, valid):
+def _rank_hits(heads_cfg: MedusaConfig, topk: int, head_params, lm, emb, batch):
     from .verify import head_topk
 
-    tokens = head_topk(heads_cfg, head_params, hidden, lm, heads_cfg.num_heads, topk)  # [K, N, topk]
-    hit = (tokens == labels[:, :, None]) & valid[:, :, None]
+    tokens = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
+                       path_tokens=batch["path_tokens"], embeddings=emb)                  # [K, N, topk]
+    hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
     return jnp.sum(hit, axis=1, dtype=jnp.int32)  # [K, topk]
 
 
 def rank_accuracies(heads_cfg: MedusaConfig, head_params, base_lm_head, hidden: np.ndarray, labels: np.ndarray,
-                    valid: np.ndarray, topk: int = 10, batch: int = 1024) -> Tuple[np.ndarray, np.ndarray]:
+                    valid: np.ndarray, topk: int = 10, batch: int = 1024, path_tokens: Optional[np.ndarray] = None,
+                    embeddings=None) -> Tuple[np.ndarray, np.ndarray]:
     """Calibrated rank accuracies of the heads, exactly as decoding proposes (proposal vocabulary included).
+
+    Hydra heads (Ankner et al. 2024, Sec. 3) are conditioned on the true previous tokens (teacher
+    forcing): on the path greedy decoding accepts, the earlier guesses were right, so acc[k][r]
+    is P(rank r right | the path so far right), which is what `tree.expected_acceptance_length`
+    multiplies along a path.
 
     Args:
       hidden: [P, D] float32 backbone hidden states at positions t.
       labels: [K, P] int32, the base model's greedy token at t + k + 2 for head k.
       valid: [K, P] bool, whether that label exists.
       topk: ranks to measure.
+      path_tokens: hydra heads: [K, P] int32 tokens t+1..t+K (`data.path_tokens`); ignored by Medusa heads.
+      embeddings: hydra heads: [V, D] the backbone's input embeddings (`hydra.token_embeddings`).
     Returns:
       (acc [K, topk] float64: acc[k][r] = hits of head k at rank r / counts[k], counts [K] int64).
-    Raises ValueError when some head has no valid position.
+    Raises ValueError when some head has no valid position, or hydra heads lack path_tokens or embeddings.
     """
-    K = heads_cfg.num_heads
-    hits = np.zeros((K, topk), np.int64)
-    from .train.data import position_batches
+    from .train.data import plain_positions, position_batches
 
-    for h, lab, ok in position_batches(hidden, labels, valid, batch):
-        hits += np.asarray(_rank_hits(heads_cfg, topk, head_params, base_lm_head, h, lab, ok))
+    K = heads_cfg.num_heads
+    if heads_cfg.head_type == "hydra" and (path_tokens is None or embeddings is None):
+        raise ValueError("calibrating hydra heads needs path_tokens [K, P] (tokens t+1..t+K) and embeddings [V, D]")
+    hits = np.zeros((K, topk), np.int64)
+    emb = None if embeddings is None else jnp.asarray(embeddings)
+    for b in position_batches(plain_positions(hidden, labels, valid, path_tokens), batch):
+        hits += np.asarray(_rank_hits(heads_cfg, topk, head_params, base_lm_head, emb, b))
     counts = valid.sum(axis=1).astype(np.int64)
     if np.any(counts == 0):
         raise ValueError(f"no calibration position for heads {np.flatnonzero(counts == 0).tolist()}: "
@@ -165,12 +178,12 @@ def _calibration_data(model, data_dir: str, val_fraction: float, seed: int, num_
         raise ValueError(f"{data_dir}: val_fraction={val_fraction} leaves no held-out chat for calibration")
     cut = [(np.asarray(i, np.int32)[:max_seq_len], np.asarray(m, bool)[:max_seq_len]) for i, m in val]
     bb = Backbone(model.cfg, model.params, model.path)
-    hidden, labels, valid = compute_positions(bb, cut, num_heads, max_seq_len, 4096, desc="calibration hidden states",
-                                              progress=progress)
-    if max_positions and hidden.shape[0] > max_positions:
-        keep = np.sort(np.random.default_rng(seed).choice(hidden.shape[0], max_positions, replace=False))
-        hidden, labels, valid = hidden[keep], labels[:, keep], valid[:, keep]
-    return train, val, (hidden, labels, valid)
+    pos = compute_positions(bb, cut, num_heads, max_seq_len, 4096, desc="calibration hidden states",
+                            progress=progress)
+    if max_positions and pos.num_positions > max_positions:
+        keep = np.sort(np.random.default_rng(seed).choice(pos.num_positions, max_positions, replace=False))
+        pos = D.select_positions(pos, keep)
+    return train, val, pos
 
 
 def _timing_prompt(val, target_len: int) -> List[int]:
@@ -235,6 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .convert.medusa_format import load_heads, read_heads_config, save_heads
     from .cost import overhead_breakdown, step_costs
     from .heads import frequent_tokens, with_proposal_projection
+    from .hydra import token_embeddings
     from .loading import load_model
     from .models.llama import lm_head_matrix
 
@@ -244,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hcfg, hp = load_heads(heads_dir, model.cfg)
     lm = lm_head_matrix(model.cfg, model.params)
     progress = not args.no_progress
-    train, val, (hidden, labels, valid) = _calibration_data(
+    train, val, pos = _calibration_data(
         model, args.data, args.val_fraction, args.seed, hcfg.num_heads, args.max_seq_len, args.max_positions,
         progress)
     if args.proposal_vocab is not None:
@@ -255,7 +269,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hp = {k: v for k, v in hp.items() if k != "proposal_ids"}
         hcfg = hcfg.replace(proposal_vocab_size=args.proposal_vocab)
     jhp = with_proposal_projection(hcfg, jax.tree_util.tree_map(jnp.asarray, hp), lm)
-    acc, counts = rank_accuracies(hcfg, jhp, lm, hidden, labels, valid, hcfg.topk)
+    P = pos.num_positions
+    acc, counts = rank_accuracies(hcfg, jhp, lm, pos.hidden[:P], pos.labels, pos.valid, hcfg.topk,
+                                  path_tokens=pos.path_tokens, embeddings=token_embeddings(model.params))
     print(f"calibration: {len(val)} held-out chats, positions per head {counts.tolist()}")
     for k in range(hcfg.num_heads):
         print(f"  head {k}: top-1 {acc[k, 0]:.3f}  top-5 {acc[k, :5].sum():.3f}  ranks "

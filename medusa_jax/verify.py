@@ -8,6 +8,10 @@ Differences from the reference, all for speed: the heads run only on the last ac
 probability (typical) instead of copying full-vocabulary logits per path, and the accepted nodes'
 K/V are moved with one fixed-size gather/scatter. Everything here is jit-compatible with static
 shapes; the tree (`TreeBuffers`) is a static argument.
+
+Hydra heads (Ankner et al. 2024, "Hydra", Sec. 3; `medusa_jax.hydra`) draft per parent instead of
+per head: head d runs on every depth-d node that has children, reading that node's own path
+(`hydra_candidates`). Verification is the same for both head types.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import jax.numpy as jnp
 
 from .config import MedusaConfig, ModelConfig
 from .heads import BLOCK_KEYS, MedusaHeads, proposal_projection
+from .hydra import head_state, teacher_forced_states, token_embeddings
 from .kv_cache import KVCache
 from .models.llama import LlamaModel, lm_head_matrix
 from .sampling import sample_logits
@@ -55,13 +60,45 @@ class StepOutput(NamedTuple):
     num_tokens: jax.Array
 
 
+def _states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm_head: Optional[jax.Array],
+                 topk: int, first: int = 0) -> jax.Array:
+    """Top-k token ids from head states: [J, ..., D] states of heads first..first+J-1 -> [J, ..., topk]
+    int32, over the proposal vocabulary when the heads have one (module `heads`)."""
+    J = states.shape[0]
+    ids = None
+    if heads_cfg.proposal_vocab_size:
+        proj = head_params.get("proposal_lm_head")
+        if proj is None:
+            proj = proposal_projection(heads_cfg, head_params, base_lm_head)
+        ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
+    elif heads_cfg.shared_lm_head:
+        if base_lm_head is None:
+            raise ValueError("these heads share the base model's lm_head (shared_lm_head=True): pass "
+                             "base_lm_head=[D, V], e.g. models.llama.lm_head_matrix(cfg, params)")
+        proj = base_lm_head
+    else:
+        proj = head_params["lm_head"]
+    if heads_cfg.shared_lm_head:
+        logits = jnp.einsum("k...d,dv->k...v", states, proj.astype(states.dtype))
+    else:
+        logits = jnp.einsum("k...d,kdv->k...v", states, proj[first:first + J].astype(states.dtype))
+    idx = jax.lax.top_k(logits.astype(jnp.float32), topk)[1].astype(jnp.int32)
+    return idx if ids is None else ids[idx]
+
+
 def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_head: Optional[jax.Array],
-              depth: int, topk: int) -> jax.Array:
+              depth: int, topk: int, path_tokens: Optional[jax.Array] = None,
+              embeddings: Optional[jax.Array] = None) -> jax.Array:
     """Top-k proposals of the first `depth` heads.
 
     Args:
       hidden: [N, D] backbone hidden states (after the final norm).
       base_lm_head: [D, V] (used by heads that share the base lm_head).
+      path_tokens: hydra heads only: [K', N] int32 (K' >= depth), the tokens t+1..t+K' after each
+        hidden state's own token t; head k reads the first k+1 (teacher forcing, Ankner et al. 2024,
+        Sec. 3). Medusa heads ignore it.
+      embeddings: hydra heads only: [V, D] the backbone's input embedding table
+        (`hydra.token_embeddings`).
       With ``heads_cfg.proposal_vocab_size = P``, the top-k is taken over the P tokens of
       ``head_params["proposal_ids"]`` only, projected with ``head_params["proposal_lm_head"]``
       (gathered here, every call, when absent).
@@ -70,30 +107,25 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
     Returns:
       [depth, N, topk] int32 token ids, best first; head k guesses the token k + 2 positions
       after each hidden state's own token.
+    Raises:
+      ValueError: hydra heads without path_tokens or embeddings.
     """
-    sub_cfg = heads_cfg.replace(num_heads=depth, proposal_vocab_size=0)
-    if not heads_cfg.proposal_vocab_size:
-        sub_params = {k: v[:depth] for k, v in head_params.items() if k in BLOCK_KEYS + ("lm_head",)}
-        logits = MedusaHeads(sub_cfg).apply({"params": sub_params}, hidden,
-                                            None if not heads_cfg.shared_lm_head else base_lm_head)
-        return jax.lax.top_k(logits, topk)[1].astype(jnp.int32)
-    blocks = {k: head_params[k][:depth] for k in BLOCK_KEYS}
-    states = MedusaHeads(sub_cfg.replace(shared_lm_head=True)).apply(  # the blocks only: [depth, N, D]
-        {"params": blocks}, hidden, method=MedusaHeads.head_states)
-    proj = head_params.get("proposal_lm_head")
-    if proj is None:
-        proj = proposal_projection(heads_cfg, head_params, base_lm_head)
-    if heads_cfg.shared_lm_head:
-        logits = jnp.einsum("knd,dp->knp", states, proj.astype(states.dtype))
+    if heads_cfg.head_type == "hydra":
+        if path_tokens is None or embeddings is None:
+            raise ValueError("hydra heads read the path's tokens: pass path_tokens [K, N] (tokens t+1..t+K) and "
+                             "embeddings [V, D] (hydra.token_embeddings(params))")
+        path = jnp.take(embeddings, jnp.transpose(path_tokens[:depth]), axis=0)           # [N, depth, D]
+        states = teacher_forced_states(heads_cfg, head_params, hidden, path, depth)      # [depth, N, D]
     else:
-        logits = jnp.einsum("knd,kdp->knp", states, proj[:depth].astype(states.dtype))
-    idx = jax.lax.top_k(logits, topk)[1]
-    return jnp.asarray(head_params["proposal_ids"], jnp.int32)[idx]
+        blocks = {k: head_params[k][:depth] for k in BLOCK_KEYS}
+        states = MedusaHeads(heads_cfg.replace(num_heads=depth, shared_lm_head=True, proposal_vocab_size=0)).apply(
+            {"params": blocks}, hidden, method=MedusaHeads.head_states)                  # [depth, N, D]
+    return _states_topk(heads_cfg, head_params, states, base_lm_head, topk)
 
 
 def propose_candidates(heads_cfg: MedusaConfig, head_params, state: DecodeState,
                        base_lm_head: Optional[jax.Array], depth: int, topk: int) -> jax.Array:
-    """Top-k tokens of the first `depth` heads at the last accepted position (`head_topk` of
+    """Top-k tokens of the first `depth` Medusa heads at the last accepted position (`head_topk` of
     ``state.hidden`` [B, D]; the root token will sit at position ``state.cache.lengths``).
 
     Returns:
@@ -102,19 +134,68 @@ def propose_candidates(heads_cfg: MedusaConfig, head_params, state: DecodeState,
     return head_topk(heads_cfg, head_params, state.hidden, base_lm_head, depth, topk)
 
 
-def tree_candidates(root: jax.Array, head_tokens: jax.Array, tree: TreeBuffers) -> jax.Array:
+def tree_candidates(root: jax.Array, head_tokens: jax.Array, tree: TreeBuffers, per_parent: bool = False) -> jax.Array:
     """Tokens placed on the tree's nodes.
 
     Args:
       root: [B] int32 base-model token (node 0).
-      head_tokens: [D, B, topk] int32 from `propose_candidates`.
+      head_tokens: Medusa heads (``per_parent`` False): [D, B, topk] int32 from `propose_candidates`,
+        one top-k per head. Parent-dependent candidates (hydra heads, ``per_parent`` True):
+        [B, M, topk] int32, one top-k per node with children, in ``tree.expand_nodes`` order.
     Returns:
       [B, T] int32: node i gets flat candidate ``tree_indices[i]`` of
-      ``[root, head0 top-k..., head1 top-k..., ...]``.
+      ``[root, head0 top-k..., head1 top-k..., ...]``, or with ``per_parent`` ``parent_tree_indices[i]``
+      of ``[root, expanded node 0's top-k..., expanded node 1's top-k..., ...]``.
     """
     B = root.shape[0]
+    if per_parent:
+        flat = jnp.concatenate([root[:, None], head_tokens.reshape(B, -1)], axis=1)
+        return flat[:, jnp.asarray(tree.parent_tree_indices)]
     flat = jnp.concatenate([root[:, None], jnp.transpose(head_tokens, (1, 0, 2)).reshape(B, -1)], axis=1)
     return flat[:, jnp.asarray(tree.tree_indices)]
+
+
+def hydra_candidates(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, root: jax.Array,
+                     embeddings: jax.Array, base_lm_head: Optional[jax.Array], tree: TreeBuffers) -> jax.Array:
+    """The draft of hydra heads on the tree, depth by depth (Ankner et al. 2024, Sec. 3).
+
+    For depth d = 0..D-1: head d runs on every node at depth d that has children (static
+    ``tree.expand_nodes``), reading h_t and the embeddings of that node's path root..node (gathered
+    from the tokens placed so far with static indices), and its top-k become the node's children's
+    candidates (child rank r gets the rank-r token). Static shapes throughout; the tree is static.
+
+    Args:
+      hidden: [B, D] hidden state at the last accepted position.
+      root: [B] int32 the root token (node 0).
+      embeddings: [V, D] the backbone's input embedding table (`hydra.token_embeddings`).
+      base_lm_head: [D, V] (shared-lm_head heads without a proposal projection).
+    Returns:
+      [B, T] int32 tokens on the tree's nodes (`tree_candidates` with ``per_parent``).
+    """
+    B = root.shape[0]
+    flat = root[:, None]                                              # [B, 1 + (expanded so far) * topk]
+    h = hidden[:, None, :]                                            # one h_t for every path
+    offsets = tree.expand_offsets
+    for d in range(tree.max_depth):
+        nodes = tree.expand_nodes[offsets[d]:offsets[d + 1]]          # numpy: static
+        idx = tree.parent_tree_indices[tree.node_paths[nodes, :d + 1]]  # [n, d+1] into `flat`
+        path = jnp.take(embeddings, flat[:, jnp.asarray(idx)], axis=0)  # [B, n, d+1, D]
+        states = head_state(heads_cfg, head_params, d, h, path)       # [B, n, D]
+        top = _states_topk(heads_cfg, head_params, states[None], base_lm_head, tree.topk, first=d)[0]
+        flat = jnp.concatenate([flat, top.reshape(B, -1)], axis=1)
+    return tree_candidates(root, flat[:, 1:].reshape(B, -1, tree.topk), tree, per_parent=True)
+
+
+def draft_tokens(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params, state: DecodeState,
+                 root: jax.Array, tree: TreeBuffers) -> jax.Array:
+    """The tree's candidate tokens [B, T] int32 for either head type: Medusa heads propose once at
+    ``state.hidden`` (`propose_candidates`, `tree_candidates`); hydra heads per parent, depth by depth
+    (`hydra_candidates`). `params` is the backbone's (its lm_head and input embeddings)."""
+    lm = lm_head_matrix(cfg, params)
+    if heads_cfg.head_type == "hydra":
+        return hydra_candidates(heads_cfg, head_params, state.hidden, root, token_embeddings(params), lm, tree)
+    head_tokens = propose_candidates(heads_cfg, head_params, state, lm, tree.max_depth, tree.topk)
+    return tree_candidates(root, head_tokens, tree)
 
 
 def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers,
@@ -185,7 +266,8 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
 
     1. Root token: argmax (or a sample at ``acc.temperature``) of ``state.logits``.
-    2. Candidates: the first D heads' top-k at ``state.hidden`` placed on the tree.
+    2. Candidates (`draft_tokens`): Medusa heads: the first D heads' top-k at ``state.hidden`` placed
+       on the tree; hydra heads: depth by depth, each node's children from its own path.
     3. One forward of the T tree tokens at positions ``length + depth`` with the ancestor mask.
     4. Posterior (`evaluate_posterior`), best path, accepted length a.
     5. Emits root + a candidates; the next logits/hidden are the last accepted node's; the path's
@@ -204,8 +286,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
         if D > heads_cfg.num_heads:
             raise ValueError(f"tree depth {D} exceeds the {heads_cfg.num_heads} Medusa heads; "
                              "use a shallower tree or more heads")
-        head_tokens = propose_candidates(heads_cfg, head_params, state, lm_head_matrix(cfg, params), D, tree.topk)
-        tree_tokens = tree_candidates(root, head_tokens, tree)
+        tree_tokens = draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree)
     else:
         tree_tokens = root[:, None]
     start = state.cache.lengths

@@ -20,7 +20,7 @@ from medusa_jax.heads import MedusaHeads
 from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.train import trainer
 from medusa_jax.train.checkpoint import batch_indices
-from medusa_jax.train.losses import (NUM_RANKS, head_weights, heads_ce, rank_counts, shared_head_loss,
+from medusa_jax.train.losses import (NUM_RANKS, head_weights, heads_ce, heads_kl, rank_counts, shared_head_loss,
                                      topk_from_ranks, total_heads_loss)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -104,9 +104,13 @@ def test_train_config_yaml_and_overrides(tmp_path):
         TrainConfig.from_yaml(TINY, ("steps=abc",))
     with pytest.raises(TrainConfigError, match="mode"):
         TrainConfig.from_yaml(TINY, ("mode=both",))
-    for name in ("smollm2_medusa1.yaml", "smollm2_medusa2.yaml"):  # the shipped configs parse
+    for name in ("smollm2_medusa1.yaml", "smollm2_medusa2.yaml", "smollm2_hydra.yaml"):  # the shipped configs parse
         cfg = TrainConfig.from_yaml(os.path.join(ROOT, "configs", name))
         assert cfg.model is None and cfg.data == "data/distill/smollm2"
+    hydra = TrainConfig.from_yaml(os.path.join(ROOT, "configs", "smollm2_hydra.yaml"))
+    assert (hydra.head_type, hydra.loss_targets, hydra.loss_chunk) == ("hydra", "soft", 64)
+    medusa1 = TrainConfig.from_yaml(os.path.join(ROOT, "configs", "smollm2_medusa1.yaml"))
+    assert hydra.hidden_dir == os.path.join(medusa1.out_dir, "hidden")  # shares the Medusa-1 run's cache
 
 
 def test_data_order_is_a_function_of_seed_and_step():
@@ -342,3 +346,188 @@ def test_accuracy_plot_has_training_and_validation_curves(tmp_path, monkeypatch)
     assert list(lines["head 0 validation"].get_xdata()) == [0, 10]
     assert list(lines["head 0 validation"].get_ydata()) == [0.1, 0.5]
     assert lines["head 0 train"].get_color() == lines["head 0 validation"].get_color()
+
+
+# ------------------------------------------------------------------------------------ soft targets, hydra
+
+def _np_kl(x, w, t, ok, temperature):
+    """Masked mean KL(softmax(t @ w / T) || softmax(x @ w)) per head, in float64 numpy."""
+    def log_softmax(z):
+        z = z - z.max(-1, keepdims=True)
+        return z - np.log(np.exp(z).sum(-1, keepdims=True))
+    x, w, t = (np.asarray(a, np.float64) for a in (x, w, t))
+    lp, lq = log_softmax(t @ w / temperature), log_softmax(x @ w)
+    kl = (np.exp(lp) * (lp - lq)).sum(-1)                       # [K, N]
+    ok = np.asarray(ok)
+    return (kl * ok).sum(1) / np.maximum(ok.sum(1), 1)
+
+
+def test_soft_loss_is_the_kl_from_the_tempered_base_distribution():
+    # a hand-sized case: 2 heads, 3 positions, D = 2, V = 3
+    x = jnp.asarray([[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], [[0.5, -1.0], [2.0, 0.0], [0.0, 0.0]]])
+    t = jnp.asarray([[[0.0, 1.0], [1.0, 0.0], [2.0, -1.0]], [[1.0, 1.0], [0.0, 0.0], [-1.0, 3.0]]])
+    w = jnp.asarray([[1.0, 0.0, -1.0], [0.5, 2.0, 0.0]])
+    lab = jnp.zeros((2, 3), jnp.int32)
+    ok = jnp.asarray([[True, True, False], [True, False, True]])
+    # head 0, position 0 by hand: p = softmax(t @ w) = softmax([0.5, 2, 0]), q = softmax(x @ w) = softmax([1, 0, -1])
+    p = np.exp([0.5, 2.0, 0.0]) / np.exp([0.5, 2.0, 0.0]).sum()
+    lq = np.array([1.0, 0.0, -1.0]) - np.log(np.exp([1.0, 0.0, -1.0]).sum())
+    kl00 = float((p * (np.log(p) - lq)).sum())
+    assert kl00 == pytest.approx(_np_kl(x[:, :1], w, t[:, :1], ok[:, :1], 1.0)[0], rel=1e-12)
+    losses = {}
+    for T in (1.0, 2.0):
+        want = _np_kl(x, w, t, ok, T)
+        for chunk in (0, 2):
+            got = np.asarray(shared_head_loss(x, w, lab, ok, chunk=chunk, teacher=t, temperature=T)[0])
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+        own = heads_kl(jnp.einsum("knd,dv->knv", x, w), jnp.einsum("knd,dv->knv", t, w), lab, ok, T)[0]
+        np.testing.assert_allclose(np.asarray(own), want, rtol=1e-5, atol=1e-6)
+        losses[T] = want
+    assert np.all(np.abs(losses[1.0] - losses[2.0]) > 1e-3)  # the temperature changes the targets
+    # a head that equals its teacher has KL 0 (at T = 1 only)
+    zero = shared_head_loss(t, w, lab, ok, teacher=t)[0]
+    np.testing.assert_allclose(np.asarray(zero), 0.0, atol=1e-6)
+    assert float(shared_head_loss(t, w, lab, ok, teacher=t, temperature=2.0)[0][0]) > 1e-3
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        shared_head_loss(x, w, lab, ok, teacher=t, temperature=0.0)
+
+
+@pytest.mark.parametrize("chunk", [0, 8])
+def test_soft_loss_gradient_and_ranks_match_autodiff(chunk):
+    x, w, lab, ok = _problem()
+    t = jnp.asarray(np.random.default_rng(1).normal(size=x.shape), jnp.float32)
+    weights = jnp.asarray(head_weights(3, 0.8))
+
+    def fused(x):
+        per, _, ranks = shared_head_loss(x, w, lab, ok, chunk=chunk, teacher=t, temperature=1.5)
+        return jnp.sum(weights * per), (per, ranks)
+
+    def plain(x):
+        per, _, ranks = heads_kl(jnp.einsum("knd,dv->knv", x, w), jnp.einsum("knd,dv->knv", t, w), lab, ok, 1.5)
+        return jnp.sum(weights * per), (per, ranks)
+
+    (_, (pa, ra)), ga = jax.value_and_grad(fused, has_aux=True)(x)
+    (_, (pb, rb)), gb = jax.value_and_grad(plain, has_aux=True)(x)
+    np.testing.assert_allclose(pa, pb, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(ga, gb, rtol=1e-4, atol=1e-6)
+    # the ranks count the hard labels either way
+    np.testing.assert_array_equal(ra, rb)
+    np.testing.assert_array_equal(ra, shared_head_loss(x, w, lab, ok, chunk=chunk)[2])
+    assert float(pa[2]) == 0.0 and np.all(np.asarray(ga[2]) == 0)
+
+
+def test_positions_hold_paths_and_soft_target_rows(frozen_run):
+    """The frozen dataset: h_t of each position, the true tokens t+1..t+K (prompt tokens included),
+    and rows whose projection is the backbone's own logits at t+k+1, for full and selected positions."""
+    from conftest import jax_logits
+    from medusa_jax.train import data as D
+
+    tc, bb, _, _ = frozen_run
+    r = np.random.default_rng(3)
+    examples = [(r.integers(0, 64, 20).astype(np.int32), np.arange(20) >= 6),
+                (r.integers(0, 64, 13).astype(np.int32), np.arange(13) >= 3)]
+    K = 3
+    pos = trainer.compute_positions(bb, examples, K, 64, 512, progress=False)
+    lm = np.asarray(lm_head_matrix(bb.cfg, bb.params))
+    # positions in their documented order: sequences by length, then t
+    want = []
+    for ids, mask in sorted(examples, key=lambda e: len(e[0])):
+        lab, ok = D.head_targets(ids[None], mask[None], K)
+        logits = jax_logits(bb.cfg, bb.params, ids[None])[0]
+        for t_ in np.flatnonzero(ok[:, 0].any(axis=0)):
+            want.append((ids, t_, ok[:, 0, t_], logits, mask))
+    assert pos.num_positions == len(want) and pos.hidden.shape[0] > pos.num_positions  # + soft-target rows
+    assert any(not mask[t_ + 1] for _, t_, _, _, mask in want)  # some paths start in the prompt
+    for sub in (pos, D.select_positions(pos, np.arange(1, pos.num_positions, 3))):
+        picked = want if sub is pos else want[1::3]
+        for i, (ids, t_, okk, logits, _) in enumerate(picked):
+            np.testing.assert_allclose(sub.hidden[i] @ lm, logits[t_], rtol=1e-4, atol=1e-4)  # h_t itself
+            for k in range(K):
+                assert sub.valid[k, i] == okk[k]
+                if t_ + k + 1 < len(ids):
+                    assert sub.path_tokens[k, i] == ids[t_ + k + 1]
+                if okk[k]:
+                    assert sub.labels[k, i] == ids[t_ + k + 2]
+                    np.testing.assert_allclose(sub.hidden[sub.target_rows[k, i]] @ lm, logits[t_ + k + 1],
+                                               rtol=1e-4, atol=1e-4)
+                else:
+                    assert sub.target_rows[k, i] == -1
+        batch = D.positions_batch(sub, np.arange(3), batch=5, soft=True)
+        assert batch["teacher"].shape == (K, 5, bb.cfg.hidden_size) and not batch["valid"][:, 3:].any()
+
+
+def test_frozen_hydra_and_soft_targets(frozen_run, tmp_path):
+    """Hydra heads learn the synthetic data with teacher forcing; soft targets train towards the
+    backbone's distribution (the KL falls); the exported hydra heads decode losslessly."""
+    from medusa_jax.generate import generate
+    from medusa_jax.heads import prepare_heads
+    from medusa_jax.tree import get_tree
+
+    _, bb, _, _ = frozen_run
+    hy = trainer.train(tiny(tmp_path, "hydra", "head_type=hydra", "steps=60", "eval_every=30"), backbone=bb,
+                       progress=False)
+    assert min(hy.metrics["val_top1"]) >= 0.95, hy.metrics["val_top1"]
+    cfg, params = load_heads(hy.heads_dir, bb.cfg)
+    assert cfg.head_type == "hydra" and "path_kernel_3" in params and cfg.medusa_choices
+    tree = get_tree(cfg.medusa_choices, topk=cfg.topk, num_heads=cfg.num_heads)
+    heads = prepare_heads(cfg, params, lm_head_matrix(bb.cfg, bb.params), depth=tree.max_depth)
+    prompt = [3, 17, 40]
+    base = generate(bb.cfg, bb.params, prompt, max_new_tokens=24, eos_token_ids=())
+    med = generate(bb.cfg, bb.params, prompt, max_new_tokens=24, heads=heads, tree=tree, eos_token_ids=())
+    assert med.tokens == base.tokens
+    soft = trainer.train(tiny(tmp_path, "soft", "head_type=hydra", "loss_targets=soft", "soft_temperature=2",
+                              "steps=60", "eval_every=30"), backbone=bb, progress=False)
+    with open(os.path.join(soft.heads_dir, "..", "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    first, last = recs[0]["val_loss"], recs[-1]["val_loss"]
+    assert all(0 <= b < 0.5 * a for a, b in zip(first, last)), (first, last)
+    with open(os.path.join(soft.heads_dir, "config.json")) as f:
+        training = json.load(f)["training"]
+    assert training["loss_targets"] == "soft" and training["soft_temperature"] == 2.0
+
+
+def test_medusa_heads_start_hydra_heads(frozen_run, tmp_path, capsys):
+    tc, bb, _, res = frozen_run
+    run = trainer.train(tiny(tmp_path, "warm", "head_type=hydra", f"init_heads={res.heads_dir}", "steps=1",
+                             "warmup_steps=0"), backbone=bb, progress=False)
+    assert "Medusa heads start these hydra heads" in capsys.readouterr().err
+    with open(os.path.join(run.heads_dir, "..", "metrics.jsonl")) as f:
+        step0 = json.loads(f.readline())
+    assert step0["step"] == 0 and step0["val_top1"] == res.metrics["val_top1"]  # the same heads at the start
+    with pytest.raises(ValueError, match="only Medusa heads can start hydra heads"):
+        trainer.train(tiny(tmp_path, "back", f"init_heads={run.heads_dir}", "steps=1"), backbone=bb, progress=False)
+    with pytest.raises(TrainConfigError, match="loss_targets must be one of"):
+        tiny(tmp_path, "x", "loss_targets=fuzzy")
+    with pytest.raises(TrainConfigError, match="head_type must be one of"):
+        tiny(tmp_path, "x", "head_type=eagle")
+
+
+def test_joint_batches_equal_the_frozen_positions(frozen_run):
+    """Joint mode builds the same hydra paths and soft targets from whole sequences as frozen mode
+    reads from its cached positions: the same per-head losses."""
+    from medusa_jax.config import MedusaConfig
+    from medusa_jax.heads import init_heads
+    from medusa_jax.hydra import token_embeddings
+    from medusa_jax.train import data as D
+
+    tc, bb, _, _ = frozen_run
+    tc = tc.replace(head_type="hydra", loss_targets="soft", soft_temperature=1.5)
+    K = tc.num_heads
+    hcfg = MedusaConfig(hidden_size=64, vocab_size=64, num_heads=K, num_layers=1, head_type="hydra")
+    lm = lm_head_matrix(bb.cfg, bb.params)
+    hp = init_heads(hcfg, lm)
+    hp = {k: 0.1 * jax.random.normal(jax.random.PRNGKey(i), a.shape) for i, (k, a) in enumerate(hp.items())}
+    emb = token_embeddings(bb.params)
+    train_ex, _ = trainer.load_examples(tc, 64)
+    ex = train_ex[:3]
+    pos = trainer.compute_positions(bb, ex, K, tc.max_seq_len, 4096, progress=False)
+    frozen = trainer._heads_loss(hcfg, tc, hp, lm, emb, D.positions_batch(pos, np.arange(pos.num_positions),
+                                                                          soft=True))[1]
+    tokens, mask = trainer._padded(ex, 3, tc.max_seq_len)
+    hidden = trainer._hidden_fn(bb.cfg)(bb.params, jnp.asarray(tokens))
+    lab, ok = D.head_targets(tokens, mask, K)
+    joint = trainer._heads_loss(hcfg, tc, hp, lm, emb, trainer._sequence_batch(hidden, jnp.asarray(tokens), lab, ok,
+                                                                               K, True))[1]
+    for a, b in zip(frozen, joint):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
+    assert float(frozen[0][0]) > 0

@@ -21,6 +21,15 @@ Formats (DESIGN.md, "Formats to read and write"):
 * Ours (`save_heads`): the official safetensors format plus ``medusa_choices``, ``topk``,
   ``shared_lm_head``, optionally ``proposal_token_ids`` (the tokens the heads may propose; see
   `MedusaConfig.proposal_vocab_size`) and free extra fields (metrics, training info) in ``config.json``.
+  Hydra heads (``"head_type": "hydra"``, `medusa_jax.hydra`; Ankner et al. 2024) add, per head h,
+  the weights of their first block that read the path's token embeddings::
+
+      hydra.{h}.path_linear.weight    [D, (h+1)*D]  torch [out, in]; in = [e(x_{t+1}) ; ... ; e(x_{t+h+1})]
+      hydra.{h}.path_residual.weight  [D, (h+1)*D]  the same inputs into the residual stream
+
+  (the reference code's first-block ``linear`` and ``res_connection`` over ``[h_t ; e ...]`` without
+  their h_t columns, which are ``{h}.0.linear.weight`` and the identity). The official and vLLM
+  formats have no place for them: exporting hydra heads there is refused.
 
 Params are the `medusa_jax.heads.MedusaHeads` layout (kernels [in, out]); files hold torch's
 [out, in]. ``.pt`` files are read with ``torch.load(weights_only=True)`` only, and torch is imported
@@ -37,15 +46,17 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 
-from ..config import MedusaConfig, ModelConfig
+from ..config import HEAD_TYPES, MedusaConfig, ModelConfig
 from ..heads import check_heads_match, heads_params_to_numpy
+from ..hydra import PATH_KERNEL, PATH_RESIDUAL, check_path_params
 from .hf import ConversionError
 
 OFFICIAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_FILES = OFFICIAL_FILES + VLLM_FILES
 _OUR_KEYS = ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
-             "vocab_size", "version", "medusa_choices", "topk", "shared_lm_head", "proposal_token_ids")
+             "vocab_size", "version", "medusa_choices", "topk", "shared_lm_head", "proposal_token_ids", "head_type")
+_HYDRA_RE = re.compile(r"^hydra\.(\d+)\.(path_linear|path_residual)\.weight$")
 
 
 class HeadsFormatError(ConversionError):
@@ -334,9 +345,10 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
       dtype: numpy dtype of the returned params.
     Returns:
       (MedusaConfig, {"blocks_kernel" [K, L, D, D] ([in, out]), "blocks_bias" [K, L, D], and
-      "lm_head" [K, D, V] unless the heads share the base lm_head}), numpy arrays. The heads are
-      shared when the file holds no lm_head tensors (official ``"version": "2"``), or our config
-      says ``shared_lm_head: true``.
+      "lm_head" [K, D, V] unless the heads share the base lm_head, and for hydra heads (our config's
+      ``"head_type": "hydra"``) "path_kernel_k" / "path_residual_k" [k+1, D, D]}), numpy arrays.
+      The heads are shared when the file holds no lm_head tensors (official ``"version": "2"``), or
+      our config says ``shared_lm_head: true``.
     Head and layer counts: K and L come from the tensor names (a name may carry one
       `NAME_PREFIXES` prefix). config.json's layer count (``medusa_num_layers``; vLLM
       ``num_hidden_layers``) must equal L. Its head count (``medusa_num_heads``; vLLM ``num_heads``)
@@ -349,7 +361,8 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
         mis-shaped tensors; two names for one parameter (e.g. ``0.0.linear.weight`` and
         ``medusa_head.0.0.linear.weight``, or vLLM's ``lm_head.weight`` beside ``lm_heads.{h}.weight``),
         naming both; config.json's layer count != the tensors', or its head count > the tensors'
-        (naming both numbers); fewer heads in the file than num_heads.
+        (naming both numbers); fewer heads in the file than num_heads; an unknown head_type; hydra path
+        weights that are missing or mis-shaped, or present under a config that does not say hydra.
       HeadsMismatchError (a ValueError): heads that do not fit model_cfg.
       ImportError: a .pt file and no torch.
     """
@@ -362,6 +375,16 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
         raise HeadsFormatError(f"{weights_fn}: holds no tensors (0 heads, 0 layers)"
                                + (f" but config.json says {counts}" if counts else "")
                                + "; the export was interrupted or wrote nothing: re-export or re-download the heads")
+    head_type = raw.get("head_type", "medusa")
+    if head_type not in HEAD_TYPES:
+        raise HeadsFormatError(f"{cfg_fn}: head_type {head_type!r} is not one of {HEAD_TYPES}")
+    hydra_tensors = {k: tensors.pop(k) for k in [k for k in tensors if _HYDRA_RE.match(k)]}
+    if hydra_tensors and head_type != "hydra":
+        raise HeadsFormatError(f"{weights_fn}: holds hydra path weights ({sorted(hydra_tensors)[0]!r}, ...) but "
+                               f"config.json says head_type={head_type!r}; set \"head_type\": \"hydra\" there (or "
+                               "re-export the heads with save_heads)")
+    if not tensors:
+        raise HeadsFormatError(f"{weights_fn}: holds no Medusa block tensors beside the hydra path weights")
     stripped, origin = _normalise_names(tensors, weights_fn)
     vllm = raw.get("model_type") == "medusa" or any(
         k.startswith(("blocks.", "lm_heads.")) or k == "lm_head.weight" for k in stripped)
@@ -387,18 +410,41 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     if choices is not None:
         choices = tuple(tuple(int(r) for r in p) for p in choices if len(p) <= K) or None
     ids = _proposal_ids(raw.get("proposal_token_ids"), V, int(raw.get("topk", 10)), weights_fn)
+    if head_type == "hydra" and L < 1:
+        raise HeadsFormatError(f"{weights_fn}: hydra heads need at least one block layer, the file holds none")
     cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=L, shared_lm_head=lm is None,
                        topk=int(raw.get("topk", 10)), medusa_choices=choices,
                        base_model=str(raw.get("base_model_name_or_path") or ""),
-                       proposal_vocab_size=0 if ids is None else len(ids))
+                       proposal_vocab_size=0 if ids is None else len(ids), head_type=head_type)
     if model_cfg is not None:
         check_heads_match(cfg, model_cfg, source=path)
     params = {"blocks_kernel": kern.astype(dtype), "blocks_bias": bias.astype(dtype)}
     if lm is not None:
         params["lm_head"] = lm.astype(dtype)
+    if head_type == "hydra":
+        params.update({k: v.astype(dtype) for k, v in _hydra_params(hydra_tensors, K, D, weights_fn).items()})
     if ids is not None:
         params["proposal_ids"] = ids
     return cfg, params
+
+
+def _hydra_params(tensors: Mapping[str, np.ndarray], K: int, D: int, source: str) -> Dict[str, np.ndarray]:
+    """``hydra.{h}.path_linear|path_residual.weight`` [D, (h+1)*D] (torch layout) -> our
+    ``path_kernel_h`` / ``path_residual_h`` [h+1, D, D] ([in, out]) for heads 0..K-1 (later heads in
+    the file are dropped, as `load_heads(num_heads=...)` drops their blocks). Raises HeadsFormatError
+    for a missing or mis-shaped tensor."""
+    out = {}
+    for h in range(K):
+        for kind, name in (("path_linear", PATH_KERNEL), ("path_residual", PATH_RESIDUAL)):
+            key = f"hydra.{h}.{kind}.weight"
+            w = tensors.get(key)
+            if w is None or tuple(w.shape) != (D, (h + 1) * D):
+                raise HeadsFormatError(f"{source}: hydra head {h} needs {key!r} of shape ({D}, {(h + 1) * D}) "
+                                       f"(its path of {h + 1} token embeddings), got "
+                                       f"{'nothing' if w is None else tuple(w.shape)}; re-export the heads with "
+                                       "save_heads")
+            out[name.format(h)] = np.ascontiguousarray(w.T.reshape(h + 1, D, D))
+    return out
 
 
 def _proposal_ids(raw_ids, V: int, topk: int, source: str) -> Optional[np.ndarray]:
@@ -429,6 +475,17 @@ def _check_params(cfg: MedusaConfig, p: Dict[str, np.ndarray]) -> None:
         if k not in p or tuple(p[k].shape) != shape:
             raise ValueError(f"head params {k!r}: {None if k not in p else tuple(p[k].shape)}, expected {shape} "
                              "for this MedusaConfig")
+    if cfg.head_type == "hydra":
+        check_path_params(cfg, p)
+
+
+def _medusa_only(cfg: MedusaConfig, fmt: str) -> None:
+    """Raise ValueError for heads other than the paper's: `fmt` has no place for their weights."""
+    if cfg.head_type != "medusa":
+        raise ValueError(f"{fmt} stores only the paper's Medusa heads; these are {cfg.head_type} heads, whose first "
+                         "blocks also read the path's token embeddings, which that format cannot hold. Save them "
+                         "with save_heads (our format: medusa_jax, decode.py --heads DIR), or train Medusa heads "
+                         "(head_type: medusa) to export")
 
 
 def _lm_heads_torch(cfg, p, base_lm_head, need: bool, what: str):
@@ -509,8 +566,9 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
     Writes ``path/config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
     ``base_model_name_or_path``, ``hidden_size``, ``vocab_size``, ``"version": "2"`` when shared,
     ``medusa_choices``, ``topk``, ``shared_lm_head``, ``proposal_token_ids`` when the heads propose
-    from a truncated vocabulary, and every field of `extra`) and
-    ``path/medusa_lm_head.safetensors`` (float32, torch layout, no lm_head tensors when shared).
+    from a truncated vocabulary, ``head_type`` for hydra heads, and every field of `extra`) and
+    ``path/medusa_lm_head.safetensors`` (float32, torch layout, no lm_head tensors when shared;
+    hydra heads add their ``hydra.{h}.path_linear|path_residual.weight``, see the module docstring).
 
     Args:
       path: output directory (created).
@@ -534,8 +592,17 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
         if k in config or k in _OUR_KEYS:
             raise ValueError(f"extra field {k!r} collides with a Medusa config field")
         config[k] = v
+    if cfg.head_type != "medusa":
+        config["head_type"] = cfg.head_type
     lm = _lm_heads_torch(cfg, p, None, False, "save_heads")
-    return _write(path, OFFICIAL_FILES[0], _official_tensors(cfg, p, lm, np.float32), config, "safetensors")
+    tensors = _official_tensors(cfg, p, lm, np.float32)
+    if cfg.head_type == "hydra":
+        D = cfg.hidden_size
+        for h in range(cfg.num_heads):
+            for kind, name in (("path_linear", PATH_KERNEL), ("path_residual", PATH_RESIDUAL)):
+                tensors[f"hydra.{h}.{kind}.weight"] = np.ascontiguousarray(
+                    p[name.format(h)].reshape((h + 1) * D, D).T, dtype=np.float32)
+    return _write(path, OFFICIAL_FILES[0], tensors, config, "safetensors")
 
 
 def export_official(path: str, cfg: MedusaConfig, params, base_lm_head=None, fmt: str = "pt",
@@ -551,12 +618,14 @@ def export_official(path: str, cfg: MedusaConfig, params, base_lm_head=None, fmt
         always write them.
       base_lm_head: [D, V]; required when include_lm_head and the heads are shared.
       dtype: numpy float dtype of the written tensors (float32 or float16).
-    Returns the weight file's path; raises ValueError as `save_heads` does. The original ties the
+    Returns the weight file's path; raises ValueError as `save_heads` does, and for hydra heads
+    (the format has no place for their path weights). The original ties the
     blocks of a head when L > 1 (``[ResBlock(D)] * L`` repeats one module); a warning is given when
     exported blocks differ.
     """
     if fmt not in ("pt", "safetensors"):
         raise ValueError(f"fmt must be 'pt' or 'safetensors', got {fmt!r}")
+    _medusa_only(cfg, "the official Medusa format (export_official)")
     p = heads_params_to_numpy(params)
     _check_params(cfg, p)
     lm = _lm_heads_torch(cfg, p, base_lm_head, include_lm_head, "export_official")
@@ -576,8 +645,10 @@ def export_vllm(path: str, cfg: MedusaConfig, params, base_lm_head=None, dtype=n
     vLLM always needs per-head lm_heads: shared heads get copies of base_lm_head [D, V] (required
     then). Config: ``{model_type: "medusa", architectures: ["MedusaModel"], num_heads,
     num_hidden_layers, hidden_size, vocab_size, truncated_vocab_size: vocab_size, medusa_fc_bias:
-    true, topk}``. Returns the weight file's path.
+    true, topk}``. Returns the weight file's path. Raises ValueError for hydra heads (vLLM's Medusa
+    speculator has no place for their path weights) and as `save_heads` does.
     """
+    _medusa_only(cfg, "vLLM's Medusa format (export_vllm)")
     p = heads_params_to_numpy(params)
     _check_params(cfg, p)
     lm = _lm_heads_torch(cfg, p, base_lm_head, True, "export_vllm")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Iterable, List, Optional, Sequence, Tuple
+from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -310,16 +310,89 @@ def gather_positions(hidden, labels, valid, positions) -> Tuple[np.ndarray, np.n
     return hidden[n, t], np.asarray(labels)[:, n, t], np.asarray(valid)[:, n, t]
 
 
-def position_batches(hidden, labels, valid, batch: int):
-    """Fixed-size batches of flat positions: yields (hidden [batch, D], labels [K, batch],
-    valid [K, batch]); the last batch is padded with invalid rows, so one compiled shape serves all."""
-    for s in range(0, hidden.shape[0], batch):
-        h, lab, ok = hidden[s:s + batch], labels[:, s:s + batch], valid[:, s:s + batch]
-        pad = batch - h.shape[0]
-        if pad:
-            h = np.pad(h, ((0, pad), (0, 0)))
-            lab, ok = np.pad(lab, ((0, 0), (0, pad))), np.pad(ok, ((0, 0), (0, pad)))
-        yield h, lab, ok
+def path_tokens(tokens, num_heads: int) -> np.ndarray:
+    """The tokens after each position, unmasked: [N, T] -> [K, N, T] int32 with entry [k, n, t] =
+    ``tokens[n, t + k + 1]`` (0 past the end). Hydra head k reads entries 0..k at t (teacher forcing:
+    the true tokens t+1..t+k+1 on its path); where head k's label is valid they are all inside the
+    sequence."""
+    tokens = np.asarray(tokens, np.int32)
+    N, T = tokens.shape
+    out = np.zeros((num_heads, N, T), np.int32)
+    for k in range(num_heads):
+        if k + 1 < T:
+            out[k, :, :T - k - 1] = tokens[:, k + 1:]
+    return out
+
+
+class Positions(NamedTuple):
+    """The frozen-backbone dataset: every useful position t of every sequence, flat.
+
+    With P positions and R >= P hidden rows:
+      hidden      [R, D] float32  rows 0..P-1: h_t of the positions; rows P..R-1: hidden states only
+                                  used as soft targets (positions where no head has a label)
+      labels      [K, P] int32    head k's label, token t+k+2 (0 where not valid)
+      valid       [K, P] bool     whether that label exists (`head_targets`)
+      path_tokens [K, P] int32    tokens t+1..t+K, unmasked (`path_tokens`): hydra heads' paths
+      target_rows [K, P] int32    row of `hidden` holding h_{t+k+1}, whose projection through the
+                                  base lm_head is the backbone's distribution over token t+k+2: head
+                                  k's soft target (-1 where not valid)
+    """
+    hidden: np.ndarray
+    labels: np.ndarray
+    valid: np.ndarray
+    path_tokens: np.ndarray
+    target_rows: np.ndarray
+
+    @property
+    def num_positions(self) -> int:
+        """P."""
+        return int(self.labels.shape[1])
+
+
+def plain_positions(hidden, labels, valid, path=None) -> Positions:
+    """`Positions` from hidden [P, D], labels and valid [K, P] (and optionally path tokens [K, P]),
+    without soft-target rows (target_rows all -1)."""
+    labels = np.asarray(labels, np.int32)
+    path = np.zeros_like(labels) if path is None else np.asarray(path, np.int32)
+    return Positions(np.asarray(hidden), labels, np.asarray(valid, bool), path, np.full(labels.shape, -1, np.int32))
+
+
+def select_positions(pos: Positions, pick) -> Positions:
+    """The positions `pick` ([n] int indices into 0..P-1) of `pos`, with the hidden rows their soft
+    targets need (kept after theirs, so the `Positions` layout holds)."""
+    pick = np.asarray(pick, np.int64)
+    tr = pos.target_rows[:, pick]
+    need = np.unique(tr[tr >= 0])
+    remap = np.full(pos.hidden.shape[0], -1, np.int64)
+    remap[need] = len(pick) + np.arange(len(need))
+    rows = np.concatenate([pick, need])
+    return Positions(pos.hidden[rows], pos.labels[:, pick], pos.valid[:, pick], pos.path_tokens[:, pick],
+                     np.where(tr >= 0, remap[np.maximum(tr, 0)], -1).astype(np.int32))
+
+
+def positions_batch(pos: Positions, idx, batch: Optional[int] = None, soft: bool = False) -> dict:
+    """The arrays of positions `idx` for one step, padded with invalid rows up to `batch`.
+
+    Returns {"hidden" [B, D], "labels" [K, B], "valid" [K, B], "path_tokens" [K, B], and with `soft`
+    "teacher" [K, B, D]: h_{t+k+1} for head k (zeros where not valid)}.
+    """
+    idx = np.asarray(idx, np.int64)
+    pad = 0 if batch is None else batch - len(idx)
+    padk = lambda a: np.pad(a, ((0, 0), (0, pad))) if pad else a
+    out = {"hidden": np.pad(pos.hidden[idx], ((0, pad), (0, 0))) if pad else pos.hidden[idx],
+           "labels": padk(pos.labels[:, idx]), "valid": padk(pos.valid[:, idx]),
+           "path_tokens": padk(pos.path_tokens[:, idx])}
+    if soft:
+        tr = padk(pos.target_rows[:, idx])
+        out["teacher"] = np.where((tr >= 0)[..., None], pos.hidden[np.maximum(tr, 0)], 0.0).astype(pos.hidden.dtype)
+    return out
+
+
+def position_batches(pos: Positions, batch: int, soft: bool = False):
+    """Fixed-size batches of consecutive positions (`positions_batch`); the last one is padded with
+    invalid rows, so one compiled shape serves all."""
+    for s in range(0, pos.num_positions, batch):
+        yield positions_batch(pos, np.arange(s, min(s + batch, pos.num_positions)), batch, soft)
 
 
 def read_chat_jsonl(path: str, field: str = "messages") -> Iterable[Tuple[str, list]]:

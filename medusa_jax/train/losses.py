@@ -16,11 +16,15 @@ head with no valid label in a batch contributes exactly 0 (never NaN): the sums 
 logits, and computes the gradient with respect to the head states, ``(softmax - onehot) @ W^T``, in
 the same pass (a `jax.custom_vjp`), so a training step costs two [*, D] x [D, V] matmuls per head
 and position and memory is bounded by the chunk size.
+
+Soft targets (``loss_targets: soft``): instead of the data's token t+k+2, head k learns the
+backbone's own distribution over that token, ``softmax(h_{t+k+1} @ lm_head / T)``, from the cached
+hidden state at t+k+1 (no extra backbone pass): `shared_head_loss` with ``teacher``, `heads_kl`.
 """
 from __future__ import annotations
 
 import functools
-from typing import Sequence, Tuple
+from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -126,64 +130,88 @@ def _pad_chunks(x: jax.Array, n_pad: int, chunk: int) -> jax.Array:
     return jnp.moveaxis(x, 1, 0)
 
 
-def _shared_chunk(x, w, lab, ok):
-    """One chunk: x [K, c, D], w [D, V], lab [K, c], ok [K, c] -> (ce_sum [K], ranks [K, R], dx [K, c, D])."""
+def _shared_chunk(x, w, lab, ok, t, temperature):
+    """One chunk: x [K, c, D], w [D, V], lab [K, c], ok [K, c], t None or teacher states [K, c, D]
+    -> (loss_sum [K], ranks [K, R], dx [K, c, D]). Hard labels: cross-entropy; teacher: KL divergence
+    from ``softmax(t @ w / temperature)``."""
     logits = jnp.einsum("kcd,dv->kcv", x.astype(w.dtype), w, preferred_element_type=jnp.float32)
     m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
     lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
     lab_logit = jnp.take_along_axis(logits, lab[..., None], axis=-1)[..., 0]
     okf = ok.astype(jnp.float32)
-    ce_sum = jnp.sum((lse - lab_logit) * okf, axis=1)
     correct = _rank_hist(_label_rank(logits, lab_logit), ok)
-    p = jnp.exp(logits - lse[..., None]) * okf[..., None]
-    # d ce / d x = (softmax - onehot) @ W^T; the onehot part is the label's column of W.
-    dx = jnp.einsum("kcv,dv->kcd", p.astype(w.dtype), w, preferred_element_type=jnp.float32)
-    dx = dx - jnp.moveaxis(jnp.take(w, lab, axis=1), 0, -1).astype(jnp.float32) * okf[..., None]
-    return ce_sum, correct, dx.astype(x.dtype)
+    q = jnp.exp(logits - lse[..., None])
+    if t is None:
+        loss_sum = jnp.sum((lse - lab_logit) * okf, axis=1)
+        # d ce / d x = (softmax - onehot) @ W^T; the onehot part is the label's column of W.
+        dx = jnp.einsum("kcv,dv->kcd", (q * okf[..., None]).astype(w.dtype), w, preferred_element_type=jnp.float32)
+        dx = dx - jnp.moveaxis(jnp.take(w, lab, axis=1), 0, -1).astype(jnp.float32) * okf[..., None]
+    else:
+        tlogp = jax.nn.log_softmax(jnp.einsum("kcd,dv->kcv", t.astype(w.dtype), w,
+                                              preferred_element_type=jnp.float32) / temperature, axis=-1)
+        p = jnp.exp(tlogp)
+        kl = jnp.sum(jnp.where(p > 0, p * (tlogp - (logits - lse[..., None])), 0.0), axis=-1)
+        loss_sum = jnp.sum(kl * okf, axis=1)
+        # d KL(p || softmax(z)) / d z = softmax(z) - p
+        dx = jnp.einsum("kcv,dv->kcd", ((q - p) * okf[..., None]).astype(w.dtype), w,
+                        preferred_element_type=jnp.float32)
+    return loss_sum, correct, dx.astype(x.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _shared_ce(states, lm_head, labels, valid, chunk, with_grad):
-    out = _shared_fwd(states, lm_head, labels, valid, chunk, with_grad)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7))
+def _shared_ce(states, lm_head, labels, valid, teacher, chunk, with_grad, temperature):
+    out = _shared_fwd(states, lm_head, labels, valid, teacher, chunk, with_grad, temperature)[0]
     return out
 
 
-def _shared_fwd(states, lm_head, labels, valid, chunk, with_grad):
+def _shared_fwd(states, lm_head, labels, valid, teacher, chunk, with_grad, temperature):
     K, N, D = states.shape
     labels = jnp.clip(labels, 0, lm_head.shape[1] - 1)
     c = max(1, min(chunk, N)) if chunk else N
     n_pad = -(-N // c) * c
-    xs = (_pad_chunks(states, n_pad, c), _pad_chunks(labels, n_pad, c), _pad_chunks(valid, n_pad, c))
+    xs = (_pad_chunks(states, n_pad, c), _pad_chunks(labels, n_pad, c), _pad_chunks(valid, n_pad, c),
+          None if teacher is None else _pad_chunks(teacher, n_pad, c))
 
     def body(args):
-        x, lab, ok = args
-        ce, cor, dx = _shared_chunk(x, lm_head, lab, ok)
-        return ce, cor, (dx if with_grad else jnp.zeros((), x.dtype))
+        x, lab, ok, t = args
+        loss, cor, dx = _shared_chunk(x, lm_head, lab, ok, t, temperature)
+        return loss, cor, (dx if with_grad else jnp.zeros((), x.dtype))
 
-    ce, cor, dx = jax.lax.map(body, xs)
+    loss, cor, dx = jax.lax.map(body, xs)
     if with_grad:
         dx = jnp.moveaxis(dx, 0, 1).reshape(K, n_pad, D)[:, :N]
-    return (jnp.sum(ce, 0), jnp.sum(cor, 0)), dx
+    return (jnp.sum(loss, 0), jnp.sum(cor, 0)), dx
 
 
-def _shared_bwd(chunk, with_grad, dx, g):
-    g_ce = g[0]
+def _shared_bwd(chunk, with_grad, temperature, dx, g):
+    g_loss = g[0]
     if not with_grad:
         raise ValueError("shared_head_loss(..., with_grad=False) cannot be differentiated")
-    return (dx * g_ce[:, None, None].astype(dx.dtype), None, None, None)
+    return (dx * g_loss[:, None, None].astype(dx.dtype), None, None, None, None)
 
 
 _shared_ce.defvjp(_shared_fwd, _shared_bwd)
 
 
 def shared_head_loss(states: jax.Array, lm_head: jax.Array, labels: jax.Array, valid: jax.Array,
-                     chunk: int = 0, with_grad: bool = True):
-    """Per-head cross-entropy through a shared, frozen lm_head, chunked, with a fused gradient.
+                     chunk: int = 0, with_grad: bool = True, teacher: Optional[jax.Array] = None,
+                     temperature: float = 1.0):
+    """Per-head loss through a shared, frozen lm_head, chunked, with a fused gradient: cross-entropy
+    on hard labels, or with `teacher` the KL divergence from the backbone's own distribution (soft
+    targets).
 
     The projection is ``logits_k = states_k @ lm_head``; the lm_head gets no gradient (it is the
     frozen base lm_head; in joint training it is updated only by the backbone loss), so the
     backward needs only ``dlogits @ lm_head^T``, which is computed chunk by chunk during the
     forward pass and kept ([K, N, D], small), not the [K, N, V] logits.
+
+    Soft targets (`teacher` given): head k at position t learns ``p = softmax(teacher_k @ lm_head / T)``,
+    where ``teacher_k`` is the backbone's hidden state at t+k+1, i.e. the base model's own
+    distribution over token t+k+2, computed from the cached hidden states with no extra backbone
+    pass; the loss is ``KL(p || softmax(states_k @ lm_head))`` (the same gradient as the
+    cross-entropy against p; 0 when the head matches the backbone). This is the teacher-distillation
+    objective of Hydra++ (Ankner et al. 2024; reference code ``hydra/train/train.py``, which uses
+    T = 1). The labels then only feed the rank histogram.
 
     Args:
       states: [K, N, D] float, each head's state before its projection (`MedusaHeads.head_states`).
@@ -193,25 +221,59 @@ def shared_head_loss(states: jax.Array, lm_head: jax.Array, labels: jax.Array, v
         V=49,152 on the project's 2-core AVX512-BF16 CPU (docs/performance.md, 2026-11-29).
       labels: [K, N] int32 targets (any value where not valid).
       valid: [K, N] bool.
-      chunk: positions per chunk (0: all at once). Memory is about 3 * K * chunk * V floats.
+      chunk: positions per chunk (0: all at once). Memory is about 3 * K * chunk * V floats (hard
+        labels), 5 * K * chunk * V with a teacher.
       with_grad: compute the gradient in the forward pass (False for evaluation: about half the
         cost; the result then cannot be differentiated).
+      teacher: None (hard labels) or [K, N, D] float, the backbone's hidden states whose projection
+        is each head's target distribution (no gradient).
+      temperature: T > 0 of the target distribution (soft targets only; T > 1 flattens it).
     Returns:
-      (loss [K] float32 masked mean CE per head, 0 for a head without a valid label;
+      (loss [K] float32 masked mean CE (or KL) per head, 0 for a head without a valid label;
        counts [K] float32 valid positions per head;
        ranks [K, NUM_RANKS] float32 label-rank histogram (`rank_counts`), no gradient).
     Raises:
-      ValueError: shapes that do not agree (at trace time), or differentiating with_grad=False.
+      ValueError: shapes that do not agree (at trace time), a temperature <= 0, or differentiating
+        with_grad=False.
     """
     if states.ndim != 3 or labels.shape != states.shape[:2] or valid.shape != labels.shape:
         raise ValueError(f"states [K, N, D], labels and valid [K, N] expected, got {states.shape}, "
                          f"{labels.shape}, {valid.shape}")
     if lm_head.shape[0] != states.shape[-1]:
         raise ValueError(f"lm_head {lm_head.shape} is not [D, V] for states of size D={states.shape[-1]}")
-    ce_sum, correct = _shared_ce(states, jax.lax.stop_gradient(lm_head), labels.astype(jnp.int32),
-                                 valid.astype(bool), int(chunk), bool(with_grad))
+    if teacher is not None and teacher.shape != states.shape:
+        raise ValueError(f"teacher {teacher.shape} must be [K, N, D] like the states {states.shape}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if teacher is not None:
+        teacher = jax.lax.stop_gradient(teacher)
+    loss_sum, correct = _shared_ce(states, jax.lax.stop_gradient(lm_head), labels.astype(jnp.int32),
+                                   valid.astype(bool), teacher, int(chunk), bool(with_grad), float(temperature))
     counts = jnp.sum(valid, axis=1, dtype=jnp.float32)
-    return safe_mean(ce_sum, counts), counts, jax.lax.stop_gradient(correct)
+    return safe_mean(loss_sum, counts), counts, jax.lax.stop_gradient(correct)
+
+
+def heads_kl(logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array, valid: jax.Array,
+             temperature: float = 1.0):
+    """Per-head mean ``KL(softmax(teacher_logits / T) || softmax(logits))`` from full logits (the
+    autodiff path of soft targets, for heads with their own lm_heads; see `shared_head_loss`).
+
+    Args:
+      logits: [K, N, V] the heads' logits; teacher_logits: [K, N, V] the backbone's logits at
+        t+k+1 (no gradient); labels [K, N] int32 (for the rank histogram only); valid [K, N] bool.
+      temperature: T > 0 of the target distribution.
+    Returns:
+      (loss [K] float32 masked means, counts [K] float32, ranks [K, NUM_RANKS] float32, no gradient).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / temperature, axis=-1)
+    s = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    p = jnp.exp(t)
+    kl = jnp.sum(jnp.where(p > 0, p * (t - s), 0.0), axis=-1)
+    counts = jnp.sum(valid, axis=tuple(range(1, valid.ndim)), dtype=jnp.float32)
+    loss = safe_mean(jnp.sum(jnp.where(valid, kl, 0.0), axis=tuple(range(1, kl.ndim))), counts)
+    return loss, counts, jax.lax.stop_gradient(rank_counts(logits, labels, valid))
 
 
 def kl_to_teacher_sums(student_logits: jax.Array, teacher_logits: jax.Array, valid: jax.Array) -> jax.Array:

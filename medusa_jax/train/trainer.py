@@ -14,6 +14,15 @@ and is trained with cross-entropy on token t+k+2, weighted ``loss_decay**k`` (Se
   learning-rate multiplier, and the first ``heads_warmup_steps`` steps train the heads only (the
   backbone's optimizer and schedule start after them).
 
+Two options apply to both modes:
+
+* ``head_type: hydra`` (Ankner et al. 2024, Sec. 3; `medusa_jax.hydra`): head k also reads the
+  embeddings of tokens t+1..t+k+1, trained with teacher forcing on the data's true tokens (what
+  decoding sees on the path it accepts).
+* ``loss_targets: soft``: head k at t learns the backbone's own distribution over token t+k+2,
+  ``softmax(h_{t+k+1} @ lm_head / soft_temperature)``, with a KL divergence. In frozen mode the
+  cached hidden state at t+k+1 gives it (`data.Positions.target_rows`): no extra backbone pass.
+
 Optax AdamW, linear warm-up + cosine decay, global-norm clipping. The data order of epoch e is a
 permutation drawn from (seed, e) only (`checkpoint.batch_indices`), so a run resumed from an Orbax
 checkpoint (`checkpoint.Checkpointer`) ends with the same params as an uninterrupted one.
@@ -40,11 +49,12 @@ import optax
 
 from ..config import MedusaConfig, ModelConfig, TrainConfig
 from ..heads import MedusaHeads, init_heads
+from ..hydra import from_medusa, teacher_forced_states, token_embeddings
 from ..models.llama import LlamaModel, lm_head_matrix
 from . import data as D
 from .checkpoint import Checkpointer, MetricsLog, batch_indices, export
-from .losses import (NUM_RANKS, heads_ce, kl_to_teacher_sums, masked_ce_sums, safe_mean, shared_head_loss,
-                     topk_from_ranks, total_heads_loss)
+from .losses import (NUM_RANKS, heads_ce, heads_kl, kl_to_teacher_sums, masked_ce_sums, safe_mean,
+                     shared_head_loss, topk_from_ranks, total_heads_loss)
 
 Pair = Tuple[np.ndarray, np.ndarray]  # (ids [T] int32, loss_mask [T] bool)
 #: Sequences are padded to a multiple of this many tokens (one compiled shape per bucket).
@@ -53,7 +63,7 @@ LENGTH_BUCKET = 128
 #: trained params (up to float rounding: loss_chunk) nor the data order. ``steps`` may change too
 #: (`check_resume`); any other difference refuses to resume.
 _RESUME_FREE = ("out_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_hidden",
-                "hidden_batch_tokens", "tree", "tree_nodes", "save_backbone", "max_val_positions", "topk",
+                "hidden_dir", "hidden_batch_tokens", "tree", "tree_nodes", "save_backbone", "max_val_positions", "topk",
                 "loss_chunk")
 #: Of those, the fields the export depends on: a finished run is exported again when one changes.
 _EXPORT_FIELDS = ("tree", "tree_nodes", "topk", "save_backbone", "max_val_positions")
@@ -179,62 +189,91 @@ def _hidden_fn(cfg: ModelConfig):
 
 
 def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: int, max_len: int,
-                      batch_tokens: int, desc: str = "hidden states", progress: bool = True):
-    """The flat frozen-mode dataset: hidden states and every head's labels at each useful position.
+                      batch_tokens: int, desc: str = "hidden states", progress: bool = True) -> D.Positions:
+    """The flat frozen-mode dataset: hidden states, every head's labels, the paths hydra heads read
+    and the rows of the soft targets, at each useful position.
 
     Sequences are sorted by length and run in batches of about ``batch_tokens`` tokens padded to
     a multiple of LENGTH_BUCKET (one compiled shape per bucket), jitted, without logits.
     Returns:
-      (hidden [P, D] float32, labels [K, P] int32, valid [K, P] bool): the positions where at least
-      one head has a valid label (`data.head_targets`), in a deterministic order.
+      `data.Positions`: the positions where at least one head has a valid label
+      (`data.head_targets`), in a deterministic order, then the extra hidden rows that only serve as
+      soft targets (positions whose next token is a target but where no head has a label: about one
+      per sequence, just before its last token).
     """
     from tqdm import tqdm
     fn = _hidden_fn(backbone.cfg)
     order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), i))
-    hs, labs, oks = [], [], []
+    hs, extra_hs, labs, oks, paths, rows = [], [], [], [], [], []
+    n_kept = n_extra = 0
     bar = tqdm(total=sum(len(examples[i][0]) for i in order), desc=desc, unit="tok", leave=False,
                disable=not progress)
     i = 0
     while i < len(order):
         T = _bucket_len(len(examples[order[i]][0]), max_len)
-        rows = max(1, batch_tokens // T)
-        group = [order[j] for j in range(i, min(i + rows, len(order)))
+        nrows = max(1, batch_tokens // T)
+        group = [order[j] for j in range(i, min(i + nrows, len(order)))
                  if _bucket_len(len(examples[order[j]][0]), max_len) == T]
         i += len(group)
-        tokens, mask = _padded([examples[j] for j in group], rows, max_len)
+        tokens, mask = _padded([examples[j] for j in group], nrows, max_len)
         lab, ok = (np.asarray(a) for a in D.head_targets(tokens, mask, num_heads))
-        keep = ok.any(axis=0)  # [N, T]
+        keep = ok.any(axis=0)                                  # [N, T]
+        extra = D.base_targets(tokens, mask)[1] & ~keep        # soft-target rows only
         if keep.any():
             h = np.asarray(fn(backbone.params, jnp.asarray(tokens)))
+            # row of h_{t+k+1} for head k at t: kept positions count up from n_kept; extra rows are
+            # encoded as -2 - (their index among the extra rows) until the kept total is known
+            row = np.full(keep.shape, -1, np.int64)
+            row[keep] = n_kept + np.arange(keep.sum())
+            row[extra] = -2 - (n_extra + np.arange(extra.sum()))
+            tr = np.full(ok.shape, -1, np.int64)
+            for k in range(min(num_heads, T - 1)):
+                tr[k, :, :T - k - 1] = row[:, k + 1:]
+            tr[~ok] = -1
             hs.append(h[keep].astype(np.float32))
+            extra_hs.append(h[extra].astype(np.float32))
             labs.append(lab[:, keep].astype(np.int32))
             oks.append(ok[:, keep].astype(bool))
+            paths.append(D.path_tokens(tokens, num_heads)[:, keep])
+            rows.append(tr[:, keep])
+            n_kept, n_extra = n_kept + int(keep.sum()), n_extra + int(extra.sum())
         bar.update(sum(len(examples[j][0]) for j in group))
     bar.close()
     if not hs:
-        return (np.zeros((0, backbone.cfg.hidden_size), np.float32), np.zeros((num_heads, 0), np.int32),
-                np.zeros((num_heads, 0), bool))
-    return np.concatenate(hs), np.concatenate(labs, axis=1), np.concatenate(oks, axis=1)
+        empty = np.zeros((num_heads, 0), np.int32)
+        return D.Positions(np.zeros((0, backbone.cfg.hidden_size), np.float32), empty, empty.astype(bool), empty,
+                           empty)
+    tr = np.concatenate(rows, axis=1)
+    tr = np.where(tr <= -2, n_kept + (-tr - 2), tr).astype(np.int32)
+    return D.Positions(np.concatenate(hs + extra_hs), np.concatenate(labs, axis=1), np.concatenate(oks, axis=1),
+                       np.concatenate(paths, axis=1).astype(np.int32), tr)
+
+
+#: Version of the hidden-state cache's layout (`cached_positions`); older caches are recomputed.
+CACHE_FORMAT = 2
 
 
 def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, out_dir: str,
-                     progress: bool = True):
-    """`compute_positions`, kept in ``out_dir/hidden/<split>.npz`` when ``tc.cache_hidden``.
+                     progress: bool = True) -> D.Positions:
+    """`compute_positions`, kept in ``out_dir/hidden/<split>.npz`` (``tc.hidden_dir/<split>.npz`` when
+    set) when ``tc.cache_hidden``.
 
-    The cache is used only when its fingerprint (model, data, split, K, token checksum) matches."""
+    The cache is used only when its fingerprint (model, data, split, K, token checksum, layout
+    version `CACHE_FORMAT`) matches."""
     key = {"model": backbone.path, "cfg": repr(backbone.cfg), "data": tc.data, "split": split, "K": tc.num_heads,
            "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None, "n": len(examples),
-           "sum": int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) + int(m.sum()) for i, m in examples))}
-    fn = os.path.join(out_dir, "hidden", f"{split}.npz")
+           "sum": int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) + int(m.sum()) for i, m in examples)),
+           "format": CACHE_FORMAT}
+    fn = os.path.join(tc.hidden_dir or os.path.join(out_dir, "hidden"), f"{split}.npz")
     if tc.cache_hidden and os.path.isfile(fn):
         with np.load(fn) as z:
             if json.loads(str(z["key"])) == key:
-                return z["hidden"], z["labels"], z["valid"]
+                return D.Positions(*(z[f] for f in D.Positions._fields))
     out = compute_positions(backbone, examples, tc.num_heads, tc.max_seq_len, tc.hidden_batch_tokens,
                             desc=f"hidden states ({split})", progress=progress)
     if tc.cache_hidden:
         os.makedirs(os.path.dirname(fn), exist_ok=True)
-        np.savez(fn + ".tmp.npz", hidden=out[0], labels=out[1], valid=out[2], key=json.dumps(key))
+        np.savez(fn + ".tmp.npz", key=json.dumps(key), **out._asdict())
         os.replace(fn + ".tmp.npz", fn)
     return out
 
@@ -270,30 +309,61 @@ def _clip(grads, max_norm: float):
 
 # ------------------------------------------------------------------------------------ step functions
 
-def _heads_loss(hcfg: MedusaConfig, tc: TrainConfig, hp, lm, hidden, lab, ok, with_grad=True):
-    """hidden [N, D], lab/ok [K, N] -> (weighted loss, (per-head loss [K], counts [K], ranks [K, R]))."""
-    states = MedusaHeads(hcfg).apply({"params": hp}, hidden, method=MedusaHeads.head_states)
+def _heads_loss(hcfg: MedusaConfig, tc: TrainConfig, hp, lm, emb, batch: dict, with_grad=True):
+    """A batch of positions (`data.positions_batch`: hidden [N, D], labels/valid/path_tokens [K, N],
+    teacher [K, N, D] for soft targets) -> (weighted loss, (per-head loss [K], counts [K], ranks [K, R])).
+
+    Medusa heads read h_t; hydra heads also the embeddings (`emb` [V, D]) of the true tokens
+    t+1..t+k+1 (teacher forcing, Ankner et al. 2024, Sec. 3). Hard targets: cross-entropy on the
+    labels; soft: KL divergence from the backbone's distribution ``softmax(teacher_k @ lm / T)``.
+    """
+    hidden, lab, ok = batch["hidden"], batch["labels"], batch["valid"]
+    if hcfg.head_type == "hydra":
+        path = jnp.take(emb, jnp.transpose(batch["path_tokens"]), axis=0)      # [N, K, D]
+        states = teacher_forced_states(hcfg, hp, hidden, path)
+    else:
+        states = MedusaHeads(hcfg).apply({"params": hp}, hidden, method=MedusaHeads.head_states)
     dt = jnp.dtype(tc.head_matmul_dtype)
+    teacher = batch.get("teacher")
     if hcfg.shared_lm_head:
-        per, cnt, ranks = shared_head_loss(states, lm.astype(dt), lab, ok, tc.loss_chunk, with_grad)
+        per, cnt, ranks = shared_head_loss(states, lm.astype(dt), lab, ok, tc.loss_chunk, with_grad,
+                                           teacher=teacher, temperature=tc.soft_temperature)
     else:
         logits = jnp.einsum("knd,kdv->knv", states.astype(dt), hp["lm_head"].astype(dt),
                             preferred_element_type=jnp.float32)
-        per, cnt, ranks = heads_ce(logits, lab, ok)
+        if teacher is None:
+            per, cnt, ranks = heads_ce(logits, lab, ok)
+        else:
+            t_logits = jnp.einsum("knd,dv->knv", teacher.astype(dt), lm.astype(dt), preferred_element_type=jnp.float32)
+            per, cnt, ranks = heads_kl(logits, t_logits, lab, ok, tc.soft_temperature)
     return total_heads_loss(per, tc.loss_decay), (per, cnt, ranks)
 
 
 def make_frozen_step(hcfg: MedusaConfig, tc: TrainConfig, opt):
-    """Jitted ``(heads, opt_state, lm [D, V], hidden [B, D], lab [K, B], ok [K, B]) -> (heads,
-    opt_state, stats)``; only the heads are differentiated."""
-    def step(hp, opt_state, lm, hidden, lab, ok):
+    """Jitted ``(heads, opt_state, lm [D, V], emb [V, D], batch) -> (heads, opt_state, stats)`` with
+    `batch` from `data.positions_batch`; only the heads are differentiated."""
+    def step(hp, opt_state, lm, emb, batch):
         (loss, (per, cnt, ranks)), g = jax.value_and_grad(
-            lambda p: _heads_loss(hcfg, tc, p, lm, hidden, lab, ok), has_aux=True)(hp)
+            lambda p: _heads_loss(hcfg, tc, p, lm, emb, batch), has_aux=True)(hp)
         g, gnorm = _clip(g, tc.grad_clip)
         upd, opt_state = opt.update(g, opt_state, hp)
         return optax.apply_updates(hp, upd), opt_state, dict(loss=loss, head_loss=per, counts=cnt, ranks=ranks,
                                                               grad_norm=gnorm)
     return jax.jit(step, donate_argnums=(0, 1))
+
+
+def _sequence_batch(hidden, tokens, lab, ok, K: int, soft: bool) -> dict:
+    """A joint-mode batch in the frozen layout: hidden [B, T, D], tokens [B, T], lab/ok [K, B, T] ->
+    `data.positions_batch`'s dict over the B*T positions (teacher: h_{t+k+1}, no gradient)."""
+    B, T, Dm = hidden.shape
+    path = jnp.stack([jnp.pad(tokens[:, k + 1:], ((0, 0), (0, k + 1))) for k in range(K)])   # [K, B, T]
+    batch = {"hidden": hidden.reshape(B * T, Dm), "labels": lab.reshape(K, B * T), "valid": ok.reshape(K, B * T),
+             "path_tokens": path.reshape(K, B * T)}
+    if soft:
+        h = jax.lax.stop_gradient(hidden)
+        batch["teacher"] = jnp.stack([jnp.pad(h[:, k + 1:], ((0, 0), (0, k + 1), (0, 0)))
+                                      for k in range(K)]).reshape(K, B * T, Dm)
+    return batch
 
 
 def make_joint_step(mcfg: ModelConfig, hcfg: MedusaConfig, tc: TrainConfig, opts, train_backbone: bool):
@@ -305,9 +375,9 @@ def make_joint_step(mcfg: ModelConfig, hcfg: MedusaConfig, tc: TrainConfig, opts
     def loss_fn(params, ref, tokens, lab, ok, blab, bok):
         bb = params["backbone"] if train_backbone else jax.lax.stop_gradient(params["backbone"])
         logits, hidden, _ = model.apply({"params": bb}, tokens, _positions(tokens), compute_logits=train_backbone)
-        B, T, Dm = hidden.shape
+        batch = _sequence_batch(hidden, tokens, lab, ok, K, tc.loss_targets == "soft")
         loss, (per, cnt, ranks) = _heads_loss(hcfg, tc, params["heads"], lm_head_matrix(mcfg, bb),
-                                              hidden.reshape(B * T, Dm), lab.reshape(K, B * T), ok.reshape(K, B * T))
+                                              jax.lax.stop_gradient(token_embeddings(bb)), batch)
         base = jnp.zeros((), jnp.float32)
         if train_backbone:
             n = jnp.sum(bok, dtype=jnp.float32)
@@ -347,24 +417,28 @@ def _summary(per_sum, counts, ranks) -> dict:
 
 @functools.lru_cache(maxsize=8)
 def _eval_fn(hcfg: MedusaConfig, tc: TrainConfig):
-    return jax.jit(lambda hp, lm, h, lab, ok: _heads_loss(hcfg, tc, hp, lm, h, lab, ok, with_grad=False)[1])
+    return jax.jit(lambda hp, lm, emb, batch: _heads_loss(hcfg, tc, hp, lm, emb, batch, with_grad=False)[1])
 
 
-def evaluate_positions(hcfg, tc, heads_params, lm, hidden, labels, valid) -> dict:
+def evaluate_positions(hcfg, tc, heads_params, lm, emb, pos: D.Positions) -> dict:
     """Per-head validation loss, top-1/top-5 and rank accuracies on flat positions (batches of
-    batch_size, the last one padded with invalid rows)."""
+    batch_size, the last one padded with invalid rows). emb: the backbone's input embeddings [V, D]
+    (read by hydra heads). The loss is the training one (CE, or KL with soft targets); the
+    accuracies count the data's tokens either way."""
     K, R = hcfg.num_heads, NUM_RANKS
     tot, cnt, ranks = np.zeros(K), np.zeros(K), np.zeros((K, R))
     B, fn = tc.batch_size, _eval_fn(hcfg, tc)
-    for h, lab, ok in D.position_batches(hidden, labels, valid, B):
-        per, c, r = (np.asarray(x, np.float64) for x in fn(heads_params, lm, h, lab, ok))
+    for batch in D.position_batches(pos, B, soft=tc.loss_targets == "soft"):
+        per, c, r = (np.asarray(x, np.float64) for x in fn(heads_params, lm, emb, batch))
         tot, cnt, ranks = tot + per * c, cnt + c, ranks + r
     return _summary(tot, cnt, ranks)
 
 
 def initial_heads(tc: TrainConfig, hcfg: MedusaConfig, mcfg: ModelConfig, lm) -> dict:
-    """Fresh heads (`init_heads`) or those of ``tc.init_heads``. Raises ValueError when the loaded
-    heads' K, L or shared_lm_head differ from the config, HeadsMismatchError when they do not fit."""
+    """Fresh heads (`init_heads`) or those of ``tc.init_heads``. Medusa heads may start hydra heads
+    (`hydra.from_medusa`: zero path weights, so the same logits). Raises ValueError when the loaded
+    heads' K, L, shared_lm_head or head type differ from the config, HeadsMismatchError when they do
+    not fit."""
     if not tc.init_heads:
         return init_heads(hcfg, lm)
     from ..convert.medusa_format import load_heads
@@ -373,6 +447,13 @@ def initial_heads(tc: TrainConfig, hcfg: MedusaConfig, mcfg: ModelConfig, lm) ->
     if got != (hcfg.num_heads, hcfg.num_layers, hcfg.shared_lm_head):
         raise ValueError(f"init_heads {tc.init_heads}: (num_heads, num_layers, shared_lm_head) = {got}, but the "
                          f"config asks for {(hcfg.num_heads, hcfg.num_layers, hcfg.shared_lm_head)}")
+    if cfg.head_type != hcfg.head_type:
+        if (cfg.head_type, hcfg.head_type) != ("medusa", "hydra"):
+            raise ValueError(f"init_heads {tc.init_heads}: {cfg.head_type} heads cannot start {hcfg.head_type} "
+                             "heads (only Medusa heads can start hydra heads); set init_heads: null or "
+                             f"head_type: {cfg.head_type}")
+        cfg, p = from_medusa(cfg, p)
+        _note(f"init_heads {tc.init_heads}: Medusa heads start these hydra heads (path weights at zero)")
     return {k: jnp.asarray(v) for k, v in p.items() if k != "proposal_ids"}  # decoding-only field
 
 
@@ -442,15 +523,15 @@ def _finished_result(tc: TrainConfig, out_dir: str, step: int) -> Optional[Train
 
 
 def _frozen_data(tc: TrainConfig, bb: Backbone, train_ex, val_ex, out_dir: str, progress: bool):
-    """Flat train positions and (capped) validation positions, computed once (cached)."""
-    hid, lab, ok = cached_positions(tc, bb, train_ex, "train", out_dir, progress)
-    if hid.shape[0] == 0:
+    """Flat train positions and (capped) validation positions (`data.Positions`), computed once (cached)."""
+    train = cached_positions(tc, bb, train_ex, "train", out_dir, progress)
+    if train.num_positions == 0:
         raise ValueError(f"{tc.data}: no training position has a valid label for any head")
     val = cached_positions(tc, bb, val_ex, "val", out_dir, progress) if val_ex else None
-    if val is not None and tc.max_val_positions and val[0].shape[0] > tc.max_val_positions:
-        pick = np.sort(np.random.default_rng([tc.seed, 7]).permutation(val[0].shape[0])[:tc.max_val_positions])
-        val = (val[0][pick], val[1][:, pick], val[2][:, pick])
-    return (hid, lab, ok), val
+    if val is not None and tc.max_val_positions and val.num_positions > tc.max_val_positions:
+        pick = np.sort(np.random.default_rng([tc.seed, 7]).permutation(val.num_positions)[:tc.max_val_positions])
+        val = D.select_positions(val, pick)
+    return train, val
 
 
 def _val_sequences(tc: TrainConfig, val_ex):
@@ -528,9 +609,11 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     mcfg, K, joint = bb.cfg, tc.num_heads, tc.mode == "joint"
     hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=K,
                         num_layers=tc.num_layers, shared_lm_head=tc.shared_lm_head, topk=tc.topk,
-                        base_model=os.path.basename(os.path.normpath(bb.path)))
+                        base_model=os.path.basename(os.path.normpath(bb.path)), head_type=tc.head_type)
     lm0 = jnp.asarray(lm_head_matrix(mcfg, bb.params))
     lm_train = lm0.astype(tc.head_matmul_dtype)  # cast once: the frozen steps take it as is
+    emb = jnp.asarray(token_embeddings(bb.params))  # hydra heads' path embeddings (frozen)
+    soft = tc.loss_targets == "soft"
     train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
     heads_lr = tc.learning_rate * tc.heads_lr_multiplier
     heads0 = initial_heads(tc, hcfg, mcfg, lm0)
@@ -545,8 +628,8 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
         opt = make_optimizer(tc, heads_lr, tc.steps)
         params, opt_state = heads0, opt.init(heads0)
         frozen_step = make_frozen_step(hcfg, tc, opt)
-        (hid, lab, ok), val = _frozen_data(tc, bb, train_ex, val_ex, out_dir, progress)
-        n_items = hid.shape[0]
+        train_pos, val = _frozen_data(tc, bb, train_ex, val_ex, out_dir, progress)
+        n_items = train_pos.num_positions
     ck = Checkpointer(ck_dir, tc.keep_checkpoints)
     step = 0
     if resume and ck.latest_step() is not None:
@@ -559,12 +642,13 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
 
     def evaluate(p) -> dict:
         if not joint:
-            return evaluate_positions(hcfg, tc, p, lm_train, *val) if val is not None and val[0].shape[0] else {}
+            return evaluate_positions(hcfg, tc, p, lm_train, emb, val) if val is not None and val.num_positions else {}
         if not val_ex:
             return {}
         v = compute_positions(Backbone(mcfg, p["backbone"], bb.path), _val_sequences(tc, val_ex), K,
                               tc.max_seq_len, tc.hidden_batch_tokens, progress=False)
-        return evaluate_positions(hcfg, tc, p["heads"], lm_head_matrix(mcfg, p["backbone"]), *v)
+        return evaluate_positions(hcfg, tc, p["heads"], lm_head_matrix(mcfg, p["backbone"]),
+                                  token_embeddings(p["backbone"]), v)
 
     def save(s):
         meta = {"step": s, "seed": tc.seed, "data_items": n_items, "epoch": (s * tc.batch_size) // n_items,
@@ -583,7 +667,8 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
             params, opt_state, st = step_fns[step >= tc.heads_warmup_steps](
                 params, opt_state, ref, tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask))
         else:
-            params, opt_state, st = frozen_step(params, opt_state, lm_train, hid[idx], lab[:, idx], ok[:, idx])
+            params, opt_state, st = frozen_step(params, opt_state, lm_train, emb,
+                                                D.positions_batch(train_pos, idx, soft=soft))
         st = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), st)
         acc = dict(st, n=1) if acc is None else {k: acc[k] + st.get(k, 1) for k in acc}
         step += 1
