@@ -179,3 +179,42 @@ def tiny_decoding_model(vocab_size: int = 64, seed: int = 0):
     params = LlamaModel(cfg).init(jax.random.PRNGKey(seed), jnp.zeros((1, 4), jnp.int32),
                                   jnp.zeros((1, 4), jnp.int32))["params"]
     return cfg, jax.tree_util.tree_map(lambda a: a * 3 if a.ndim == 2 else a, params)
+
+
+def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None):
+    """`python -m medusa_jax.tune` end to end on a tiny tied-embedding HF model saved in
+    ``tmp_path/model``, with 3 random heads (topk 5, `head_type`) saved in ``tmp_path/heads``
+    (`extra`: more config fields) and 40 synthetic chats (response ids < 64) in ``tmp_path/data``;
+    the tuned heads go to ``tmp_path/tuned`` with a 64-token proposal vocabulary.
+    Returns (the loaded backbone `LoadedModel`, tune's exit code)."""
+    import json
+
+    import jax
+
+    from medusa_jax import tune
+    from medusa_jax.config import MedusaConfig
+    from medusa_jax.convert.medusa_format import save_heads
+    from medusa_jax.heads import init_heads
+    from medusa_jax.loading import load_model
+    from medusa_jax.models.llama import lm_head_matrix
+
+    cfg = tiny_config(tie_word_embeddings=True)
+    model, _ = random_hf_model(cfg, seed=3)
+    model.save_pretrained(tmp_path / "model")
+    lm = load_model(str(tmp_path / "model"), with_tokenizer=False)
+    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=3, topk=5,
+                        head_type=head_type)
+    hp = init_heads(hcfg, lm_head_matrix(lm.cfg, lm.params))
+    hp = {k: np.asarray(jax.random.normal(jax.random.PRNGKey(i), a.shape)) * 0.3 for i, (k, a) in enumerate(hp.items())}
+    save_heads(str(tmp_path / "heads"), hcfg, hp, extra=extra)
+    rng = np.random.RandomState(0)
+    (tmp_path / "data").mkdir()
+    with open(tmp_path / "data" / "samples.jsonl", "w") as f:
+        for i in range(40):
+            f.write(json.dumps({"id": f"p{i}", "prompt_ids": rng.randint(0, 128, 12).tolist(),
+                                "response_ids": rng.randint(0, 64, 30).tolist(), "finish": "length"}) + "\n")
+    rc = tune.main(["--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--data",
+                    str(tmp_path / "data"), "--val-fraction", "0.3", "--sizes", sizes, "--steps", "2", "--repeats",
+                    "1", "--proposal-vocab", "64", "--cost-cache-size", "128", "--cost-prompt-len", "12",
+                    "--out", str(tmp_path / "tuned"), "--no-progress"])
+    return lm, rc

@@ -312,30 +312,10 @@ def test_calibration_is_teacher_forced(tiny):
 def test_tune_and_decode_with_hydra_heads(tmp_path):
     """End to end on a tiny HF model: tune calibrates hydra heads, times their tree and saves it with
     them; resolve_heads loads them for decoding, which stays lossless."""
-    from conftest import random_hf_model, tiny_config
-    from medusa_jax import tune
-    from medusa_jax.loading import load_model
+    from conftest import tiny_tune_run
     from medusa_jax.runtime import resolve_heads
 
-    mcfg = tiny_config(tie_word_embeddings=True)
-    model, _ = random_hf_model(mcfg, seed=3)
-    model.save_pretrained(tmp_path / "model")
-    lm = load_model(str(tmp_path / "model"), with_tokenizer=False)
-    hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=3, topk=5,
-                        head_type="hydra")
-    hp = init_heads(hcfg, lm_head_matrix(lm.cfg, lm.params))
-    hp = {k: np.asarray(jax.random.normal(jax.random.PRNGKey(i), a.shape)) * 0.3 for i, (k, a) in enumerate(hp.items())}
-    save_heads(str(tmp_path / "heads"), hcfg, hp)
-    rng = np.random.RandomState(0)
-    (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "samples.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"id": f"p{i}", "prompt_ids": rng.randint(0, 128, 12).tolist(),
-                                "response_ids": rng.randint(0, 64, 30).tolist(), "finish": "length"}) + "\n")
-    rc = tune.main(["--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--data",
-                    str(tmp_path / "data"), "--val-fraction", "0.3", "--sizes", "2,4,6", "--steps", "2", "--repeats",
-                    "1", "--proposal-vocab", "64", "--cost-cache-size", "128", "--cost-prompt-len", "12",
-                    "--out", str(tmp_path / "tuned"), "--no-progress"])
+    lm, rc = tiny_tune_run(tmp_path, head_type="hydra", sizes="2,4,6")
     assert rc == 0
     cfg2, p2 = load_heads(str(tmp_path / "tuned"), lm.cfg)
     report = json.load(open(tmp_path / "tuned" / "config.json"))["tree_search"]

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from conftest import (jax_logits, random_hf_model, random_tokens, rel_err, tiny_config, tiny_decoding_model,
+from conftest import (jax_logits, random_hf_model, random_tokens, tiny_config, tiny_decoding_model,
                       torch_logits)
 from medusa_jax.config import ModelConfig
 from medusa_jax.kv_cache import init_cache

@@ -267,7 +267,7 @@ def test_rerun_of_finished_run_with_other_settings_is_refused(frozen_run, capsys
     # the same settings again: says it is finished and where its heads are; trains and writes nothing
     assert train_cli.main(base) == 0
     out, err = capsys.readouterr()
-    assert f"already holds this run, finished (150/150 steps) with the same settings" in err
+    assert "already holds this run, finished (150/150 steps) with the same settings" in err
     assert f"Its heads: {res.heads_dir}" in err and "--no-resume" in err and "steps=N (N > 150)" in err
     assert out.startswith(f"already trained frozen Medusa heads (4 heads, 150 steps) -> {res.heads_dir}")
     assert f"val top-1 {res.metrics['val_top1'][0]:.3f}" in out

@@ -14,7 +14,7 @@ from medusa_jax.generate import generate, generate_device, start_state
 from medusa_jax.heads import MedusaHeads, frequent_tokens, init_heads, with_proposal_projection
 from medusa_jax.kv_cache import grow_cache, init_cache
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.tree import build_tree, get_tree, greedy_tree_search
+from medusa_jax.tree import build_tree, greedy_tree_search
 from medusa_jax.tune import choose_tree, rank_accuracies
 from medusa_jax.verify import head_topk
 
@@ -159,29 +159,10 @@ def test_step_costs_time_every_tree(tiny):
 
 def test_tune_command_saves_the_chosen_tree(tmp_path):
     """End to end on a tiny HF model: calibration, c(T), choice, saved with the heads and used by default."""
-    from conftest import random_hf_model, tiny_config
-    from medusa_jax import tune
-    from medusa_jax.loading import load_model
+    from conftest import tiny_tune_run
     from medusa_jax.runtime import heads_calibration, predicted_tokens_per_step, resolve_heads
 
-    cfg = tiny_config(tie_word_embeddings=True)
-    model, _ = random_hf_model(cfg, seed=3)
-    model.save_pretrained(tmp_path / "model")
-    lm = load_model(str(tmp_path / "model"), with_tokenizer=False)
-    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=3, topk=5)
-    hp = init_heads(hcfg, lm_head_matrix(lm.cfg, lm.params))
-    hp = {k: np.asarray(jax.random.normal(jax.random.PRNGKey(i), a.shape)) * 0.3 for i, (k, a) in enumerate(hp.items())}
-    save_heads(str(tmp_path / "heads"), hcfg, hp, extra={"metrics": {"note": "kept"}})
-    rng = np.random.RandomState(0)
-    (tmp_path / "data").mkdir()
-    with open(tmp_path / "data" / "samples.jsonl", "w") as f:
-        for i in range(40):
-            f.write(json.dumps({"id": f"p{i}", "prompt_ids": rng.randint(0, 128, 12).tolist(),
-                                "response_ids": rng.randint(0, 64, 30).tolist(), "finish": "length"}) + "\n")
-    rc = tune.main(["--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--data",
-                    str(tmp_path / "data"), "--val-fraction", "0.3", "--sizes", "2,4", "--steps", "2", "--repeats",
-                    "1", "--proposal-vocab", "64", "--cost-cache-size", "128", "--cost-prompt-len", "12",
-                    "--out", str(tmp_path / "tuned"), "--no-progress"])
+    lm, rc = tiny_tune_run(tmp_path, extra={"metrics": {"note": "kept"}})
     assert rc == 0
     cfg2, p2 = load_heads(str(tmp_path / "tuned"), lm.cfg)
     raw = json.load(open(tmp_path / "tuned" / "config.json"))

@@ -78,11 +78,7 @@ class Checkpointer:
           ValueError: the saved state does not match the template (different model or heads).
         """
         ocp = self._ocp
-        if step is None:
-            step = self.latest_step()
-        if step is None or step not in self.manager.all_steps():
-            raise FileNotFoundError(f"no checkpoint{'' if step is None else f' for step {step}'} in "
-                                    f"{self.directory}")
+        step = self._existing_step(step)
         abstract = jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype), template)
         try:
@@ -94,15 +90,20 @@ class Checkpointer:
         state = jax.tree_util.tree_map(np.asarray, out["state"])
         return int(step), state, dict(out["meta"])
 
-    def restore_meta(self, step: Optional[int] = None) -> dict:
-        """The meta dict of a checkpoint (None: the latest) without reading its arrays.
-        Raises FileNotFoundError when there is no such checkpoint."""
-        ocp = self._ocp
+    def _existing_step(self, step: Optional[int]) -> int:
+        """`step`, or the latest when None; FileNotFoundError when there is no such checkpoint."""
         if step is None:
             step = self.latest_step()
         if step is None or step not in self.manager.all_steps():
             raise FileNotFoundError(f"no checkpoint{'' if step is None else f' for step {step}'} in "
                                     f"{self.directory}")
+        return int(step)
+
+    def restore_meta(self, step: Optional[int] = None) -> dict:
+        """The meta dict of a checkpoint (None: the latest) without reading its arrays.
+        Raises FileNotFoundError when there is no such checkpoint."""
+        ocp = self._ocp
+        step = self._existing_step(step)
         return dict(self.manager.restore(int(step), args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"])
 
     def close(self) -> None:
