@@ -299,12 +299,20 @@ def main(argv=None) -> int:
     from .check import compare, load_first_turns
     from .loading import apply_chat_template, load_model
 
-    records = load_first_turns(args.prompts, None if args.per_category else args.limit)  # before the slow load
+    try:  # before the slow load
+        records = load_first_turns(args.prompts, None if args.per_category else args.limit)
+    except (OSError, ValueError) as e:
+        p.error(f"--prompts {args.prompts}: {e.strerror if isinstance(e, OSError) else e}")
     records = spec_bench_groups(records)
     if args.per_category:
         records = per_category(records, args.per_category)
     if not records:
         p.error(f"--prompts {args.prompts}: no prompts in the file")
+    try:  # paths, heads and tree before the slow model load
+        runtime.preflight(args.model, args.heads, args.tree)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     runtime.enable_compilation_cache()
     model = load_model(args.model)
     cfg, params = model.cfg, model.params

@@ -102,13 +102,18 @@ def main(argv=None) -> int:
     from .generate import generate
     from .loading import apply_chat_template, load_model
 
+    try:  # paths, heads and tree before the slow model load
+        runtime.preflight(args.model, args.heads, args.tree, zero_heads=args.num_heads)
+        records = load_first_turns(args.prompts, args.limit)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     runtime.enable_compilation_cache()
     model = load_model(args.model)
     heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=args.num_heads)
     if heads is None:
         print(f"error: {note}", file=sys.stderr)
         return 2
-    records = load_first_turns(args.prompts, args.limit)
     rows, steps, new_tokens = [], 0, 0
     for rec in tqdm(records, desc="prompts", unit="prompt"):
         ids = apply_chat_template(model.tokenizer, rec["prompt"])

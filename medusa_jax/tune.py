@@ -251,8 +251,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .loading import load_model
     from .models.llama import lm_head_matrix
 
-    runtime.enable_compilation_cache()
     heads_dir = args.heads or runtime.DEFAULT_HEADS_DIR
+    try:  # paths and heads before the slow model load
+        runtime.preflight(args.model, heads_dir, None)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    runtime.enable_compilation_cache()
     model = load_model(args.model, with_tokenizer=False)  # token ids only
     hcfg, hp = load_heads(heads_dir, model.cfg)
     lm = lm_head_matrix(model.cfg, model.params)

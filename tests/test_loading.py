@@ -200,3 +200,33 @@ def test_preflight_checks_our_heads_depth(tmp_path, monkeypatch):
     bad.write_bytes(b"PK\x03\x04")
     with pytest.raises(ValueError, match="not a GGUF file"):
         runtime.preflight(str(bad), None, None, use_medusa=False)
+
+
+@pytest.mark.parametrize("tool, argv, message", [
+    ("check", ["--prompts", "PROMPTS", "--heads", "/no/such/heads"], "/no/such/heads: no such file"),
+    ("check", ["--prompts", "/no/such/prompts.jsonl"], "No such file or directory"),
+    ("check", ["--prompts", "PROMPTS", "--heads", "zero", "--tree", "chain5"], "depth 5 but the heads have only 4"),
+    ("bench", ["--prompts", "PROMPTS", "--tree", "no_such_tree"], "unknown tree 'no_such_tree'"),
+    ("bench", ["--prompts", "/no/such/prompts.jsonl"], "--prompts /no/such/prompts.jsonl: No such file"),
+    ("bench", ["--prompts", "PROMPTS", "--model", "/no/such.gguf"], "--model /no/such.gguf: no such file"),
+    ("tune", ["--heads", "/no/such/heads", "--out", "OUT"], "/no/such/heads: no such file"),
+])
+def test_tools_check_paths_before_the_model_loads(tool, argv, message, monkeypatch, capsys, tmp_path):
+    """check, bench and tune fail at once, with one line and exit status 2, on a bad path or tree."""
+    import importlib
+
+    import medusa_jax.loading
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(medusa_jax.loading, "load_model", no_load)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi"]}) + "\n")
+    argv = [str(prompts) if a == "PROMPTS" else str(tmp_path / "out") if a == "OUT" else a for a in argv]
+    try:
+        assert importlib.import_module(f"medusa_jax.{tool}").main(argv) == 2
+    except SystemExit as e:  # argparse's error(): also one line and status 2
+        assert e.code == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
