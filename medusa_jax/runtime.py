@@ -184,23 +184,14 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
       ValueError: a malformed tree, heads config (`HeadsFormatError`), or a file that is neither
         GGUF nor an HF directory; a tree deeper than the heads.
     """
-    from .convert.gguf import GGUF_MAGIC
-    from .loading import default_model_path
+    from .loading import check_model_path
 
-    path = default_model_path() if model_path is None else os.fspath(model_path)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"--model {path}: no such file or directory; expected a Hugging Face model "
-                                "directory (config.json + *.safetensors) or a .gguf file")
-    if os.path.isdir(path):
-        if not os.path.isfile(os.path.join(path, "config.json")):
-            raise FileNotFoundError(f"--model {path}: directory without config.json; expected a Hugging Face "
-                                    "model directory (config.json + *.safetensors) or a .gguf file")
-    else:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-        if magic != GGUF_MAGIC:
-            raise ValueError(f"--model {path}: not a GGUF file (first bytes {magic!r}) and not a directory; "
-                             "expected a Hugging Face model directory or a .gguf file")
+    try:
+        check_model_path(model_path)
+    except (FileNotFoundError, ValueError) as e:
+        if model_path is None:  # the default model: its message says how to install it
+            raise
+        raise type(e)(f"--model {e}") from e
     if not use_medusa:
         return
     num_heads = None
