@@ -404,6 +404,12 @@ class TrainConfig:
         the backbone's own distribution over token t+k+2, softmax(h_{t+k+1} @ lm_head /
         soft_temperature), computed from the same hidden states: no extra backbone pass).
       soft_temperature: temperature T > 0 of the soft targets (T > 1 flattens them).
+      loop_ngram: a training position is inside a repetition loop when the `loop_ngram` tokens
+        ending at its root token t+1 already occurred earlier in the sequence
+        (`medusa_jax.train.data.repetition_mask`).
+      loop_weight: fraction in [0, 1] of the loop positions kept for training (a fixed random
+        draw): 1 keeps all, 0 drops them. Validation keeps them all and also reports
+        val_noloop_top1/top5 on the positions outside loops.
     Optimisation (Optax AdamW, linear warm-up then cosine decay, global-norm clipping):
       mode: "frozen" (Medusa-1: only the heads train; the backbone's hidden states are computed
         once) or "joint" (Medusa-2: backbone and heads).
@@ -476,6 +482,8 @@ class TrainConfig:
     head_type: str = "medusa"
     loss_targets: str = "hard"
     soft_temperature: float = 1.0
+    loop_ngram: int = 32
+    loop_weight: float = 1.0
     # optimisation
     mode: str = "frozen"
     steps: int = 1000
@@ -521,10 +529,12 @@ class TrainConfig:
             problems.append("head_type 'hydra' needs num_layers >= 1 (the first block reads the path embeddings)")
         if self.loss_targets not in LOSS_TARGETS:
             problems.append(f"loss_targets must be one of {LOSS_TARGETS}, got {self.loss_targets!r}")
+        if not 0.0 <= self.loop_weight <= 1.0:
+            problems.append(f"loop_weight must be in [0, 1], got {self.loop_weight}")
         if not self.soft_temperature > 0:
             problems.append(f"soft_temperature must be > 0, got {self.soft_temperature}")
         for name in ("steps", "batch_size", "num_heads", "max_seq_len", "hidden_batch_tokens", "log_every",
-                     "keep_checkpoints", "topk", "tree_nodes"):
+                     "keep_checkpoints", "topk", "tree_nodes", "loop_ngram"):
             if getattr(self, name) < 1:
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_layers", "warmup_steps", "heads_warmup_steps", "eval_every", "checkpoint_every",

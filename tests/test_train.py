@@ -437,6 +437,10 @@ def test_positions_hold_paths_and_soft_target_rows(frozen_run):
         for t_ in np.flatnonzero(ok[:, 0].any(axis=0)):
             want.append((ids, t_, ok[:, 0, t_], logits, mask))
     assert pos.num_positions == len(want) and pos.hidden.shape[0] > pos.num_positions  # + soft-target rows
+    src = trainer.position_sources(examples, K)  # the same layout, without the backbone
+    assert src.shape == (pos.num_positions, 2)
+    for i, (n, t_) in enumerate(src):
+        assert (examples[n][0] is want[i][0]) and t_ == want[i][1]
     assert any(not mask[t_ + 1] for _, t_, _, _, mask in want)  # some paths start in the prompt
     for sub in (pos, D.select_positions(pos, np.arange(1, pos.num_positions, 3))):
         picked = want if sub is pos else want[1::3]
@@ -531,3 +535,30 @@ def test_joint_batches_equal_the_frozen_positions(frozen_run):
     for a, b in zip(frozen, joint):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
     assert float(frozen[0][0]) > 0
+
+
+def test_repetition_mask_marks_verbatim_repeats():
+    from medusa_jax.train import data as D
+    ids = [1, 2, 3, 1, 2, 3, 1, 2]
+    assert D.repetition_mask(ids, 2).tolist() == [False] * 4 + [True] * 4
+    assert D.repetition_mask(ids, 3).tolist() == [False] * 5 + [True] * 3
+    assert not D.repetition_mask(ids, 9).any() and not D.repetition_mask([], 4).any()
+    with pytest.raises(ValueError, match="ngram"):
+        D.repetition_mask(ids, 0)
+
+
+def test_loop_weight_drops_loop_positions_and_reports_clean_accuracy(frozen_run, tmp_path, capsys):
+    """loop_weight=0 trains only on positions outside repetition loops (the flat dataset shrinks by
+    exactly the flagged ones); validation keeps them and adds val_noloop_top1/5."""
+    tc, bb, _, _ = frozen_run
+    cut = tiny(tmp_path, "noloop", "loop_weight=0", "loop_ngram=2", "steps=40")
+    train_ex, _ = trainer.load_examples(cut, bb.cfg.vocab_size)
+    flags = trainer.loop_flags(train_ex, cut.num_heads, 2)
+    assert 0 < flags.sum() < len(flags)
+    res = trainer.train(cut, backbone=bb, progress=False)
+    assert f"{int(flags.sum()):,} of {len(flags):,} training positions" in capsys.readouterr().err
+    last = [json.loads(l) for l in open(os.path.join(cut.out_dir, "metrics.jsonl"))][-1]
+    assert last["epoch"] == pytest.approx(40 * cut.batch_size / int((~flags).sum()), abs=1e-3)
+    assert len(last["val_noloop_top1"]) == cut.num_heads and len(res.metrics["val_top1"]) == cut.num_heads
+    with pytest.raises(TrainConfigError, match="loop_weight"):
+        tiny(tmp_path, "bad", "loop_weight=1.5")

@@ -279,6 +279,32 @@ def base_targets(tokens, loss_mask, segment_ids=None) -> Tuple[np.ndarray, np.nd
                     None if segment_ids is None else np.asarray(segment_ids))
 
 
+def repetition_mask(ids, ngram: int) -> np.ndarray:
+    """Which tokens continue a verbatim repeat: [T] int -> [T] bool, True at token j when the
+    `ngram` tokens ending at j (j-ngram+1..j) already occurred, ending before j, in `ids`.
+
+    Greedy self-distillation of a small model loops: the same sentence or list item repeated up to
+    the length limit. Past the first `ngram` tokens of a repeat, the rest is a copy, easy for draft
+    heads and over-represented in the data (`loop_flags`). Raises ValueError for ngram < 1.
+    """
+    if ngram < 1:
+        raise ValueError(f"ngram must be >= 1, got {ngram}")
+    ids = np.asarray(ids, np.int64).reshape(-1)
+    out = np.zeros(len(ids), bool)
+    seen = set()
+    for j in range(ngram - 1, len(ids)):
+        gram = ids[j - ngram + 1:j + 1].tobytes()
+        out[j] = gram in seen
+        seen.add(gram)
+    return out
+
+
+def kept_positions(ids, loss_mask, num_heads: int) -> np.ndarray:
+    """Positions t of one sequence where at least one head has a label (`head_targets`): [T] -> [P] int."""
+    ok = head_targets(np.asarray(ids)[None], np.asarray(loss_mask)[None], num_heads)[1]
+    return np.nonzero(ok.any(axis=0)[0])[0]
+
+
 # --------------------------------------------------------------------------------------------
 # flat position datasets (frozen backbone: hidden states computed once)
 

@@ -188,6 +188,27 @@ def _hidden_fn(cfg: ModelConfig):
     return fn
 
 
+def _length_order(examples: Sequence[Pair]) -> List[int]:
+    """The order `compute_positions` runs (and lays out) the sequences in: by length, then index."""
+    return sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), i))
+
+
+def position_sources(examples: Sequence[Pair], num_heads: int) -> np.ndarray:
+    """Where each of `compute_positions`' flat positions comes from, without running the backbone:
+    [P, 2] int64 rows (sequence index, position t), in its order (`_length_order`, then t)."""
+    out = [np.stack([np.full(len(t), i), t], axis=1)
+           for i in _length_order(examples) for t in [D.kept_positions(*examples[i], num_heads)]]
+    return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 2), np.int64)
+
+
+def loop_flags(examples: Sequence[Pair], num_heads: int, ngram: int) -> np.ndarray:
+    """[P] bool over `compute_positions`' flat positions: True where the root token t+1 continues a
+    verbatim repeat of `ngram` tokens (`data.repetition_mask`), i.e. inside a repetition loop."""
+    src = position_sources(examples, num_heads)
+    reps = {i: D.repetition_mask(examples[i][0], ngram) for i in np.unique(src[:, 0])}
+    return np.array([reps[i][t + 1] for i, t in src], bool)
+
+
 def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: int, max_len: int,
                       batch_tokens: int, desc: str = "hidden states", progress: bool = True) -> D.Positions:
     """The flat frozen-mode dataset: hidden states, every head's labels, the paths hydra heads read
@@ -203,7 +224,7 @@ def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: i
     """
     from tqdm import tqdm
     fn = _hidden_fn(backbone.cfg)
-    order = sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), i))
+    order = _length_order(examples)
     hs, extra_hs, labs, oks, paths, rows = [], [], [], [], [], []
     n_kept = n_extra = 0
     bar = tqdm(total=sum(len(examples[i][0]) for i in order), desc=desc, unit="tok", leave=False,
@@ -523,15 +544,39 @@ def _finished_result(tc: TrainConfig, out_dir: str, step: int) -> Optional[Train
 
 
 def _frozen_data(tc: TrainConfig, bb: Backbone, train_ex, val_ex, out_dir: str, progress: bool):
-    """Flat train positions and (capped) validation positions (`data.Positions`), computed once (cached)."""
+    """Flat train positions, (capped) validation positions (`data.Positions`, computed once, cached)
+    and the validation positions outside repetition loops (`loop_flags`; None when there are none).
+
+    Training positions inside loops are kept with probability ``tc.loop_weight`` (a fixed draw per
+    seed): an unbiased down-weighting that leaves the hidden-state cache as it is."""
     train = cached_positions(tc, bb, train_ex, "train", out_dir, progress)
     if train.num_positions == 0:
         raise ValueError(f"{tc.data}: no training position has a valid label for any head")
-    val = cached_positions(tc, bb, val_ex, "val", out_dir, progress) if val_ex else None
-    if val is not None and tc.max_val_positions and val.num_positions > tc.max_val_positions:
+    if tc.loop_weight < 1.0:
+        flags = _checked_loop_flags(tc, train_ex, train)
+        keep = ~flags | (np.random.default_rng([tc.seed, 11]).random(len(flags)) < tc.loop_weight)
+        _note(f"loop_weight={tc.loop_weight}: {int(flags.sum()):,} of {len(flags):,} training positions are inside "
+              f"repetition loops (loop_ngram={tc.loop_ngram}); {int((flags & keep).sum()):,} of them are kept")
+        train = D.select_positions(train, np.nonzero(keep)[0])
+        if train.num_positions == 0:
+            raise ValueError(f"loop_weight={tc.loop_weight} left no training position (every one is inside a "
+                             f"repetition loop of loop_ngram={tc.loop_ngram}); raise loop_weight or loop_ngram")
+    if not val_ex:
+        return train, None, None
+    val = cached_positions(tc, bb, val_ex, "val", out_dir, progress)
+    flags = _checked_loop_flags(tc, val_ex, val)
+    if tc.max_val_positions and val.num_positions > tc.max_val_positions:
         pick = np.sort(np.random.default_rng([tc.seed, 7]).permutation(val.num_positions)[:tc.max_val_positions])
-        val = D.select_positions(val, pick)
-    return train, val
+        val, flags = D.select_positions(val, pick), flags[pick]
+    return train, val, (D.select_positions(val, np.nonzero(~flags)[0]) if flags.any() and not flags.all() else None)
+
+
+def _checked_loop_flags(tc: TrainConfig, examples, pos: D.Positions) -> np.ndarray:
+    flags = loop_flags(examples, tc.num_heads, tc.loop_ngram)
+    if len(flags) != pos.num_positions:  # a cache laid out differently from compute_positions
+        raise ValueError(f"the hidden-state cache holds {pos.num_positions} positions, the data {len(flags)}: "
+                         f"delete {tc.hidden_dir or os.path.join(tc.out_dir, 'hidden')} to recompute it")
+    return flags
 
 
 def _val_sequences(tc: TrainConfig, val_ex):
@@ -628,7 +673,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
         opt = make_optimizer(tc, heads_lr, tc.steps)
         params, opt_state = heads0, opt.init(heads0)
         frozen_step = make_frozen_step(hcfg, tc, opt)
-        train_pos, val = _frozen_data(tc, bb, train_ex, val_ex, out_dir, progress)
+        train_pos, val, val_noloop = _frozen_data(tc, bb, train_ex, val_ex, out_dir, progress)
         n_items = train_pos.num_positions
     ck = Checkpointer(ck_dir, tc.keep_checkpoints)
     step = 0
@@ -642,7 +687,13 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
 
     def evaluate(p) -> dict:
         if not joint:
-            return evaluate_positions(hcfg, tc, p, lm_train, emb, val) if val is not None and val.num_positions else {}
+            if val is None or not val.num_positions:
+                return {}
+            out = evaluate_positions(hcfg, tc, p, lm_train, emb, val)
+            if val_noloop is not None:  # the same heads outside repetition loops (`loop_flags`)
+                clean = evaluate_positions(hcfg, tc, p, lm_train, emb, val_noloop)
+                out.update({"val_noloop_top1": clean["val_top1"], "val_noloop_top5": clean["val_top5"]})
+            return out
         if not val_ex:
             return {}
         v = compute_positions(Backbone(mcfg, p["backbone"], bb.path), _val_sequences(tc, val_ex), K,
