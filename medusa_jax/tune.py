@@ -68,11 +68,12 @@ def output_dir(heads: Optional[str], out: Optional[str], update_shipped: bool = 
     from . import runtime
 
     package = os.path.dirname(os.path.abspath(__file__))
+    shipped = runtime.SHIPPED_HEADS.get(heads, runtime.DEFAULT_HEADS_DIR)  # --heads medusa1: those heads
+    heads = runtime.heads_location(heads)
     if update_shipped:
         if out is not None:
-            raise OutputDirError("give either --out or --update-shipped-heads (which writes to "
-                                 f"{runtime.DEFAULT_HEADS_DIR}), not both")
-        return os.path.abspath(runtime.DEFAULT_HEADS_DIR)
+            raise OutputDirError(f"give either --out or --update-shipped-heads (which writes to {shipped}), not both")
+        return os.path.abspath(shipped)
     if out is not None:
         if _inside(out, package):
             raise OutputDirError(f"--out {out} is inside the installed medusa_jax package ({package}); tuned "
@@ -204,12 +205,14 @@ def _format_extras(raw: dict) -> dict:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from .cli_help import HelpFormatter
 
+    from . import runtime
+
     p = argparse.ArgumentParser(
         prog="python -m medusa_jax.tune",
         description="Calibrate the heads, measure the verify cost c(T) on this device and save the tree that "
                     "maximises (1 + E[accepted]) / c(T) with the heads (see the module docs).",
         formatter_class=HelpFormatter)
-    p.add_argument("--heads", default=None, help="heads directory (default: the shipped heads)")
+    p.add_argument("--heads", default=None, help=runtime.HEADS_HELP.replace("; 'zero' for fresh zero-initialised heads", ""))
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: the SmolLM2 GGUF)")
     p.add_argument("--data", default="data/distill/smollm2",
                    help="self-distillation directory (samples.jsonl); its held-out split calibrates the heads")
@@ -251,7 +254,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .loading import load_model
     from .models.llama import lm_head_matrix
 
-    heads_dir = args.heads or runtime.DEFAULT_HEADS_DIR
+    heads_dir = runtime.heads_location(args.heads) or runtime.DEFAULT_HEADS_DIR
     try:  # paths and heads before the slow model load
         runtime.preflight(args.model, heads_dir, None)
     except (OSError, ValueError) as e:

@@ -51,6 +51,21 @@ def test_resolve_heads_mismatch_and_missing(tmp_path, monkeypatch):
     assert runtime.resolve_heads(model, None, use_medusa=False) == (None, None, "")
 
 
+def test_shipped_heads_names_resolve_to_their_directories(tmp_path, monkeypatch):
+    """`--heads medusa1` names the shipped Medusa-1 heads; paths, None and "zero" pass through, and an
+    existing local path of the same name wins."""
+    d = _heads_dir(tmp_path, choices=[(0,), (0, 0)])
+    monkeypatch.setitem(runtime.SHIPPED_HEADS, "medusa1", d)
+    monkeypatch.chdir(tmp_path)
+    assert runtime.heads_location("medusa1") == d
+    assert [runtime.heads_location(x) for x in (None, "zero", d)] == [None, "zero", d]
+    heads, tree, _ = runtime.resolve_heads(SimpleNamespace(cfg=CFG), "medusa1")
+    assert tree.medusa_choices == ((0,), (0, 0))
+    runtime.preflight(None, "medusa1", "chain2")  # the shipped name passes the early checks
+    (tmp_path / "medusa1").mkdir()
+    assert runtime.heads_location("medusa1") == "medusa1"
+
+
 def test_text_streamer_holds_back_partial_characters():
     class Tok:
         pieces = {1: b"caf", 2: b"\xc3", 3: b"\xa9 ok"}

@@ -562,3 +562,32 @@ def test_loop_weight_drops_loop_positions_and_reports_clean_accuracy(frozen_run,
     assert len(last["val_noloop_top1"]) == cut.num_heads and len(res.metrics["val_top1"]) == cut.num_heads
     with pytest.raises(TrainConfigError, match="loop_weight"):
         tiny(tmp_path, "bad", "loop_weight=1.5")
+
+
+def test_proposal_vocab_trains_and_exports_the_restricted_heads(frozen_run, tmp_path):
+    """proposal_vocab=N: the loss runs over the N most frequent training tokens; a label outside
+    them counts as a miss in validation (so top-1 is at most the covered share); the exported
+    heads carry that vocabulary and decode losslessly with it."""
+    from medusa_jax.generate import generate
+    from medusa_jax.heads import frequent_tokens, prepare_heads
+    from medusa_jax.tree import get_tree
+
+    _, bb, _, _ = frozen_run
+    tc = tiny(tmp_path, "pv", "head_type=hydra", "proposal_vocab=40", "steps=60", "eval_every=30")
+    res = trainer.train(tc, backbone=bb, progress=False)
+    train_ex, val_ex = trainer.load_examples(tc, bb.cfg.vocab_size)
+    ids = frequent_tokens((i for i, _ in train_ex), 40, bb.cfg.vocab_size)
+    cfg, params = load_heads(res.heads_dir, bb.cfg)
+    assert cfg.proposal_vocab_size == 40 and np.array_equal(params["proposal_ids"], ids)
+    # the share of validation labels (head 0: token t+2) inside the proposal vocabulary caps top-1
+    inside = np.isin(np.concatenate([i[2:][m[2:]] for i, m in val_ex]), ids).mean()
+    assert 0.4 < inside < 0.95
+    assert inside - 0.08 <= res.metrics["val_top1"][0] <= inside + 1e-6, (res.metrics["val_top1"], inside)
+    tree = get_tree(cfg.medusa_choices, topk=cfg.topk, num_heads=cfg.num_heads)
+    heads = prepare_heads(cfg, params, lm_head_matrix(bb.cfg, bb.params), depth=tree.max_depth)
+    prompt = [3, 17, 40]
+    base = generate(bb.cfg, bb.params, prompt, max_new_tokens=24, eos_token_ids=())
+    med = generate(bb.cfg, bb.params, prompt, max_new_tokens=24, heads=heads, tree=tree, eos_token_ids=())
+    assert med.tokens == base.tokens and med.steps < base.steps
+    with pytest.raises(TrainConfigError, match="proposal_vocab needs mode 'frozen'"):
+        tiny(tmp_path, "bad", "proposal_vocab=40", "mode=joint")

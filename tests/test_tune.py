@@ -203,6 +203,9 @@ def test_tune_output_never_defaults_into_the_package(tmp_path, monkeypatch):
     assert output_dir(str(mine), None) == str(mine)  # the user's own heads: tuned in place
     assert output_dir(None, "elsewhere") == str(tmp_path / "elsewhere")
     assert output_dir(None, None, update_shipped=True) == os.path.abspath(runtime.DEFAULT_HEADS_DIR)
+    medusa1 = runtime.SHIPPED_HEADS["medusa1"]  # the other shipped heads, by name
+    assert output_dir("medusa1", None) == str(tmp_path / DEFAULT_OUT)
+    assert output_dir("medusa1", None, update_shipped=True) == os.path.abspath(medusa1)
     for inside in (runtime.DEFAULT_HEADS_DIR, package, os.path.join(package, "assets", "new")):
         with pytest.raises(OutputDirError, match="inside the installed medusa_jax package.*--update-shipped-heads"):
             output_dir(None, inside)

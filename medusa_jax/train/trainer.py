@@ -188,6 +188,23 @@ def _hidden_fn(cfg: ModelConfig):
     return fn
 
 
+def proposal_vocabulary(tc: TrainConfig, train_ex, vocab_size: int) -> Tuple[Optional[np.ndarray], Optional[np.ndarray]]:
+    """(proposal_ids [N] int32, remap [V] int64) for ``tc.proposal_vocab`` = N > 0: the N most
+    frequent tokens of the training sequences (`heads.frequent_tokens`, as `medusa_jax.tune
+    --proposal-vocab` picks them) and each token id's index among them (-1 outside); (None, None)
+    for 0. Raises ValueError when N exceeds the vocabulary."""
+    if not tc.proposal_vocab:
+        return None, None
+    if tc.proposal_vocab > vocab_size:
+        raise ValueError(f"proposal_vocab={tc.proposal_vocab} exceeds the backbone's vocabulary ({vocab_size})")
+    from ..heads import frequent_tokens
+
+    ids = frequent_tokens((i for i, _ in train_ex), tc.proposal_vocab, vocab_size)
+    remap = np.full(vocab_size, -1, np.int64)
+    remap[ids] = np.arange(len(ids))
+    return ids, remap
+
+
 def _length_order(examples: Sequence[Pair]) -> List[int]:
     """The order `compute_positions` runs (and lays out) the sequences in: by length, then index."""
     return sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), i))
@@ -427,13 +444,34 @@ def make_joint_step(mcfg: ModelConfig, hcfg: MedusaConfig, tc: TrainConfig, opts
 
 # ---------------------------------------------------------------------------------------- training
 
-def _summary(per_sum, counts, ranks) -> dict:
+def _summary(per_sum, counts, ranks, misses=0) -> dict:
+    """Validation figures; `misses` [K]: positions left out of the loss that count as misses
+    (labels outside the proposal vocabulary)."""
     counts = np.asarray(counts, np.float64)
-    acc = topk_from_ranks(ranks, counts)
+    total = counts + misses
+    acc = topk_from_ranks(ranks, total)
     return {"val_loss": (np.asarray(per_sum) / np.maximum(counts, 1)).round(5).tolist(),
             "val_top1": acc[0].round(5).tolist(), "val_top5": acc[1].round(5).tolist(),
-            "val_positions": counts.astype(int).tolist(),
-            "val_rank_acc": (np.asarray(ranks) / np.maximum(counts, 1)[:, None]).round(5).tolist()}
+            "val_positions": total.astype(int).tolist(),
+            "val_rank_acc": (np.asarray(ranks) / np.maximum(total, 1)[:, None]).round(5).tolist()}
+
+
+def restrict_batch(batch: dict, remap: Optional[np.ndarray]) -> Tuple[dict, np.ndarray]:
+    """A `data.positions_batch` dict with its labels as indices into the proposal vocabulary.
+
+    Args:
+      remap: [V] int: index of each token id in the proposal vocabulary, -1 outside it; None: the
+        whole vocabulary (the batch is returned as is).
+    Returns:
+      (batch with labels [K, B] mapped and valid [K, B] False where the label is outside,
+       misses [K] int: the valid labels outside).
+    """
+    if remap is None:
+        return batch, np.zeros(batch["labels"].shape[0], np.int64)
+    lab = remap[batch["labels"]]
+    outside = batch["valid"] & (lab < 0)
+    return ({**batch, "labels": np.maximum(lab, 0).astype(np.int32), "valid": batch["valid"] & (lab >= 0)},
+            outside.sum(axis=1))
 
 
 @functools.lru_cache(maxsize=8)
@@ -441,18 +479,21 @@ def _eval_fn(hcfg: MedusaConfig, tc: TrainConfig):
     return jax.jit(lambda hp, lm, emb, batch: _heads_loss(hcfg, tc, hp, lm, emb, batch, with_grad=False)[1])
 
 
-def evaluate_positions(hcfg, tc, heads_params, lm, emb, pos: D.Positions) -> dict:
+def evaluate_positions(hcfg, tc, heads_params, lm, emb, pos: D.Positions, remap: Optional[np.ndarray] = None
+                       ) -> dict:
     """Per-head validation loss, top-1/top-5 and rank accuracies on flat positions (batches of
     batch_size, the last one padded with invalid rows). emb: the backbone's input embeddings [V, D]
     (read by hydra heads). The loss is the training one (CE, or KL with soft targets); the
-    accuracies count the data's tokens either way."""
+    accuracies count the data's tokens either way. With a proposal vocabulary (`lm` [D, N] its
+    columns, `remap` as in `restrict_batch`) the ranks are within it and a label outside it is a miss."""
     K, R = hcfg.num_heads, NUM_RANKS
-    tot, cnt, ranks = np.zeros(K), np.zeros(K), np.zeros((K, R))
+    tot, cnt, ranks, misses = np.zeros(K), np.zeros(K), np.zeros((K, R)), np.zeros(K)
     B, fn = tc.batch_size, _eval_fn(hcfg, tc)
     for batch in D.position_batches(pos, B, soft=tc.loss_targets == "soft"):
+        batch, miss = restrict_batch(batch, remap)
         per, c, r = (np.asarray(x, np.float64) for x in fn(heads_params, lm, emb, batch))
-        tot, cnt, ranks = tot + per * c, cnt + c, ranks + r
-    return _summary(tot, cnt, ranks)
+        tot, cnt, ranks, misses = tot + per * c, cnt + c, ranks + r, misses + miss
+    return _summary(tot, cnt, ranks, misses)
 
 
 def initial_heads(tc: TrainConfig, hcfg: MedusaConfig, mcfg: ModelConfig, lm) -> dict:
@@ -656,10 +697,12 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
                         num_layers=tc.num_layers, shared_lm_head=tc.shared_lm_head, topk=tc.topk,
                         base_model=os.path.basename(os.path.normpath(bb.path)), head_type=tc.head_type)
     lm0 = jnp.asarray(lm_head_matrix(mcfg, bb.params))
-    lm_train = lm0.astype(tc.head_matmul_dtype)  # cast once: the frozen steps take it as is
     emb = jnp.asarray(token_embeddings(bb.params))  # hydra heads' path embeddings (frozen)
     soft = tc.loss_targets == "soft"
     train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
+    proposal_ids, remap = proposal_vocabulary(tc, train_ex, mcfg.vocab_size)
+    # cast once: the frozen steps take it as is; with a proposal vocabulary only its columns
+    lm_train = (lm0 if proposal_ids is None else lm0[:, proposal_ids]).astype(tc.head_matmul_dtype)
     heads_lr = tc.learning_rate * tc.heads_lr_multiplier
     heads0 = initial_heads(tc, hcfg, mcfg, lm0)
     if joint:
@@ -689,9 +732,9 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
         if not joint:
             if val is None or not val.num_positions:
                 return {}
-            out = evaluate_positions(hcfg, tc, p, lm_train, emb, val)
+            out = evaluate_positions(hcfg, tc, p, lm_train, emb, val, remap)
             if val_noloop is not None:  # the same heads outside repetition loops (`loop_flags`)
-                clean = evaluate_positions(hcfg, tc, p, lm_train, emb, val_noloop)
+                clean = evaluate_positions(hcfg, tc, p, lm_train, emb, val_noloop, remap)
                 out.update({"val_noloop_top1": clean["val_top1"], "val_noloop_top5": clean["val_top5"]})
             return out
         if not val_ex:
@@ -718,8 +761,8 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
             params, opt_state, st = step_fns[step >= tc.heads_warmup_steps](
                 params, opt_state, ref, tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask))
         else:
-            params, opt_state, st = frozen_step(params, opt_state, lm_train, emb,
-                                                D.positions_batch(train_pos, idx, soft=soft))
+            batch = restrict_batch(D.positions_batch(train_pos, idx, soft=soft), remap)[0]
+            params, opt_state, st = frozen_step(params, opt_state, lm_train, emb, batch)
         st = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), st)
         acc = dict(st, n=1) if acc is None else {k: acc[k] + st.get(k, 1) for k in acc}
         step += 1
@@ -740,9 +783,13 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     np_params = jax.tree_util.tree_map(np.asarray, params)
     heads_p, backbone_p = (np_params["heads"], np_params["backbone"]) if joint else (np_params, None)
     heads_dir = None
+    out_cfg = hcfg
+    if proposal_ids is not None:  # the exported heads decode with the vocabulary they were trained on
+        heads_p = {**heads_p, "proposal_ids": np.asarray(proposal_ids, np.int32)}
+        out_cfg = hcfg.replace(proposal_vocab_size=len(proposal_ids))
     if step >= tc.steps:
         save(step)
         last_eval = last_eval or evaluate(params)
-        heads_dir = export(tc, hcfg, heads_p, backbone_p, bb, last_eval, out_dir)
+        heads_dir = export(tc, out_cfg, heads_p, backbone_p, bb, last_eval, out_dir)
     ck.close()
-    return TrainResult(hcfg, heads_p, backbone_p, last_eval, step, heads_dir)
+    return TrainResult(out_cfg, heads_p, backbone_p, last_eval, step, heads_dir)
