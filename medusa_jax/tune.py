@@ -236,7 +236,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         f"directory; ./{DEFAULT_OUT} for the shipped heads). Never inside the installed package")
     p.add_argument("--update-shipped-heads", action="store_true",
                    help="maintainers: write the tuned heads into the shipped heads directory inside the package "
-                        "(medusa_jax/assets/heads/...), replacing them; not with --out")
+                        "(medusa_jax/assets/heads/...), replacing them, in float16; not with --out")
     p.add_argument("--dry-run", action="store_true", help="print the table, save nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
@@ -313,7 +313,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extras = _format_extras(read_heads_config(heads_dir))
     extras["tree_search"] = report
     tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in best["medusa_choices"]))
-    save_heads(out_dir, tuned, hp, extra=extras)
+    # the shipped heads are kept in float16 (half the package size); tuned copies in float32
+    save_heads(out_dir, tuned, hp, extra=extras, dtype=np.float16 if args.update_shipped_heads else np.float32)
     with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
         f.write(f"# Tree search ({report['device']}, plain step {report['plain_step_ms']:.2f} ms)\n\n"
                 + _table(rows, best) + "\n")

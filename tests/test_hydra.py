@@ -1,6 +1,7 @@
 """Hydra heads (Ankner et al. 2024; medusa_jax.hydra): the math, the tree's per-parent draft, lossless
 greedy decoding, an oracle, the heads directory format, calibration and tune on tiny models."""
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +247,18 @@ def test_heads_directory_round_trip_and_depth_cut(tmp_path, tiny):
                                   np.asarray(hydra_logits(hcfg, hp, hidden, path, lm)))
     cfg1, p1 = load_heads(str(tmp_path), cfg, num_heads=2)
     assert cfg1.num_heads == 2 and set(p1) == {"blocks_kernel", "blocks_bias", "lm_head"} | set(path_keys(2))
+    # float16 files (the shipped heads): half the bytes, loaded back as float32 equal up to f16 rounding
+    half = tmp_path / "half"
+    save_heads(str(half), hcfg, hp, dtype=np.float16)
+    from safetensors.numpy import load_file
+    assert load_file(str(half / "medusa_lm_head.safetensors"))["hydra.2.path_linear.weight"].dtype == np.float16
+    assert os.path.getsize(half / "medusa_lm_head.safetensors") < 0.55 * os.path.getsize(tmp_path / "medusa_lm_head.safetensors")
+    _, ph = load_heads(str(half), cfg)
+    for k in hp:
+        assert ph[k].dtype == np.float32
+        np.testing.assert_array_equal(ph[k], np.asarray(hp[k]).astype(np.float16).astype(np.float32))
+    with pytest.raises(ValueError, match="float32 or float16"):
+        save_heads(str(tmp_path / "bad"), hcfg, hp, dtype=np.int8)
 
 
 def test_hydra_file_errors(tmp_path, tiny):

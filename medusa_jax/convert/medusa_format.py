@@ -560,24 +560,29 @@ def _official_config(cfg: MedusaConfig, shared_in_file: bool) -> dict:
 
 
 def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
-               extra: Optional[Mapping[str, Any]] = None) -> str:
+               extra: Optional[Mapping[str, Any]] = None, dtype=np.float32) -> str:
     """Save heads in our format: the official safetensors format plus our config fields.
 
     Writes ``path/config.json`` (``medusa_num_heads``, ``medusa_num_layers``,
     ``base_model_name_or_path``, ``hidden_size``, ``vocab_size``, ``"version": "2"`` when shared,
     ``medusa_choices``, ``topk``, ``shared_lm_head``, ``proposal_token_ids`` when the heads propose
     from a truncated vocabulary, ``head_type`` for hydra heads, and every field of `extra`) and
-    ``path/medusa_lm_head.safetensors`` (float32, torch layout, no lm_head tensors when shared;
-    hydra heads add their ``hydra.{h}.path_linear|path_residual.weight``, see the module docstring).
+    ``path/medusa_lm_head.safetensors`` (float32 or `dtype`, torch layout, no lm_head tensors when
+    shared; hydra heads add their ``hydra.{h}.path_linear|path_residual.weight``, see the module
+    docstring). Loading casts the weights back to float32.
 
     Args:
       path: output directory (created).
       cfg, params: the heads (`MedusaHeads` params, optionally wrapped in {"params": ...}).
       base_lm_head: [D, V], only shape-checked (shared heads are stored without it).
       extra: JSON-serialisable fields to add, e.g. {"metrics": {...}}; may not override ours.
+      dtype: np.float32, or np.float16 for half the file size (the shipped heads; drafts change
+        by rounding only, and verification keeps the output exact).
     Returns the weight file's path. Raises ValueError for params that do not match cfg, heads with
-    no tensors (0 layers and shared), or an `extra` key that collides with a format field.
+    no tensors (0 layers and shared), an `extra` key that collides with a format field, or another dtype.
     """
+    if np.dtype(dtype) not in (np.float32, np.float16):
+        raise ValueError(f"dtype must be float32 or float16, got {np.dtype(dtype)}")
     p = heads_params_to_numpy(params)
     _check_params(cfg, p)
     if base_lm_head is not None and tuple(np.shape(base_lm_head)) != (cfg.hidden_size, cfg.vocab_size):
@@ -595,13 +600,13 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
     if cfg.head_type != "medusa":
         config["head_type"] = cfg.head_type
     lm = _lm_heads_torch(cfg, p, None, False, "save_heads")
-    tensors = _official_tensors(cfg, p, lm, np.float32)
+    tensors = _official_tensors(cfg, p, lm, dtype)
     if cfg.head_type == "hydra":
         D = cfg.hidden_size
         for h in range(cfg.num_heads):
             for kind, name in (("path_linear", PATH_KERNEL), ("path_residual", PATH_RESIDUAL)):
                 tensors[f"hydra.{h}.{kind}.weight"] = np.ascontiguousarray(
-                    p[name.format(h)].reshape((h + 1) * D, D).T, dtype=np.float32)
+                    p[name.format(h)].reshape((h + 1) * D, D).T, dtype=dtype)
     return _write(path, OFFICIAL_FILES[0], tensors, config, "safetensors")
 
 
