@@ -1,5 +1,5 @@
 """The real model (SmolLM2-135M-Instruct from its GGUF): greedy decoding against transformers,
-Medusa with zero-initialised heads against plain greedy, and the decode.py command."""
+Medusa with zero-initialised and with the shipped heads against plain greedy, and the decode.py command."""
 import json
 
 import numpy as np
@@ -44,6 +44,26 @@ def test_medusa_zero_heads_equal_plain_greedy(smollm2):
         c = check.compare(cfg, params, ids, plain.tokens, med.tokens)
         assert c.identical or c.near_tie, c
         assert med.steps < len(med.tokens)  # zero heads still accept repeated tokens now and then
+
+
+@pytest.mark.parametrize("name, head_type", [(None, "hydra"), ("medusa1", "medusa")])
+def test_shipped_heads_are_lossless_and_accept(smollm2, name, head_type):
+    """Both shipped heads (the default hydra heads and `--heads medusa1`) with their saved trees:
+    the output is plain greedy's, token for token, in fewer steps than tokens."""
+    from medusa_jax import runtime
+
+    cfg, params = smollm2.cfg, smollm2.params
+    heads, tree, note = runtime.resolve_heads(smollm2, name)
+    assert note == "" and heads[0].head_type == head_type and heads[0].proposal_vocab_size == 8192
+    total = steps = 0
+    for prompt in PROMPTS:
+        ids = apply_chat_template(smollm2.tokenizer, prompt)
+        plain = generate(cfg, params, ids, max_new_tokens=48)
+        med = generate(cfg, params, ids, max_new_tokens=48, heads=heads, tree=tree)
+        c = check.compare(cfg, params, ids, plain.tokens, med.tokens)
+        assert c.identical or c.near_tie, (prompt, c)
+        total, steps = total + len(med.tokens), steps + med.steps
+    assert total / steps > 1.15, total / steps
 
 
 def test_top2_gap_is_the_logit_gap(smollm2):

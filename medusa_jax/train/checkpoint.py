@@ -247,7 +247,8 @@ def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: 
                                                     "val_positions")},
              "training": {"mode": tc.mode, "steps": tc.steps, "batch_size": tc.batch_size, "data": tc.data,
                           "loss_decay": tc.loss_decay, "seed": tc.seed, "loss_targets": tc.loss_targets,
-                          "soft_temperature": tc.soft_temperature,
+                          "soft_temperature": tc.soft_temperature, "proposal_vocab": tc.proposal_vocab,
+                          "loop_weight": tc.loop_weight, "loop_ngram": tc.loop_ngram,
                           "backbone": os.path.join(out_dir, "backbone") if backbone_params is not None else bb.path}}
     heads_dir = os.path.join(out_dir, "heads")
     save_heads(heads_dir, hcfg, heads_params, base_lm_head=lm, extra=extra)
