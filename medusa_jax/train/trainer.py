@@ -23,6 +23,15 @@ Two options apply to both modes:
   ``softmax(h_{t+k+1} @ lm_head / soft_temperature)``, with a KL divergence. In frozen mode the
   cached hidden state at t+k+1 gives it (`data.Positions.target_rows`): no extra backbone pass.
 
+And two to frozen mode:
+
+* ``proposal_vocab: N``: the heads' loss runs over the N most frequent training tokens only (the
+  proposal vocabulary they then decode with, `proposal_vocabulary`): labels outside it leave the
+  loss and count as validation misses; soft targets are the backbone's distribution renormalised
+  over it. The vocabulary projection, most of a step, costs N/V as much.
+* ``loop_weight`` < 1: positions inside verbatim repetition loops of the distilled answers
+  (`loop_flags`) are kept with that probability; validation also reports ``val_noloop_top1/5``.
+
 Optax AdamW, linear warm-up + cosine decay, global-norm clipping. The data order of epoch e is a
 permutation drawn from (seed, e) only (`checkpoint.batch_indices`), so a run resumed from an Orbax
 checkpoint (`checkpoint.Checkpointer`) ends with the same params as an uninterrupted one.
