@@ -5,7 +5,7 @@
 A plain decoding step multiplies one row by every weight matrix (a matrix-vector product, bound by
 reading the weights); a Medusa tree step multiplies T rows, which XLA's CPU backend runs as a
 general matrix product. Times, at SmolLM2-135M's shapes (D = 576, 1,536-wide MLP, 49,152-token
-vocabulary), in float32, compilation excluded, best of `--rounds` of `--calls` calls each:
+vocabulary), in float32, compilation excluded, best of `--rounds` interleaved rounds of `--calls` calls each:
 
 * mlp: a 30-layer stack of ``x + silu(x @ W1) @ W2`` (the MLP weights of the backbone);
 * lm_head x@W: ``x [T, D] @ W [D, V]`` (the layout `models.llama.lm_head_matrix` returns);
@@ -20,15 +20,19 @@ import argparse
 import time
 
 
-def _best_seconds(fn, args, rounds: int, calls: int) -> float:
-    fn(*args).block_until_ready()  # compile
-    best = float("inf")
+def _best_seconds(fn, arg_sets, rounds: int, calls: int) -> list:
+    """Best seconds per call of `fn` on each argument tuple, in interleaved rounds (so that load
+    from other processes hits every case alike), after one untimed warm-up round."""
+    for args in arg_sets:
+        fn(*args).block_until_ready()  # compile and touch the weights
+    best = [float("inf")] * len(arg_sets)
     for _ in range(rounds):
-        t = time.perf_counter()
-        for _ in range(calls):
-            out = fn(*args)
-        out.block_until_ready()
-        best = min(best, (time.perf_counter() - t) / calls)
+        for i, args in enumerate(arg_sets):
+            t = time.perf_counter()
+            for _ in range(calls):
+                out = fn(*args)
+            out.block_until_ready()
+            best[i] = min(best[i], (time.perf_counter() - t) / calls)
     return best
 
 
@@ -58,7 +62,7 @@ def main(argv=None) -> int:
     print("| product | " + " | ".join(f"T={t}" for t in rows) + " |")
     print("|---|" + "---|" * len(rows))
     for name, (fn, weights) in cases.items():
-        s = [_best_seconds(fn, (jnp.ones((t, D)),) + weights, a.rounds, a.calls) for t in rows]
+        s = _best_seconds(fn, [(jnp.ones((t, D)),) + weights for t in rows], a.rounds, a.calls)
         print(f"| {name} | " + " | ".join(f"{v * 1e3:.2f} ({v / s[0]:.2f}x)" for v in s) + " |")
     return 0
 
