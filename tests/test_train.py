@@ -108,7 +108,8 @@ def test_train_config_yaml_and_overrides(tmp_path):
         cfg = TrainConfig.from_yaml(os.path.join(ROOT, "configs", name))
         assert cfg.model is None and cfg.data == "data/distill/smollm2"
     hydra = TrainConfig.from_yaml(os.path.join(ROOT, "configs", "smollm2_hydra.yaml"))
-    assert (hydra.head_type, hydra.loss_targets, hydra.loss_chunk) == ("hydra", "soft", 64)
+    assert (hydra.head_type, hydra.loss_targets, hydra.num_layers, hydra.proposal_vocab, hydra.loop_weight) == \
+        ("hydra", "hard", 2, 8192, 0.0)  # the shipped heads' recipe
     medusa1 = TrainConfig.from_yaml(os.path.join(ROOT, "configs", "smollm2_medusa1.yaml"))
     assert hydra.hidden_dir == os.path.join(medusa1.out_dir, "hidden")  # shares the Medusa-1 run's cache
 
