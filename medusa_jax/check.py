@@ -80,16 +80,15 @@ def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:
 
 
 def main(argv=None) -> int:
-    from .cli_help import HelpFormatter
-
     from . import runtime
+    from .cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python -m medusa_jax.check", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
     p.add_argument("--prompts", required=True, help="JSONL with MT-bench style 'turns' or a 'prompt' field")
     p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2 GGUF)")
     p.add_argument("--heads", default=None,
-                   help=runtime.HEADS_HELP)
+                   help=runtime.heads_help())
     p.add_argument("--num-heads", type=int, default=4, help="head count for --heads zero")
     p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
@@ -100,7 +99,6 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from . import runtime
     from .generate import generate
     from .loading import apply_chat_template, load_model
 

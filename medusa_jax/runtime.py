@@ -8,15 +8,20 @@ from typing import Optional, Tuple
 from .config import MedusaConfig
 from .tree import PRESETS, TreeBuffers, get_tree
 
+_ASSET_HEADS = os.path.join(os.path.dirname(__file__), "assets", "heads")
 #: Heads shipped for the default model (SmolLM2-135M-Instruct), inside the package.
-DEFAULT_HEADS_DIR = os.path.join(os.path.dirname(__file__), "assets", "heads", "smollm2-135m-instruct")
+DEFAULT_HEADS_DIR = os.path.join(_ASSET_HEADS, "smollm2-135m-instruct")
 #: The other heads shipped for the default model, by the name `--heads` accepts: the paper's
 #: Medusa-1 heads (Cai et al. 2024, Sec. 2.2.1), kept beside the default (Hydra) heads.
-SHIPPED_HEADS = {"medusa1": os.path.join(os.path.dirname(__file__), "assets", "heads",
-                                         "smollm2-135m-instruct-medusa1")}
-#: The --heads help of every tool.
-HEADS_HELP = ("a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped Medusa-1 "
-              "heads; 'zero' for fresh zero-initialised heads; default: the heads shipped for the default model")
+SHIPPED_HEADS = {"medusa1": os.path.join(_ASSET_HEADS, "smollm2-135m-instruct-medusa1")}
+
+
+def heads_help(zero: bool = True) -> str:
+    """The --heads help of the tools; `zero`: the tool also takes 'zero' (fresh heads). decode.py
+    keeps its own copy of this text so that its --help does not import jax."""
+    return ("a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped Medusa-1 "
+            "heads; " + ("'zero' for fresh zero-initialised heads; " if zero else "")
+            + "default: the heads shipped for the default model")
 #: Tree used when neither --tree nor the heads name one.
 DEFAULT_TREE = "small_16"
 

@@ -68,8 +68,9 @@ def output_dir(heads: Optional[str], out: Optional[str], update_shipped: bool = 
     from . import runtime
 
     package = os.path.dirname(os.path.abspath(__file__))
-    shipped = runtime.SHIPPED_HEADS.get(heads, runtime.DEFAULT_HEADS_DIR)  # --heads medusa1: those heads
     heads = runtime.heads_location(heads)
+    # --update-shipped-heads writes to the shipped heads being tuned (--heads medusa1), else the default ones
+    shipped = heads if heads in runtime.SHIPPED_HEADS.values() else runtime.DEFAULT_HEADS_DIR
     if update_shipped:
         if out is not None:
             raise OutputDirError(f"give either --out or --update-shipped-heads (which writes to {shipped}), not both")
@@ -203,16 +204,15 @@ def _format_extras(raw: dict) -> dict:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from .cli_help import HelpFormatter
-
     from . import runtime
+    from .cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(
         prog="python -m medusa_jax.tune",
         description="Calibrate the heads, measure the verify cost c(T) on this device and save the tree that "
                     "maximises (1 + E[accepted]) / c(T) with the heads (see the module docs).",
         formatter_class=HelpFormatter)
-    p.add_argument("--heads", default=None, help=runtime.HEADS_HELP.replace("; 'zero' for fresh zero-initialised heads", ""))
+    p.add_argument("--heads", default=None, help=runtime.heads_help(zero=False))
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: the SmolLM2 GGUF)")
     p.add_argument("--data", default="data/distill/smollm2",
                    help="self-distillation directory (samples.jsonl); its held-out split calibrates the heads")
@@ -246,7 +246,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from . import runtime
     from .convert.medusa_format import load_heads, read_heads_config, save_heads
     from .cost import overhead_breakdown, step_costs
     from .heads import frequent_tokens, with_proposal_projection
