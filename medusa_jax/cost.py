@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from .config import MedusaConfig, ModelConfig
 from .generate import PLAIN_TREE, _aot, start_state
 from .heads import prepare_heads
-from .models.llama import LlamaModel, lm_head_matrix
+from .models.llama import LlamaModel, decoding_params, lm_head_matrix
 from .tree import TreeBuffers
 from .verify import Acceptance, DecodeState, draft_tokens, head_topk, medusa_step
 
@@ -129,6 +129,7 @@ def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees
     """
     from tqdm import tqdm
 
+    params = decoding_params(params)
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
     seconds, cost = {}, {}
@@ -146,6 +147,7 @@ def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict
     prepares them: `heads.prepare_heads`; hydra heads: their whole draft on `tree`), and the whole
     Medusa step; ``rest`` is the
     whole step minus forward and heads (candidate placement, posterior, cache compaction, loop)."""
+    params = decoding_params(params)
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
     heads = _prepared(cfg, params, heads, tree)
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)

@@ -412,12 +412,19 @@ def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
 
 
 def _decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]):
-    """(heads_cfg or None, head params or None, the tree to run: `PLAIN_TREE` without heads), from
-    arguments that `check_generation_args` accepted. Heads are readied for the tree once, here
-    (`heads.prepare_heads`; heads from `runtime.resolve_heads` pass through unchanged), so that
-    heads straight from `load_heads` do not slice or gather their weights in every step."""
+    """(params in decoding layout, heads_cfg or None, head params or None, the tree to run:
+    `PLAIN_TREE` without heads), from arguments that `check_generation_args` accepted.
+
+    The backbone's params go to decoding layout once (`models.llama.decoding_params`, cached per
+    params tree: the weight-streaming kernels' ``[out, in]`` layout when they are available).
+    Heads are readied for the tree once, here (`heads.prepare_heads`; heads from
+    `runtime.resolve_heads` pass through unchanged), so that heads straight from `load_heads` do
+    not slice or gather their weights in every step."""
+    from .models.llama import decoding_params
+
+    params = decoding_params(params)
     if heads is None:
-        return None, None, PLAIN_TREE
+        return params, None, None, PLAIN_TREE
     heads_cfg, head_params = heads
     if tree.max_depth > 0:
         from .heads import prepare_heads
@@ -425,7 +432,7 @@ def _decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]
 
         heads_cfg, head_params = prepare_heads(heads_cfg, head_params, lm_head_matrix(cfg, params),
                                                depth=tree.max_depth)
-    return heads_cfg, head_params, tree
+    return params, heads_cfg, head_params, tree
 
 
 def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_tokens: int = 256,
@@ -461,7 +468,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                                            max_new_tokens=max_new_tokens, cache_size=cache_size,
                                            heads=heads, tree=tree, eos_token_ids=eos_token_ids,
                                            acceptance=acceptance, seed=seed)
-    heads_cfg, head_params, full_tree = _decoding_setup(cfg, params, heads, tree)
+    params, heads_cfg, head_params, full_tree = _decoding_setup(cfg, params, heads, tree)
     S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.size)
     return _stream(cfg, params, prompt, max_new_tokens, heads_cfg, head_params, full_tree, acceptance,
                    seed, eos, S, progress)
@@ -634,7 +641,7 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
                                          max_new_tokens=max_new_tokens, cache_size=cache_size,
                                          heads=heads, tree=tree, eos_token_ids=eos_token_ids,
                                          acceptance=acceptance, seed=seed)
-    heads_cfg, head_params, tr = _decoding_setup(cfg, params, heads, tree)
+    params, heads_cfg, head_params, tr = _decoding_setup(cfg, params, heads, tree)
     longest = max(len(p) for p in prompts)
     s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.size)
     S = min(bucket(longest + tr.size + 1, 128), s_max)

@@ -238,9 +238,11 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
     2. Own lm_heads (``cfg.shared_lm_head`` False) that all equal `base_lm_head` exactly, as
        ``export_official(include_lm_head=True)`` and ``export_vllm`` write shared heads, become the
        shared lm_head: the same logits from one projection instead of `depth`.
-    3. With a proposal vocabulary (``cfg.proposal_vocab_size`` = N), ``"proposal_lm_head"`` is
-       computed (`proposal_projection`: [D, N] shared, [depth, D, N] own) and the own lm_heads
-       [depth, D, V], which decoding then never reads, are dropped.
+    3. With a proposal vocabulary (``cfg.proposal_vocab_size`` = N), the projection is computed
+       (`proposal_projection`) and stored as ``"proposal_lm_head_t"`` [N, D] when shared (the
+       ``[out, in]`` layout that `medusa_jax.kernels` streams) or ``"proposal_lm_head"``
+       [depth, D, N] for own lm_heads; the own lm_heads [depth, D, V], which decoding then never
+       reads, are dropped.
     Already prepared params pass through (cut further when `depth` is smaller).
 
     Args:
@@ -281,9 +283,15 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
             cfg = cfg.replace(shared_lm_head=True)
             p = {k: v for k, v in p.items() if k not in ("lm_head", "proposal_lm_head")}
     p = {k: jnp.asarray(v) for k, v in p.items()}
+    if cfg.proposal_vocab_size and "proposal_lm_head_t" not in p:
+        proj = p.pop("proposal_lm_head", None)
+        if proj is None:
+            proj = proposal_projection(cfg, p, base_lm_head)
+        if proj.ndim == 2:  # shared: stored [N, D], the layout the decoding step streams
+            p["proposal_lm_head_t"] = jnp.asarray(np.ascontiguousarray(np.asarray(proj).T))
+        else:
+            p["proposal_lm_head"] = proj
     if cfg.proposal_vocab_size:
-        if "proposal_lm_head" not in p:
-            p["proposal_lm_head"] = proposal_projection(cfg, p, base_lm_head)
         p.pop("lm_head", None)
     return cfg, p
 
@@ -315,8 +323,8 @@ def num_head_params(cfg: MedusaConfig) -> int:
 
 def heads_params_to_numpy(params) -> dict:
     """Unwrap ``{"params": ...}`` if present and convert every leaf to a float32 numpy array
-    (``proposal_ids`` to int32; the derived ``proposal_lm_head`` is dropped)."""
+    (``proposal_ids`` to int32; the derived ``proposal_lm_head`` / ``proposal_lm_head_t`` are dropped)."""
     if "params" in params and "blocks_kernel" not in params:
         params = params["params"]
     return {k: np.asarray(v, dtype=np.int32 if k == "proposal_ids" else np.float32) for k, v in params.items()
-            if k != "proposal_lm_head"}
+            if k not in ("proposal_lm_head", "proposal_lm_head_t")}

@@ -17,7 +17,8 @@ installed package unless ``--update-shipped-heads`` says so (maintainers re-tuni
 3. Tree search: for every candidate size T, the greedy tree of Medusa Sec. 3.3.1 (maximal expected
    acceptance length E[T] under independent heads, `tree.greedy_tree_search`).
 4. Hardware-aware choice: the verify cost ``c(T) = t(Medusa step with the T-node tree) / t(plain
-   step)`` is measured on this device (`medusa_jax.cost`), and the tree that maximises the predicted
+   step)`` is measured on this device (`medusa_jax.cost`; the mean over the KV cache sizes of
+   ``--cost-cache-sizes``, on the products decoding runs: `medusa_jax.kernels`), and the tree that maximises the predicted
    speedup ``(1 + E[T]) / c(T)`` is saved as the heads' ``medusa_choices``, with the whole table
    (``tree_search`` in config.json). decode.py and the benchmark use it by default; the benchmark
    prints the predicted tokens per step (1 + E) beside the measured one.
@@ -34,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 from .config import MedusaConfig
 from .tree import build_tree, expected_acceptance_length, greedy_tree_search
 
@@ -226,8 +228,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "default: keep what the heads have)")
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
                    help="tree sizes T (tokens, root included) to time and compare")
-    p.add_argument("--cost-cache-size", type=int, default=256,
-                   help="KV cache slots while timing c(T) (the size most answers decode in)")
+    p.add_argument("--cost-cache-sizes", "--cost-cache-size", dest="cost_cache_sizes", default="256,512,1024",
+                   help="KV cache sizes (slots, comma-separated) to time c(T) at; the tree is chosen by the mean "
+                        "c(T) over them (short answers decode at 256 slots, long prompts at 512-2,048)")
     p.add_argument("--cost-prompt-len", type=int, default=100, help="approximate prompt tokens while timing")
     p.add_argument("--steps", type=int, default=16, help="steps per timed call")
     p.add_argument("--repeats", type=int, default=3, help="timed calls per tree (the best is kept)")
@@ -286,11 +289,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     sizes = sorted({int(s) for s in args.sizes.split(",") if int(s) > 1})
     trees = [build_tree(greedy_tree_search(acc, T, hcfg.topk), hcfg.topk) for T in sizes]
     prompt = _timing_prompt(val, args.cost_prompt_len)
-    costs = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
-                       args.cost_cache_size, progress)
+    cache_sizes = sorted({int(s) for s in args.cost_cache_sizes.split(",")})
+    by_size = {}
+    for S in cache_sizes:
+        by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
+                                S, progress)
+        print(f"cache {S} slots: plain step {by_size[S]['plain_s'] * 1e3:.2f} ms, "
+              + " ".join(f"c({T})={c:.2f}" for T, c in by_size[S]["cost"].items()))
+    costs = {"plain_s": float(np.mean([c["plain_s"] for c in by_size.values()])),
+             "cost": {T: float(np.mean([c["cost"][T] for c in by_size.values()])) for T in by_size[cache_sizes[0]]["cost"]}}
     best, rows = choose_tree(acc, costs["cost"], hcfg.topk)
-    print(f"plain step {costs['plain_s'] * 1e3:.2f} ms on {jax.devices()[0].device_kind} "
-          f"(cache {args.cost_cache_size} slots, prompt {len(prompt)} tokens)")
+    print(f"plain step {costs['plain_s'] * 1e3:.2f} ms on {jax.devices()[0].device_kind} (mean over caches of "
+          f"{', '.join(map(str, cache_sizes))} slots, prompt {len(prompt)} tokens; products: {kernels.status()})")
     print(_table(rows, best))
     if best["size"] == 1:
         best = max(rows[1:], key=lambda r: r["predicted_speedup"])
@@ -299,12 +309,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "decode.py --no-medusa is faster here", file=sys.stderr)
     chosen_tree = build_tree([tuple(p) for p in best["medusa_choices"]], hcfg.topk)
     breakdown = overhead_breakdown(model.cfg, model.params, (hcfg, jhp), chosen_tree, prompt, args.steps,
-                                   args.repeats, args.cost_cache_size)
+                                   args.repeats, cache_sizes[0])
     print("per step (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in breakdown.items() if k.endswith("_ms")))
     if args.dry_run:
         return 0
     report = {"device": str(jax.devices()[0].device_kind), "plain_step_ms": costs["plain_s"] * 1e3,
-              "cost_cache_size": args.cost_cache_size, "cost_prompt_tokens": len(prompt),
+              "cost_cache_sizes": cache_sizes, "cost_prompt_tokens": len(prompt),
+              "plain_step_ms_by_cache_size": {S: c["plain_s"] * 1e3 for S, c in by_size.items()},
+              "cost_by_cache_size": {S: c["cost"] for S, c in by_size.items()}, "products": kernels.status(),
               "calibration_chats": len(val), "calibration_positions": counts.tolist(),
               "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
               "predicted_tokens_per_step": best["predicted_tokens_per_step"], "step_breakdown_ms": breakdown,

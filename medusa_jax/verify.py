@@ -21,6 +21,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
+from . import kernels
 from .config import MedusaConfig, ModelConfig
 from .heads import BLOCK_KEYS, MedusaHeads, proposal_projection
 from .hydra import head_state, teacher_forced_states, token_embeddings
@@ -67,10 +68,14 @@ def _states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_l
     J = states.shape[0]
     ids = None
     if heads_cfg.proposal_vocab_size:
+        ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
+        if "proposal_lm_head_t" in head_params:  # [N, D], from heads.prepare_heads: streamed as stored
+            logits = kernels.matmul_nt(states, head_params["proposal_lm_head_t"].astype(states.dtype))
+            idx = jax.lax.top_k(logits.astype(jnp.float32), topk)[1].astype(jnp.int32)
+            return ids[idx]
         proj = head_params.get("proposal_lm_head")
         if proj is None:
             proj = proposal_projection(heads_cfg, head_params, base_lm_head)
-        ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
     elif heads_cfg.shared_lm_head:
         if base_lm_head is None:
             raise ValueError("these heads share the base model's lm_head (shared_lm_head=True): pass "
@@ -79,7 +84,8 @@ def _states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_l
     else:
         proj = head_params["lm_head"]
     if heads_cfg.shared_lm_head:
-        logits = jnp.einsum("k...d,dv->k...v", states, proj.astype(states.dtype))
+        # [D, V] is the embedding's transpose for a tied lm_head: .T gives back the stored [V, D]
+        logits = kernels.matmul_nt(states, proj.T.astype(states.dtype))
     else:
         logits = jnp.einsum("k...d,kdv->k...v", states, proj[first:first + J].astype(states.dtype))
     idx = jax.lax.top_k(logits.astype(jnp.float32), topk)[1].astype(jnp.int32)

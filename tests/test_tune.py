@@ -174,7 +174,8 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     assert cfg2.proposal_vocab_size == 64 and sorted(p2["proposal_ids"].tolist()) == list(range(64))
     assert np.asarray(report["rank_accuracies"]).shape == (3, 5)
     heads, tree, _ = resolve_heads(lm, str(tmp_path / "tuned"))
-    assert tree.size == report["chosen_size"] and "proposal_lm_head" in heads[1]
+    projection = "proposal_lm_head_t" if heads[0].shared_lm_head else "proposal_lm_head"  # heads.prepare_heads
+    assert tree.size == report["chosen_size"] and projection in heads[1]
     pred = predicted_tokens_per_step(tree, heads_calibration(str(tmp_path / "tuned")))
     assert pred == pytest.approx(report["predicted_tokens_per_step"], abs=1e-4)  # accuracies saved to 5 places
 

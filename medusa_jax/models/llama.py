@@ -11,6 +11,8 @@ Reference: transformers' ``modeling_llama.py`` / ``modeling_mistral.py`` / ``mod
 from __future__ import annotations
 
 import math
+import weakref
+from collections.abc import Mapping
 from typing import Optional, Tuple
 
 import flax.linen as nn
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import kernels
 from ..config import ModelConfig
 from ..kv_cache import KVCache
 
@@ -58,6 +61,32 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rot * sin).astype(x.dtype)
+
+
+class Linear(nn.Module):
+    """``y = x @ kernel + bias``: nn.Dense's parameters and initialisers (``kernel [in, out]``,
+    ``bias [out]``), with a second, decoding layout.
+
+    When the params hold ``kernel_t [out, in]`` instead of ``kernel`` (`decoding_params`), the
+    product streams the weights once for all rows (`medusa_jax.kernels.matmul_nt`: the CPU kernel
+    for decoding-sized products, XLA's otherwise). x: [..., in] -> [..., out] in `dtype`.
+    """
+    features: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x: jax.Array) -> jax.Array:
+        if self.has_variable("params", "kernel_t"):
+            w = self.get_variable("params", "kernel_t")
+            y = kernels.matmul_nt(x.astype(self.dtype), w.astype(self.dtype))
+        else:
+            w = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
+            y = jax.lax.dot_general(x.astype(self.dtype), w.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
+        if self.use_bias:
+            y = y + self.param("bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype).astype(self.dtype)
+        return y
 
 
 class RMSNorm(nn.Module):
@@ -206,7 +235,7 @@ class Attention(nn.Module):
 
     def setup(self):
         c = self.cfg
-        dense = lambda n, bias: nn.Dense(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype)
+        dense = lambda n, bias: Linear(n, use_bias=bias, dtype=self.dtype, param_dtype=self.dtype)
         self.q_proj = dense(c.num_heads * c.head_dim, c.attention_bias)
         self.k_proj = dense(c.num_kv_heads * c.head_dim, c.attention_bias)
         self.v_proj = dense(c.num_kv_heads * c.head_dim, c.attention_bias)
@@ -253,7 +282,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.cfg
-        dense = lambda n, name: nn.Dense(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
+        dense = lambda n, name: Linear(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
         h = nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(c.intermediate_size, "up_proj")(x)
         return dense(c.hidden_size, "down_proj")(h)
 
@@ -289,7 +318,7 @@ class LlamaModel(nn.Module):
         self.layers = [DecoderLayer(c, self.dtype, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+            self.lm_head = Linear(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache] = None,
                  mask: Optional[jax.Array] = None, num_new: Optional[jax.Array] = None,
@@ -340,8 +369,8 @@ class LlamaModel(nn.Module):
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """lm_head projection: hidden [..., D] -> logits [..., V] float32."""
-        if self.cfg.tie_word_embeddings:
-            out = self.embed.attend(hidden)
+        if self.cfg.tie_word_embeddings:  # the embedding [V, D] is already the [out, in] layout
+            out = kernels.matmul_nt(hidden.astype(self.dtype), self.embed.embedding.astype(self.dtype))
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
@@ -351,4 +380,44 @@ def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
     """The base model's output projection from a params tree, as [D, V] (embedding.T when tied)."""
     if cfg.tie_word_embeddings:
         return params["embed"]["embedding"].T
+    if "kernel_t" in params["lm_head"]:
+        return params["lm_head"]["kernel_t"].T
     return params["lm_head"]["kernel"]
+
+
+_DECODING: dict = {}
+
+
+def decoding_params(params: dict) -> dict:
+    """The backbone's params in decoding layout: every `Linear` ``kernel [in, out]`` stored as
+    ``kernel_t [out, in]`` (contiguous), the layout `medusa_jax.kernels` streams; everything else
+    shared, not copied. `LlamaModel` runs either layout with the same results (up to float32
+    round-off); training keeps the ``kernel`` layout (its gradients and checkpoints use it).
+
+    Returns `params` unchanged when the streaming kernels are unavailable (`kernels.status`) or the
+    tree is already in decoding layout. The result is cached per params tree (while its embedding
+    array lives), so the decoding entry points may call this on every request.
+    """
+    if not kernels.available() or _has_key(params, "kernel_t"):
+        return params
+    leaf = params["embed"]["embedding"]
+    hit = _DECODING.get(id(params))
+    if hit is not None and hit[0]() is leaf:
+        return hit[1]
+
+    def convert(tree):
+        if not isinstance(tree, Mapping):
+            return tree
+        return {("kernel_t" if k == "kernel" else k): (jnp.asarray(np.ascontiguousarray(np.asarray(v).T))
+                                                       if k == "kernel" else convert(v))
+                for k, v in tree.items()}
+
+    out = convert(params)
+    for key in [k for k, (ref, _) in _DECODING.items() if ref() is None]:
+        del _DECODING[key]
+    _DECODING[id(params)] = (weakref.ref(leaf), out)
+    return out
+
+
+def _has_key(tree, key: str) -> bool:
+    return isinstance(tree, Mapping) and any(k == key or _has_key(v, key) for k, v in tree.items())

@@ -1,0 +1,200 @@
+"""Weight-streaming CPU kernels for decoding: few-row matrix products as XLA FFI custom calls.
+
+A decoding step multiplies M = batch x tree-node rows (1-16 here) by every weight matrix of the
+model. That product is bound by memory bandwidth (each weight is read once and used M times), and
+XLA's CPU GEMM for a handful of rows reads the weights well below the bandwidth: on this project's
+CPU the 2-row lm_head product cost 2-2.8x the 1-row one (issue 13, docs/performance.md).
+`stream_matmul.cc` streams each weight matrix once for all M rows, in the ``[out, in]`` layout
+(contiguous rows, as torch's ``nn.Linear.weight``), and splits the output between the caller
+thread and XLA's intra-op thread pool.
+
+The library is compiled on first use (``c++ -O3 -mavx2 -mfma`` against ``jax.ffi.include_dir()``)
+into ``$MEDUSA_JAX_CACHE`` (default ``~/.cache/medusa_jax``) and registered with
+``jax.ffi.register_ffi_target``; ``make demo`` builds it at install (``python -m medusa_jax.kernels``).
+Where it cannot be used (no C++ compiler, a CPU without AVX2/FMA, not x86-64, a GPU backend,
+``MEDUSA_JAX_KERNELS=0``), every product falls back to XLA's, with the same results up to float32
+round-off; `status()` says which path runs and why.
+
+Public API:
+  available() -> bool;  status() -> str
+  matmul_nt(x [..., K], w [N, K]) -> [..., N]  (x @ w.T; float32 kernel for <= MAX_ROWS rows)
+  read_bandwidth(bytes, threads) -> bytes/s   (the roofline the decoding step is measured against)
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+SOURCE = Path(__file__).with_name("stream_matmul.cc")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+TARGETS = ("medusa_matmul_nt",)
+# Products with more rows than this go to XLA: the kernel's advantage is for decoding-sized M (it
+# keeps 4 rows' accumulators in registers and re-reads the weights from L1 for every 4 rows); on
+# this project's CPU a 32-node tree step was faster with XLA's product (docs/performance.md).
+MAX_ROWS = 16
+
+
+def cache_dir() -> Path:
+    """Where the compiled kernels live: ``$MEDUSA_JAX_CACHE`` or ``~/.cache/medusa_jax``."""
+    return Path(os.environ.get("MEDUSA_JAX_CACHE") or Path.home() / ".cache" / "medusa_jax")
+
+
+def _cpu_supported() -> Tuple[bool, str]:
+    """(ok, reason): the kernels need x86-64 with AVX2 and FMA (read from /proc/cpuinfo)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False, f"the kernels are x86-64 only (this CPU: {platform.machine()})"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False, "cannot read /proc/cpuinfo to check for AVX2 and FMA"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    if missing:
+        return False, f"this CPU lacks {' and '.join(missing)}"
+    return True, ""
+
+
+def _library_path() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jax.__version__.encode()).hexdigest()[:16]
+    return cache_dir() / f"stream_matmul-{key}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile `stream_matmul.cc` (if not already built for this source, flags and jax version).
+
+    Returns the shared library's path. Raises RuntimeError (with the compiler's message) when the
+    compiler is missing or fails. The file is written to a temporary name and renamed, so
+    concurrent builds are safe.
+    """
+    out = _library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "c++")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp, "-lpthread"]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        os.unlink(tmp)
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not found; set CXX)") from None
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, out)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _load() -> Tuple[Optional[ctypes.CDLL], str]:
+    """(library or None, why not): build, load and register the kernels once per process."""
+    if os.environ.get("MEDUSA_JAX_KERNELS", "1").strip().lower() in ("0", "false", "off", "xla"):
+        return None, "disabled by MEDUSA_JAX_KERNELS=0"
+    ok, why = _cpu_supported()
+    if not ok:
+        return None, why
+    if not hasattr(jax, "ffi"):
+        return None, f"jax {jax.__version__} has no jax.ffi"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+    except (RuntimeError, OSError) as e:
+        return None, f"could not build or load the kernels: {e}"
+    for name in TARGETS:
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    lib.medusa_read_bandwidth.restype = ctypes.c_double
+    lib.medusa_read_bandwidth.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    return lib, ""
+
+
+def available() -> bool:
+    """True when the streaming kernels are built, loaded and registered for the CPU."""
+    return _load()[0] is not None
+
+
+def status() -> str:
+    """One line for the user: which path few-row products take on the CPU, and why."""
+    lib, why = _load()
+    if lib is not None:
+        return f"weight-streaming CPU kernels (AVX2+FMA, <= {MAX_ROWS} rows; {_library_path().name})"
+    return f"XLA's CPU products ({why})"
+
+
+def read_bandwidth(nbytes: int = 1 << 30, threads: int = 2, repeats: int = 3) -> float:
+    """This machine's read bandwidth in bytes/s: `threads` threads summing a `nbytes` buffer
+    (best of `repeats`). The roofline for a decoding step, which reads every weight once.
+
+    Raises RuntimeError when the kernels are unavailable (see `status`)."""
+    lib, why = _load()
+    if lib is None:
+        raise RuntimeError(f"read_bandwidth needs the streaming kernels: {why}")
+    return float(lib.medusa_read_bandwidth(int(nbytes), int(threads), int(repeats)))
+
+
+def _ffi_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """[M, K] float32 @ [N, K]^T float32 -> [M, N] float32 by the kernel (CPU only)."""
+    call = jax.ffi.ffi_call("medusa_matmul_nt", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+                            vmap_method="sequential")
+    return call(x, w)
+
+
+def _xla_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    dt = jnp.promote_types(x.dtype, w.dtype)
+    return jax.lax.dot_general(x.astype(dt), w.astype(dt), (((x.ndim - 1,), (1,)), ((), ())))
+
+
+@jax.custom_vjp
+def _streamed_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    # platform_dependent: the kernel where this lowers for the CPU, XLA's product elsewhere (GPU).
+    return jax.lax.platform_dependent(x, w, cpu=_ffi_nt, default=_xla_nt)
+
+
+def _streamed_fwd(x, w):
+    return _streamed_nt(x, w), (x, w)
+
+
+def _streamed_bwd(res, g):  # the same gradients as XLA's product (training never needs the kernel)
+    x, w = res
+    return g @ w, g.T @ x
+
+
+_streamed_nt.defvjp(_streamed_fwd, _streamed_bwd)
+
+
+def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
+    """``x @ w.T`` for a weight stored ``[out, in]``.
+
+    Args:
+      x: [..., K] activations; w: [N, K] weights (row n holds output n's K weights).
+    Returns:
+      [..., N] in the promoted dtype of x and w. float32 products with at most `MAX_ROWS` rows
+      (the product of x's leading dims) run the weight-streaming kernel when `available()`; the
+      others, and every product on a non-CPU backend, run XLA's ``dot_general``. Both agree to
+      float32 round-off; the kernel's rows do not depend on M (a row's sums run in one fixed
+      order), so a tree step's logits equal a plain step's.
+    Raises:
+      ValueError: x's last dim differs from w's second.
+    """
+    if x.shape[-1] != w.shape[-1]:
+        raise ValueError(f"matmul_nt: x [..., {x.shape[-1]}] does not match w [{w.shape[0]}, {w.shape[-1]}]")
+    lead = x.shape[:-1]
+    rows = 1
+    for d in lead:
+        rows *= d
+    if (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()):
+        return _streamed_nt(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[0])
+    return _xla_nt(x, w)

@@ -1,0 +1,71 @@
+"""The decoding step against the memory roofline on this machine (issue 13).
+
+On the real SmolLM2-135M-Instruct and the shipped heads, in one run: the read bandwidth
+(`medusa_jax.kernels.read_bandwidth`, measured before and after the step timings), the plain step
+and c(T) = t(Medusa step, T-node tree) / t(plain step) for the greedy trees of the heads' calibrated
+accuracies, with the weight-streaming kernels (`models.llama.decoding_params`) and, interleaved,
+with XLA's products everywhere (``MEDUSA_JAX_KERNELS=0`` in a second process would do the same;
+here the kernels are bypassed in-process by timing the original layout with the kernels' row
+limit set to 0). The plain step's weight stream is the float32 weights (the tied embedding counted
+once, as the lm_head it is read as) over the step time.
+
+    .venv/bin/python scripts/roofline.py [--sizes 2,4,8,16] [--cache-sizes 256,1024] [--rounds 2]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import medusa_jax as mj
+from medusa_jax import generate, kernels, runtime
+from medusa_jax.convert.medusa_format import load_heads
+from medusa_jax.cost import step_costs
+from medusa_jax.heads import with_proposal_projection
+from medusa_jax.models.llama import lm_head_matrix
+from medusa_jax.tree import build_tree, greedy_tree_search
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="2,4,8,16", help="tree sizes T")
+    p.add_argument("--cache-sizes", default="256,1024", help="KV cache slots to time at")
+    p.add_argument("--rounds", type=int, default=2, help="interleaved rounds (kernels, XLA) per cache size")
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args()
+    if not kernels.available():
+        raise SystemExit(f"the kernels are unavailable here: {kernels.status()}")
+    m = mj.load_model(with_tokenizer=False)
+    weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(m.params))
+    d = runtime.DEFAULT_HEADS_DIR
+    hcfg, hp = load_heads(d, m.cfg)
+    acc = np.asarray(json.load(open(f"{d}/config.json"))["tree_search"]["rank_accuracies"])
+    trees = [build_tree(greedy_tree_search(acc, int(T), hcfg.topk), hcfg.topk) for T in args.sizes.split(",")]
+    jhp = with_proposal_projection(hcfg, jax.tree_util.tree_map(jnp.asarray, hp), lm_head_matrix(m.cfg, m.params))
+    prompt = list(range(1000, 1100))
+    bw = [kernels.read_bandwidth()]
+    print(f"read bandwidth {bw[0] / 1e9:.1f} GB/s; weights {weight_bytes / 1e6:.0f} MB; {kernels.status()}")
+    limit = kernels.MAX_ROWS
+    for S in (int(s) for s in args.cache_sizes.split(",")):
+        for r in range(args.rounds):
+            for name in ("kernels", "xla"):
+                kernels.MAX_ROWS = limit if name == "kernels" else 0
+                jax.clear_caches()  # the row limit is read at trace time: recompile
+                generate._COMPILED.clear()
+                c = step_costs(m.cfg, m.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats, S,
+                               progress=False)
+                gbs = weight_bytes / c["plain_s"] / 1e9
+                print(f"cache {S:5d} round {r} {name:7s}: plain {c['plain_s'] * 1e3:6.2f} ms "
+                      f"({gbs:.1f} GB/s = {gbs / (bw[-1] / 1e9):.2f} of the bandwidth)  "
+                      + "  ".join(f"c({T})={v:.2f}" for T, v in c["cost"].items()), flush=True)
+        bw.append(kernels.read_bandwidth())
+        print(f"read bandwidth {bw[-1] / 1e9:.1f} GB/s")
+    kernels.MAX_ROWS = limit
+
+
+if __name__ == "__main__":
+    main()

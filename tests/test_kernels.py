@@ -1,0 +1,140 @@
+"""The weight-streaming CPU kernels (`medusa_jax.kernels`) and the backbone's decoding layout.
+
+The kernel's products must equal float64 products to float32 round-off, on shapes that are not
+multiples of the vector width or of the kernel's blocks; a row's result must not depend on how
+many rows are multiplied with it (so a tree step's logits equal a plain step's); the decoding
+layout must give the model's logits; and every fallback to XLA must still decode.
+"""
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from medusa_jax import kernels
+from medusa_jax.models.llama import LlamaModel, decoding_params, lm_head_matrix
+
+from conftest import random_tokens, rel_err, tiny_config, tiny_decoding_model
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.status()}")
+
+
+def _supported_here() -> bool:
+    ok, _ = kernels._cpu_supported()
+    return ok and shutil.which(os.environ.get("CXX", "c++")) is not None \
+        and os.environ.get("MEDUSA_JAX_KERNELS", "1") != "0"
+
+
+def test_kernels_are_used_where_they_can_be():
+    """On an AVX2+FMA x86-64 machine with a C++ compiler the kernels must load (else every other
+    kernel test would silently test XLA against itself)."""
+    if _supported_here():
+        assert kernels.available(), kernels.status()
+        assert kernels.status().startswith("weight-streaming")
+    else:
+        assert not kernels.available()
+        assert kernels.status().startswith("XLA")
+
+
+@needs_kernels
+@pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("K,N", [(1, 1), (7, 3), (8, 4), (13, 5), (33, 12), (64, 13), (577, 203), (576, 1537)])
+def test_matmul_nt_matches_float64(M, K, N):
+    rng = np.random.default_rng(M * 1000 + K * 10 + N)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((N, K)).astype(np.float32)
+    got = np.asarray(jax.jit(kernels.matmul_nt)(jnp.asarray(x), jnp.asarray(w)))
+    want = x.astype(np.float64) @ w.astype(np.float64).T
+    # float32 sums of K products of unit normals: error ~ eps * sqrt(K) * |terms|
+    assert np.abs(got - want).max() <= 1e-6 * K + 1e-5, np.abs(got - want).max()
+    xla = np.asarray(jax.jit(kernels._xla_nt)(x, w))
+    assert rel_err(got, xla) < 1e-5
+
+
+@needs_kernels
+def test_rows_do_not_depend_on_how_many_are_multiplied():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.standard_normal((16, 577)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((1001, 577)).astype(np.float32))
+    full = np.asarray(jax.jit(kernels.matmul_nt)(x, w))
+    for m in (1, 2, 3, 5, 8):
+        part = np.asarray(jax.jit(kernels.matmul_nt)(x[:m], w))
+        np.testing.assert_array_equal(part, full[:m])  # bit for bit
+
+
+def test_leading_dims_gradients_vmap_and_large_products():
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((2, 3, 40)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((21, 40)).astype(np.float32))
+    want = np.einsum("btk,nk->btn", np.asarray(x, np.float64), np.asarray(w, np.float64))
+    assert rel_err(jax.jit(kernels.matmul_nt)(x, w), want) < 1e-5
+    big = jnp.asarray(rng.standard_normal((kernels.MAX_ROWS + 3, 40)).astype(np.float32))  # XLA's product
+    assert rel_err(kernels.matmul_nt(big, w), np.asarray(big, np.float64) @ np.asarray(w, np.float64).T) < 1e-5
+    loss = lambda x, w: jnp.sum(jnp.sin(kernels.matmul_nt(x, w)))
+    ref = lambda x, w: jnp.sum(jnp.sin(jnp.einsum("btk,nk->btn", x, w)))
+    for a, b in zip(jax.grad(loss, (0, 1))(x, w), jax.grad(ref, (0, 1))(x, w)):
+        assert rel_err(a, b) < 1e-5
+    batched = jax.vmap(kernels.matmul_nt, in_axes=(0, None))(x, w)
+    assert rel_err(batched, want) < 1e-5
+    with pytest.raises(ValueError, match="does not match"):
+        kernels.matmul_nt(x, w[:, :39])
+
+
+@pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", False), ("llama", True)])
+def test_decoding_layout_gives_the_same_logits(arch, tied):
+    cfg = tiny_config(arch, tie_word_embeddings=tied)
+    tokens = random_tokens(cfg, (1, 9))
+    params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.asarray(tokens), jnp.arange(9)[None])["params"]
+    dec = decoding_params(params)
+    assert decoding_params(params) is dec and decoding_params(dec) is dec  # cached; idempotent
+    if kernels.available():
+        assert "kernel_t" in dec["layers_0"]["mlp"]["up_proj"] and "kernel" not in dec["layers_0"]["mlp"]["up_proj"]
+        w = np.asarray(params["layers_0"]["attn"]["q_proj"]["kernel"])
+        np.testing.assert_array_equal(np.asarray(dec["layers_0"]["attn"]["q_proj"]["kernel_t"]), w.T)
+        if arch == "qwen2":
+            assert dec["layers_0"]["attn"]["q_proj"]["bias"] is params["layers_0"]["attn"]["q_proj"]["bias"]
+    np.testing.assert_array_equal(np.asarray(lm_head_matrix(cfg, dec)), np.asarray(lm_head_matrix(cfg, params)))
+    for T in (1, 4, 9):  # the kernel's rows (T <= 16) and XLA's
+        pos = jnp.arange(T)[None]
+        a = LlamaModel(cfg).apply({"params": params}, jnp.asarray(tokens[:, :T]), pos)[0]
+        b = LlamaModel(cfg).apply({"params": dec}, jnp.asarray(tokens[:, :T]), pos)[0]
+        assert rel_err(b, a) < 1e-5
+
+
+_FALLBACK = """
+import numpy as np
+from medusa_jax import kernels
+from medusa_jax.generate import generate_device
+from medusa_jax.models.llama import decoding_params
+from conftest import tiny_decoding_model
+cfg, params = tiny_decoding_model()
+assert not kernels.available(), kernels.status()
+print(kernels.status())
+assert decoding_params(params) is params
+r = generate_device(cfg, params, [[1, 2, 3]], max_new_tokens=12, progress=False)
+print(" ".join(map(str, r.tokens[0].tolist())))
+"""
+
+
+@pytest.mark.parametrize("env,why", [({"MEDUSA_JAX_KERNELS": "0"}, "disabled by MEDUSA_JAX_KERNELS=0"),
+                                     ({"CXX": "/nonexistent/c++"}, "no C++ compiler")])
+def test_xla_fallback_decodes(tmp_path, env, why):
+    """Without the kernels (switched off, or no compiler to build them) decoding runs on XLA's
+    products and gives the same greedy tokens."""
+    full_env = {**os.environ, "MEDUSA_JAX_CACHE": str(tmp_path / "cache"), **env}
+    out = subprocess.run([sys.executable, "-c", _FALLBACK], cwd=ROOT / "tests", env=full_env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    status, tokens = out.stdout.strip().splitlines()[-2:]
+    assert why in status
+    from medusa_jax.generate import generate_device
+
+    cfg, params = tiny_decoding_model()
+    here = generate_device(cfg, params, [[1, 2, 3]], max_new_tokens=12, progress=False)
+    assert tokens == " ".join(map(str, here.tokens[0].tolist()))
