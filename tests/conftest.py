@@ -215,6 +215,6 @@ def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra
                                 "response_ids": rng.randint(0, 64, 30).tolist(), "finish": "length"}) + "\n")
     rc = tune.main(["--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--data",
                     str(tmp_path / "data"), "--val-fraction", "0.3", "--sizes", sizes, "--steps", "2", "--repeats",
-                    "1", "--proposal-vocab", "64", "--cost-cache-size", "128", "--cost-prompt-len", "12",
+                    "1", "--proposal-vocab", "64", "--cost-cache-sizes", "64,128", "--cost-prompt-len", "12",
                     "--out", str(tmp_path / "tuned"), "--no-progress"])
     return lm, rc

@@ -169,6 +169,11 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     report = raw["tree_search"]
     assert raw["metrics"] == {"note": "kept"}
     assert [r["size"] for r in report["rows"]] == [1, 2, 4]
+    # c(T) timed at both cache sizes; the tree is chosen on their mean
+    assert report["cost_cache_sizes"] == [64, 128] and set(report["cost_by_cache_size"]) == {"64", "128"}
+    for row in report["rows"][1:]:
+        by_size = [report["cost_by_cache_size"][S][str(row["size"])] for S in ("64", "128")]
+        assert row["cost"] == pytest.approx(np.mean(by_size), rel=1e-6)
     assert len(cfg2.medusa_choices) + 1 == report["chosen_size"] in (2, 4)
     # only response tokens (ids < 64) are frequent; the 64 proposal ids are exactly those
     assert cfg2.proposal_vocab_size == 64 and sorted(p2["proposal_ids"].tolist()) == list(range(64))

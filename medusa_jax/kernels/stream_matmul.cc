@@ -85,29 +85,25 @@ inline void nt_block(const float* x, const float* w, float* y, int64_t K, int64_
 // result is the same whether it is multiplied alone or with others.
 // y[:, n0:n1] = x @ w[n0:n1, :]^T for w row-major [N, K]: NB rows of w (NB outputs) at a time,
 // streamed from memory once and re-read from L1 for every TB rows of x (the last pass takes the
-// rows left over, 2 or 1 at a time). Each block prefetches a block two ahead, the work spread
-// over its passes, so memory keeps streaming while blocks compute.
+// 1 to TB - 1 rows left over). Each block prefetches a block two ahead, the work spread over its
+// passes, so memory keeps streaming while blocks compute.
 template <int TB, int NB>
 void nt_rows_blocked(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
                      int64_t n0, int64_t n1, __m256i tail) {
-  const int64_t passes = M / TB + (M % TB + 1) / 2;
+  static_assert(TB >= 1 && TB <= 4, "passes of 1 to 4 rows");
+  const int64_t passes = (M + TB - 1) / TB;
   const int64_t kAhead = 2 * NB;
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     const int64_t ahead = (n + kAhead + NB <= n1) ? kAhead : 0;
-    int64_t t = 0;
-    for (int64_t p = 0; p < passes; ++p) {
+    for (int64_t p = 0, t = 0; p < passes; ++p, t += TB) {
       const int64_t pf0 = ahead ? K * p / passes / 16 * 16 : K;
       const int64_t pf1 = !ahead ? K : (p + 1 == passes) ? K : K * (p + 1) / passes / 16 * 16;
-      if (t + TB <= M) {
-        nt_block<TB, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead);
-        t += TB;
-      } else if (t + 2 <= M) {
-        nt_block<2, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead);
-        t += 2;
-      } else {
-        nt_block<1, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead);
-        t += 1;
+      switch (std::min<int64_t>(TB, M - t)) {
+        case 4: nt_block<(TB >= 4 ? 4 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 3: nt_block<(TB >= 3 ? 3 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 2: nt_block<(TB >= 2 ? 2 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        default: nt_block<1, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
       }
     }
   }
@@ -130,9 +126,10 @@ void nt_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int
 // ---------------------------------------------------------------------------------------------
 // Splits [0, N) into `parts` ranges of whole `align`-column units and runs fn(begin, end) on each:
 // the caller and tasks handed to XLA's intra-op pool claim ranges from one counter, and the caller
-// waits only for ranges that another thread has claimed. A task the pool never starts (it may sit
-// in the calling thread's own queue) costs nothing: the caller runs its range, and the task, when
-// it runs later, finds nothing left (it holds the shared counters, never the caller's stack).
+// waits only for ranges that another thread has claimed. A task the pool does not start in time
+// (it may sit in the calling thread's own queue) cannot stall the caller: the caller runs the
+// range itself, and the task, when it runs later, finds nothing left (it holds the shared
+// counters, never the caller's stack).
 // Threads of our own that spin between products were tried: on a 2-core machine they slowed XLA's
 // own operations more than they saved.
 struct Claims {
@@ -168,6 +165,18 @@ void parallel_columns(ffi::ThreadPool& pool, int64_t N, int64_t align, int64_t w
     fn(units * p / parts * align, std::min(N, units * (p + 1) / parts * align));
   };
   for (int64_t p = 1; p < parts; ++p) pool.Schedule([claims] { claims->work(); });
+  // The caller's own part first; then it gives the pool's threads as long again to claim theirs
+  // (they usually start within microseconds) before it takes what is left.
+  const auto t0 = std::chrono::steady_clock::now();
+  int64_t p = claims->next.fetch_add(1, std::memory_order_acq_rel);
+  if (p < parts) {
+    claims->run(p);
+    claims->done.fetch_add(1, std::memory_order_acq_rel);
+  }
+  const auto patience = std::chrono::steady_clock::now() - t0;
+  const auto t1 = std::chrono::steady_clock::now();
+  while (claims->next.load(std::memory_order_acquire) < parts && std::chrono::steady_clock::now() - t1 < patience)
+    _mm_pause();
   claims->work();
   while (claims->done.load(std::memory_order_acquire) != parts) _mm_pause();
 }

@@ -394,11 +394,12 @@ def decoding_params(params: dict) -> dict:
     shared, not copied. `LlamaModel` runs either layout with the same results (up to float32
     round-off); training keeps the ``kernel`` layout (its gradients and checkpoints use it).
 
-    Returns `params` unchanged when the streaming kernels are unavailable (`kernels.status`) or the
-    tree is already in decoding layout. The result is cached per params tree (while its embedding
-    array lives), so the decoding entry points may call this on every request.
+    Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
+    (`kernels.status`), or when the tree is already in decoding layout. The result is cached per
+    params tree (while its embedding array lives), so the decoding entry points may call this on
+    every request.
     """
-    if not kernels.available() or _has_key(params, "kernel_t"):
+    if jax.default_backend() != "cpu" or not kernels.available() or _has_key(params, "kernel_t"):
         return params
     leaf = params["embed"]["embedding"]
     hit = _DECODING.get(id(params))
