@@ -13,7 +13,8 @@ into ``$MEDUSA_JAX_CACHE`` (default ``~/.cache/medusa_jax``) and registered with
 ``jax.ffi.register_ffi_target``; ``make demo`` builds it at install (``python -m medusa_jax.kernels``).
 Where it cannot be used (no C++ compiler, a CPU without AVX2/FMA, not x86-64, a GPU backend,
 ``MEDUSA_JAX_KERNELS=0``), every product falls back to XLA's, with the same results up to float32
-round-off; `status()` says which path runs and why.
+round-off; `status()` says which path runs and why. ``MEDUSA_JAX_THREADS=N`` caps the threads one
+product uses (default: as many as XLA's intra-op pool has).
 
 Public API:
   available() -> bool;  status() -> str
