@@ -283,15 +283,15 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
             cfg = cfg.replace(shared_lm_head=True)
             p = {k: v for k, v in p.items() if k not in ("lm_head", "proposal_lm_head")}
     p = {k: jnp.asarray(v) for k, v in p.items()}
-    if cfg.proposal_vocab_size and "proposal_lm_head_t" not in p:
-        proj = p.pop("proposal_lm_head", None)
-        if proj is None:
-            proj = proposal_projection(cfg, p, base_lm_head)
-        if proj.ndim == 2:  # shared: stored [N, D], the layout the decoding step streams
-            p["proposal_lm_head_t"] = jnp.asarray(np.ascontiguousarray(np.asarray(proj).T))
-        else:
-            p["proposal_lm_head"] = proj
     if cfg.proposal_vocab_size:
+        if "proposal_lm_head_t" not in p:
+            proj = p.pop("proposal_lm_head", None)
+            if proj is None:
+                proj = proposal_projection(cfg, p, base_lm_head)
+            if proj.ndim == 2:  # shared: stored [N, D], the layout the decoding step streams
+                p["proposal_lm_head_t"] = jnp.transpose(proj)
+            else:
+                p["proposal_lm_head"] = proj
         p.pop("lm_head", None)
     return cfg, p
 

@@ -67,12 +67,11 @@ def _states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_l
     int32, over the proposal vocabulary when the heads have one (module `heads`)."""
     J = states.shape[0]
     ids = None
-    if heads_cfg.proposal_vocab_size:
+    if "proposal_lm_head_t" in head_params:  # [N, D] shared proposal projection (heads.prepare_heads)
         ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
-        if "proposal_lm_head_t" in head_params:  # [N, D], from heads.prepare_heads: streamed as stored
-            logits = kernels.matmul_nt(states, head_params["proposal_lm_head_t"].astype(states.dtype))
-            idx = jax.lax.top_k(logits.astype(jnp.float32), topk)[1].astype(jnp.int32)
-            return ids[idx]
+        proj = head_params["proposal_lm_head_t"].T  # .T gives back the stored [N, D] to matmul_nt below
+    elif heads_cfg.proposal_vocab_size:
+        ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
         proj = head_params.get("proposal_lm_head")
         if proj is None:
             proj = proposal_projection(heads_cfg, head_params, base_lm_head)
@@ -84,7 +83,8 @@ def _states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_l
     else:
         proj = head_params["lm_head"]
     if heads_cfg.shared_lm_head:
-        # [D, V] is the embedding's transpose for a tied lm_head: .T gives back the stored [V, D]
+        # proj [D, N] is the transpose of a stored [N, D] (the embedding of a tied lm_head, the
+        # prepared proposal projection): .T gives the stored array back, streamed as it lies
         logits = kernels.matmul_nt(states, proj.T.astype(states.dtype))
     else:
         logits = jnp.einsum("k...d,kdv->k...v", states, proj[first:first + J].astype(states.dtype))

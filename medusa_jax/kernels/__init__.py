@@ -26,6 +26,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import hashlib
+import math
 import os
 import platform
 import subprocess
@@ -66,6 +67,7 @@ def _cpu_supported() -> Tuple[bool, str]:
     return True, ""
 
 
+@functools.lru_cache(maxsize=1)
 def _library_path() -> Path:
     key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jax.__version__.encode()).hexdigest()[:16]
     return cache_dir() / f"stream_matmul-{key}.so"
@@ -193,9 +195,7 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     if x.shape[-1] != w.shape[-1]:
         raise ValueError(f"matmul_nt: x [..., {x.shape[-1]}] does not match w [{w.shape[0]}, {w.shape[-1]}]")
     lead = x.shape[:-1]
-    rows = 1
-    for d in lead:
-        rows *= d
+    rows = math.prod(lead)
     if (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()):
         return _streamed_nt(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[0])
     return _xla_nt(x, w)

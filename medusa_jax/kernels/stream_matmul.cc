@@ -137,8 +137,9 @@ struct Claims {
   int64_t parts = 0;
   std::function<void(int64_t)> run;  // valid while the caller waits; called only for a claimed part
 
-  void work() {
-    for (int64_t p; (p = next.fetch_add(1, std::memory_order_acq_rel)) < parts;) {
+  // Claims and runs parts until none is left, or `limit` of them have run.
+  void work(int64_t limit = INT64_MAX) {
+    for (int64_t p; limit > 0 && (p = next.fetch_add(1, std::memory_order_acq_rel)) < parts; --limit) {
       run(p);
       done.fetch_add(1, std::memory_order_acq_rel);
     }
@@ -168,11 +169,7 @@ void parallel_columns(ffi::ThreadPool& pool, int64_t N, int64_t align, int64_t w
   // The caller's own part first; then it gives the pool's threads as long again to claim theirs
   // (they usually start within microseconds) before it takes what is left.
   const auto t0 = std::chrono::steady_clock::now();
-  int64_t p = claims->next.fetch_add(1, std::memory_order_acq_rel);
-  if (p < parts) {
-    claims->run(p);
-    claims->done.fetch_add(1, std::memory_order_acq_rel);
-  }
+  claims->work(1);
   const auto patience = std::chrono::steady_clock::now() - t0;
   const auto t1 = std::chrono::steady_clock::now();
   while (claims->next.load(std::memory_order_acquire) < parts && std::chrono::steady_clock::now() - t1 < patience)

@@ -409,8 +409,7 @@ def decoding_params(params: dict) -> dict:
     def convert(tree):
         if not isinstance(tree, Mapping):
             return tree
-        return {("kernel_t" if k == "kernel" else k): (jnp.asarray(np.ascontiguousarray(np.asarray(v).T))
-                                                       if k == "kernel" else convert(v))
+        return {("kernel_t" if k == "kernel" else k): (jnp.transpose(v) if k == "kernel" else convert(v))
                 for k, v in tree.items()}
 
     out = convert(params)
