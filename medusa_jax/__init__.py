@@ -8,6 +8,8 @@ Public API (every step of decode.py and train.py)::
     ids = mj.apply_chat_template(model.tokenizer, "Hello!")
     out = mj.generate(model.cfg, model.params, ids, heads=heads, tree=tree, max_new_tokens=128)
     fast = mj.generate_device(model.cfg, model.params, [ids], heads=heads, tree=tree)  # no per-step sync
+    for i, res in mj.generate_batch(model.cfg, model.params, [ids, ids2], batch_size=4, heads=heads, tree=tree):
+        ...                                      # prompts in rows, refilled as they finish
 """
 from .config import MedusaConfig, ModelConfig, RopeScaling  # noqa: F401
 from .kv_cache import KVCache, init_cache  # noqa: F401
@@ -15,8 +17,8 @@ from .models.llama import LlamaModel, lm_head_matrix  # noqa: F401
 from .heads import MedusaHeads, init_heads, prepare_heads  # noqa: F401
 from .tree import TreeBuffers, build_tree, get_tree  # noqa: F401
 from .verify import Acceptance, DecodeState, medusa_step  # noqa: F401
-from .generate import (DeviceResult, GenerationResult, PromptTooLongError, generate,  # noqa: F401
-                       generate_device, generate_jit, generate_stream, start_state)
+from .generate import (BatchStats, DeviceResult, GenerationResult, PromptTooLongError, generate,  # noqa: F401
+                       generate_batch, generate_device, generate_jit, generate_stream, start_state)
 from .loading import LoadedModel, apply_chat_template, default_model_path, load_model  # noqa: F401
 from .convert.medusa_format import export_official, export_vllm, load_heads, save_heads  # noqa: F401
 from .runtime import resolve_heads  # noqa: F401

@@ -57,19 +57,48 @@ import jax
 import numpy as np
 
 
-def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: int, eos) -> dict:
+def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: int, eos, acceptance=None,
+                      seed: int = 0) -> dict:
     """One fully on-device generation (`generate_device`; compilation never timed).
 
+    acceptance: a `verify.Acceptance` (default greedy); seed: the sampling seed.
     Returns {"tokens": list, "seconds": float (decode only: all new tokens), "prefill_s": float,
     "steps": int, "hist": list}.
     """
     from .generate import generate_device
+    from .verify import Acceptance
 
     r = generate_device(cfg, params, [ids], max_new_tokens=max_new_tokens, heads=heads, tree=tree,
-                        eos_token_ids=eos)
+                        eos_token_ids=eos, acceptance=acceptance or Acceptance(), seed=seed)
     n = int(r.count[0])
     return {"tokens": r.tokens[0, :n].tolist(), "seconds": r.decode_s, "prefill_s": r.prefill_s,
             "steps": r.steps, "hist": r.hist.tolist()}
+
+
+def time_batch_generate(cfg, params, heads, tree, prompts: List[List[int]], batch_size: int, max_new_tokens: int,
+                        eos, acceptance=None, seed: int = 0) -> dict:
+    """All prompts through `generate_batch` (continuous batching, `batch_size` rows; compilation
+    never timed; prompt i samples with seed + i, as at batch 1).
+
+    Returns {"tokens": [list per prompt, input order], "seconds": float (wall, prefills included),
+    "steps": [per prompt], "hist": list}.
+    """
+    from .generate import generate_batch
+    from .verify import Acceptance
+
+    gen = generate_batch(cfg, params, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, heads=heads,
+                         tree=tree, acceptance=acceptance or Acceptance(), seed=seed, eos_token_ids=eos,
+                         progress=False)
+    tokens: List[Optional[list]] = [None] * len(prompts)
+    steps = [0] * len(prompts)
+    while True:
+        try:
+            i, res = next(gen)
+        except StopIteration as stop:
+            stats = stop.value
+            break
+        tokens[i], steps[i] = res.tokens, res.steps
+    return {"tokens": tokens, "seconds": stats.wall_s, "steps": steps, "hist": stats.hist.tolist()}
 
 
 class TokenClock:
@@ -198,14 +227,14 @@ def summarize(rows: List[dict], depth: int) -> Dict[str, dict]:
     out = {}
     for name, rs in groups.items():
         tok = [r["new_tokens"] for r in rs]
-        plain_s = sum(r["plain_s"] for r in rs)
-        med_s = sum(r["medusa_s"] for r in rs)
+        med_tok = [r.get("medusa_new_tokens", r["new_tokens"]) for r in rs]  # they differ only when sampling
         steps = sum(r["medusa_steps"] for r in rs)
         hist = np.sum([r["hist"] for r in rs], axis=0)
         at_least = [float(hist[d:].sum() / max(hist.sum(), 1)) for d in range(1, depth + 1)]
-        s = {"prompts": len(rs), "new_tokens": sum(tok), "plain_tok_s": rate(tok, [r["plain_s"] for r in rs]),
-             "medusa_tok_s": rate(tok, [r["medusa_s"] for r in rs]), "speedup": plain_s / med_s,
-             "tokens_per_step": sum(tok) / max(steps, 1), "acceptance_per_depth": at_least,
+        plain_rate, med_rate = rate(tok, [r["plain_s"] for r in rs]), rate(med_tok, [r["medusa_s"] for r in rs])
+        s = {"prompts": len(rs), "new_tokens": sum(tok), "plain_tok_s": plain_rate,
+             "medusa_tok_s": med_rate, "speedup": med_rate / plain_rate,
+             "tokens_per_step": sum(med_tok) / max(steps, 1), "acceptance_per_depth": at_least,
              "identical": sum(r["identical"] for r in rs), "near_ties": sum(r["near_tie"] for r in rs)}
         if all("plain_prefill_s" in r for r in rs):
             s["plain_prefill_s"] = sum(r["plain_prefill_s"] for r in rs)
@@ -235,6 +264,44 @@ def markdown_table(summary: Dict[str, dict]) -> str:
             line += f" {s['hf_tok_s']:.1f} | {s['plain_vs_hf']:.2f}x | {s['hf_identical']}/{s['prompts']} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
+def batched(cfg, params, heads, tree, prompts: List[List[int]], reference: List[List[int]], rows: List[dict],
+            batch_size: int, max_new_tokens: int, eos, acceptance: Dict[str, object], seed: int, greedy: bool) -> dict:
+    """Plain and Medusa over all prompts at `batch_size` (`time_batch_generate`), against the batch-1
+    runs in `rows`: throughput, prefill included on both sides (batch 1: the sum of each prompt's
+    prefill and decode seconds), tokens per step, and with `greedy` every row compared with the
+    batch-1 plain greedy output `reference` (`check.compare`, near-tie rule)."""
+    from .check import compare
+
+    out: dict = {"batch_size": batch_size}
+    for name, h, tr in (("plain", None, None), ("medusa", heads, tree)):
+        r = time_batch_generate(cfg, params, h, tr, prompts, batch_size, max_new_tokens, eos, acceptance[name], seed)
+        tok = sum(len(t) for t in r["tokens"])
+        one_tok = sum(row["new_tokens"] if name == "plain" else row["medusa_new_tokens"] for row in rows)
+        one_s = sum(row[f"{name}_s"] + row[f"{name}_prefill_s"] for row in rows)
+        d = {"tokens": tok, "seconds": r["seconds"], "tok_s": tok / r["seconds"], "batch1_tok_s": one_tok / one_s,
+             "tokens_per_step": tok / max(sum(r["steps"]), 1)}
+        if greedy:
+            cs = [compare(cfg, params, ids, ref, t) for ids, ref, t in zip(prompts, reference, r["tokens"])]
+            d.update(identical=sum(c.identical for c in cs), near_ties=sum(c.near_tie for c in cs),
+                     other_differences=sum(not c.identical and not c.near_tie for c in cs))
+        out[name] = d
+    return out
+
+
+def batch_table(batch: dict) -> str:
+    """`batched`'s figures as a markdown table."""
+    n = batch["batch_size"]
+    lines = [f"| decoder | batch 1 tok/s | batch {n} tok/s | batch {n} / batch 1 | tokens/step (batch {n}) |",
+             "|---|---|---|---|---|"]
+    for name in ("plain", "medusa"):
+        b = batch[name]
+        lines.append(f"| {name} | {b['batch1_tok_s']:.1f} | {b['tok_s']:.1f} | {b['tok_s'] / b['batch1_tok_s']:.2f}x | "
+                     f"{b['tokens_per_step']:.2f} |")
+    lines.append(f"\nthroughput: total new tokens / total seconds, prefill included; Medusa / plain at batch {n}: "
+                 f"{batch['medusa']['tok_s'] / batch['plain']['tok_s']:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
 def plot(summary: Dict[str, dict], path: str) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -288,7 +355,19 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default=None, help=runtime.heads_help())
     p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
+    p.add_argument("--batch-size", type=int, default=1,
+                   help="> 1: also decode all prompts N at a time (continuous batching, `generate_batch`), plain and "
+                        "Medusa, and report throughput (tokens/s, prefill included) against batch 1; greedy rows "
+                        "must equal plain greedy's batch-1 output (near-tie rule as in check)")
+    runtime.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
+                                                    "sampling against Medusa sampling (no comparison of outputs)")
     args = p.parse_args(argv)
+    acc = runtime.acceptance_from_args(p, args)
+    if args.batch_size < 1:
+        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    if args.hf and acc.mode != "greedy":
+        p.error("--hf times transformers' greedy generate: use it at --temperature 0")
+    greedy = acc.mode == "greedy"
     if args.torch_threads < 1:
         p.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
     if args.hf and importlib.util.find_spec("torch") is None:
@@ -296,7 +375,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from .check import compare, load_first_turns
+    from .check import Comparison, compare, load_first_turns
     from .loading import apply_chat_template, load_model
 
     try:  # before the slow load
@@ -323,24 +402,29 @@ def main(argv=None) -> int:
     hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None
     eos = cfg.eos_token_ids
     prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
-    decoders = {"plain": lambda ids: time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos),
-                "medusa": lambda ids: time_jit_generate(cfg, params, heads, tree, ids, args.max_new_tokens, eos)}
+    plain_acc = acc._replace(method="exact")  # a plain step has no candidates: only the temperature and top-p act
+    decoders = {"plain": lambda ids, seed: time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos,
+                                                             plain_acc, seed),
+                "medusa": lambda ids, seed: time_jit_generate(cfg, params, heads, tree, ids, args.max_new_tokens, eos,
+                                                              acc, seed)}
     if hf_model is not None:
-        decoders["hf"] = lambda ids: time_hf_generate(hf_model, ids, args.max_new_tokens, eos)
+        decoders["hf"] = lambda ids, seed: time_hf_generate(hf_model, ids, args.max_new_tokens, eos)
     for run in decoders.values():  # untimed warm-up, full budget (ours: compiles every shape of this prompt)
-        run(prompts[0])
+        run(prompts[0], args.seed)
     conditions = run_conditions(args.torch_threads if hf_model is not None else None)
     names = list(decoders)
-    rows = []
+    rows, plain_outputs = [], []
     for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="bench", unit="prompt")):
         k = i % len(names)  # rotate the order so that no decoder always runs first or last
-        res = {name: decoders[name](ids) for name in names[k:] + names[:k]}
+        res = {name: decoders[name](ids, args.seed + i) for name in names[k:] + names[:k]}
         plain, med = res["plain"], res["medusa"]
-        c = compare(cfg, params, ids, plain["tokens"], med["tokens"])
+        c = compare(cfg, params, ids, plain["tokens"], med["tokens"]) if greedy else Comparison(identical=False)
         row = {**rec, "prompt_tokens": len(ids), "new_tokens": len(plain["tokens"]), "plain_s": plain["seconds"],
-               "plain_prefill_s": plain["prefill_s"], "medusa_s": med["seconds"], "medusa_steps": med["steps"],
+               "plain_prefill_s": plain["prefill_s"], "medusa_new_tokens": len(med["tokens"]),
+               "medusa_prefill_s": med["prefill_s"], "medusa_s": med["seconds"], "medusa_steps": med["steps"],
                "hist": med["hist"], "identical": c.identical, "near_tie": c.near_tie, "first_diff": c.first_diff,
                "gap": c.gap}
+        plain_outputs.append(plain["tokens"])
         if "hf" in res:
             hf = res["hf"]
             h = compare(cfg, params, ids, plain["tokens"], hf["tokens"])
@@ -348,6 +432,10 @@ def main(argv=None) -> int:
                        hf_prefill_s=hf["prefill_s"], hf_identical=h.identical, hf_first_diff=h.first_diff,
                        hf_gap=h.gap)
         rows.append(row)
+    batch = None
+    if args.batch_size > 1:
+        batch = batched(cfg, params, heads, tree, prompts, plain_outputs, rows, args.batch_size, args.max_new_tokens,
+                        eos, {"plain": plain_acc, "medusa": acc}, args.seed, greedy)
     conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary = summarize(rows, tree.max_depth)
     predicted = runtime.predicted_tokens_per_step(tree, runtime.heads_calibration(args.heads))
@@ -364,16 +452,29 @@ def main(argv=None) -> int:
                         f"{args.torch_threads} torch thread(s), {conditions['cpu_cores']} cores")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"summary": summary, "tree": [list(c) for c in tree.medusa_choices],
+        json.dump({"summary": summary, "batch": batch, "acceptance": acc._asdict(),
+                   "tree": [list(c) for c in tree.medusa_choices],
                    "predicted_tokens_per_step": predicted, "conditions": conditions, "rows": rows}, f, indent=1)
     table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
+    if not greedy:
+        table += (f"sampling at temperature {acc.temperature}, top-p {acc.top_p}: plain sampling against Medusa with "
+                  f"{acc.mode} acceptance (outputs are not compared)\n")
+    if batch is not None:
+        table += "\n" + batch_table(batch)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     plot(summary, os.path.join(args.out, "speed.png"))
     print(table)
-    bugs = sum(1 for r in rows if not r["identical"] and not r["near_tie"])
-    print(f"identical {sum(r['identical'] for r in rows)}/{len(rows)}, near-ties "
-          f"{sum(r['near_tie'] for r in rows)}, other differences {bugs}")
+    bugs = sum(1 for r in rows if not r["identical"] and not r["near_tie"]) if greedy else 0
+    if greedy:
+        print(f"identical {sum(r['identical'] for r in rows)}/{len(rows)}, near-ties "
+              f"{sum(r['near_tie'] for r in rows)}, other differences {bugs}")
+    if batch is not None and greedy:
+        for name in ("plain", "medusa"):
+            b = batch[name]
+            bugs += b["other_differences"]
+            print(f"batch {args.batch_size} {name}: identical to plain greedy at batch 1 {b['identical']}/{len(rows)}, "
+                  f"near-ties {b['near_ties']}, other differences {b['other_differences']}")
     if hf_model is not None:
         diffs = [f"{r['id']} at token {r['hf_first_diff']} (top-2 gap "
                  + ("n/a: one stopped earlier" if r["hf_gap"] is None else f"{r['hf_gap']:.2g}") + ")"

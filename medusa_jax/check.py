@@ -7,6 +7,11 @@ identical token for token. Where they differ, the first differing position is ex
 plain path: if its top-2 logit gap is below ``--tie-gap`` (1e-4) the difference is a float32
 near-tie (the tree forward sums in another order) and is counted as such; any other difference is
 a bug and makes the command exit with status 1.
+
+With ``--temperature > 0`` it samples instead (``--acceptance exact``, the default, or ``typical``)
+and reports Medusa's tokens per step; sampled answers are not compared with anything (plain and
+Medusa sampling draw different random numbers; tests/test_exact_sampling.py checks that exact
+acceptance keeps the distribution).
 """
 from __future__ import annotations
 
@@ -95,7 +100,10 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--tie-gap", type=float, default=1e-4, help="top-2 logit gap below which a difference is a near-tie")
     p.add_argument("--out", default=None, help="also write per-prompt results as JSON to this file")
+    runtime.add_acceptance_args(p, temperature_help="0: the lossless check (Medusa greedy against plain greedy); "
+                                                    "> 0: Medusa sampling's tokens/step, no comparison")
     args = p.parse_args(argv)
+    acc = runtime.acceptance_from_args(p, args)
 
     from tqdm import tqdm
 
@@ -114,6 +122,8 @@ def main(argv=None) -> int:
     if heads is None:
         print(f"error: {note}", file=sys.stderr)
         return 2
+    if acc.mode != "greedy":
+        return sampled(model, heads, tree, records, acc, args)
     rows, steps, new_tokens = [], 0, 0
     for rec in tqdm(records, desc="prompts", unit="prompt"):
         ids = apply_chat_template(model.tokenizer, rec["prompt"])
@@ -138,6 +148,32 @@ def main(argv=None) -> int:
         with open(args.out, "w") as f:
             json.dump({"summary": summary, "rows": rows}, f, indent=1)
     return 1 if bugs else 0
+
+
+def sampled(model, heads, tree, records, acc, args) -> int:
+    """``--temperature > 0``: Medusa sampling on every prompt (prompt i with seed ``--seed + i``);
+    prints the summary with the mean tokens per step. Returns 0."""
+    from tqdm import tqdm
+
+    from .generate import generate
+    from .loading import apply_chat_template
+
+    rows, steps, new_tokens = [], 0, 0
+    for i, rec in enumerate(tqdm(records, desc="prompts", unit="prompt")):
+        ids = apply_chat_template(model.tokenizer, rec["prompt"])
+        med = generate(model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens, heads=heads, tree=tree,
+                       acceptance=acc, seed=args.seed + i, progress=False)
+        steps += med.steps
+        new_tokens += len(med.tokens)
+        rows.append({**rec, "new_tokens": len(med.tokens), "steps": med.steps, "tokens_per_step": med.mean_accepted})
+    summary = {"prompts": len(rows), "acceptance": acc.mode, "temperature": acc.temperature, "top_p": acc.top_p,
+               "mean_tokens_per_step": new_tokens / max(steps, 1), "new_tokens": new_tokens, "steps": steps,
+               "tree_size": tree.size, "max_new_tokens": args.max_new_tokens}
+    print(json.dumps(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    return 0
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import operator
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Callable, Generator, List, NamedTuple, Optional, Sequence, Tuple, Union
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,7 @@ import numpy as np
 from .config import MedusaConfig, ModelConfig
 from .kv_cache import KVCache, grow_cache, init_cache
 from .models.llama import LlamaModel
+from .sampling import row_keys
 from .tree import TreeBuffers, build_tree
 from .verify import Acceptance, DecodeState, StepOutput, medusa_step
 
@@ -146,10 +147,22 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
                                      "shorten the prompt or raise the cache size / context")
     if not check_decoding:
         return out, ()
-    if acceptance is not None and not isinstance(acceptance, Acceptance):
-        raise ValueError(f"{caller}(): acceptance takes a medusa_jax.verify.Acceptance(temperature=...), "
-                         f"got {type(acceptance).__name__}")
-    _as_int(seed, "seed")
+    if acceptance is not None:
+        if not isinstance(acceptance, Acceptance):
+            raise ValueError(f"{caller}(): acceptance takes a medusa_jax.verify.Acceptance(temperature=...), "
+                             f"got {type(acceptance).__name__}")
+        try:
+            acceptance.check()
+        except ValueError as e:
+            raise ValueError(f"{caller}(): {e}") from None
+    if isinstance(seed, (Sequence, np.ndarray)) and not isinstance(seed, str):
+        if not batch or len(seed) != len(out):
+            raise ValueError(f"{caller}(): seed takes an int" + (f" or one int per prompt ({len(out)})" if batch else "")
+                             + f", got a sequence of {len(seed)}")
+        for s in seed:
+            _as_int(s, "each seed")
+    else:
+        _as_int(seed, "seed")
     if max_new_tokens is not None:
         n = _as_int(max_new_tokens, "max_new_tokens")
         if n < 1:
@@ -289,7 +302,8 @@ Returns:
 def _prefill_logits(cfg: ModelConfig, params, last: jax.Array, cache: KVCache, key: jax.Array) -> DecodeState:
     """The decoding state after the last chunk: logits [B, V] float32 of the last prompt tokens."""
     logits = LlamaModel(cfg).apply({"params": params}, last, method=LlamaModel.logits)
-    return DecodeState(logits=logits, hidden=last, cache=cache, key=key)
+    return DecodeState(logits=logits, hidden=last, cache=cache, key=key,
+                       next_token=jnp.full((last.shape[0],), -1, jnp.int32))
 
 
 prefill_logits = jax.jit(_prefill_logits, static_argnums=0, donate_argnames=("cache",))
@@ -313,7 +327,7 @@ Args:
   tokens: [B, Tp] int32 prompt ids, right-padded (pad with any id).
   lengths: [B] int32 true prompt lengths, 1 <= lengths <= Tp.
   cache: an empty `KVCache` with S >= Tp slots (donated).
-  key: PRNG key for later sampling.
+  key: [B, 2] uint32 per-row PRNG keys for later sampling (`sampling.row_keys`).
 Returns:
   DecodeState with the last prompt position's logits [B, V] float32 and hidden state [B, D].
 """
@@ -353,7 +367,7 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     Args:
       prompts: B lists of token ids (each non-empty and shorter than `cache_size`).
       cache_size: S slots per row.
-      seed: PRNG seed of the returned state's key.
+      seed: an int (row b's key is PRNGKey(seed + b)) or one int per row (`sampling.row_keys`).
       dtype: the cache's dtype.
       timing: if a dict, ``timing["prefill_s"]`` gets the prefill's seconds (compilation excluded).
       chunk_size: tokens per chunk; any value gives the same state up to float32 round-off.
@@ -363,7 +377,8 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
         prefill never waits and shows nothing). False: silent.
     Returns:
       DecodeState: logits [B, V] float32 and final hidden state [B, D] of each row's last prompt
-      token, a cache of `cache_size` slots with ``lengths`` = the prompt lengths, PRNGKey(seed).
+      token, a cache of `cache_size` slots with ``lengths`` = the prompt lengths, per-row keys
+      [B, 2] from `seed`, ``next_token`` -1 (the first root is chosen from the logits).
     Raises:
       ValueError: an empty prompt, a malformed prompt list, an id outside the vocabulary, or a
         cache_size beyond the model's context (`check_generation_args`); chunk_size < 1.
@@ -380,7 +395,7 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
     cache = init_cache(cfg, B, cache_size, dtype)
     last = jnp.zeros((B, cfg.hidden_size), jnp.float32)
-    key = jax.random.PRNGKey(seed)
+    key = row_keys(seed, B)
     run = _aot(prefill_chunk, (cfg, kv_block), (params, jnp.asarray(toks[:, :T]), lengths, cache, last))
     finish = _aot(prefill_logits, (cfg,), (params, last, cache, key))
     bar = _progress_bar(progress and chunks > 1, chunks, "prefill", "chunk")
@@ -451,7 +466,9 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
       max_new_tokens: the most new tokens (>= 1).
       heads: (MedusaConfig, head params) or None for plain decoding.
       tree: the Medusa tree (`medusa_jax.tree.get_tree`); required with heads, refused without.
-      acceptance: temperature 0 = greedy, > 0 = sampling with typical acceptance.
+      acceptance: temperature 0 = greedy; > 0 = sampling, with exact acceptance by default (the
+        output follows the model's own distribution) or ``method="typical"`` (`verify.Acceptance`).
+      seed: PRNG seed (the key is PRNGKey(seed), as row 0 of a batch with this seed).
       eos_token_ids: ids that end the output (default ``cfg.eos_token_ids``); one id or a list.
       cache_size: S, at most the model's context (``cfg.max_position_embeddings``); default
         `cache_size_for` the prompt, budget and tree.
@@ -561,7 +578,7 @@ class DeviceResult(NamedTuple):
 
 
 def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
-                   max_new_tokens: int, eos: Tuple[int, ...], params, head_params, carry, final):
+                   max_new_tokens: int, eos: Tuple[int, ...], params, head_params, carry, final, limits):
     """One segment of on-device generation (lax.while_loop). See `generate_jit`."""
     state = carry[0]
     B = state.logits.shape[0]
@@ -569,6 +586,7 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
     D = tree.max_depth
     width = D + 1
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
+    step_limit, done_limit = limits[0], limits[1]
 
     def plain(st):
         o, s = medusa_step(cfg, None, PLAIN_TREE, acc, params, None, st)
@@ -582,12 +600,15 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
         return jnp.all(st.cache.lengths + tree.size <= S)
 
     def cond(c):
-        st, _, _, done, steps, _ = c
-        return jnp.logical_not(jnp.all(done)) & (steps < max_new_tokens) & (final | fits(st))
+        st, _, _, done, steps, _, _ = c
+        return (jnp.logical_not(jnp.all(done)) & (steps < step_limit) & (jnp.sum(done) < done_limit)
+                & (final | fits(st)))
 
     def body(c):
-        st, out, count, done, steps, hist = c
-        o, st = (jax.lax.cond(fits(st), full, plain, st) if D > 0 else plain(st))
+        st0, out, count, done, steps, hist, row_steps = c
+        o, st = (jax.lax.cond(fits(st0), full, plain, st0) if D > 0 else plain(st0))
+        # a finished row keeps its length: it computes on, but never grows out of its cache
+        st = st.replace(cache=st.cache.replace(lengths=jnp.where(done, st0.cache.lengths, st.cache.lengths)))
         j = jnp.arange(width)[None, :]
         live = j < o.num_tokens[:, None]
         is_eos = jnp.isin(o.tokens, eos_arr) & live
@@ -598,9 +619,10 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
         idx = jnp.where(j < n[:, None], count[:, None] + j, max_new_tokens)  # out of range -> dropped
         out = out.at[jnp.arange(B)[:, None], idx].set(o.tokens, mode="drop")
         hist = hist.at[o.num_tokens - 1].add(jnp.where(done, 0, 1))
+        row_steps = row_steps + jnp.where(done, 0, 1)
         count = count + n
         done = done | (has_eos & (n > 0)) | (count >= max_new_tokens) | (final & (st.cache.lengths >= S))
-        return st, out, count, done, steps + 1, hist
+        return st, out, count, done, steps + 1, hist, row_steps
 
     return jax.lax.while_loop(cond, body, tuple(carry))
 
@@ -609,19 +631,48 @@ generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5), donate
 generate_jit.__doc__ = """One segment of whole-generation-on-the-device: a lax.while_loop, no host sync per step.
 
 Args (static first): cfg, heads_cfg (None for plain), tree (`PLAIN_TREE` for plain), acc,
-  max_new_tokens, eos ids (tuple); then params, head_params, the loop carry (donated)
+  max_new_tokens, eos ids (tuple); then params, head_params, the loop carry (donated, `init_carry`)
   ``(DecodeState, out [B, max_new_tokens] int32, count [B] int32, done [B] bool, steps () int32,
-  hist [D+1] int32)`` and ``final`` (bool scalar).
-The loop stops when every row is done, or, unless ``final``, as soon as the tree no longer fits in
-the cache (the caller grows the cache and calls again). With ``final`` it falls back to plain steps
-near the cache end and a row is done when its cache is full. Use `generate_device`, which drives it.
+  hist [D+1] int32, row_steps [B] int32)``, ``final`` (bool scalar) and ``limits`` [2] int32
+  (step_limit, done_limit).
+The loop stops when every row is done, when ``steps`` reaches step_limit, when done_limit rows
+are done (a row to refill: `generate_batch`), or, unless ``final``, as soon as the tree no longer
+fits in the cache (the caller grows the cache and calls again). With ``final`` it falls back to
+plain steps near the cache end and a row is done when its cache is full. A done row emits nothing
+more and its cache length stays put. Use `generate_device` or `generate_batch`, which drive it.
 Returns the carry after the segment.
 """
 
 
+def init_carry(state: DecodeState, max_new_tokens: int, depth: int) -> tuple:
+    """The `generate_jit` carry for a freshly prefilled `state` ([B] rows, nothing emitted)."""
+    B = state.logits.shape[0]
+    return (state, jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B,), jnp.int32), jnp.zeros((B,), bool),
+            jnp.int32(0), jnp.zeros((depth + 1,), jnp.int32), jnp.zeros((B,), jnp.int32))
+
+
+def _insert_row(carry: tuple, row: DecodeState, b: jax.Array) -> tuple:
+    """`carry` with row b replaced by the B = 1 prefilled `row` (same cache size), nothing emitted."""
+    st, out, count, done, steps, hist, row_steps = carry
+    c, r = st.cache, row.cache
+    cache = KVCache(k=c.k.at[:, b].set(r.k[:, 0]), v=c.v.at[:, b].set(r.v[:, 0]),
+                    lengths=c.lengths.at[b].set(r.lengths[0]))
+    st = DecodeState(logits=st.logits.at[b].set(row.logits[0]), hidden=st.hidden.at[b].set(row.hidden[0]),
+                     cache=cache, key=st.key.at[b].set(row.key[0]), next_token=st.next_token.at[b].set(row.next_token[0]))
+    return (st, out, count.at[b].set(0), done.at[b].set(False), steps, hist, row_steps.at[b].set(0))
+
+
+insert_row = jax.jit(_insert_row, donate_argnums=(0,))
+
+
+def _grow_carry(carry: tuple, size: int) -> tuple:
+    st = carry[0]
+    return (st.replace(cache=grow_cache(st.cache, size)),) + tuple(carry[1:])
+
+
 def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
                     heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
-                    acceptance: Acceptance = Acceptance(), seed: int = 0,
+                    acceptance: Acceptance = Acceptance(), seed: Union[int, Sequence[int]] = 0,
                     eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
                     progress: bool = True) -> DeviceResult:
     """Generate for B prompts with the whole decoding loop on the device (the fast path).
@@ -633,7 +684,9 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     Same stopping rules and the same output as `generate` (token for token in greedy mode).
 
     Args: as `generate_stream` (``prompts`` is a list of token-id lists; ``cache_size`` is the
-      largest cache, default `cache_size_for` the longest prompt).
+      largest cache, default `cache_size_for` the longest prompt; ``seed`` an int, row b then
+      drawing with PRNGKey(seed + b), or one int per row: a row's samples never depend on the other
+      rows of its batch).
     Returns: `DeviceResult`.
     Raises: as `generate_stream` (``prompts`` must be a batch: a flat list of ids is refused).
     """
@@ -648,15 +701,15 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     timing: dict = {}
     state = start_state(cfg, params, prompts, S, seed, timing=timing, progress=progress)
     B = len(prompts)
-    carry = (state, jnp.zeros((B, max_new_tokens), jnp.int32), jnp.zeros((B,), jnp.int32),
-             jnp.zeros((B,), bool), jnp.int32(0), jnp.zeros((tr.max_depth + 1,), jnp.int32))
+    carry = init_carry(state, max_new_tokens, tr.max_depth)
     static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos)
+    limits = jnp.asarray([max_new_tokens, B + 1], jnp.int32)
     sizes = []
     t0, compile_s = None, 0.0
     while True:
         final = S >= s_max
         sizes.append(S)
-        args = (params, head_params, carry, jnp.bool_(final))
+        args = (params, head_params, carry, jnp.bool_(final), limits)
         tc = time.perf_counter()
         fn = _aot(generate_jit, static, args)  # compiled once per tree and cache size, never timed
         if t0 is None:
@@ -668,9 +721,149 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
         if final or bool(np.all(done)) or int(steps) >= max_new_tokens:
             break
         S = min(S * 2, s_max)
-        st = carry[0]
-        carry = (st.replace(cache=grow_cache(st.cache, S)),) + tuple(carry[1:])
-    _, out, count, _, steps, hist = jax.block_until_ready(carry)
+        carry = _grow_carry(carry, S)
+    _, out, count, _, steps, hist, _ = jax.block_until_ready(carry)
     decode_s = time.perf_counter() - t0 - compile_s
     return DeviceResult(tokens=np.asarray(out), count=np.asarray(count), steps=int(steps), hist=np.asarray(hist),
                         prefill_s=timing["prefill_s"], decode_s=decode_s, cache_sizes=tuple(sizes))
+
+
+class BatchStats(NamedTuple):
+    """What `generate_batch` returns when it is done.
+
+    wall_s: seconds from the first prefill to the last token, compilation excluded (prefills of
+      refilled rows included: the other rows wait for them).
+    steps: decoding steps of the batch; hist: [D+1] int32, ``hist[n-1]`` = (row, step) pairs that
+      emitted n tokens; cache_sizes: the cache sizes S the loop ran with, in order.
+    """
+    wall_s: float
+    steps: int
+    hist: np.ndarray
+    cache_sizes: Tuple[int, ...]
+
+
+def _stop_reason(tokens: List[int], eos: Tuple[int, ...], max_new_tokens: int) -> str:
+    if tokens and tokens[-1] in eos:
+        return "eos"
+    return "max_new_tokens" if len(tokens) >= max_new_tokens else "cache_full"
+
+
+def generate_batch(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *, batch_size: int = 8,
+                   max_new_tokens: int = 256, heads: Optional[Tuple[MedusaConfig, dict]] = None,
+                   tree: Optional[TreeBuffers] = None, acceptance: Acceptance = Acceptance(),
+                   seed: Union[int, Sequence[int]] = 0, eos_token_ids: Optional[Sequence[int]] = None,
+                   cache_size: Optional[int] = None,
+                   progress: bool = True) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
+    """Decode many prompts, `batch_size` rows at a time, refilling a row as soon as it finishes
+    (continuous batching), with the decoding loop on the device between refills.
+
+    Every row accepts its own number of tokens per step. The on-device loop (`generate_jit`) runs
+    until a row finishes while prompts are waiting; the host then reads that row's answer, prefills
+    the next prompt into it (the other rows wait for that prefill) and starts the loop again. The
+    cache starts just big enough and doubles when the tree no longer fits, up to `cache_size`, as
+    in `generate_device`; a row's output does not depend on the batch it ran in (greedy: up to
+    float32 round-off; sampling: prompt i always draws with PRNGKey(seed + i)).
+
+    Args:
+      prompts: N token-id lists (chat template applied), N >= 1.
+      batch_size: rows decoded together (>= 1; at most N are used).
+      seed: an int (prompt i draws with PRNGKey(seed + i)) or one int per prompt.
+      others: as `generate_device`; `cache_size` defaults to `cache_size_for` the longest prompt.
+    Yields:
+      (i, GenerationResult) as prompt i finishes (completion order, not input order); the result's
+      ``decode_s`` is the wall time the row spent in the batch, ``prefill_s`` its prefill's (a
+      shared batch prefill for the first rows), ``tokens_per_step`` is left empty.
+    Returns (the generator's value): `BatchStats`.
+    Raises: as `generate_device` (checked before the generator is returned), and ValueError for
+      batch_size < 1.
+    """
+    prompts, eos = check_generation_args(cfg, prompts, caller="generate_batch", batch=True,
+                                         max_new_tokens=max_new_tokens, cache_size=cache_size, heads=heads,
+                                         tree=tree, eos_token_ids=eos_token_ids, acceptance=acceptance, seed=seed)
+    if _as_int(batch_size, "batch_size") < 1:
+        raise ValueError(f"generate_batch(): batch_size must be >= 1, got {batch_size}")
+    seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, (int, np.integer)) else [int(x) for x in seed]
+    row_keys(seeds, len(seeds))  # seeds out of range fail here, before anything runs
+    params, heads_cfg, head_params, tr = _decoding_setup(cfg, params, heads, tree)
+    return _batch_loop(cfg, params, heads_cfg, head_params, tr, prompts, seeds, min(batch_size, len(prompts)),
+                       max_new_tokens, acceptance, eos, cache_size, progress)
+
+
+def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: List[List[int]], seeds: List[int],
+                B: int, max_new_tokens: int, acceptance: Acceptance, eos: Tuple[int, ...],
+                cache_size: Optional[int], progress: bool) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
+    """The generator behind `generate_batch`, on checked arguments."""
+    N = len(prompts)
+    s_max = cache_size or cache_size_for(cfg, max(len(p) for p in prompts), max_new_tokens, tr.size)
+
+    def room(n: int) -> int:  # the cache a prompt of n tokens needs for one tree step
+        return min(bucket(n + tr.size + 1, 128), s_max)
+
+    overhead = 0.0  # compilation seconds, left out of every timing
+
+    def clock() -> float:
+        return time.perf_counter() - overhead
+
+    S = room(max(len(p) for p in prompts[:B]))
+    timing: dict = {}
+    t = time.perf_counter()
+    state = start_state(cfg, params, prompts[:B], S, seeds[:B], timing=timing, progress=False)
+    overhead += time.perf_counter() - t - timing["prefill_s"]
+    t_begin = clock() - timing["prefill_s"]
+    carry = init_carry(state, max_new_tokens, tr.max_depth)
+    rows: List[Optional[int]] = list(range(B))  # the prompt in each row; None: retired
+    started = [clock()] * B
+    prefill_s = [timing["prefill_s"]] * B
+    next_i = B  # the next prompt to start
+    static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos)
+    sizes = [S]
+    bar = _progress_bar(progress, N, "decode", "prompt")
+    steps = 0
+    while any(r is not None for r in rows):
+        final = S >= s_max
+        done0 = int(np.sum(jax.device_get(carry[3])))
+        limits = jnp.asarray([steps + max_new_tokens, done0 + 1 if next_i < N else B + 1], jnp.int32)
+        args = (params, head_params, carry, jnp.bool_(final), limits)
+        t = time.perf_counter()
+        fn = _aot(generate_jit, static, args)
+        overhead += time.perf_counter() - t
+        carry = fn(*args)
+        done, count, steps, row_steps = jax.device_get((carry[3], carry[2], carry[4], carry[6]))
+        steps = int(steps)
+        finished = [b for b in range(B) if rows[b] is not None and done[b]]
+        if not finished:
+            if final:
+                raise RuntimeError("generate_batch: the decoding loop stopped with no row done")  # a bug
+            S = min(S * 2, s_max)
+            sizes.append(S)
+            carry = _grow_carry(carry, S)
+            continue
+        out = jax.device_get(carry[1])
+        now = clock()
+        for b in finished:
+            toks = [int(x) for x in out[b, :count[b]]]
+            res = GenerationResult(tokens=toks, steps=int(row_steps[b]), prefill_s=prefill_s[b],
+                                   decode_s=now - started[b], stop_reason=_stop_reason(toks, eos, max_new_tokens))
+            i = rows[b]
+            rows[b] = None
+            if next_i < N:
+                i_new, next_i = next_i, next_i + 1
+                need = room(len(prompts[i_new]))
+                if need > S:
+                    S = need
+                    sizes.append(S)
+                    carry = _grow_carry(carry, S)
+                timing = {}
+                t = time.perf_counter()
+                row = start_state(cfg, params, [prompts[i_new]], S, [seeds[i_new]], timing=timing, progress=False)
+                carry = insert_row(carry, row, jnp.int32(b))
+                jax.block_until_ready(carry[0].logits)
+                overhead += time.perf_counter() - t - timing["prefill_s"]
+                rows[b], started[b], prefill_s[b] = i_new, clock(), timing["prefill_s"]
+            if bar is not None:
+                bar.update(1)
+            yield i, res
+    if bar is not None:
+        bar.close()
+    hist = jax.device_get(carry[5])
+    return BatchStats(wall_s=clock() - t_begin, steps=steps, hist=np.asarray(hist), cache_sizes=tuple(sizes))

@@ -17,8 +17,7 @@ SHIPPED_HEADS = {"medusa1": os.path.join(_ASSET_HEADS, "smollm2-135m-instruct-me
 
 
 def heads_help(zero: bool = True) -> str:
-    """The --heads help of the tools; `zero`: the tool also takes 'zero' (fresh heads). decode.py
-    keeps its own copy of this text so that its --help does not import jax."""
+    """The --heads help of the tools; `zero`: the tool also takes 'zero' (fresh heads)."""
     return ("a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped Medusa-1 "
             "heads; " + ("'zero' for fresh zero-initialised heads; " if zero else "")
             + "default: the heads shipped for the default model")
@@ -231,3 +230,50 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
         if num_heads is not None and tree.max_depth > int(num_heads):
             raise ValueError(f"--tree has depth {tree.max_depth} but the heads have only {num_heads}; use a "
                              "shallower tree (a preset such as chain3, or a medusa_choices file)")
+
+
+def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (see --acceptance)") -> None:
+    """The sampling and acceptance flags of decode.py, check and bench (`acceptance_from_args`)."""
+    p.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
+    p.add_argument("--acceptance", choices=("greedy", "typical", "exact"), default=None,
+                   help="how Medusa accepts candidates: 'greedy' (temperature 0); 'exact': speculative sampling over "
+                        "the tree, the output follows the model's own distribution (lossless); 'typical': Medusa's "
+                        "typical acceptance, accepts more but changes the distribution; default: greedy at "
+                        "temperature 0, exact above")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (temperature > 0), in (0, 1]")
+    p.add_argument("--posterior-threshold", type=float, default=0.09,
+                   help="typical acceptance: hard probability threshold epsilon, in (0, 1]")
+    p.add_argument("--posterior-alpha", type=float, default=0.3,
+                   help="typical acceptance: entropy-scaled threshold factor delta (accept if "
+                        "p > min(threshold, alpha * exp(-entropy)))")
+    p.add_argument("--seed", type=int, default=0,
+                   help="PRNG seed for sampling, in [0, 2**31); prompt i of a prompt file uses seed + i, so its "
+                        "answer does not depend on the batch it runs in")
+
+
+def acceptance_from_args(p, args):
+    """The `verify.Acceptance` of the flags from `add_acceptance_args`; sets ``args.acceptance`` to
+    the method that runs ("greedy" at temperature 0, "exact" by default above). Bad values exit
+    through ``p.error`` (status 2) with a one-line message."""
+    from .verify import Acceptance
+
+    if args.temperature < 0:
+        p.error("--temperature must be >= 0")
+    if not 0 < args.top_p <= 1:
+        p.error("--top-p must be in (0, 1]")
+    if not 0 < args.posterior_threshold <= 1:
+        p.error("--posterior-threshold must be in (0, 1]")
+    if args.posterior_alpha < 0:
+        p.error("--posterior-alpha must be >= 0")
+    if not 0 <= args.seed < 2 ** 31:
+        p.error("--seed must be in [0, 2**31)")
+    if args.acceptance is None:
+        args.acceptance = "greedy" if args.temperature == 0 else "exact"
+    elif args.acceptance == "greedy" and args.temperature > 0:
+        p.error(f"--acceptance greedy decodes at temperature 0, got --temperature {args.temperature}: use "
+                "--acceptance exact (the model's own distribution) or typical")
+    elif args.acceptance != "greedy" and args.temperature == 0:
+        p.error(f"--acceptance {args.acceptance} samples: give a --temperature > 0 (0 is greedy)")
+    return Acceptance(temperature=args.temperature, posterior_threshold=args.posterior_threshold,
+                      posterior_alpha=args.posterior_alpha, top_p=args.top_p,
+                      method="exact" if args.acceptance == "greedy" else args.acceptance)

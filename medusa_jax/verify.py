@@ -12,6 +12,12 @@ shapes; the tree (`TreeBuffers`) is a static argument.
 Hydra heads (Ankner et al. 2024, "Hydra", Sec. 3; `medusa_jax.hydra`) draft per parent instead of
 per head: head d runs on every depth-d node that has children, reading that node's own path
 (`hydra_candidates`). Verification is the same for both head types.
+
+Exact acceptance (``Acceptance(method="exact")``) is speculative sampling over the tree: Chen et al.
+2023 ("Accelerating Large Language Model Decoding with Speculative Sampling", Theorem 1) for one
+draft, extended to several deterministic candidates per node as in Miao et al. 2024 ("SpecInfer",
+Sec. 4.3, multi-step speculative sampling). A node's children are tried in rank order; the output
+is distributed exactly as plain sampling at the same temperature and top-p (`evaluate_posterior`).
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from typing import NamedTuple, Optional, Tuple
 import flax.struct
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from . import kernels
 from .config import MedusaConfig, ModelConfig
@@ -27,7 +34,7 @@ from .heads import BLOCK_KEYS, MedusaHeads, proposal_projection
 from .hydra import head_state, teacher_forced_states, token_embeddings
 from .kv_cache import KVCache
 from .models.llama import LlamaModel, lm_head_matrix
-from .sampling import sample_logits
+from .sampling import categorical_rows, filtered_logits, sample_logits, split_rows, uniform_rows
 from .tree import TreeBuffers
 
 
@@ -38,20 +45,60 @@ class DecodeState:
     logits: [B, V] float32, base-model logits at the last accepted position (predict the next token).
     hidden: [B, D], final-norm hidden state there (the heads' input).
     cache: the KV cache; ``cache.lengths[b]`` = tokens of row b in the cache (prompt + emitted).
-    key: PRNG key for sampling.
+    key: [B, 2] uint32, one PRNG key per row (`sampling.row_keys`).
+    next_token: [B] int32, the next step's root when it is already drawn (exact acceptance draws it
+      from the residual distribution of the last accepted node), -1 when it is still to be chosen
+      from ``logits``.
     """
     logits: jax.Array
     hidden: jax.Array
     cache: KVCache
     key: jax.Array
+    next_token: jax.Array
+
+
+ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
 
 
 class Acceptance(NamedTuple):
-    """Static acceptance settings. temperature 0 = greedy; > 0 = typical acceptance."""
+    """Static acceptance settings (a jit static argument).
+
+    temperature: 0 = greedy: every node's argmax decides, whatever `method` says. > 0: sampling from
+      ``softmax(logits / temperature)`` restricted to the top-p nucleus.
+    method: how a sampling step accepts candidates (`ACCEPTANCE_METHODS`):
+      "exact" (the default): speculative sampling over the tree; the output is distributed exactly as
+        plain sampling (lossless).
+      "typical": Medusa's typical acceptance (Sec. 2.3.1) with posterior_threshold (epsilon) and
+        posterior_alpha (delta); accepts more, but changes the output distribution.
+      "greedy": only with temperature 0 (sampling with greedy acceptance is an error).
+    top_p: nucleus mass in (0, 1] for every sampled token.
+    """
     temperature: float = 0.0
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     top_p: float = 1.0
+    method: str = "exact"
+
+    @property
+    def mode(self) -> str:
+        """The rule a step applies: "greedy" at temperature 0, else `method`."""
+        return "greedy" if self.temperature <= 0.0 else self.method
+
+    def check(self) -> "Acceptance":
+        """Raise ValueError for settings no step can run; return self."""
+        if self.method not in ACCEPTANCE_METHODS:
+            raise ValueError(f"acceptance method {self.method!r} is not one of {', '.join(ACCEPTANCE_METHODS)}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if self.method == "greedy" and self.temperature > 0:
+            raise ValueError(f"greedy acceptance decodes at temperature 0, got temperature {self.temperature}: "
+                             "sample with method 'exact' (the model's own distribution) or 'typical'")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0 < self.posterior_threshold <= 1 or self.posterior_alpha < 0:
+            raise ValueError("typical acceptance needs posterior_threshold in (0, 1] and posterior_alpha >= 0, got "
+                             f"{self.posterior_threshold} and {self.posterior_alpha}")
+        return self
 
 
 class StepOutput(NamedTuple):
@@ -204,31 +251,116 @@ def draft_tokens(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params,
     return tree_candidates(root, head_tokens, tree)
 
 
+def sibling_acceptance(p: jax.Array, prior: jax.Array) -> jax.Array:
+    """Probability of accepting a candidate after its earlier siblings were rejected.
+
+    Each rejection removes the rejected token from the parent's distribution and renormalises what
+    remains (the residual ``norm(max(0, p - q))`` of Chen et al. 2023, Alg. 2, with the point-mass
+    draft q of a deterministic candidate), so the candidate's chance is ``p / (1 - prior)``.
+
+    Args:
+      p: [B, T] float32, each node's token's probability under its parent's distribution.
+      prior: [B, T] float32, the summed probability of the node's earlier (better-ranked) siblings.
+    Returns:
+      [B, T] float32 in [0, 1].
+    """
+    return jnp.clip(p / jnp.maximum(1.0 - prior, 1e-30), 0.0, 1.0)
+
+
+def _earlier_siblings(tree: TreeBuffers):
+    """[T, T] float32 (static): entry (i, j) = 1 when node j is a sibling of node i tried before it
+    (same parent, smaller node index, i.e. a better rank: nodes are sorted by (depth, ranks))."""
+    par = np.asarray(tree.parents)
+    idx = np.arange(len(par))
+    return ((par[:, None] == par[None, :]) & (idx[None, :] < idx[:, None]) & (par[:, None] >= 0)).astype(np.float32)
+
+
+def exact_chosen(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers, acc: Acceptance,
+                 key: jax.Array) -> jax.Array:
+    """Which nodes speculative sampling over the tree accepts.
+
+    Each node's children are tried in rank order: a child is accepted with probability
+    `sibling_acceptance` (its token's probability under the parent's distribution, renormalised over
+    the tokens not yet rejected), one uniform draw per node; the first accepted child is chosen and
+    its later siblings are not tried. Following the chosen children from the root gives the accepted
+    path (at most one chosen child per node). Method: Chen et al. 2023, Alg. 2 and Theorem 1;
+    several candidates per node as in Miao et al. 2024 (SpecInfer), Sec. 4.3.
+
+    Args:
+      logits: [B, T, V] float32 base logits at the tree nodes.
+      tree_tokens: [B, T] int32 candidate tokens.
+      acc: temperature > 0 and top_p define each node's distribution (`sampling.filtered_logits`).
+      key: [B, 2] uint32 per-row PRNG keys.
+    Returns:
+      [B, T] bool, True where the node is its parent's first accepted child (the root: False).
+    """
+    B, T = tree_tokens.shape
+    logp = jax.nn.log_softmax(filtered_logits(logits, acc.temperature, acc.top_p), axis=-1)
+    parent = jnp.asarray(tree.parents).clip(0)
+    p = jnp.exp(logp[jnp.arange(B)[:, None], parent[None, :], tree_tokens])           # [B, T]
+    earlier = jnp.asarray(_earlier_siblings(tree))
+    accepted = uniform_rows(key, T) < sibling_acceptance(p, p @ earlier.T)
+    beaten = (accepted.astype(jnp.float32) @ earlier.T) > 0
+    return accepted & ~beaten & (jnp.asarray(tree.parents) >= 0)[None, :]
+
+
+def residual_token(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers, acc: Acceptance,
+                   last: jax.Array, key: jax.Array) -> jax.Array:
+    """The token after an exact step's accepted path: a draw from the last accepted node's
+    distribution with its children's tokens removed (each was tried and rejected) and renormalised;
+    at a leaf, from the whole distribution (Chen et al. 2023, Alg. 2, last line).
+
+    Args:
+      logits: [B, T, V] float32; tree_tokens: [B, T] int32; last: [B] int32 the last accepted node;
+      key: [B, 2] uint32 per-row keys.
+    Returns:
+      [B] int32.
+    """
+    B = logits.shape[0]
+    rows = jnp.arange(B)
+    dist = filtered_logits(logits[rows, last], acc.temperature, acc.top_p)              # [B, V]
+    is_child = jnp.asarray(tree.parents)[None, :] == last[:, None]                       # [B, T]
+    # min-scatter: a token on a child node goes to -inf; +inf leaves every other entry as it is
+    resid = dist.at[rows[:, None], tree_tokens].min(jnp.where(is_child, -jnp.inf, jnp.inf))
+    # the children held all the mass only up to round-off (each should then have been accepted)
+    resid = jnp.where(jnp.isfinite(jnp.max(resid, axis=-1, keepdims=True)), resid, dist)
+    return categorical_rows(key, resid)
+
+
 def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers,
-                       acc: Acceptance) -> Tuple[jax.Array, jax.Array]:
+                       acc: Acceptance, key: Optional[jax.Array] = None) -> Tuple[jax.Array, jax.Array]:
     """Choose the best path of the tree.
 
-    Greedy (``acc.temperature == 0``): a candidate is accepted when it equals the argmax of its
+    Greedy (``acc.mode == "greedy"``): a candidate is accepted when it equals the argmax of its
     parent node's logits. Typical acceptance (Medusa Sec. 2.3.1): accepted when its probability
     under ``softmax(parent_logits / temperature)`` exceeds
-    ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``.
+    ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``. Exact: accepted when
+    `exact_chosen` chose it (speculative sampling; needs `key`).
     A path's accepted length is its number of consecutive accepted candidates from the root.
-    The longest wins; ties go to the highest sum of the accepted tokens' log-probabilities.
+    The longest wins; ties go to the highest sum of the accepted tokens' log-probabilities
+    (typical), or to the first such path.
 
     Args:
       logits: [B, T, V] float32 base logits at the tree nodes.
       tree_tokens: [B, T] int32 candidate tokens on the nodes.
+      key: [B, 2] uint32 per-row PRNG keys (exact acceptance only).
     Returns:
       (best path index [B] int32 into ``tree.retrieve_indices``, accepted length [B] int32 in [0, D]).
+    Raises:
+      ValueError: exact acceptance without a key.
     """
     retrieve = jnp.asarray(tree.retrieve_indices)        # [P, D+1]
     valid = jnp.asarray(tree.valid)[:, 1:]                # [P, D]
     parent, child = retrieve[:, :-1], retrieve[:, 1:]     # [P, D]
     child_tok = tree_tokens[:, child]                     # [B, P, D]
-    if acc.temperature <= 0.0:
+    score = jnp.zeros(child_tok.shape, jnp.float32)
+    if acc.mode == "greedy":
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
         match = (child_tok == pred[:, parent]) & valid
-        score = jnp.zeros(match.shape, jnp.float32)
+    elif acc.mode == "exact":
+        if key is None:
+            raise ValueError("exact acceptance draws random numbers: pass key=[B, 2] per-row PRNG keys")
+        match = exact_chosen(logits, tree_tokens, tree, acc, key)[:, child] & valid
     else:
         logp = jax.nn.log_softmax(logits / acc.temperature, axis=-1)                  # [B, T, V]
         entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)                             # [B, T]
@@ -271,20 +403,24 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
                 params, head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
     """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
 
-    1. Root token: argmax (or a sample at ``acc.temperature``) of ``state.logits``.
+    1. Root token: ``state.next_token`` when an exact step drew it, else the argmax (or a sample at
+       ``acc.temperature`` and ``acc.top_p``) of ``state.logits``.
     2. Candidates (`draft_tokens`): Medusa heads: the first D heads' top-k at ``state.hidden`` placed
        on the tree; hydra heads: depth by depth, each node's children from its own path.
     3. One forward of the T tree tokens at positions ``length + depth`` with the ancestor mask.
-    4. Posterior (`evaluate_posterior`), best path, accepted length a.
+    4. Posterior (`evaluate_posterior`: greedy, typical or exact), best path, accepted length a.
     5. Emits root + a candidates; the next logits/hidden are the last accepted node's; the path's
-       K/V are compacted; lengths advance by a + 1.
+       K/V are compacted; lengths advance by a + 1. Exact acceptance also draws the next root from
+       that node's residual distribution (`residual_token`) into ``next_token``.
+    Every row draws from its own key (``state.key`` [B, 2]), so rows are independent of each other.
     With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
 
     Requires ``cache.lengths + T <= cache.size`` (the caller picks a smaller tree near the end).
     Returns (StepOutput, next DecodeState).
     """
-    key, k_root = jax.random.split(state.key)
-    root = sample_logits(state.logits, k_root, acc.temperature, acc.top_p)
+    key, k_root, k_accept, k_next = split_rows(state.key, 4)
+    root = jnp.where(state.next_token >= 0, state.next_token,
+                     sample_logits(state.logits, k_root, acc.temperature, acc.top_p))
     D = tree.max_depth
     if D > 0:
         if heads_cfg is None:
@@ -300,16 +436,20 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     logits, hidden, cache = LlamaModel(cfg).apply(
         {"params": params}, tree_tokens, positions, state.cache, jnp.asarray(tree.ancestor_mask))
     B = tree_tokens.shape[0]
+    next_token = jnp.full((B,), -1, jnp.int32)
     if D > 0:
-        best, acc_len = evaluate_posterior(logits, tree_tokens, tree, acc)
+        best, acc_len = evaluate_posterior(logits, tree_tokens, tree, acc, k_accept)
         path_nodes = jnp.asarray(tree.retrieve_indices)[best]                 # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
         cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
         tokens = jnp.take_along_axis(tree_tokens, path_nodes, axis=1)
+        if acc.mode == "exact":
+            next_token = residual_token(logits, tree_tokens, tree, acc, last, k_next)
     else:
         acc_len = jnp.zeros((B,), jnp.int32)
         last = jnp.zeros((B,), jnp.int32)
         tokens = tree_tokens
     rows = jnp.arange(B)
-    new_state = DecodeState(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache, key=key)
+    new_state = DecodeState(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache, key=key,
+                            next_token=next_token)
     return StepOutput(tokens=tokens, num_tokens=acc_len + 1), new_state

@@ -190,7 +190,7 @@ def test_typical_acceptance_matches_formula():
         logits = rng.normal(0, 2, (1, T, Vv)).astype(np.float32)
         tokens = rng.randint(0, Vv, (1, T)).astype(np.int32)
         temp, thr, alpha = [(0.7, 0.09, 0.3), (1.0, 0.2, 0.5), (1.3, 0.05, 0.1)][trial % 3]
-        acc = Acceptance(temperature=temp, posterior_threshold=thr, posterior_alpha=alpha)
+        acc = Acceptance(temperature=temp, posterior_threshold=thr, posterior_alpha=alpha, method="typical")
         best, acc_len = evaluate_posterior(jnp.asarray(logits), jnp.asarray(tokens), tree, acc)
         # numpy reference
         z = logits[0] / temp
@@ -230,14 +230,14 @@ def test_typical_acceptance_at_low_temperature_equals_greedy():
         tokens = np.where(rng.rand(T) < 0.6, pred[tree.parents.clip(0)], rng.randint(0, 30, T))
         tokens = jnp.asarray(tokens[None].astype(np.int32))
         _, g_len = evaluate_posterior(logits, tokens, tree, Acceptance())
-        _, t_len = evaluate_posterior(logits, tokens, tree, Acceptance(temperature=1e-4))
+        _, t_len = evaluate_posterior(logits, tokens, tree, Acceptance(temperature=1e-4, method="typical"))
         assert int(g_len[0]) == int(t_len[0])
 
 
 def test_sampling_with_typical_acceptance_runs_and_is_reproducible(tiny):
     cfg, params, hcfg, hp = tiny
     tree = get_tree("small_8", num_heads=hcfg.num_heads)
-    acc = Acceptance(temperature=0.8)
+    acc = Acceptance(temperature=0.8, method="typical")
     a = generate(cfg, params, PROMPTS[0], max_new_tokens=40, heads=(hcfg, hp), tree=tree, acceptance=acc, seed=3)
     b = generate(cfg, params, PROMPTS[0], max_new_tokens=40, heads=(hcfg, hp), tree=tree, acceptance=acc, seed=3)
     c = generate(cfg, params, PROMPTS[0], max_new_tokens=40, heads=(hcfg, hp), tree=tree, acceptance=acc, seed=4)

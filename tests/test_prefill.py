@@ -9,6 +9,7 @@ import pytest
 
 from medusa_jax.kv_cache import init_cache
 from medusa_jax.models.llama import LlamaModel, blockwise_attention, grouped_query_attention
+from medusa_jax.sampling import row_keys
 
 from conftest import jax_logits, random_tokens, rel_err, tiny_config, tiny_decoding_model
 
@@ -41,7 +42,7 @@ def test_chunked_prefill_equals_one_pass(arch, chunk, kv_block):
     for b, p in enumerate(prompts):
         toks[b, :len(p)] = p
     one = gen.prefill(cfg, params, jnp.asarray(toks), jnp.asarray(LENGTHS, jnp.int32), init_cache(cfg, 2, S),
-                      jax.random.PRNGKey(3))
+                      row_keys(3, 2))
     chunked = gen.start_state(cfg, params, prompts, S, seed=3, chunk_size=chunk, kv_block=kv_block,
                               progress=False)
 

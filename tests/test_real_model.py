@@ -91,3 +91,43 @@ def test_decode_cli_rejects_empty_prompt(capsys):
         decode.main(["--prompt", "   "])
     assert e.value.code == 2
     assert "prompt from --prompt is empty" in capsys.readouterr().err
+
+
+def test_decode_cli_prompts_file_in_input_order(tmp_path, capsys):
+    """--prompts-file: one JSON line per prompt in input order, greedy answers equal to decoding each
+    prompt alone, 'turns' records use the first turn, and a prompt longer than the context gets an
+    error line while the others are answered (exit status 1)."""
+    import decode
+    f = tmp_path / "prompts.jsonl"
+    recs = [{"question_id": 7, "turns": ["What is the capital of France?", "And of Spain?"]},
+            {"prompt": "Name a prime number larger than 10."},
+            {"prompt": "word " * 9000},
+            {"id": "x", "prompt": "Say hello in French."}]
+    f.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
+    rc = decode.main(["--prompts-file", str(f), "--batch-size", "2", "--max-new-tokens", "24", "--no-progress"])
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert rc == 1
+    assert [x["index"] for x in lines] == [0, 1, 2, 3] and [x["id"] for x in lines] == [7, None, None, "x"]
+    assert "context" in lines[2]["error"] and "text" not in lines[2]
+    for x, prompt in zip([lines[0], lines[1], lines[3]], [recs[0]["turns"][0], recs[1]["prompt"], recs[3]["prompt"]]):
+        assert decode.main(["--json", "--max-new-tokens", "24", "--prompt", prompt]) == 0
+        alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert x["text"] == alone["text"] and x["acceptance"] == "greedy" and x["medusa"]
+
+
+def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
+    import decode
+    rc = decode.main(["--json", "--max-new-tokens", "16", "--temperature", "0.7", "--prompt", "Hi!"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["acceptance"] == "exact" and out["new_tokens"] >= 1
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
+    for argv, msg in [(["--batch-size", "2"], "--batch-size goes with --prompts-file"),
+                      (["--acceptance", "greedy", "--temperature", "0.5"], "greedy decodes at temperature 0"),
+                      (["--acceptance", "typical"], "give a --temperature > 0"),
+                      (["--prompts-file", str(bad)], "line 2: needs a 'prompt' string"),
+                      (["--prompts-file", str(tmp_path / "missing.jsonl")], "No such file")]:
+        with pytest.raises(SystemExit) as e:
+            decode.main(argv)
+        assert e.value.code == 2
+        assert msg in capsys.readouterr().err, argv

@@ -125,7 +125,8 @@ def _insert_row_fn():
         cache = KVCache(k=c.k.at[:, b].set(r.k[:, 0]), v=c.v.at[:, b].set(r.v[:, 0]),
                         lengths=c.lengths.at[b].set(r.lengths[0]))
         return DecodeState(logits=state.logits.at[b].set(row.logits[0]),
-                           hidden=state.hidden.at[b].set(row.hidden[0]), cache=cache, key=state.key)
+                           hidden=state.hidden.at[b].set(row.hidden[0]), cache=cache, key=state.key,
+                           next_token=state.next_token.at[b].set(row.next_token[0]))
 
     return jax.jit(insert, donate_argnums=(0,))
 
@@ -154,10 +155,12 @@ def _empty_state(cfg, batch: int, size: int, seed: int):
     import jax.numpy as jnp
 
     from ..kv_cache import init_cache
+    from ..sampling import row_keys
     from ..verify import DecodeState
     return DecodeState(logits=jnp.zeros((batch, cfg.vocab_size), jnp.float32),
                        hidden=jnp.zeros((batch, cfg.hidden_size), jnp.float32),
-                       cache=init_cache(cfg, batch, size), key=jax.random.PRNGKey(seed))
+                       cache=init_cache(cfg, batch, size), key=row_keys(seed, batch),
+                       next_token=jnp.full((batch,), -1, jnp.int32))
 
 
 def _prefill_one(cfg, params, prompt: Sequence[int], size: int, pad_multiple: int = 64):
@@ -166,11 +169,12 @@ def _prefill_one(cfg, params, prompt: Sequence[int], size: int, pad_multiple: in
 
     from ..generate import prefill
     from ..kv_cache import init_cache
+    from ..sampling import row_keys
     Tp = min(-(-len(prompt) // pad_multiple) * pad_multiple, size)
     toks = np.zeros((1, Tp), np.int32)
     toks[0, :len(prompt)] = prompt
     return prefill(cfg, params, jnp.asarray(toks), jnp.asarray([len(prompt)], jnp.int32),
-                   init_cache(cfg, 1, size), jax.random.PRNGKey(0))
+                   init_cache(cfg, 1, size), row_keys(0, 1))
 
 
 def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], out_dir: str, *,

@@ -1,0 +1,79 @@
+"""Continuous batching (`generate_batch`): every prompt's output equals its own batch-1 output,
+whatever the batch size, with rows refilled as they finish and the cache growing on the way."""
+import jax
+import numpy as np
+import pytest
+
+from medusa_jax.config import MedusaConfig
+from medusa_jax.generate import generate, generate_batch
+from medusa_jax.heads import init_heads
+from medusa_jax.models.llama import lm_head_matrix
+from medusa_jax.tree import get_tree
+from medusa_jax.verify import Acceptance
+
+from conftest import tiny_decoding_model
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+V = 64
+PROMPTS = [[1, 5, 9, 3, 7], [4, 4, 2, 8, 19, 33, 2, 6, 11, 60, 3], [12], [7, 7, 1], list(range(3, 40)),
+           [30, 2], [9, 8, 7, 6, 5]]
+EOS = (63,)  # ends the rows after 29 to 150 tokens: rows finish at different times
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = tiny_decoding_model(V)
+    hcfg = MedusaConfig(hidden_size=32, vocab_size=V, num_heads=3, num_layers=1, shared_lm_head=True)
+    hp = init_heads(hcfg, lm_head_matrix(cfg, params))
+    keys = jax.random.split(jax.random.PRNGKey(1), len(hp))
+    hp = {k: jax.random.normal(kk, a.shape) * 0.5 for kk, (k, a) in zip(keys, sorted(hp.items()))}
+    return cfg, params, (hcfg, hp), get_tree("small_8", num_heads=3)
+
+
+def run_batch(cfg, params, batch_size, **kw):
+    gen = generate_batch(cfg, params, PROMPTS, batch_size=batch_size, eos_token_ids=EOS, progress=False, **kw)
+    results = {}
+    while True:
+        try:
+            i, res = next(gen)
+        except StopIteration as stop:
+            return results, stop.value
+        assert i not in results
+        results[i] = res
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 16])
+def test_batch_rows_equal_batch_one(tiny, batch_size):
+    cfg, params, heads, tree = tiny
+    for h, tr in ((None, None), (heads, tree)):
+        results, stats = run_batch(cfg, params, batch_size, heads=h, tree=tr, max_new_tokens=150)
+        assert sorted(results) == list(range(len(PROMPTS)))
+        for i, p in enumerate(PROMPTS):
+            ref = generate(cfg, params, p, max_new_tokens=150, eos_token_ids=EOS, progress=False)
+            assert results[i].tokens == ref.tokens, (batch_size, i, h is None)
+            assert results[i].stop_reason == ref.stop_reason
+        if h is not None:
+            assert stats.hist[1:].sum() > 0  # candidates were accepted
+        assert max(stats.cache_sizes) > 128 > 0  # 37-token prompt + 150 new tokens: the cache grew
+        assert sum(r.steps for r in results.values()) == stats.hist.sum()
+
+
+def test_batch_sampling_rows_equal_batch_one(tiny):
+    cfg, params, heads, tree = tiny
+    acc = Acceptance(temperature=0.9)
+    results, _ = run_batch(cfg, params, 3, heads=heads, tree=tree, max_new_tokens=30, acceptance=acc, seed=5)
+    for i, p in enumerate(PROMPTS):
+        ref = generate(cfg, params, p, max_new_tokens=30, eos_token_ids=EOS, heads=heads, tree=tree,
+                       acceptance=acc, seed=5 + i, progress=False)
+        assert results[i].tokens == ref.tokens
+
+
+def test_batch_arguments_are_checked(tiny):
+    cfg, params, _, _ = tiny
+    with pytest.raises(ValueError, match="batch_size must be >= 1"):
+        generate_batch(cfg, params, PROMPTS, batch_size=0)
+    with pytest.raises(ValueError, match="empty prompt"):
+        generate_batch(cfg, params, [[1], []])
+    with pytest.raises(ValueError, match="seeds must be in"):
+        generate_batch(cfg, params, [[1]], seed=-1)

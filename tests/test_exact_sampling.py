@@ -1,0 +1,193 @@
+"""Exact (lossless) tree sampling: the first three emitted tokens of Medusa decoding with exact
+acceptance follow plain ancestral sampling's joint distribution, for several trees, temperatures
+0.7 and 1.0, top-p 0.9 and both head types; broken variants fail the same test.
+
+The reference distribution is computed exactly (8 + 64 forwards of a V = 8 model), and the Medusa
+samples (one batch row each, per-row keys, fixed seeds: deterministic) are compared with it by a
+chi-square goodness-of-fit test over the 512 outcomes, pooling the cells expected to hold fewer
+than 5 samples. The test passes at p > 0.001.
+"""
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from scipy.stats import chi2
+
+from medusa_jax import verify
+from medusa_jax.config import MedusaConfig
+from medusa_jax.generate import _decoding_setup, generate, generate_device, start_state
+from medusa_jax.heads import init_heads
+from medusa_jax.models.llama import LlamaModel, lm_head_matrix
+from medusa_jax.sampling import filtered_logits
+from medusa_jax.tree import build_tree
+from medusa_jax.verify import Acceptance
+
+from conftest import tiny_decoding_model
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+V = 8
+PROMPT = [1, 5, 3]
+N = 12000        # samples per configuration
+P_MIN = 1e-3     # chi-square p-value below which the distributions differ
+
+# rank paths (medusa_choices); siblings at every depth, nodes with 2-3 children
+TREE_A = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)], topk=3)
+TREE_B = build_tree([(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)], topk=4)
+
+
+def random_heads(cfg, params, head_type, seed=1):
+    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=V, num_heads=3, num_layers=1, shared_lm_head=True,
+                        head_type=head_type)
+    hp = init_heads(hcfg, lm_head_matrix(cfg, params))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(hp))
+    return hcfg, {k: jax.random.normal(kk, a.shape) * 0.5 for kk, (k, a) in zip(keys, sorted(hp.items()))}
+
+
+@pytest.fixture(scope="module")
+def model():
+    """(cfg, params, next-token logits after the prompt and each continuation of 1 and 2 tokens:
+    [V], [V, V], [V, V, V] float32)."""
+    cfg, params = tiny_decoding_model(V)
+
+    def last_logits(seqs):
+        toks = jnp.asarray([PROMPT + list(s) for s in seqs], jnp.int32)
+        pos = jnp.broadcast_to(jnp.arange(toks.shape[1]), toks.shape)
+        return LlamaModel(cfg).apply({"params": params}, toks, pos)[0][:, -1]
+
+    logits = (last_logits([()])[0], last_logits([(a,) for a in range(V)]),
+              last_logits([(a, b) for a in range(V) for b in range(V)]).reshape(V, V, V))
+    return cfg, params, logits
+
+
+def reference(logits, acc: Acceptance) -> np.ndarray:
+    """[V, V, V] float64: plain ancestral sampling's probability of each first three tokens, exactly."""
+    p1, p2, p3 = (np.asarray(jax.nn.softmax(filtered_logits(lg, acc.temperature, acc.top_p), -1), np.float64)
+                  for lg in logits)
+    joint = p1[:, None, None] * p2[:, :, None] * p3
+    return joint / joint.sum()
+
+
+def chi_square_p(samples: np.ndarray, expected: np.ndarray) -> float:
+    """p-value of `samples` [n, 3] (token triples) against `expected` [V, V, V] probabilities."""
+    counts = np.bincount(samples[:, 0] * V * V + samples[:, 1] * V + samples[:, 2], minlength=V ** 3)
+    exp = expected.reshape(-1) * len(samples)
+    small = exp < 5
+    obs_c = np.append(counts[~small], counts[small].sum())
+    exp_c = np.append(exp[~small], exp[small].sum())
+    keep = exp_c > 0
+    assert np.all(obs_c[~keep] == 0), "a sample has probability 0 under plain sampling"
+    stat = float(np.sum((obs_c[keep] - exp_c[keep]) ** 2 / exp_c[keep]))
+    return float(chi2.sf(stat, keep.sum() - 1))
+
+
+def medusa_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
+    """First three tokens of N independent rows of exact Medusa sampling (`generate_device`)."""
+    r = generate_device(cfg, params, [PROMPT] * N, max_new_tokens=3, heads=heads, tree=tree, acceptance=acc,
+                        seed=seed, cache_size=32, progress=False)
+    assert np.all(r.count == 3)
+    assert r.hist[1:].sum() > 0, "no candidate was ever accepted: the test would not exercise the tree"
+    return r.tokens
+
+
+def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
+    """As `medusa_samples`, through a freshly traced `verify.medusa_step` (so that a monkeypatched
+    `verify` function is the one that runs)."""
+    p, hcfg, hp, tr = _decoding_setup(cfg, params, heads, tree)
+    state = start_state(cfg, p, [PROMPT] * N, 32, seed, progress=False)
+    step = jax.jit(functools.partial(verify.medusa_step, cfg, hcfg, tr, acc))
+    out = [[] for _ in range(N)]
+    while min(len(o) for o in out) < 3:
+        o, state = step(p, hp, state)
+        toks, n = np.asarray(o.tokens), np.asarray(o.num_tokens)
+        for b in range(N):
+            out[b].extend(toks[b, :n[b]].tolist())
+    return np.asarray([o[:3] for o in out])
+
+
+CASES = [("medusa", "A", 0.7, 1.0), ("medusa", "B", 1.0, 1.0), ("medusa", "A", 1.0, 0.9),
+         ("medusa", "B", 0.7, 0.9), ("hydra", "A", 1.0, 1.0), ("hydra", "B", 0.7, 0.9)]
+
+
+@pytest.mark.parametrize("head_type,tree_name,temperature,top_p", CASES)
+def test_exact_sampling_matches_plain_sampling(model, head_type, tree_name, temperature, top_p):
+    cfg, params, logits = model
+    acc = Acceptance(temperature=temperature, top_p=top_p, method="exact")
+    tree = {"A": TREE_A, "B": TREE_B}[tree_name]
+    samples = medusa_samples(cfg, params, random_heads(cfg, params, head_type), tree, acc)
+    p = chi_square_p(samples, reference(logits, acc))
+    assert p > P_MIN, f"exact Medusa sampling differs from plain sampling (chi-square p = {p:.2g})"
+
+
+def test_plain_sampling_passes_the_same_test(model):
+    """The test's own calibration: plain sampling (no heads) against the exact reference."""
+    cfg, params, logits = model
+    acc = Acceptance(temperature=1.0)
+    r = generate_device(cfg, params, [PROMPT] * N, max_new_tokens=3, acceptance=acc, seed=7, cache_size=32,
+                        progress=False)
+    assert chi_square_p(r.tokens, reference(logits, acc)) > P_MIN
+
+
+def test_patched_path_reproduces_generate_device(model):
+    """`patched_samples` (used for the broken variants below) runs the same computation."""
+    cfg, params, logits = model
+    acc = Acceptance(temperature=1.0)
+    heads = random_heads(cfg, params, "medusa")
+    np.testing.assert_array_equal(patched_samples(cfg, params, heads, TREE_B, acc),
+                                  medusa_samples(cfg, params, heads, TREE_B, acc))
+
+
+def _no_renormalisation(p, prior):
+    return p
+
+
+def _bonus_from_full_distribution(logits, tree_tokens, tree, acc, last, key):
+    """The next token from the last node's whole distribution: the rejected children not removed."""
+    from medusa_jax.sampling import categorical_rows
+    dist = filtered_logits(logits[jnp.arange(logits.shape[0]), last], acc.temperature, acc.top_p)
+    return categorical_rows(key, dist)
+
+
+@pytest.mark.parametrize("name,broken", [("sibling_acceptance", _no_renormalisation),
+                                         ("residual_token", _bonus_from_full_distribution)])
+def test_broken_variants_fail_the_test(model, monkeypatch, name, broken):
+    """No renormalisation after a rejected sibling, or a next token drawn without removing the
+    rejected candidates: each visibly changes the distribution, and the test must say so."""
+    cfg, params, logits = model
+    acc = Acceptance(temperature=1.0)
+    heads = random_heads(cfg, params, "medusa")
+    expected = reference(logits, acc)
+    monkeypatch.setattr(verify, name, broken)
+    p = chi_square_p(patched_samples(cfg, params, heads, TREE_B, acc), expected)
+    assert p < P_MIN, f"the broken variant ({name}) passed the test (p = {p:.2g})"
+
+
+def test_exact_rows_do_not_depend_on_the_batch(model):
+    """Per-row keys: a prompt's sampled output is the same alone (seed s) and as row b of a batch
+    whose seed is s - b, with exact and typical acceptance."""
+    cfg, params, logits = model
+    heads = random_heads(cfg, params, "medusa")
+    prompts = [PROMPT, [4, 4, 2, 6], [7]]
+    for method in ("exact", "typical"):
+        acc = Acceptance(temperature=0.8, method=method)
+        batch = generate_device(cfg, params, prompts, max_new_tokens=12, heads=heads, tree=TREE_A, acceptance=acc,
+                                seed=10, progress=False)
+        for b, pr in enumerate(prompts):
+            one = generate(cfg, params, pr, max_new_tokens=12, heads=heads, tree=TREE_A, acceptance=acc,
+                           seed=10 + b, progress=False)
+            assert batch.tokens[b, :batch.count[b]].tolist() == one.tokens
+
+
+def test_acceptance_settings_are_checked(model):
+    cfg, params, logits = model
+    with pytest.raises(ValueError, match="greedy acceptance decodes at temperature 0"):
+        generate(cfg, params, PROMPT, max_new_tokens=2, acceptance=Acceptance(temperature=0.5, method="greedy"))
+    with pytest.raises(ValueError, match="not one of greedy, typical, exact"):
+        generate(cfg, params, PROMPT, max_new_tokens=2, acceptance=Acceptance(temperature=0.5, method="speculative"))
+    with pytest.raises(ValueError, match="one int per prompt"):
+        generate_device(cfg, params, [PROMPT, PROMPT], max_new_tokens=2, seed=[1, 2, 3])
+    with pytest.raises(ValueError, match="needs a key|per-row PRNG keys"):
+        verify.evaluate_posterior(jnp.zeros((1, TREE_A.size, V)), jnp.zeros((1, TREE_A.size), jnp.int32), TREE_A,
+                                  Acceptance(temperature=1.0))
