@@ -253,11 +253,21 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
         gen = mj.generate_batch(model.cfg, model.params, [ids[i] for i in order], batch_size=args.batch_size,
                                 heads=heads, tree=tree, max_new_tokens=args.max_new_tokens, acceptance=acc,
                                 seed=[args.seed + i for i in order], progress=progress)
-        for j, result in gen:
+        tokens = steps = 0
+        while True:
+            try:
+                j, result = next(gen)
+            except StopIteration as stop:
+                wall = stop.value.wall_s
+                break
             i = order[j]
             lines[i] = {"index": i, "id": recs[i]["id"],
                         **result_stats(result, ids[i], model, heads, tree, args.acceptance)}
+            tokens, steps = tokens + len(result.tokens), steps + result.steps
             flush()
+        print(f"[{len(order)} prompts, batch size {args.batch_size}: {tokens} tokens in {wall:.2f}s, "
+              f"{tokens / max(wall, 1e-9):.1f} tok/s with the prefills, {tokens / max(steps, 1):.2f} tokens/step]",
+              file=sys.stderr)
     flush()
     return 1 if len(ids) < len(recs) else 0
 

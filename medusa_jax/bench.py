@@ -35,6 +35,16 @@ processes used meanwhile): on calls with the machine otherwise idle, 24.4 tok/s 
 work therefore understates transformers and overstates plain / transformers; the 2.29x of an
 earlier run, which did not reproduce (docs/performance.md), fits that.
 
+Sampling (``--temperature > 0``): plain sampling against Medusa sampling (``--acceptance exact``,
+the default, or ``typical``), prompt i with seed ``--seed + i``; outputs are not compared (the two
+draw different random numbers), and the figures are tokens/s and tokens per step.
+
+Batches (``--batch-size 4,16``): after the batch-1 runs, plain and Medusa each decode all prompts
+through `generate_batch` (continuous batching) at every listed size, after an untimed warm-up on
+the first prompts. Throughput there is total new tokens / total wall seconds with prefills
+included (at batch 1: each prompt's prefill plus decode seconds), and greedy rows must equal plain
+greedy's batch-1 output (near-tie rule as in check; any other difference fails the run).
+
 Reported per category and overall: tokens/s of each decoder, the speedups (Medusa / plain, plain /
 transformers), tokens per step and the acceptance rate per depth (the fraction of steps that
 accepted at least d candidates). Writes ``results.json`` (with the run's conditions: torch threads,
@@ -269,17 +279,22 @@ def batched(cfg, params, heads, tree, prompts: List[List[int]], reference: List[
     """Plain and Medusa over all prompts at `batch_size` (`time_batch_generate`), against the batch-1
     runs in `rows`: throughput, prefill included on both sides (batch 1: the sum of each prompt's
     prefill and decode seconds), tokens per step, and with `greedy` every row compared with the
-    batch-1 plain greedy output `reference` (`check.compare`, near-tie rule)."""
+    batch-1 plain greedy output `reference` (`check.compare`, near-tie rule). Each decoder first
+    runs untimed on the first `batch_size` prompts."""
     from .check import compare
 
     out: dict = {"batch_size": batch_size}
     for name, h, tr in (("plain", None, None), ("medusa", heads, tree)):
+        # untimed warm-up on the first batch_size prompts: the first run of an executable costs extra
+        time_batch_generate(cfg, params, h, tr, prompts[:batch_size], batch_size, max_new_tokens, eos,
+                            acceptance[name], seed)
         r = time_batch_generate(cfg, params, h, tr, prompts, batch_size, max_new_tokens, eos, acceptance[name], seed)
         tok = sum(len(t) for t in r["tokens"])
         one_tok = sum(row["new_tokens"] if name == "plain" else row["medusa_new_tokens"] for row in rows)
         one_s = sum(row[f"{name}_s"] + row[f"{name}_prefill_s"] for row in rows)
+        one_steps = sum(row["medusa_steps"] for row in rows) if name == "medusa" else one_tok
         d = {"tokens": tok, "seconds": r["seconds"], "tok_s": tok / r["seconds"], "batch1_tok_s": one_tok / one_s,
-             "tokens_per_step": tok / max(sum(r["steps"]), 1)}
+             "batch1_tokens_per_step": one_tok / max(one_steps, 1), "tokens_per_step": tok / max(sum(r["steps"]), 1)}
         if greedy:
             cs = [compare(cfg, params, ids, ref, t) for ids, ref, t in zip(prompts, reference, r["tokens"])]
             d.update(identical=sum(c.identical for c in cs), near_ties=sum(c.near_tie for c in cs),
@@ -288,18 +303,21 @@ def batched(cfg, params, heads, tree, prompts: List[List[int]], reference: List[
     return out
 
 
-def batch_table(batch: dict) -> str:
-    """`batched`'s figures as a markdown table."""
-    n = batch["batch_size"]
-    lines = [f"| decoder | batch 1 tok/s | batch {n} tok/s | batch {n} / batch 1 | tokens/step (batch {n}) |",
-             "|---|---|---|---|---|"]
+def batch_table(batches: List[dict]) -> str:
+    """`batched`'s figures (one dict per batch size) as a markdown table, batch 1 first."""
+    lines = ["| decoder | batch | tok/s (prefill included) | vs batch 1 | tokens/step |", "|---|---|---|---|---|"]
     for name in ("plain", "medusa"):
-        b = batch[name]
-        lines.append(f"| {name} | {b['batch1_tok_s']:.1f} | {b['tok_s']:.1f} | {b['tok_s'] / b['batch1_tok_s']:.2f}x | "
-                     f"{b['tokens_per_step']:.2f} |")
-    lines.append(f"\nthroughput: total new tokens / total seconds, prefill included; Medusa / plain at batch {n}: "
-                 f"{batch['medusa']['tok_s'] / batch['plain']['tok_s']:.2f}x")
-    return "\n".join(lines) + "\n"
+        one = batches[0][name]["batch1_tok_s"]
+        one_tps = batches[0][name].get("batch1_tokens_per_step")
+        lines.append(f"| {name} | 1 | {one:.1f} | 1.00x | " + (f"{one_tps:.2f} |" if one_tps else "1.00 |"))
+        for b in batches:
+            d = b[name]
+            lines.append(f"| {name} | {b['batch_size']} | {d['tok_s']:.1f} | {d['tok_s'] / one:.2f}x | "
+                         f"{d['tokens_per_step']:.2f} |")
+    ratios = [f"batch 1 {batches[0]['medusa']['batch1_tok_s'] / batches[0]['plain']['batch1_tok_s']:.2f}x"]
+    ratios += [f"batch {b['batch_size']} {b['medusa']['tok_s'] / b['plain']['tok_s']:.2f}x" for b in batches]
+    return "\n".join(lines) + ("\n\nthroughput: total new tokens / total seconds, prefill included; Medusa / plain: "
+                               + ", ".join(ratios) + "\n")
 
 
 def plot(summary: Dict[str, dict], path: str) -> None:
@@ -355,16 +373,22 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default=None, help=runtime.heads_help())
     p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
-    p.add_argument("--batch-size", type=int, default=1,
-                   help="> 1: also decode all prompts N at a time (continuous batching, `generate_batch`), plain and "
-                        "Medusa, and report throughput (tokens/s, prefill included) against batch 1; greedy rows "
-                        "must equal plain greedy's batch-1 output (near-tie rule as in check)")
+    p.add_argument("--batch-size", default="1", metavar="N[,N...]",
+                   help="batch sizes > 1 (comma-separated): also decode all prompts N at a time (continuous batching, "
+                        "`generate_batch`), plain and Medusa, and report throughput (tokens/s, prefill included) "
+                        "against batch 1; greedy rows must equal plain greedy's batch-1 output (near-tie rule as in "
+                        "check)")
     runtime.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
                                                     "sampling against Medusa sampling (no comparison of outputs)")
     args = p.parse_args(argv)
     acc = runtime.acceptance_from_args(p, args)
-    if args.batch_size < 1:
-        p.error(f"--batch-size must be >= 1, got {args.batch_size}")
+    try:
+        batch_sizes = [int(x) for x in args.batch_size.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--batch-size takes integers separated by commas, got {args.batch_size!r}")
+    if not batch_sizes or min(batch_sizes) < 1:
+        p.error(f"--batch-size sizes must be >= 1, got {args.batch_size!r}")
+    batch_sizes = sorted(set(n for n in batch_sizes if n > 1))
     if args.hf and acc.mode != "greedy":
         p.error("--hf times transformers' greedy generate: use it at --temperature 0")
     greedy = acc.mode == "greedy"
@@ -432,10 +456,8 @@ def main(argv=None) -> int:
                        hf_prefill_s=hf["prefill_s"], hf_identical=h.identical, hf_first_diff=h.first_diff,
                        hf_gap=h.gap)
         rows.append(row)
-    batch = None
-    if args.batch_size > 1:
-        batch = batched(cfg, params, heads, tree, prompts, plain_outputs, rows, args.batch_size, args.max_new_tokens,
-                        eos, {"plain": plain_acc, "medusa": acc}, args.seed, greedy)
+    batches = [batched(cfg, params, heads, tree, prompts, plain_outputs, rows, n, args.max_new_tokens, eos,
+                       {"plain": plain_acc, "medusa": acc}, args.seed, greedy) for n in batch_sizes]
     conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary = summarize(rows, tree.max_depth)
     predicted = runtime.predicted_tokens_per_step(tree, runtime.heads_calibration(args.heads))
@@ -452,15 +474,15 @@ def main(argv=None) -> int:
                         f"{args.torch_threads} torch thread(s), {conditions['cpu_cores']} cores")
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"summary": summary, "batch": batch, "acceptance": acc._asdict(),
+        json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
                    "tree": [list(c) for c in tree.medusa_choices],
                    "predicted_tokens_per_step": predicted, "conditions": conditions, "rows": rows}, f, indent=1)
     table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
     if not greedy:
         table += (f"sampling at temperature {acc.temperature}, top-p {acc.top_p}: plain sampling against Medusa with "
                   f"{acc.mode} acceptance (outputs are not compared)\n")
-    if batch is not None:
-        table += "\n" + batch_table(batch)
+    if batches:
+        table += "\n" + batch_table(batches)
     with open(os.path.join(args.out, "results.md"), "w") as f:
         f.write(table)
     plot(summary, os.path.join(args.out, "speed.png"))
@@ -469,11 +491,11 @@ def main(argv=None) -> int:
     if greedy:
         print(f"identical {sum(r['identical'] for r in rows)}/{len(rows)}, near-ties "
               f"{sum(r['near_tie'] for r in rows)}, other differences {bugs}")
-    if batch is not None and greedy:
+    for batch in batches if greedy else []:
         for name in ("plain", "medusa"):
             b = batch[name]
             bugs += b["other_differences"]
-            print(f"batch {args.batch_size} {name}: identical to plain greedy at batch 1 {b['identical']}/{len(rows)}, "
+            print(f"batch {batch['batch_size']} {name}: identical to plain greedy at batch 1 {b['identical']}/{len(rows)}, "
                   f"near-ties {b['near_ties']}, other differences {b['other_differences']}")
     if hf_model is not None:
         diffs = [f"{r['id']} at token {r['hf_first_diff']} (top-2 gap "

@@ -651,15 +651,21 @@ def init_carry(state: DecodeState, max_new_tokens: int, depth: int) -> tuple:
             jnp.int32(0), jnp.zeros((depth + 1,), jnp.int32), jnp.zeros((B,), jnp.int32))
 
 
-def _insert_row(carry: tuple, row: DecodeState, b: jax.Array) -> tuple:
-    """`carry` with row b replaced by the B = 1 prefilled `row` (same cache size), nothing emitted."""
-    st, out, count, done, steps, hist, row_steps = carry
-    c, r = st.cache, row.cache
+def put_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
+    """`state` ([B] rows) with row b replaced by the B = 1 `row` (same cache size S): its cache,
+    logits, hidden state, key and next token. Pure; jit it with `state` donated to update in place."""
+    c, r = state.cache, row.cache
     cache = KVCache(k=c.k.at[:, b].set(r.k[:, 0]), v=c.v.at[:, b].set(r.v[:, 0]),
                     lengths=c.lengths.at[b].set(r.lengths[0]))
-    st = DecodeState(logits=st.logits.at[b].set(row.logits[0]), hidden=st.hidden.at[b].set(row.hidden[0]),
-                     cache=cache, key=st.key.at[b].set(row.key[0]), next_token=st.next_token.at[b].set(row.next_token[0]))
-    return (st, out, count.at[b].set(0), done.at[b].set(False), steps, hist, row_steps.at[b].set(0))
+    return DecodeState(logits=state.logits.at[b].set(row.logits[0]), hidden=state.hidden.at[b].set(row.hidden[0]),
+                       cache=cache, key=state.key.at[b].set(row.key[0]),
+                       next_token=state.next_token.at[b].set(row.next_token[0]))
+
+
+def _insert_row(carry: tuple, row: DecodeState, b: jax.Array) -> tuple:
+    """`carry` with row b replaced by the B = 1 prefilled `row` (`put_row`), nothing emitted."""
+    st, out, count, done, steps, hist, row_steps = carry
+    return (put_row(st, row, b), out, count.at[b].set(0), done.at[b].set(False), steps, hist, row_steps.at[b].set(0))
 
 
 insert_row = jax.jit(_insert_row, donate_argnums=(0,))

@@ -181,6 +181,21 @@ def tiny_decoding_model(vocab_size: int = 64, seed: int = 0):
     return cfg, jax.tree_util.tree_map(lambda a: a * 3 if a.ndim == 2 else a, params)
 
 
+def random_heads(cfg: ModelConfig, params, num_heads: int = 3, head_type: str = "medusa", scale: float = 0.5,
+                 seed: int = 1):
+    """(MedusaConfig, params): `num_heads` one-block heads sharing the backbone's lm_head, every
+    param drawn from normal(0, scale), so that they propose varied, often wrong candidates."""
+    from medusa_jax.config import MedusaConfig
+    from medusa_jax.heads import init_heads
+    from medusa_jax.models.llama import lm_head_matrix
+
+    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads, num_layers=1,
+                        shared_lm_head=True, head_type=head_type)
+    hp = init_heads(hcfg, lm_head_matrix(cfg, params))
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(hp))
+    return hcfg, {k: jax.random.normal(kk, a.shape) * scale for kk, (k, a) in zip(keys, sorted(hp.items()))}
+
+
 def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None):
     """`python -m medusa_jax.tune` end to end on a tiny tied-embedding HF model saved in
     ``tmp_path/model``, with 3 random heads (topk 5, `head_type`) saved in ``tmp_path/heads``

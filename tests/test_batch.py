@@ -1,17 +1,13 @@
 """Continuous batching (`generate_batch`): every prompt's output equals its own batch-1 output,
 whatever the batch size, with rows refilled as they finish and the cache growing on the way."""
 import jax
-import numpy as np
 import pytest
 
-from medusa_jax.config import MedusaConfig
 from medusa_jax.generate import generate, generate_batch
-from medusa_jax.heads import init_heads
-from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.tree import get_tree
 from medusa_jax.verify import Acceptance
 
-from conftest import tiny_decoding_model
+from conftest import random_heads, tiny_decoding_model
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -24,11 +20,7 @@ EOS = (63,)  # ends the rows after 29 to 150 tokens: rows finish at different ti
 @pytest.fixture(scope="module")
 def tiny():
     cfg, params = tiny_decoding_model(V)
-    hcfg = MedusaConfig(hidden_size=32, vocab_size=V, num_heads=3, num_layers=1, shared_lm_head=True)
-    hp = init_heads(hcfg, lm_head_matrix(cfg, params))
-    keys = jax.random.split(jax.random.PRNGKey(1), len(hp))
-    hp = {k: jax.random.normal(kk, a.shape) * 0.5 for kk, (k, a) in zip(keys, sorted(hp.items()))}
-    return cfg, params, (hcfg, hp), get_tree("small_8", num_heads=3)
+    return cfg, params, random_heads(cfg, params), get_tree("small_8", num_heads=3)
 
 
 def run_batch(cfg, params, batch_size, **kw):

@@ -16,15 +16,13 @@ import pytest
 from scipy.stats import chi2
 
 from medusa_jax import verify
-from medusa_jax.config import MedusaConfig
 from medusa_jax.generate import _decoding_setup, generate, generate_device, start_state
-from medusa_jax.heads import init_heads
-from medusa_jax.models.llama import LlamaModel, lm_head_matrix
+from medusa_jax.models.llama import LlamaModel
 from medusa_jax.sampling import filtered_logits
 from medusa_jax.tree import build_tree
 from medusa_jax.verify import Acceptance
 
-from conftest import tiny_decoding_model
+from conftest import random_heads, tiny_decoding_model
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -36,14 +34,6 @@ P_MIN = 1e-3     # chi-square p-value below which the distributions differ
 # rank paths (medusa_choices); siblings at every depth, nodes with 2-3 children
 TREE_A = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)], topk=3)
 TREE_B = build_tree([(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)], topk=4)
-
-
-def random_heads(cfg, params, head_type, seed=1):
-    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=V, num_heads=3, num_layers=1, shared_lm_head=True,
-                        head_type=head_type)
-    hp = init_heads(hcfg, lm_head_matrix(cfg, params))
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(hp))
-    return hcfg, {k: jax.random.normal(kk, a.shape) * 0.5 for kk, (k, a) in zip(keys, sorted(hp.items()))}
 
 
 @pytest.fixture(scope="module")
@@ -116,7 +106,7 @@ def test_exact_sampling_matches_plain_sampling(model, head_type, tree_name, temp
     cfg, params, logits = model
     acc = Acceptance(temperature=temperature, top_p=top_p, method="exact")
     tree = {"A": TREE_A, "B": TREE_B}[tree_name]
-    samples = medusa_samples(cfg, params, random_heads(cfg, params, head_type), tree, acc)
+    samples = medusa_samples(cfg, params, random_heads(cfg, params, head_type=head_type), tree, acc)
     p = chi_square_p(samples, reference(logits, acc))
     assert p > P_MIN, f"exact Medusa sampling differs from plain sampling (chi-square p = {p:.2g})"
 
@@ -134,7 +124,7 @@ def test_patched_path_reproduces_generate_device(model):
     """`patched_samples` (used for the broken variants below) runs the same computation."""
     cfg, params, logits = model
     acc = Acceptance(temperature=1.0)
-    heads = random_heads(cfg, params, "medusa")
+    heads = random_heads(cfg, params)
     np.testing.assert_array_equal(patched_samples(cfg, params, heads, TREE_B, acc),
                                   medusa_samples(cfg, params, heads, TREE_B, acc))
 
@@ -157,7 +147,7 @@ def test_broken_variants_fail_the_test(model, monkeypatch, name, broken):
     rejected candidates: each visibly changes the distribution, and the test must say so."""
     cfg, params, logits = model
     acc = Acceptance(temperature=1.0)
-    heads = random_heads(cfg, params, "medusa")
+    heads = random_heads(cfg, params)
     expected = reference(logits, acc)
     monkeypatch.setattr(verify, name, broken)
     p = chi_square_p(patched_samples(cfg, params, heads, TREE_B, acc), expected)
@@ -168,7 +158,7 @@ def test_exact_rows_do_not_depend_on_the_batch(model):
     """Per-row keys: a prompt's sampled output is the same alone (seed s) and as row b of a batch
     whose seed is s - b, with exact and typical acceptance."""
     cfg, params, logits = model
-    heads = random_heads(cfg, params, "medusa")
+    heads = random_heads(cfg, params)
     prompts = [PROMPT, [4, 4, 2, 6], [7]]
     for method in ("exact", "typical"):
         acc = Acceptance(temperature=0.8, method=method)

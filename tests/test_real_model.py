@@ -131,3 +131,26 @@ def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
             decode.main(argv)
         assert e.value.code == 2
         assert msg in capsys.readouterr().err, argv
+
+
+def test_bench_batch_rows_equal_batch_one_and_check_samples(tmp_path, capsys):
+    """bench --batch-size 2: every batched row (plain and Medusa) equals plain greedy at batch 1;
+    check --temperature 0.7 reports exact sampling's tokens/step."""
+    from medusa_jax import bench, check
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [t]}) for i, t in
+                                 enumerate(["What is the capital of France?", "Name three fruits.",
+                                            "Write one sentence about the sea."])) + "\n")
+    assert bench.main(["--prompts", str(prompts), "--max-new-tokens", "24", "--batch-size", "2",
+                       "--out", str(tmp_path / "b")]) == 0
+    res = json.load(open(tmp_path / "b" / "results.json"))
+    (b,) = res["batches"]
+    assert b["batch_size"] == 2
+    for name in ("plain", "medusa"):
+        assert b[name]["identical"] + b[name]["near_ties"] == 3 and b[name]["other_differences"] == 0
+        assert b[name]["tokens"] == sum(r["new_tokens"] for r in res["rows"])
+    assert "| medusa | 2 |" in capsys.readouterr().out
+    assert check.main(["--prompts", str(prompts), "--max-new-tokens", "16", "--temperature", "0.7",
+                       "--out", str(tmp_path / "c.json")]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert summary["acceptance"] == "exact" and summary["prompts"] == 3 and summary["mean_tokens_per_step"] >= 1

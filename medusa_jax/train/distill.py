@@ -117,16 +117,10 @@ def read_samples(path: str, repair: bool = True) -> Dict[str, dict]:
 def _insert_row_fn():
     import jax
 
-    from ..kv_cache import KVCache
-    from ..verify import DecodeState
+    from ..generate import put_row
 
-    def insert(state, row, b):
-        c, r = state.cache, row.cache
-        cache = KVCache(k=c.k.at[:, b].set(r.k[:, 0]), v=c.v.at[:, b].set(r.v[:, 0]),
-                        lengths=c.lengths.at[b].set(r.lengths[0]))
-        return DecodeState(logits=state.logits.at[b].set(row.logits[0]),
-                           hidden=state.hidden.at[b].set(row.hidden[0]), cache=cache, key=state.key,
-                           next_token=state.next_token.at[b].set(row.next_token[0]))
+    def insert(state, row, b):  # the row keeps drawing from its own key
+        return put_row(state, row.replace(key=state.key[b][None]), b)
 
     return jax.jit(insert, donate_argnums=(0,))
 
@@ -151,7 +145,6 @@ def _reset_row_fn():
 
 
 def _empty_state(cfg, batch: int, size: int, seed: int):
-    import jax
     import jax.numpy as jnp
 
     from ..kv_cache import init_cache
@@ -164,7 +157,6 @@ def _empty_state(cfg, batch: int, size: int, seed: int):
 
 
 def _prefill_one(cfg, params, prompt: Sequence[int], size: int, pad_multiple: int = 64):
-    import jax
     import jax.numpy as jnp
 
     from ..generate import prefill
