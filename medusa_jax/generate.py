@@ -768,7 +768,10 @@ def generate_batch(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *
     the next prompt into it (the other rows wait for that prefill) and starts the loop again. The
     cache starts just big enough and doubles when the tree no longer fits, up to `cache_size`, as
     in `generate_device`; a row's output does not depend on the batch it ran in (greedy: up to
-    float32 round-off; sampling: prompt i always draws with PRNGKey(seed + i)).
+    float32 round-off; sampling: prompt i always draws with PRNGKey(seed + i)), except that near a
+    full cache (`cache_size`, or the model's context, below prompt + max_new_tokens + tree) the
+    whole batch falls back to plain steps together, so a sampled row's draws there can differ from
+    its batch-1 run (its distribution does not).
 
     Args:
       prompts: N token-id lists (chat template applied), N >= 1.

@@ -3,7 +3,7 @@ whatever the batch size, with rows refilled as they finish and the cache growing
 import jax
 import pytest
 
-from medusa_jax.generate import generate, generate_batch
+from medusa_jax.generate import generate, generate_batch, generate_device
 from medusa_jax.tree import get_tree
 from medusa_jax.verify import Acceptance
 
@@ -69,3 +69,23 @@ def test_batch_arguments_are_checked(tiny):
         generate_batch(cfg, params, [[1], []])
     with pytest.raises(ValueError, match="seeds must be in"):
         generate_batch(cfg, params, [[1]], seed=-1)
+
+
+def test_exact_sampling_up_to_a_full_cache(tiny):
+    """Near the cache's end the tree no longer fits and steps fall back to plain ones, which must
+    take over the root an exact step drew: the streaming and on-device paths agree. In a batch the
+    fallback is batch-wide (one static tree per step), so there a sampled row may draw differently
+    from its batch-1 run near a full cache; greedy rows still equal batch 1."""
+    cfg, params, heads, tree = tiny
+    acc = Acceptance(temperature=1.0)
+    for i, p in enumerate(PROMPTS[:3]):
+        kw = dict(max_new_tokens=60, heads=heads, tree=tree, acceptance=acc, cache_size=40, progress=False)
+        one = generate(cfg, params, p, seed=3 + i, **kw)
+        dev = generate_device(cfg, params, [p], seed=3 + i, **kw)
+        assert one.stop_reason == "cache_full" and len(p) + len(one.tokens) == 40
+        assert dev.tokens[0, :dev.count[0]].tolist() == one.tokens
+    results, _ = run_batch(cfg, params, 2, max_new_tokens=60, heads=heads, tree=tree, cache_size=40)
+    for i, p in enumerate(PROMPTS):
+        ref = generate(cfg, params, p, max_new_tokens=60, heads=heads, tree=tree, cache_size=40, eos_token_ids=EOS,
+                       progress=False)
+        assert results[i].tokens == ref.tokens and results[i].stop_reason == ref.stop_reason
