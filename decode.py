@@ -49,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3) or a JSON/YAML file of "
                         "medusa_choices; default: the tree saved with the heads")
     p.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (per prompt)")
+    runtime.add_dtype_arg(p)
     runtime.add_acceptance_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (text, new_tokens, steps, mean_accepted, "
@@ -86,42 +87,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def read_prompts_file(path: str) -> list:
-    """Records {"index", "id", "prompt"} from a JSONL file: one object per line with a "prompt"
-    string, or MT-bench / Spec-Bench questions with "turns" (the first turn); blank lines skipped.
+    """Records {"index", "id", "category", "prompt"} of a JSONL prompts file
+    (`medusa_jax.check.load_first_turns`). Raises ValueError naming the file and line."""
+    from medusa_jax.check import load_first_turns
 
-    Raises ValueError naming the file and line for a line that is not such an object, an empty
-    prompt, or a file without prompts; OSError for an unreadable file.
-    """
-    out = []
     try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.readlines()
-    except OSError as e:
-        raise ValueError(f"--prompts-file {path}: {e.strerror}") from e
-    except UnicodeDecodeError as e:
-        raise ValueError(f"--prompts-file {path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
-    for n, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        where = f"--prompts-file {path}, line {n}"
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{where}: not JSON ({e.msg})") from e
-        if not isinstance(rec, dict):
-            raise ValueError(f"{where}: expected a JSON object with a 'prompt' string, got {type(rec).__name__}")
-        if isinstance(rec.get("prompt"), str):
-            text = rec["prompt"]
-        elif isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
-            text = rec["turns"][0]
-        else:
-            raise ValueError(f"{where}: needs a 'prompt' string (or a 'turns' list of strings)")
-        if not text.strip():
-            raise ValueError(f"{where}: the prompt is empty")
-        out.append({"index": len(out), "id": rec.get("question_id", rec.get("id")), "prompt": text})
-    if not out:
-        raise ValueError(f"--prompts-file {path}: no prompts in the file")
-    return out
+        return load_first_turns(path)
+    except ValueError as e:
+        raise ValueError(f"--prompts-file {e}") from e
 
 
 def read_prompt(prompt, prompt_file, stdin=None) -> str:
@@ -161,7 +134,7 @@ def main(argv=None) -> int:
     runtime.enable_compilation_cache()
     progress = not (args.json or args.no_progress)
     try:
-        model = mj.load_model(args.model, progress=progress)
+        model = mj.load_model(args.model, dtype=args.dtype, progress=progress)
         heads, tree, heads_note = mj.resolve_heads(model, None if args.no_medusa else args.heads,
                                                     args.tree, use_medusa=not args.no_medusa)
     except (FileNotFoundError, ValueError) as e:
@@ -224,6 +197,7 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
     context gets a line with an "error" field instead; the others are still answered.
     Returns the exit status: 0, or 1 when some prompt had an error."""
     import medusa_jax as mj
+    from medusa_jax.sampling import prompt_seed
 
     recs = args.records
     ids, lines = {}, {}
@@ -252,7 +226,7 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
     if order:
         gen = mj.generate_batch(model.cfg, model.params, [ids[i] for i in order], batch_size=args.batch_size,
                                 heads=heads, tree=tree, max_new_tokens=args.max_new_tokens, acceptance=acc,
-                                seed=[args.seed + i for i in order], progress=progress)
+                                seed=[prompt_seed(args.seed, i) for i in order], progress=progress)
         tokens = steps = 0
         while True:
             try:
@@ -265,7 +239,7 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
                         **result_stats(result, ids[i], model, heads, tree, args.acceptance)}
             tokens, steps = tokens + len(result.tokens), steps + result.steps
             flush()
-        print(f"[{len(order)} prompts, batch size {args.batch_size}: {tokens} tokens in {wall:.2f}s, "
+        print(f"[{len(order)} prompts, batch size {min(args.batch_size, len(order))}: {tokens} tokens in {wall:.2f}s, "
               f"{tokens / max(wall, 1e-9):.1f} tok/s with the prefills, {tokens / max(steps, 1):.2f} tokens/step]",
               file=sys.stderr)
     flush()

@@ -378,6 +378,7 @@ def main(argv=None) -> int:
                         "`generate_batch`), plain and Medusa, and report throughput (tokens/s, prefill included) "
                         "against batch 1; greedy rows must equal plain greedy's batch-1 output (near-tie rule as in "
                         "check)")
+    runtime.add_dtype_arg(p)
     runtime.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
                                                     "sampling against Medusa sampling (no comparison of outputs)")
     args = p.parse_args(argv)
@@ -389,6 +390,12 @@ def main(argv=None) -> int:
     if not batch_sizes or min(batch_sizes) < 1:
         p.error(f"--batch-size sizes must be >= 1, got {args.batch_size!r}")
     batch_sizes = sorted(set(n for n in batch_sizes if n > 1))
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.per_category is not None and args.per_category < 1:
+        p.error(f"--per-category must be >= 1, got {args.per_category}")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.hf and acc.mode != "greedy":
         p.error("--hf times transformers' greedy generate: use it at --temperature 0")
     greedy = acc.mode == "greedy"
@@ -400,12 +407,13 @@ def main(argv=None) -> int:
     from tqdm import tqdm
 
     from .check import Comparison, compare, load_first_turns
+    from .sampling import prompt_seed
     from .loading import apply_chat_template, load_model
 
     try:  # before the slow load
         records = load_first_turns(args.prompts, None if args.per_category else args.limit)
-    except (OSError, ValueError) as e:
-        p.error(f"--prompts {args.prompts}: {e.strerror if isinstance(e, OSError) else e}")
+    except ValueError as e:
+        p.error(f"--prompts {e}")
     records = spec_bench_groups(records)
     if args.per_category:
         records = per_category(records, args.per_category)
@@ -417,7 +425,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runtime.enable_compilation_cache()
-    model = load_model(args.model)
+    model = load_model(args.model, dtype=jax.numpy.dtype(args.dtype))
     cfg, params = model.cfg, model.params
     heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=4)
     if heads is None:
@@ -440,7 +448,7 @@ def main(argv=None) -> int:
     rows, plain_outputs = [], []
     for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="bench", unit="prompt")):
         k = i % len(names)  # rotate the order so that no decoder always runs first or last
-        res = {name: decoders[name](ids, args.seed + i) for name in names[k:] + names[:k]}
+        res = {name: decoders[name](ids, prompt_seed(args.seed, i)) for name in names[k:] + names[:k]}
         plain, med = res["plain"], res["medusa"]
         c = compare(cfg, params, ids, plain["tokens"], med["tokens"]) if greedy else Comparison(identical=False)
         row = {**rec, "prompt_tokens": len(ids), "new_tokens": len(plain["tokens"]), "plain_s": plain["seconds"],

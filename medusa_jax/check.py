@@ -4,9 +4,9 @@
 
 For every prompt (first turn), both decoders run greedily on the same weights. Outputs must be
 identical token for token. Where they differ, the first differing position is examined on the
-plain path: if its top-2 logit gap is below ``--tie-gap`` (1e-4) the difference is a float32
-near-tie (the tree forward sums in another order) and is counted as such; any other difference is
-a bug and makes the command exit with status 1.
+plain path: if its top-2 logit gap is below ``--tie-gap`` (`TIE_GAPS`: 1e-4 in float32) the
+difference is a near-tie (the tree forward sums in another order) and is counted as such; any
+other difference is a bug and makes the command exit with status 1.
 
 With ``--temperature > 0`` it samples instead (``--acceptance exact``, the default, or ``typical``)
 and reports Medusa's tokens per step; sampled answers are not compared with anything (plain and
@@ -23,6 +23,13 @@ from typing import List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+
+
+#: Top-2 logit gap below which a difference between two decoders counts as a near-tie, per compute
+#: dtype. float32: 1e-4, two orders above the round-off of a float32 logit of magnitude ~10;
+#: bfloat16 0.25 and float16 0.03: 32 units in the last place of a logit of magnitude 1 (eps 2**-7
+#: and 2**-10), since products in those dtypes round every partial result.
+TIE_GAPS = {"float32": 1e-4, "bfloat16": 0.25, "float16": 0.03}
 
 
 @dataclass
@@ -56,8 +63,12 @@ def top2_gap(cfg, params, ids: Sequence[int]) -> float:
 
 
 def compare(cfg, params, prompt: Sequence[int], plain: Sequence[int], medusa: Sequence[int],
-            tie_gap: float = 1e-4) -> Comparison:
-    """Compare two outputs for one prompt; see the module docstring."""
+            tie_gap: Optional[float] = None) -> Comparison:
+    """Compare two outputs for one prompt; see the module docstring. tie_gap: None: `TIE_GAPS` of
+    the params' compute dtype."""
+    if tie_gap is None:
+        from .models.llama import compute_dtype
+        tie_gap = TIE_GAPS[compute_dtype(params).name]
     i = first_difference(plain, medusa)
     if i is None:
         return Comparison(identical=True)
@@ -68,19 +79,46 @@ def compare(cfg, params, prompt: Sequence[int], plain: Sequence[int], medusa: Se
 
 
 def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:
-    """Records {"id", "category", "prompt"} from an MT-bench / Spec-Bench style JSONL (first turn)
-    or a file with a "prompt" field."""
-    out = []
-    with open(path) as f:
-        for line in f:
-            if not line.strip():
-                continue
-            r = json.loads(line)
-            prompt = r["turns"][0] if "turns" in r else r["prompt"]
-            out.append({"id": r.get("question_id", r.get("id")), "category": r.get("category", ""),
-                        "prompt": prompt})
-            if limit and len(out) >= limit:
-                break
+    """Records {"index", "id", "category", "prompt"} from a JSONL file: one object per line with a
+    "prompt" string, or MT-bench / Spec-Bench questions with "turns" (the first turn is used);
+    blank lines are skipped and a UTF-8 byte-order mark is allowed. ``limit``: only the first N.
+
+    Raises:
+      ValueError: naming the file and line, for a line that is not such an object, an empty prompt,
+        or a file without prompts; for an unreadable file (missing, a directory, not UTF-8).
+    """
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            lines = f.readlines()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from e
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start})") from e
+    out: List[dict] = []
+    for n, line in enumerate(lines, 1):
+        if limit is not None and len(out) >= limit:
+            break
+        if not line.strip():
+            continue
+        where = f"{path}, line {n}"
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where}: not JSON ({e.msg})") from e
+        if not isinstance(rec, dict):
+            raise ValueError(f"{where}: expected a JSON object with a 'prompt' string, got {type(rec).__name__}")
+        if isinstance(rec.get("prompt"), str):
+            text = rec["prompt"]
+        elif isinstance(rec.get("turns"), list) and rec["turns"] and isinstance(rec["turns"][0], str):
+            text = rec["turns"][0]
+        else:
+            raise ValueError(f"{where}: needs a 'prompt' string (or a 'turns' list of strings)")
+        if not text.strip():
+            raise ValueError(f"{where}: the prompt is empty")
+        out.append({"index": len(out), "id": rec.get("question_id", rec.get("id")),
+                    "category": rec.get("category", ""), "prompt": text})
+    if not out:
+        raise ValueError(f"{path}: no prompts in the file")
     return out
 
 
@@ -98,12 +136,19 @@ def main(argv=None) -> int:
     p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
-    p.add_argument("--tie-gap", type=float, default=1e-4, help="top-2 logit gap below which a difference is a near-tie")
+    p.add_argument("--tie-gap", type=float, default=None,
+                   help="top-2 logit gap below which a difference is a near-tie; default by --dtype: "
+                        + ", ".join(f"{k} {v:g}" for k, v in TIE_GAPS.items()))
+    runtime.add_dtype_arg(p)
     p.add_argument("--out", default=None, help="also write per-prompt results as JSON to this file")
     runtime.add_acceptance_args(p, temperature_help="0: the lossless check (Medusa greedy against plain greedy); "
                                                     "> 0: Medusa sampling's tokens/step, no comparison")
     args = p.parse_args(argv)
     acc = runtime.acceptance_from_args(p, args)
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
 
     from tqdm import tqdm
 
@@ -117,7 +162,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runtime.enable_compilation_cache()
-    model = load_model(args.model)
+    model = load_model(args.model, dtype=jnp.dtype(args.dtype))
     heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=args.num_heads)
     if heads is None:
         print(f"error: {note}", file=sys.stderr)
@@ -151,18 +196,19 @@ def main(argv=None) -> int:
 
 
 def sampled(model, heads, tree, records, acc, args) -> int:
-    """``--temperature > 0``: Medusa sampling on every prompt (prompt i with seed ``--seed + i``);
+    """``--temperature > 0``: Medusa sampling on every prompt (prompt i with `sampling.prompt_seed`);
     prints the summary with the mean tokens per step. Returns 0."""
     from tqdm import tqdm
 
     from .generate import generate
     from .loading import apply_chat_template
+    from .sampling import prompt_seed
 
     rows, steps, new_tokens = [], 0, 0
     for i, rec in enumerate(tqdm(records, desc="prompts", unit="prompt")):
         ids = apply_chat_template(model.tokenizer, rec["prompt"])
         med = generate(model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens, heads=heads, tree=tree,
-                       acceptance=acc, seed=args.seed + i, progress=False)
+                       acceptance=acc, seed=prompt_seed(args.seed, i), progress=False)
         steps += med.steps
         new_tokens += len(med.tokens)
         rows.append({**rec, "new_tokens": len(med.tokens), "steps": med.steps, "tokens_per_step": med.mean_accepted})

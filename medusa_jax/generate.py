@@ -21,8 +21,8 @@ import numpy as np
 
 from .config import MedusaConfig, ModelConfig
 from .kv_cache import KVCache, grow_cache, init_cache
-from .models.llama import LlamaModel
-from .sampling import row_keys
+from .models.llama import LlamaModel, compute_dtype
+from .sampling import prompt_seed, row_keys
 from .tree import TreeBuffers, build_tree
 from .verify import Acceptance, DecodeState, StepOutput, medusa_step
 
@@ -359,7 +359,7 @@ def _progress_bar(show: bool, total: int, desc: str, unit: str):
 
 
 def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
-                seed: int = 0, dtype=jnp.float32, timing: Optional[dict] = None, *,
+                seed: int = 0, dtype=None, timing: Optional[dict] = None, *,
                 chunk_size: int = PREFILL_CHUNK, kv_block: Optional[int] = PREFILL_KV_BLOCK,
                 progress: bool = True) -> DecodeState:
     """Validate prompts, build the cache and prefill it, chunk by chunk (`prefill_plan`).
@@ -368,7 +368,8 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
       prompts: B lists of token ids (each non-empty and shorter than `cache_size`).
       cache_size: S slots per row.
       seed: an int (row b's key is PRNGKey(seed + b)) or one int per row (`sampling.row_keys`).
-      dtype: the cache's dtype.
+      dtype: the cache's and the hidden states' dtype; None: the params' compute dtype
+        (`models.llama.compute_dtype`).
       timing: if a dict, ``timing["prefill_s"]`` gets the prefill's seconds (compilation excluded).
       chunk_size: tokens per chunk; any value gives the same state up to float32 round-off.
       kv_block: cache slots per attention block (`prefill_chunk`); None: one pass over the cache.
@@ -393,8 +394,9 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     for i, p in enumerate(prompts):
         toks[i, :len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    dtype = compute_dtype(params) if dtype is None else dtype
     cache = init_cache(cfg, B, cache_size, dtype)
-    last = jnp.zeros((B, cfg.hidden_size), jnp.float32)
+    last = jnp.zeros((B, cfg.hidden_size), dtype)
     key = row_keys(seed, B)
     run = _aot(prefill_chunk, (cfg, kv_block), (params, jnp.asarray(toks[:, :T]), lengths, cache, last))
     finish = _aot(prefill_logits, (cfg,), (params, last, cache, key))
@@ -776,7 +778,8 @@ def generate_batch(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *
     Args:
       prompts: N token-id lists (chat template applied), N >= 1.
       batch_size: rows decoded together (>= 1; at most N are used).
-      seed: an int (prompt i draws with PRNGKey(seed + i)) or one int per prompt.
+      seed: an int (prompt i draws with PRNGKey((seed + i) mod 2**31), `sampling.prompt_seed`) or
+        one int per prompt.
       others: as `generate_device`; `cache_size` defaults to `cache_size_for` the longest prompt.
     Yields:
       (i, GenerationResult) as prompt i finishes (completion order, not input order); the result's
@@ -791,8 +794,12 @@ def generate_batch(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *
                                          tree=tree, eos_token_ids=eos_token_ids, acceptance=acceptance, seed=seed)
     if _as_int(batch_size, "batch_size") < 1:
         raise ValueError(f"generate_batch(): batch_size must be >= 1, got {batch_size}")
-    seeds = [seed + i for i in range(len(prompts))] if isinstance(seed, (int, np.integer)) else [int(x) for x in seed]
-    row_keys(seeds, len(seeds))  # seeds out of range fail here, before anything runs
+    if isinstance(seed, (int, np.integer)):
+        row_keys(seed, 1)  # a seed out of range fails here, before anything runs
+        seeds = [prompt_seed(seed, i) for i in range(len(prompts))]
+    else:
+        seeds = [int(x) for x in seed]
+        row_keys(seeds, len(seeds))
     params, heads_cfg, head_params, tr = _decoding_setup(cfg, params, heads, tree)
     return _batch_loop(cfg, params, heads_cfg, head_params, tr, prompts, seeds, min(batch_size, len(prompts)),
                        max_new_tokens, acceptance, eos, cache_size, progress)

@@ -54,7 +54,8 @@ class LoadedModel:
 
     @property
     def model(self):
-        """A `LlamaModel` for ``cfg`` (float32); use as ``model.apply({"params": params}, ...)``."""
+        """A `LlamaModel` for ``cfg`` (computing in the params' dtype); use as
+        ``model.apply({"params": params}, ...)``."""
         from .models.llama import LlamaModel
         return LlamaModel(self.cfg)
 
@@ -230,7 +231,9 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
     Args:
       path: a directory with ``config.json`` and safetensors, or a GGUF file (detected by its
         magic bytes, whatever its extension); None: `default_model_path()`.
-      dtype: numpy dtype of the weights (float32 by default); params come back as ``jnp`` arrays.
+      dtype: dtype of the weights, float32 (default), bfloat16 or float16 (a numpy / jnp dtype or
+        its name); the model computes in it (`models.llama.LlamaModel`), with float32 logits.
+        params come back as ``jnp`` arrays.
       with_tokenizer: also load the tokenizer (from the same path).
       progress: a progress bar on stderr while a GGUF file is converted (the first load only).
     A GGUF file is converted once and cached (`convert.cache`: ``~/.cache/medusa_jax/models``,

@@ -1,6 +1,7 @@
 """What the command-line tools share: default heads, tree choice, compilation cache, text streaming."""
 from __future__ import annotations
 
+import math
 import os
 import sys
 from typing import Optional, Tuple
@@ -86,6 +87,8 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     """
     if not use_medusa:
         return None, None, ""
+    import jax.numpy as jnp
+
     heads_path = heads_location(heads_path)
     from .convert.medusa_format import load_heads
     from .heads import check_heads_match
@@ -109,8 +112,12 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     else:
         heads_cfg, params = load_heads(heads_path, model.cfg)
     from .heads import prepare_heads
-    from .models.llama import lm_head_matrix
+    from .models.llama import compute_dtype, lm_head_matrix
 
+    if getattr(model, "params", None) is not None:  # the heads compute in the backbone's dtype
+        dt = compute_dtype(model.params)
+        params = {k: (v.astype(dt) if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) else v)
+                  for k, v in params.items()}
     tree = resolve_tree(tree_spec, heads_cfg)
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
@@ -247,8 +254,8 @@ def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (
                    help="typical acceptance: entropy-scaled threshold factor delta (accept if "
                         "p > min(threshold, alpha * exp(-entropy)))")
     p.add_argument("--seed", type=int, default=0,
-                   help="PRNG seed for sampling, in [0, 2**31); prompt i of a prompt file uses seed + i, so its "
-                        "answer does not depend on the batch it runs in")
+                   help="PRNG seed for sampling, in [0, 2**31); prompt i of a prompt file uses (seed + i) mod "
+                        "2**31, so its answer does not depend on the batch it runs in")
 
 
 def acceptance_from_args(p, args):
@@ -257,14 +264,14 @@ def acceptance_from_args(p, args):
     through ``p.error`` (status 2) with a one-line message."""
     from .verify import Acceptance
 
-    if args.temperature < 0:
-        p.error("--temperature must be >= 0")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
     if not 0 < args.posterior_threshold <= 1:
         p.error("--posterior-threshold must be in (0, 1]")
-    if args.posterior_alpha < 0:
-        p.error("--posterior-alpha must be >= 0")
+    if not (math.isfinite(args.posterior_alpha) and args.posterior_alpha >= 0):
+        p.error(f"--posterior-alpha must be a finite number >= 0, got {args.posterior_alpha}")
     if not 0 <= args.seed < 2 ** 31:
         p.error("--seed must be in [0, 2**31)")
     if args.acceptance is None:
@@ -277,3 +284,17 @@ def acceptance_from_args(p, args):
     return Acceptance(temperature=args.temperature, posterior_threshold=args.posterior_threshold,
                       posterior_alpha=args.posterior_alpha, top_p=args.top_p,
                       method="exact" if args.acceptance == "greedy" else args.acceptance)
+
+
+#: Compute dtypes the tools take (`--dtype`): the params, activations and KV cache are stored and
+#: computed in it; logits stay float32 (`models.llama.LlamaModel`).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_dtype_arg(p) -> None:
+    """The --dtype flag of decode.py, check, bench and tune (pass ``jnp.dtype(args.dtype)`` to
+    `load_model`)."""
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="compute dtype: params, activations and the KV cache in it, logits in float32 (plain and "
+                        "Medusa share it, so greedy outputs stay identical); on a CPU bfloat16 and float16 are "
+                        "slower than float32 (no weight-streaming kernel for them)")

@@ -12,15 +12,27 @@ import jax.numpy as jnp
 import numpy as np
 
 
+SEED_LIMIT = 2 ** 31
+"""Seeds are in [0, SEED_LIMIT)."""
+
+
+def prompt_seed(seed: int, i: int) -> int:
+    """The seed of prompt (or row) i of a run seeded `seed`: ``(seed + i) mod 2**31``."""
+    return (int(seed) + int(i)) % SEED_LIMIT
+
+
 def row_keys(seeds: Union[int, Sequence[int]], batch: int) -> jax.Array:
-    """Per-row PRNG keys [B, 2] uint32: row b gets ``PRNGKey(seeds[b])``, or ``PRNGKey(seed + b)``
-    for one int seed, so that row 0 of any batch draws like a batch of one with the same seed.
+    """Per-row PRNG keys [B, 2] uint32: row b gets ``PRNGKey(seeds[b])``, or
+    ``PRNGKey(prompt_seed(seed, b))`` for one int seed, so that row 0 of any batch draws like a
+    batch of one with the same seed.
 
     Raises ValueError when a sequence of seeds does not have `batch` entries, or a seed is outside
     [0, 2**31).
     """
-    if isinstance(seeds, int):
-        seeds = [seeds + b for b in range(batch)]
+    if isinstance(seeds, (int, np.integer)):
+        if not 0 <= seeds < SEED_LIMIT:
+            raise ValueError(f"seeds must be in [0, 2**31), got {seeds}")
+        seeds = [prompt_seed(seeds, b) for b in range(batch)]
     seeds = np.asarray([int(s) for s in seeds], np.int64)
     if len(seeds) != batch:
         raise ValueError(f"got {len(seeds)} seeds for {batch} rows: give one seed per row, or one int")

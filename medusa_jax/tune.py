@@ -242,6 +242,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "(medusa_jax/assets/heads/...), replacing them, in float16; not with --out")
     p.add_argument("--dry-run", action="store_true", help="print the table, save nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    runtime.add_dtype_arg(p)
     args = p.parse_args(argv)
     try:
         out_dir = None if args.dry_run else output_dir(args.heads, args.out, args.update_shipped_heads)
@@ -263,7 +264,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runtime.enable_compilation_cache()
-    model = load_model(args.model, with_tokenizer=False)  # token ids only
+    model = load_model(args.model, dtype=args.dtype, with_tokenizer=False)  # token ids only
     hcfg, hp = load_heads(heads_dir, model.cfg)
     lm = lm_head_matrix(model.cfg, model.params)
     progress = not args.no_progress

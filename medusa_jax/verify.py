@@ -21,6 +21,7 @@ is distributed exactly as plain sampling at the same temperature and top-p (`eva
 """
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional, Tuple
 
 import flax.struct
@@ -88,14 +89,15 @@ class Acceptance(NamedTuple):
         """Raise ValueError for settings no step can run; return self."""
         if self.method not in ACCEPTANCE_METHODS:
             raise ValueError(f"acceptance method {self.method!r} is not one of {', '.join(ACCEPTANCE_METHODS)}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0 (0 = greedy), got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature}")
         if self.method == "greedy" and self.temperature > 0:
             raise ValueError(f"greedy acceptance decodes at temperature 0, got temperature {self.temperature}: "
                              "sample with method 'exact' (the model's own distribution) or 'typical'")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if not 0 < self.posterior_threshold <= 1 or self.posterior_alpha < 0:
+        alpha_ok = math.isfinite(self.posterior_alpha) and self.posterior_alpha >= 0
+        if not 0 < self.posterior_threshold <= 1 or not alpha_ok:
             raise ValueError("typical acceptance needs posterior_threshold in (0, 1] and posterior_alpha >= 0, got "
                              f"{self.posterior_threshold} and {self.posterior_alpha}")
         return self

@@ -137,3 +137,41 @@ def test_speed_note_only_for_a_slow_tuned_tree_on_this_device():
     assert speed_note(build_tree([(0,)], topk=2), cal) == ""  # not the tuned tree
     fast = {**cal, "rows": [{"size": 3, "predicted_speedup": 1.2}]}
     assert speed_note(tree, fast) == "" and speed_note(tree, None) == ""
+
+
+def test_prompt_files_are_checked_line_by_line(tmp_path):
+    """bench, check and decode.py --prompts-file read prompts the same way: line-numbered errors,
+    a byte-order mark allowed, the first turn of MT-bench records."""
+    cases = {'{"text": "hi"}': "line 2: needs a 'prompt' string", '["a"]': "line 2: expected a JSON object",
+             '{"turns": []}': "line 2: needs a 'prompt'", '{"prompt": 5}': "line 2: needs a 'prompt'",
+             '{"prompt": "  "}': "line 2: the prompt is empty", "{oops": "line 2: not JSON"}
+    for i, (bad, msg) in enumerate(cases.items()):
+        f = tmp_path / f"bad{i}.jsonl"
+        f.write_text('{"prompt": "fine"}\n' + bad + "\n")
+        with pytest.raises(ValueError, match=msg.replace("[", r"\[").replace("(", r"\(")):
+            load_first_turns(str(f))
+    with pytest.raises(ValueError, match="no prompts"):
+        (tmp_path / "empty.jsonl").write_text("\n\n")
+        load_first_turns(str(tmp_path / "empty.jsonl"))
+    with pytest.raises(ValueError, match="No such file"):
+        load_first_turns(str(tmp_path / "missing.jsonl"))
+    bom = tmp_path / "bom.jsonl"
+    bom.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n{"question_id": 3, "turns": ["a", "b"]}\n{"prompt": "c"}\n')
+    recs = load_first_turns(str(bom), limit=2)
+    assert [(r["index"], r["id"], r["prompt"]) for r in recs] == [(0, None, "hi"), (1, 3, "a")]
+
+
+def test_sampling_flags_refuse_nan_and_wrap_prompt_seeds(capsys):
+    import argparse
+
+    from medusa_jax.sampling import prompt_seed, row_keys
+    p = argparse.ArgumentParser()
+    runtime.add_acceptance_args(p)
+    for argv, msg in [(["--temperature", "nan"], "finite"), (["--temperature", "inf"], "finite"),
+                      (["--temperature", "0.7", "--acceptance", "typical", "--posterior-alpha", "nan"], "finite"),
+                      (["--seed", str(2 ** 31)], "--seed must be in")]:
+        with pytest.raises(SystemExit):
+            runtime.acceptance_from_args(p, p.parse_args(argv))
+        assert msg in capsys.readouterr().err
+    assert prompt_seed(2 ** 31 - 1, 2) == 1
+    assert row_keys(2 ** 31 - 1, 3)[2].tolist() == row_keys(1, 1)[0].tolist()

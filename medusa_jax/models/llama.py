@@ -308,17 +308,26 @@ class LlamaModel(nn.Module):
 
     Parameters: ``embed/embedding [V, D]``, ``layers_{i}/...``, ``norm/scale [D]`` and, when the
     embeddings are untied, ``lm_head/kernel [D, V]``.
+
+    dtype: the compute dtype of activations, weights' products and the K/V written to the cache.
+    None (the default): the params' own dtype (`compute_dtype`; float32 when initialising), so
+    that float32 params compute in float32 and bfloat16 / float16 params (``load_model(dtype=...)``)
+    in bfloat16 / float16. Logits are float32 whatever the dtype; RMSNorm, RoPE and the softmax of
+    attention compute in float32.
     """
     cfg: ModelConfig
-    dtype: jnp.dtype = jnp.float32
+    dtype: Optional[jnp.dtype] = None
 
     def setup(self):
         c = self.cfg
-        self.embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=self.dtype, param_dtype=self.dtype)
-        self.layers = [DecoderLayer(c, self.dtype, name=f"layers_{i}") for i in range(c.num_layers)]
-        self.norm = RMSNorm(c.rms_norm_eps, self.dtype)
+        emb = self.variables.get("params", {}).get("embed", {}).get("embedding")
+        dt = self.dtype if self.dtype is not None else (emb.dtype if emb is not None else jnp.float32)
+        self.compute_dtype = dt
+        self.embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=dt)
+        self.layers = [DecoderLayer(c, dt, name=f"layers_{i}") for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, dt)
         if not c.tie_word_embeddings:
-            self.lm_head = Linear(c.vocab_size, use_bias=False, dtype=self.dtype, param_dtype=self.dtype)
+            self.lm_head = Linear(c.vocab_size, use_bias=False, dtype=dt, param_dtype=dt)
 
     def __call__(self, tokens: jax.Array, positions: jax.Array, cache: Optional[KVCache] = None,
                  mask: Optional[jax.Array] = None, num_new: Optional[jax.Array] = None,
@@ -370,10 +379,16 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: jax.Array) -> jax.Array:
         """lm_head projection: hidden [..., D] -> logits [..., V] float32."""
         if self.cfg.tie_word_embeddings:  # the embedding [V, D] is already the [out, in] layout
-            out = kernels.matmul_nt(hidden.astype(self.dtype), self.embed.embedding.astype(self.dtype))
+            out = kernels.matmul_nt(hidden.astype(self.compute_dtype), self.embed.embedding.astype(self.compute_dtype))
         else:
             out = self.lm_head(hidden)
         return out.astype(jnp.float32)
+
+
+def compute_dtype(params) -> jnp.dtype:
+    """The dtype a `LlamaModel` computes in with these params: their embedding's (float32,
+    bfloat16 or float16); the KV cache and the hidden states are kept in it too."""
+    return jnp.dtype(params["embed"]["embedding"].dtype)
 
 
 def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
