@@ -36,6 +36,8 @@ def test_params_dtype_is_the_compute_dtype(tiny, dt):
     logits, hidden, _ = LlamaModel(cfg).apply({"params": low}, toks, pos)
     ref = LlamaModel(cfg).apply({"params": params}, toks, pos)[0]
     assert logits.dtype == jnp.float32 and hidden.dtype == jnp.dtype(dt)
+    # accumulated into float32, not rounded to the low dtype (where near logits would tie exactly)
+    assert bool(jnp.any(logits != logits.astype(dt).astype(jnp.float32)))
     assert 1e-4 < rel_err(logits, ref) < 0.05  # computed in the low dtype: close, not equal
     state = start_state(cfg, low, PROMPTS[:2], 64)
     assert state.cache.k.dtype == jnp.dtype(dt) and state.hidden.dtype == jnp.dtype(dt)

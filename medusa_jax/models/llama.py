@@ -377,12 +377,21 @@ class LlamaModel(nn.Module):
         return logits, hidden, new_cache
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """lm_head projection: hidden [..., D] -> logits [..., V] float32."""
+        """lm_head projection: hidden [..., D] -> logits [..., V] float32. In bfloat16 / float16 the
+        product accumulates into float32 outputs (rounding logits to the low dtype would make exact
+        ties of nearby logits common, and greedy choices between them arbitrary)."""
+        dt = self.compute_dtype
         if self.cfg.tie_word_embeddings:  # the embedding [V, D] is already the [out, in] layout
-            out = kernels.matmul_nt(hidden.astype(self.compute_dtype), self.embed.embedding.astype(self.compute_dtype))
+            w = self.embed.embedding
+        elif dt == jnp.float32:
+            return self.lm_head(hidden).astype(jnp.float32)
         else:
-            out = self.lm_head(hidden)
-        return out.astype(jnp.float32)
+            p = self.lm_head.variables["params"]
+            w = p["kernel_t"] if "kernel_t" in p else p["kernel"].T
+        if dt == jnp.float32:
+            return kernels.matmul_nt(hidden.astype(dt), w.astype(dt)).astype(jnp.float32)
+        return jax.lax.dot_general(hidden.astype(dt), w.astype(dt), (((hidden.ndim - 1,), (1,)), ((), ())),
+                                   preferred_element_type=jnp.float32)
 
 
 def compute_dtype(params) -> jnp.dtype:
