@@ -22,7 +22,7 @@ import numpy as np
 from .config import MedusaConfig, ModelConfig
 from .kv_cache import KVCache, grow_cache, init_cache
 from .models.llama import LlamaModel, compute_dtype
-from .sampling import prompt_seed, row_keys
+from .sampling import row_keys, row_seeds
 from .tree import TreeBuffers, build_tree
 from .verify import Acceptance, DecodeState, StepOutput, medusa_step
 
@@ -794,12 +794,7 @@ def generate_batch(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *
                                          tree=tree, eos_token_ids=eos_token_ids, acceptance=acceptance, seed=seed)
     if _as_int(batch_size, "batch_size") < 1:
         raise ValueError(f"generate_batch(): batch_size must be >= 1, got {batch_size}")
-    if isinstance(seed, (int, np.integer)):
-        row_keys(seed, 1)  # a seed out of range fails here, before anything runs
-        seeds = [prompt_seed(seed, i) for i in range(len(prompts))]
-    else:
-        seeds = [int(x) for x in seed]
-        row_keys(seeds, len(seeds))
+    seeds = row_seeds(seed, len(prompts))  # seeds out of range fail here, before anything runs
     params, heads_cfg, head_params, tr = _decoding_setup(cfg, params, heads, tree)
     return _batch_loop(cfg, params, heads_cfg, head_params, tr, prompts, seeds, min(batch_size, len(prompts)),
                        max_new_tokens, acceptance, eos, cache_size, progress)
@@ -837,7 +832,7 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: L
     steps = 0
     while any(r is not None for r in rows):
         final = S >= s_max
-        done0 = int(np.sum(jax.device_get(carry[3])))
+        done0 = sum(r is None for r in rows)  # at a segment's start only retired rows are done
         limits = jnp.asarray([steps + max_new_tokens, done0 + 1 if next_i < N else B + 1], jnp.int32)
         args = (params, head_params, carry, jnp.bool_(final), limits)
         t = time.perf_counter()

@@ -5,7 +5,7 @@ not depend on which other rows share its batch.
 """
 from __future__ import annotations
 
-from typing import Sequence, Union
+from typing import List, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -21,10 +21,9 @@ def prompt_seed(seed: int, i: int) -> int:
     return (int(seed) + int(i)) % SEED_LIMIT
 
 
-def row_keys(seeds: Union[int, Sequence[int]], batch: int) -> jax.Array:
-    """Per-row PRNG keys [B, 2] uint32: row b gets ``PRNGKey(seeds[b])``, or
-    ``PRNGKey(prompt_seed(seed, b))`` for one int seed, so that row 0 of any batch draws like a
-    batch of one with the same seed.
+def row_seeds(seeds: Union[int, Sequence[int]], batch: int) -> List[int]:
+    """One seed per row: ``seeds`` itself (a sequence of `batch` ints), or ``prompt_seed(seed, b)``
+    for one int seed.
 
     Raises ValueError when a sequence of seeds does not have `batch` entries, or a seed is outside
     [0, 2**31).
@@ -32,13 +31,19 @@ def row_keys(seeds: Union[int, Sequence[int]], batch: int) -> jax.Array:
     if isinstance(seeds, (int, np.integer)):
         if not 0 <= seeds < SEED_LIMIT:
             raise ValueError(f"seeds must be in [0, 2**31), got {seeds}")
-        seeds = [prompt_seed(seeds, b) for b in range(batch)]
-    seeds = np.asarray([int(s) for s in seeds], np.int64)
-    if len(seeds) != batch:
-        raise ValueError(f"got {len(seeds)} seeds for {batch} rows: give one seed per row, or one int")
-    if len(seeds) and not (0 <= seeds.min() and seeds.max() < 2 ** 31):
-        raise ValueError(f"seeds must be in [0, 2**31), got {seeds.min()}..{seeds.max()}")
-    return jax.vmap(jax.random.PRNGKey)(jnp.asarray(seeds, jnp.int32))
+        return [prompt_seed(seeds, b) for b in range(batch)]
+    out = [int(s) for s in seeds]
+    if len(out) != batch:
+        raise ValueError(f"got {len(out)} seeds for {batch} rows: give one seed per row, or one int")
+    if out and not (0 <= min(out) and max(out) < SEED_LIMIT):
+        raise ValueError(f"seeds must be in [0, 2**31), got {min(out)}..{max(out)}")
+    return out
+
+
+def row_keys(seeds: Union[int, Sequence[int]], batch: int) -> jax.Array:
+    """Per-row PRNG keys [B, 2] uint32: row b gets ``PRNGKey(row_seeds(seeds, batch)[b])``, so that
+    row 0 of any batch draws like a batch of one with the same seed. Raises as `row_seeds`."""
+    return jax.vmap(jax.random.PRNGKey)(jnp.asarray(row_seeds(seeds, batch), jnp.int32))
 
 
 def filtered_logits(logits: jax.Array, temperature: float, top_p: float = 1.0) -> jax.Array:
