@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "medusa_choices; default: the tree saved with the heads")
     p.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (per prompt)")
     runtime.add_dtype_arg(p)
+    runtime.add_mesh_arg(p)
     runtime.add_acceptance_args(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (text, new_tokens, steps, mean_accepted, "
@@ -126,15 +127,18 @@ def main(argv=None) -> int:
     import medusa_jax as mj
     from medusa_jax import runtime
 
-    try:  # every path and the tree, before the slow model load
+    from medusa_jax import sharding
+
+    try:  # every path, the tree and the mesh, before the slow model load
         runtime.preflight(args.model, args.heads, args.tree, use_medusa=not args.no_medusa)
+        mesh = sharding.mesh_from_arg(args.mesh)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     runtime.enable_compilation_cache()
     progress = not (args.json or args.no_progress)
     try:
-        model = mj.load_model(args.model, dtype=args.dtype, progress=progress)
+        model = runtime.place_on_mesh(mj.load_model(args.model, dtype=args.dtype, progress=progress), mesh)
         heads, tree, heads_note = mj.resolve_heads(model, None if args.no_medusa else args.heads,
                                                     args.tree, use_medusa=not args.no_medusa)
     except (FileNotFoundError, ValueError) as e:

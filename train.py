@@ -11,6 +11,9 @@ command (``--resume`` is the default) and ends with the same heads as an uninter
 finished run continues when started again with a larger ``steps`` (the schedule then spans the new
 total); a run in ``out_dir`` made with other settings is refused (exit code 2) rather than mixed
 with this one: start over with ``--no-resume`` or pick another ``--set out_dir=DIR``.
+Several devices: ``--mesh 2x4`` (or the config's ``mesh``); several processes (hosts): the same
+command on each, with ``--coordinator HOST:PORT --num-processes N --process-id I``
+(`medusa_jax.distributed`).
 Outputs go to ``out_dir``: metrics.jsonl, accuracy.png, checkpoints/, heads/ (load them with
 ``python decode.py --heads OUT_DIR/heads``) and, in joint mode, backbone/.
 """
@@ -25,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # medusa_jax fro
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from medusa_jax import distributed
     from medusa_jax.cli_help import HelpFormatter
 
     p = argparse.ArgumentParser(prog="train.py", description="Train Medusa heads (frozen backbone or joint).",
@@ -41,6 +45,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(to try resumption)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
+    p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                   help="train on a device mesh, e.g. 2x4 (the config's `mesh` field; default: the config's, "
+                        "1x1 = one device): the batch split on 'data', heads and (joint mode) backbone "
+                        "Megatron-style on 'model'. On a CPU, simulate N devices with "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+    distributed.add_args(p)
     return p.parse_args(argv)
 
 
@@ -48,9 +58,13 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     from medusa_jax.config import TrainConfig, TrainConfigError
 
+    from medusa_jax import distributed
+
+    overrides = tuple(args.overrides) + ((f"mesh={args.mesh}",) if args.mesh is not None else ())
     try:
-        tc = TrainConfig.from_yaml(args.config, tuple(args.overrides))
-    except (TrainConfigError, FileNotFoundError) as e:
+        tc = TrainConfig.from_yaml(args.config, overrides)
+        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
+    except (TrainConfigError, FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if args.print_config:

@@ -379,6 +379,7 @@ def main(argv=None) -> int:
                         "against batch 1; greedy rows must equal plain greedy's batch-1 output (near-tie rule as in "
                         "check)")
     runtime.add_dtype_arg(p)
+    runtime.add_mesh_arg(p)
     runtime.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
                                                     "sampling against Medusa sampling (no comparison of outputs)")
     args = p.parse_args(argv)
@@ -419,13 +420,16 @@ def main(argv=None) -> int:
         records = per_category(records, args.per_category)
     if not records:
         p.error(f"--prompts {args.prompts}: no prompts in the file")
-    try:  # paths, heads and tree before the slow model load
+    from . import sharding
+
+    try:  # paths, heads, tree and mesh before the slow model load
         runtime.preflight(args.model, args.heads, args.tree)
+        mesh = sharding.mesh_from_arg(args.mesh)
+        runtime.enable_compilation_cache()
+        model = runtime.place_on_mesh(load_model(args.model, dtype=jax.numpy.dtype(args.dtype)), mesh)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    runtime.enable_compilation_cache()
-    model = load_model(args.model, dtype=jax.numpy.dtype(args.dtype))
     cfg, params = model.cfg, model.params
     heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=4)
     if heads is None:
@@ -444,6 +448,7 @@ def main(argv=None) -> int:
     for run in decoders.values():  # untimed warm-up, full budget (ours: compiles every shape of this prompt)
         run(prompts[0], args.seed)
     conditions = run_conditions(args.torch_threads if hf_model is not None else None)
+    conditions.update(dtype=args.dtype, mesh=sharding.describe(mesh))
     names = list(decoders)
     rows, plain_outputs = [], []
     for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="bench", unit="prompt")):

@@ -152,7 +152,6 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from .generate import generate
     from .loading import apply_chat_template, load_model
 
     try:  # paths, heads and tree before the slow model load
@@ -172,13 +171,13 @@ def main(argv=None) -> int:
     rows, steps, new_tokens = [], 0, 0
     for rec in tqdm(records, desc="prompts", unit="prompt"):
         ids = apply_chat_template(model.tokenizer, rec["prompt"])
-        plain = generate(model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens)
-        med = generate(model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens, heads=heads, tree=tree)
-        c = compare(model.cfg, model.params, ids, plain.tokens, med.tokens, args.tie_gap)
-        steps += med.steps
-        new_tokens += len(med.tokens)
-        rows.append({**rec, **asdict(c), "new_tokens": len(med.tokens), "steps": med.steps,
-                     "tokens_per_step": med.mean_accepted})
+        plain, _ = decode_one(model, ids, args.max_new_tokens)
+        med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree)
+        c = compare(model.cfg, model.params, ids, plain, med, args.tie_gap)
+        steps += med_steps
+        new_tokens += len(med)
+        rows.append({**rec, **asdict(c), "new_tokens": len(med), "steps": med_steps,
+                     "tokens_per_step": len(med) / max(med_steps, 1)})
     identical = sum(r["identical"] for r in rows)
     ties = sum(r["near_tie"] for r in rows)
     bugs = len(rows) - identical - ties
@@ -195,23 +194,33 @@ def main(argv=None) -> int:
     return 1 if bugs else 0
 
 
+def decode_one(model, ids, max_new_tokens: int, heads=None, tree=None, acceptance=None, seed: int = 0):
+    """(new token ids, decoding steps) of one prompt with the on-device loop
+    (`generate.generate_device`: the same tokens as `generate`, and on a CPU in bfloat16 several
+    times faster, because XLA converts the weights to float32 once per loop rather than every step)."""
+    from .generate import generate_device
+    from .verify import Acceptance
+
+    r = generate_device(model.cfg, model.params, [ids], max_new_tokens=max_new_tokens, heads=heads, tree=tree,
+                        acceptance=acceptance or Acceptance(), seed=seed, progress=False)
+    return [int(t) for t in r.tokens[0, :r.count[0]]], r.steps
+
+
 def sampled(model, heads, tree, records, acc, args) -> int:
     """``--temperature > 0``: Medusa sampling on every prompt (prompt i with `sampling.prompt_seed`);
     prints the summary with the mean tokens per step. Returns 0."""
     from tqdm import tqdm
 
-    from .generate import generate
     from .loading import apply_chat_template
     from .sampling import prompt_seed
 
     rows, steps, new_tokens = [], 0, 0
     for i, rec in enumerate(tqdm(records, desc="prompts", unit="prompt")):
         ids = apply_chat_template(model.tokenizer, rec["prompt"])
-        med = generate(model.cfg, model.params, ids, max_new_tokens=args.max_new_tokens, heads=heads, tree=tree,
-                       acceptance=acc, seed=prompt_seed(args.seed, i), progress=False)
-        steps += med.steps
-        new_tokens += len(med.tokens)
-        rows.append({**rec, "new_tokens": len(med.tokens), "steps": med.steps, "tokens_per_step": med.mean_accepted})
+        med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree, acc, prompt_seed(args.seed, i))
+        steps += med_steps
+        new_tokens += len(med)
+        rows.append({**rec, "new_tokens": len(med), "steps": med_steps, "tokens_per_step": len(med) / max(med_steps, 1)})
     summary = {"prompts": len(rows), "acceptance": acc.mode, "temperature": acc.temperature, "top_p": acc.top_p,
                "mean_tokens_per_step": new_tokens / max(steps, 1), "new_tokens": new_tokens, "steps": steps,
                "tree_size": tree.size, "max_new_tokens": args.max_new_tokens}

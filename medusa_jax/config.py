@@ -459,6 +459,10 @@ class TrainConfig:
       checkpoint_every: steps between Orbax checkpoints (0: only at the end).
       keep_checkpoints: how many checkpoints to keep.
       save_backbone: joint mode: also save the trained backbone params (numpy .npz) to out_dir.
+      mesh: ``"DATAxMODEL"``, the device mesh the training steps run on (`medusa_jax.sharding`:
+        the batch split on 'data', heads and backbone Megatron-style on 'model'); "1x1": one
+        device. Results equal one device's up to float32 round-off, so a run may resume on
+        another mesh.
     """
     # backbone
     model: Optional[str] = None
@@ -521,9 +525,15 @@ class TrainConfig:
     checkpoint_every: int = 200
     keep_checkpoints: int = 2
     save_backbone: bool = True
+    mesh: str = "1x1"
 
     def __post_init__(self):
         problems = []
+        try:
+            from .sharding import parse_mesh
+            parse_mesh(self.mesh)
+        except ValueError as e:
+            problems.append(f"mesh: {e}")
         if self.mode not in TRAIN_MODES:
             problems.append(f"mode must be one of {TRAIN_MODES}, got {self.mode!r}")
         if self.head_matmul_dtype not in ("float32", "bfloat16"):

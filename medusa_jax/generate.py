@@ -9,6 +9,7 @@ an EOS token ends the output (the EOS is included), ``max_new_tokens`` caps it, 
 """
 from __future__ import annotations
 
+import contextlib
 import operator
 import sys
 import time
@@ -19,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import sharding
 from .config import MedusaConfig, ModelConfig
 from .kv_cache import KVCache, grow_cache, init_cache
 from .models.llama import LlamaModel, compute_dtype
@@ -261,6 +263,23 @@ PROGRESS_DELAY_S = 2.0
 """A prefill of several chunks shows a progress bar on stderr once it has run this many seconds."""
 
 
+def _constrain_cache(cache: KVCache) -> KVCache:
+    """Inside jit on a mesh: keep the cache split as `sharding.cache_spec` says and its lengths
+    on 'data' (no-op otherwise)."""
+    spec = sharding.cache_spec()
+    return KVCache(k=sharding.constrain(cache.k, spec), v=sharding.constrain(cache.v, spec),
+                   lengths=sharding.constrain(cache.lengths, sharding.batch_spec(1)))
+
+
+def _constrain_state(st: DecodeState) -> DecodeState:
+    """Inside jit on a mesh: every array of the decoding state split by rows on 'data' and the
+    cache as `_constrain_cache`, so that a compiled step's output state has its input's layout
+    and can be fed back to it (no-op otherwise)."""
+    rows = lambda x: sharding.constrain(x, sharding.batch_spec(x.ndim))
+    return DecodeState(logits=rows(st.logits), hidden=rows(st.hidden), cache=_constrain_cache(st.cache),
+                       key=rows(st.key), next_token=rows(st.next_token))
+
+
 def _prefill_chunk(cfg: ModelConfig, kv_block: Optional[int], params, tokens: jax.Array, lengths: jax.Array,
                    cache: KVCache, last: jax.Array) -> Tuple[KVCache, jax.Array]:
     """One chunk of a right-padded prompt batch into the cache (see `prefill_chunk`)."""
@@ -272,7 +291,7 @@ def _prefill_chunk(cfg: ModelConfig, kv_block: Optional[int], params, tokens: ja
     j = lengths - 1 - cache.lengths  # where the row's last prompt token is in this chunk, if here
     here = (j >= 0) & (j < T)
     last = jnp.where(here[:, None], hidden[jnp.arange(B), jnp.clip(j, 0, T - 1)].astype(last.dtype), last)
-    return new_cache, last
+    return _constrain_cache(new_cache), sharding.constrain(last, sharding.batch_spec(2))
 
 
 prefill_chunk = jax.jit(_prefill_chunk, static_argnums=(0, 1), donate_argnames=("cache",))
@@ -302,8 +321,8 @@ Returns:
 def _prefill_logits(cfg: ModelConfig, params, last: jax.Array, cache: KVCache, key: jax.Array) -> DecodeState:
     """The decoding state after the last chunk: logits [B, V] float32 of the last prompt tokens."""
     logits = LlamaModel(cfg).apply({"params": params}, last, method=LlamaModel.logits)
-    return DecodeState(logits=logits, hidden=last, cache=cache, key=key,
-                       next_token=jnp.full((last.shape[0],), -1, jnp.int32))
+    return _constrain_state(DecodeState(logits=logits, hidden=last, cache=cache, key=key,
+                                        next_token=jnp.full((last.shape[0],), -1, jnp.int32)))
 
 
 prefill_logits = jax.jit(_prefill_logits, static_argnums=0, donate_argnames=("cache",))
@@ -332,7 +351,15 @@ Returns:
   DecodeState with the last prompt position's logits [B, V] float32 and hidden state [B, D].
 """
 
-step = jax.jit(medusa_step, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
+def _step(cfg: ModelConfig, heads_cfg, tree: TreeBuffers, acc: Acceptance, params, head_params,
+          state: DecodeState):
+    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state)
+    return out, _constrain_state(st)
+
+
+step = jax.jit(_step, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
+step.__doc__ = """Jitted `verify.medusa_step` (same arguments, the state donated); on a device mesh the
+output state keeps the input state's layout (`_constrain_state`)."""
 
 
 def prefill_plan(longest: int, chunk_size: int = PREFILL_CHUNK) -> Tuple[int, int]:
@@ -398,6 +425,13 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     cache = init_cache(cfg, B, cache_size, dtype)
     last = jnp.zeros((B, cfg.hidden_size), dtype)
     key = row_keys(seed, B)
+    mesh = sharding.mesh_of(params)
+    if mesh is not None:  # the cache follows the attention heads; the rows go on 'data'
+        spec = sharding.fit_spec(sharding.cache_spec(), cache.k.shape, mesh)
+        rows = lambda x: sharding.put(x, mesh, sharding.fit_spec(sharding.batch_spec(x.ndim), x.shape, mesh))
+        cache = KVCache(k=sharding.put(cache.k, mesh, spec), v=sharding.put(cache.v, mesh, spec),
+                        lengths=rows(cache.lengths))
+        last = rows(last)
     run = _aot(prefill_chunk, (cfg, kv_block), (params, jnp.asarray(toks[:, :T]), lengths, cache, last))
     finish = _aot(prefill_logits, (cfg,), (params, last, cache, key))
     bar = _progress_bar(progress and chunks > 1, chunks, "prefill", "chunk")
@@ -436,9 +470,16 @@ def _decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]
     params tree: the weight-streaming kernels' ``[out, in]`` layout when they are available).
     Heads are readied for the tree once, here (`heads.prepare_heads`; heads from
     `runtime.resolve_heads` pass through unchanged), so that heads straight from `load_heads` do
-    not slice or gather their weights in every step."""
+    not slice or gather their weights in every step.
+
+    Params placed on a device mesh (`sharding.shard_params`) keep their layout (the CPU kernels do
+    not run on a mesh; XLA splits the products) and the heads are placed on the same mesh.
+    Raises ValueError when the mesh's model axis does not divide the attention heads."""
     from .models.llama import decoding_params
 
+    mesh = sharding.mesh_of(params)
+    if mesh is not None:
+        sharding.check_model_axis(cfg, mesh.shape["model"])
     params = decoding_params(params)
     if heads is None:
         return params, None, None, PLAIN_TREE
@@ -449,6 +490,8 @@ def _decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]
 
         heads_cfg, head_params = prepare_heads(heads_cfg, head_params, lm_head_matrix(cfg, params),
                                                depth=tree.max_depth)
+    if mesh is not None and sharding.mesh_of(head_params) is not mesh:
+        head_params = sharding.shard_params(head_params, mesh)
     return params, heads_cfg, head_params, tree
 
 
@@ -550,12 +593,16 @@ _COMPILED: dict = {}
 
 def _aot(fn, static: tuple, args: tuple):
     """`fn` (a jitted function whose leading arguments are `static`) compiled ahead of time for
-    these static values and argument shapes, cached, so that timings never include compilation."""
-    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype), args)
+    these static values and argument shapes, cached, so that timings never include compilation.
+    Arguments placed on a device mesh (`medusa_jax.sharding`) compile under that mesh, so the
+    shardings the step constrains (the KV cache's) hold; the shardings are part of the cache key."""
+    shapes = jax.tree_util.tree_map(lambda a: (a.shape, a.dtype, getattr(a, "sharding", None)), args)
     key = (fn, static, str(shapes))
     compiled = _COMPILED.get(key)
     if compiled is None:
-        compiled = fn.lower(*static, *args).compile()
+        mesh = sharding.mesh_of(args)
+        with (jax.set_mesh(mesh) if mesh is not None else contextlib.nullcontext()):
+            compiled = fn.lower(*static, *args).compile()
         _COMPILED[key] = compiled
     return compiled
 
@@ -624,7 +671,7 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
         row_steps = row_steps + jnp.where(done, 0, 1)
         count = count + n
         done = done | (has_eos & (n > 0)) | (count >= max_new_tokens) | (final & (st.cache.lengths >= S))
-        return st, out, count, done, steps + 1, hist, row_steps
+        return _constrain_state(st), out, count, done, steps + 1, hist, row_steps
 
     return jax.lax.while_loop(cond, body, tuple(carry))
 
@@ -667,15 +714,23 @@ def put_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
 def _insert_row(carry: tuple, row: DecodeState, b: jax.Array) -> tuple:
     """`carry` with row b replaced by the B = 1 prefilled `row` (`put_row`), nothing emitted."""
     st, out, count, done, steps, hist, row_steps = carry
-    return (put_row(st, row, b), out, count.at[b].set(0), done.at[b].set(False), steps, hist, row_steps.at[b].set(0))
+    return (_constrain_state(put_row(st, row, b)), out, count.at[b].set(0), done.at[b].set(False), steps, hist,
+            row_steps.at[b].set(0))
 
 
 insert_row = jax.jit(_insert_row, donate_argnums=(0,))
 
 
 def _grow_carry(carry: tuple, size: int) -> tuple:
+    """`carry` with its cache padded to `size` slots, each array kept where it was (on a mesh:
+    split as before)."""
     st = carry[0]
-    return (st.replace(cache=grow_cache(st.cache, size)),) + tuple(carry[1:])
+    old = st.cache
+    new = grow_cache(old, size)
+    if sharding.mesh_of(old) is not None:
+        new = KVCache(k=jax.device_put(new.k, old.k.sharding), v=jax.device_put(new.v, old.v.sharding),
+                      lengths=new.lengths)
+    return (st.replace(cache=new),) + tuple(carry[1:])
 
 
 def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 256,
@@ -867,7 +922,8 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: L
                 timing = {}
                 t = time.perf_counter()
                 row = start_state(cfg, params, [prompts[i_new]], S, [seeds[i_new]], timing=timing, progress=False)
-                carry = insert_row(carry, row, jnp.int32(b))
+                b_arr = jnp.int32(b)
+                carry = _aot(insert_row, (), (carry, row, b_arr))(carry, row, b_arr)
                 jax.block_until_ready(carry[0].logits)
                 overhead += time.perf_counter() - t - timing["prefill_s"]
                 rows[b], started[b], prefill_s[b] = i_new, clock(), timing["prefill_s"]

@@ -298,3 +298,26 @@ def add_dtype_arg(p) -> None:
                    help="compute dtype: params, activations and the KV cache in it, logits in float32 (plain and "
                         "Medusa share it, so greedy outputs stay identical); on a CPU bfloat16 and float16 are "
                         "slower than float32 (no weight-streaming kernel for them)")
+
+
+def add_mesh_arg(p) -> None:
+    """The --mesh flag of decode.py, bench and train.py (`place_on_mesh`)."""
+    p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                   help="run on a device mesh, e.g. 2x4: the batch split 2 ways ('data'), attention heads, MLP and "
+                        "vocabulary 4 ways ('model', Megatron-style; the KV cache follows the heads); the model axis "
+                        "must divide the query and KV heads. Default: one device. On a CPU, simulate N devices with "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N")
+
+
+def place_on_mesh(model, mesh):
+    """`model` (a `loading.LoadedModel`) with its params on `mesh` (`sharding.shard_params`);
+    unchanged for None. Raises ValueError when the mesh's model axis does not divide the attention
+    heads (`sharding.check_model_axis`)."""
+    if mesh is None:
+        return model
+    import dataclasses
+
+    from . import sharding
+
+    sharding.check_model_axis(model.cfg, mesh.shape["model"], what=os.path.basename(model.path) or "the model")
+    return dataclasses.replace(model, params=sharding.shard_params(model.params, mesh))

@@ -27,6 +27,13 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 from medusa_jax.config import ModelConfig, RopeScaling  # noqa: E402
 
+#: XLA_FLAGS of the pytest process that runs tests/mesh/ (`tests/test_mesh.py` starts it).
+EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
+# tests/mesh/ needs a device mesh: 8 simulated CPU devices, in a pytest process of its own
+# (tests/test_mesh.py), because simulating them here would slow every other test (each simulated
+# device gets a share of the CPU threads; the weight-streaming kernels ran half as fast).
+collect_ignore = ["mesh"] if jax.device_count() < 8 else []
+
 _TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
              num_kv_heads=2, rms_norm_eps=1e-5, rope_theta=10000.0, max_position_embeddings=256,
              bos_token_id=1, eos_token_ids=(2,))

@@ -42,8 +42,19 @@ def shell_commands():
     return out
 
 
+def split_env(argv):
+    """({NAME: value} of the leading ``NAME=value`` words, the command after them)."""
+    env = {}
+    while argv and re.fullmatch(r"[A-Z_][A-Z0-9_]*=.*", argv[0]):
+        name, value = argv[0].split("=", 1)
+        env[name] = value
+        argv = argv[1:]
+    return env, argv
+
+
 def _program(argv):
-    """(kind, main function or None, args) for a README command line."""
+    """(kind, main function or None, args) for a README command line (after its env assignments)."""
+    argv = split_env(argv)[1]
     if argv[0] == "make":
         return "make", None, argv[1:]
     assert argv[0] == ".venv/bin/python", f"README commands use the project's venv: {argv}"
@@ -84,7 +95,10 @@ def test_long_commands_parse_and_name_existing_files(stdin, argv, monkeypatch):
     with pytest.raises(_Parsed) as parsed:
         main(args)
     ns = vars(parsed.value.args[0])
+    from medusa_jax.plan import PRESETS
     for key in ("prompts", "config", "data"):
+        if key == "config" and main.__module__ == "medusa_jax.plan" and ns[key] in PRESETS:
+            continue  # a preset model, not a file
         if ns.get(key):
             assert os.path.exists(ns[key]), f"{' '.join(argv)}: {ns[key]} does not exist"
 
@@ -95,8 +109,9 @@ def test_long_commands_parse_and_name_existing_files(stdin, argv, monkeypatch):
 def test_decode_commands_run_as_written(stdin, argv, smollm2_path, tmp_path):
     if "--heads" in argv:  # made by the README's tune line, which this test only parses
         pytest.skip("needs the output of `python -m medusa_jax.tune`")
+    env, argv = split_env(argv)
     out = subprocess.run([sys.executable] + argv[1:], cwd=ROOT, input=stdin, capture_output=True, text=True,
-                         timeout=900)
+                         timeout=900, env={**os.environ, **env})
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip(), "no answer printed"
     if "--json" not in argv:

@@ -154,3 +154,4 @@ def test_bench_batch_rows_equal_batch_one_and_check_samples(tmp_path, capsys):
                        "--out", str(tmp_path / "c.json")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["acceptance"] == "exact" and summary["prompts"] == 3 and summary["mean_tokens_per_step"] >= 1
+

@@ -38,6 +38,8 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
+from .. import sharding
+
 SOURCE = Path(__file__).with_name("stream_matmul.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
 TARGETS = ("medusa_matmul_nt",)
@@ -186,8 +188,9 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     Returns:
       [..., N] in the promoted dtype of x and w. float32 products with at most `MAX_ROWS` rows
       (the product of x's leading dims) run the weight-streaming kernel when `available()`; the
-      others, and every product on a non-CPU backend, run XLA's ``dot_general``. Both agree to
-      float32 round-off; the kernel's rows do not depend on M (a row's sums run in one fixed
+      others, every product on a non-CPU backend and every product traced under a device mesh
+      (a custom call has no SPMD partitioning; `medusa_jax.sharding`) run XLA's ``dot_general``.
+      Both agree to float32 round-off; the kernel's rows do not depend on M (a row's sums run in one fixed
       order), so a tree step's logits equal a plain step's.
     Raises:
       ValueError: x's last dim differs from w's second.
@@ -196,6 +199,7 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(f"matmul_nt: x [..., {x.shape[-1]}] does not match w [{w.shape[0]}, {w.shape[-1]}]")
     lead = x.shape[:-1]
     rows = math.prod(lead)
-    if (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()):
+    if (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()
+            and not sharding.active()):
         return _streamed_nt(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[0])
     return _xla_nt(x, w)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import kernels
+from .. import kernels, sharding
 from ..config import ModelConfig
 from ..kv_cache import KVCache
 
@@ -419,11 +419,12 @@ def decoding_params(params: dict) -> dict:
     round-off); training keeps the ``kernel`` layout (its gradients and checkpoints use it).
 
     Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
-    (`kernels.status`), or when the tree is already in decoding layout. The result is cached per
+    (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the tree is already in decoding layout. The result is cached per
     params tree (while its embedding array lives), so the decoding entry points may call this on
     every request.
     """
-    if jax.default_backend() != "cpu" or not kernels.available() or _has_key(params, "kernel_t"):
+    if (jax.default_backend() != "cpu" or not kernels.available() or _has_key(params, "kernel_t")
+            or sharding.mesh_of(params["embed"]["embedding"]) is not None):
         return params
     leaf = params["embed"]["embedding"]
     hit = _DECODING.get(id(params))

@@ -138,13 +138,15 @@ class MetricsLog:
     is written and by `plot`.
 
     Lines of steps after `start_step` (the step a run resumes from; -1 keeps none) are dropped on
-    opening.
+    opening. With ``write=False`` (the other processes of a multi-process run) nothing is read or
+    written; the records are still kept in memory.
     """
 
-    def __init__(self, out_dir: str, start_step: int):
+    def __init__(self, out_dir: str, start_step: int, write: bool = True):
         self.path, self.png = os.path.join(out_dir, "metrics.jsonl"), os.path.join(out_dir, "accuracy.png")
+        self.enabled = write
         kept = []
-        if os.path.isfile(self.path):
+        if write and os.path.isfile(self.path):
             with open(self.path) as f:
                 for line in f:
                     try:
@@ -155,11 +157,14 @@ class MetricsLog:
                         kept.append(rec)
         self.records = kept
         self._plotted: Optional[int] = None  # len(records) at the last drawing
-        with open(self.path, "w") as f:
-            f.writelines(json.dumps(r) + "\n" for r in kept)
+        if write:
+            with open(self.path, "w") as f:
+                f.writelines(json.dumps(r) + "\n" for r in kept)
 
     def write(self, rec: dict) -> None:
         self.records.append(rec)
+        if not self.enabled:
+            return
         with open(self.path, "a") as f:
             f.write(json.dumps(rec) + "\n")
         if "val_top1" in rec:
@@ -167,7 +172,7 @@ class MetricsLog:
 
     def plot(self) -> None:
         """Redraw accuracy.png from every record so far (skipped when nothing changed since the last)."""
-        if self._plotted != len(self.records):
+        if self.enabled and self._plotted != len(self.records):
             plot_accuracy(self.records, self.png)
             self._plotted = len(self.records)
 

@@ -56,6 +56,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import sharding
 from ..config import MedusaConfig, ModelConfig, TrainConfig
 from ..heads import MedusaHeads, init_heads
 from ..hydra import from_medusa, teacher_forced_states, token_embeddings
@@ -73,7 +74,7 @@ LENGTH_BUCKET = 128
 #: (`check_resume`); any other difference refuses to resume.
 _RESUME_FREE = ("out_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_hidden",
                 "hidden_dir", "hidden_batch_tokens", "tree", "tree_nodes", "save_backbone", "max_val_positions", "topk",
-                "loss_chunk")
+                "loss_chunk", "mesh")
 #: Of those, the fields the export depends on: a finished run is exported again when one changes.
 _EXPORT_FIELDS = ("tree", "tree_nodes", "topk", "save_backbone", "max_val_positions")
 #: How to get past a run in out_dir that cannot be continued, for messages.
@@ -451,6 +452,34 @@ def make_joint_step(mcfg: ModelConfig, hcfg: MedusaConfig, tc: TrainConfig, opts
     return jax.jit(step, donate_argnums=(0, 1))
 
 
+def place_frozen_batch(batch: dict, mesh) -> dict:
+    """A frozen-mode batch (`data.positions_batch`) on `mesh`, its N positions split on 'data':
+    hidden [N, D] along axis 0; labels / valid / path_tokens [K, N] and teacher [K, N, D] along
+    axis 1 (`sharding.put`: every process passes the same whole batch). Unchanged without a mesh."""
+    if mesh is None:
+        return batch
+    return {k: sharding.put(v, mesh, sharding.fit_spec(sharding.batch_spec(v.ndim, 0 if k == "hidden" else 1),
+                                                       v.shape, mesh)) for k, v in batch.items()}
+
+
+def place_joint_batch(tokens, lab, ok, blab, bok, mesh) -> tuple:
+    """A joint-mode batch on `mesh`, its B sequences split on 'data': tokens, blab, bok [B, T]
+    along axis 0, lab / ok [K, B, T] along axis 1. Unchanged without a mesh."""
+    if mesh is None:
+        return tokens, lab, ok, blab, bok
+    put = lambda x, axis: sharding.put(x, mesh, sharding.fit_spec(sharding.batch_spec(np.ndim(x), axis),
+                                                                  np.shape(x), mesh))
+    return put(tokens, 0), put(lab, 1), put(ok, 1), put(blab, 0), put(bok, 0)
+
+
+def to_host(tree):
+    """Every array of `tree` as numpy, gathered from all processes when it is split across them."""
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        return multihost_utils.process_allgather(tree, tiled=True)
+    return jax.tree_util.tree_map(np.asarray, tree)
+
+
 # ---------------------------------------------------------------------------------------- training
 
 def _summary(per_sum, counts, ranks, misses=0) -> dict:
@@ -697,11 +726,16 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
                 return done
             _note(f"{out_dir} holds this run, finished ({point[0]}/{tc.steps} steps); exporting its heads again "
                   f"(export settings changed or {os.path.join(out_dir, 'heads')} is missing)")
+    mesh = sharding.mesh_from_arg(tc.mesh)
+    primary = jax.process_index() == 0  # the process that writes metrics and the export
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "train_config.json"), "w") as f:
-        json.dump(tc.to_dict(), f, indent=2)
+    if primary:
+        with open(os.path.join(out_dir, "train_config.json"), "w") as f:
+            json.dump(tc.to_dict(), f, indent=2)
     bb = backbone or build_backbone(tc)
     mcfg, K, joint = bb.cfg, tc.num_heads, tc.mode == "joint"
+    if mesh is not None and joint:
+        sharding.check_model_axis(mcfg, mesh.shape["model"])
     hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=K,
                         num_layers=tc.num_layers, shared_lm_head=tc.shared_lm_head, topk=tc.topk,
                         base_model=os.path.basename(os.path.normpath(bb.path)), head_type=tc.head_type)
@@ -734,8 +768,12 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
         params, opt_state = jax.tree_util.tree_map(jnp.asarray, (state["params"], state["opt_state"]))
     else:  # copies: the steps donate their inputs, and bb.params must survive (teacher, export)
         params, opt_state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, opt_state))
-    metrics = MetricsLog(out_dir, step if step else -1)  # from step 0: no line of an earlier run is kept
+    metrics = MetricsLog(out_dir, step if step else -1, write=primary)  # from step 0: no earlier line is kept
     ref = bb.params if joint and tc.base_loss == "kl" else None
+    if mesh is not None:  # Megatron-style on 'model' (`sharding.RULES`), optimizer states as their params
+        params, opt_state, ref = sharding.shard_params((params, opt_state, ref), mesh)
+        lm_train = sharding.put(lm_train, mesh, sharding.spec_for("lm_head/kernel", lm_train.shape, mesh))
+        emb = sharding.put(emb, mesh, sharding.spec_for("embed/embedding", emb.shape, mesh))
 
     def evaluate(p) -> dict:
         if not joint:
@@ -768,10 +806,11 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
         if joint:
             tokens, mask = _padded([train_ex[i] for i in idx], tc.batch_size, tc.max_seq_len)
             params, opt_state, st = step_fns[step >= tc.heads_warmup_steps](
-                params, opt_state, ref, tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask))
+                params, opt_state, ref, *place_joint_batch(tokens, *D.head_targets(tokens, mask, K),
+                                                           *D.base_targets(tokens, mask), mesh))
         else:
             batch = restrict_batch(D.positions_batch(train_pos, idx, soft=soft), remap)[0]
-            params, opt_state, st = frozen_step(params, opt_state, lm_train, emb, batch)
+            params, opt_state, st = frozen_step(params, opt_state, lm_train, emb, place_frozen_batch(batch, mesh))
         st = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), st)
         acc = dict(st, n=1) if acc is None else {k: acc[k] + st.get(k, 1) for k in acc}
         step += 1
@@ -789,7 +828,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
             save(step)
     bar.close()
     metrics.plot()  # also for runs stopped early or without validation data
-    np_params = jax.tree_util.tree_map(np.asarray, params)
+    np_params = to_host(params)
     heads_p, backbone_p = (np_params["heads"], np_params["backbone"]) if joint else (np_params, None)
     heads_dir = None
     out_cfg = hcfg
@@ -799,6 +838,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     if step >= tc.steps:
         save(step)
         last_eval = last_eval or evaluate(params)
-        heads_dir = export(tc, out_cfg, heads_p, backbone_p, bb, last_eval, out_dir)
+        if primary:
+            heads_dir = export(tc, out_cfg, heads_p, backbone_p, bb, last_eval, out_dir)
     ck.close()
     return TrainResult(out_cfg, heads_p, backbone_p, last_eval, step, heads_dir)

@@ -1,0 +1,452 @@
+"""Memory plan of one decoding step on a device mesh, from the compiled step, with nothing allocated.
+
+``python -m medusa_jax.plan --config llama-2-7b --mesh 1x8 --dtype bfloat16 --max-len 4096 --batch 8``
+
+The decoding step (`medusa_jax.generate.step`, the jitted `medusa_jax.verify.medusa_step`) is
+lowered and compiled by XLA for abstract inputs (`jax.ShapeDtypeStruct` with their
+`NamedSharding`), exactly as decoding lays them out on a ``DATAxMODEL`` mesh
+(`medusa_jax.sharding`: Megatron-style on 'model', rows on 'data'):
+
+- backbone params: the shapes of ``LlamaModel(cfg).init`` (`jax.eval_shape`), every leaf in
+  ``--dtype`` (as ``load_model(dtype=...)`` stores them), placed by `sharding.spec_for`;
+- Medusa heads: ``MedusaHeads`` with one residual block each and the backbone's shared lm_head,
+  readied for the tree as decoding readies them (`heads.prepare_heads`: only the first
+  tree-depth heads are kept), in ``--dtype``;
+- KV cache: k, v ``[L, B, S, KVH, Dh]`` in ``--dtype``, B on 'data' and KVH on 'model'
+  (`sharding.cache_spec`), lengths ``[B]`` int32;
+- decode state: logits ``[B, V]`` float32, hidden ``[B, D]``, per-row keys ``[B, 2]`` uint32 and
+  next_token ``[B]`` int32, rows on 'data'.
+
+The figures are per device, in bytes: what one device holds of each input (its shard,
+``NamedSharding.shard_shape``), XLA's temporaries (``compiled.memory_analysis()``) and the step's
+outputs that do not reuse a donated input. ``total = params + heads + KV cache + state +
+unaliased outputs + temporaries`` is the step's peak. XLA's own argument size is reported beside
+the sum of the inputs' shards as a cross-check. Prefill (chunks of `generate.PREFILL_CHUNK` tokens)
+is not planned; its temporaries scale with the chunk, not the tree.
+
+Devices: compiling for a mesh needs its data x model devices. `main` asks the CPU platform for
+that many simulated devices (``XLA_FLAGS=--xla_force_host_platform_device_count``) before JAX
+starts, so the plan runs on any machine; on a machine whose default devices are too few, the
+CPU's are used. The figures are then those of XLA's CPU compiler: weights, KV cache and state are
+the same on any platform, temporaries are not. XLA:CPU has no native bfloat16 / float16 dots or
+scatters and converts their whole operands to float32, so a bfloat16 plan's temporaries hold about
+two bytes per weight and per cache entry more (llama-2-7b on 1x8, bfloat16, S 4096, B 8: 7.1 GiB
+of temporaries, float32: 0.17 GiB); the result's ``notes`` say so. A GPU or TPU compile makes no
+such copies.
+
+The default tree (``--tree-nodes``, T tokens with the root): the first T - 1 nodes of the
+official ``mc_sim_7b_63`` tree (FasterDecoding/Medusa, `tree.MC_SIM_7B_63`, acceptance order) of
+depth <= K; 64 by default (the whole tree when K >= 4). A larger T than that tree holds is the
+greedy tree (`tree.greedy_tree_search`, Medusa Sec. 3.3.1) on a stand-in accuracy table
+(`STAND_IN_ACCURACY`). With K = 0 the step is plain decoding (`generate.PLAIN_TREE`, T = 1).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+#: Hugging Face ``config.json`` values of the preset models (the published configs).
+#: vicuna-7b is lmsys/vicuna-7b-v1.5 (Llama 2 based; v1.3, the base of the official Medusa heads,
+#: has the same shapes with max_position_embeddings 2048 and rms_norm_eps 1e-6).
+PRESETS: Dict[str, Dict[str, Any]] = {
+    "llama-2-7b": {  # meta-llama/Llama-2-7b-hf
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "float16"},
+    "llama-2-13b": {  # meta-llama/Llama-2-13b-hf
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 5120,
+        "intermediate_size": 13824, "num_hidden_layers": 40, "num_attention_heads": 40,
+        "num_key_value_heads": 40, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "float16"},
+    "llama-2-70b": {  # meta-llama/Llama-2-70b-hf (grouped-query attention: 8 KV heads)
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 8192,
+        "intermediate_size": 28672, "num_hidden_layers": 80, "num_attention_heads": 64,
+        "num_key_value_heads": 8, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu", "torch_dtype": "float16"},
+    "vicuna-7b": {  # lmsys/vicuna-7b-v1.5
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 4096,
+        "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "vocab_size": 32000, "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "tie_word_embeddings": False,
+        "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "hidden_act": "silu",
+        "torch_dtype": "float16"},
+}
+
+DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
+ACCEPTANCES: Tuple[str, ...] = ("greedy", "exact", "typical")
+#: Tree tokens (root included) of the default tree: the whole ``mc_sim_7b_63`` tree.
+DEFAULT_TREE_NODES = 64
+#: Candidates per head of the planned trees (the official trees' top-k).
+TREE_TOPK = 10
+#: Stand-in rank accuracies for trees larger than ``mc_sim_7b_63``: head k's rank-r token is taken
+#: to be right with probability ``STAND_IN_ACCURACY ** (k + 1) / (r + 1)``. Only the tree's shape
+#: matters to memory; this gives bushy shallow levels and thin deep ones, as calibrated trees have.
+STAND_IN_ACCURACY = 0.7
+
+_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
+
+
+def load_hf_config(spec: str) -> Tuple[Dict[str, Any], str]:
+    """The HF config dict that `spec` names, and a label for it.
+
+    Args:
+      spec: a preset name (`PRESETS`), a path to a ``config.json``, or a directory holding one.
+    Returns:
+      (config dict, label: the preset name or the file's path).
+    Raises:
+      ValueError: not a preset and no such file (the message lists the presets), or a file that is
+        not a JSON object.
+    """
+    if spec in PRESETS:
+        return dict(PRESETS[spec]), spec
+    path = os.path.join(spec, "config.json") if os.path.isdir(spec) else spec
+    if not os.path.isfile(path):
+        raise ValueError(f"--config {spec!r} is neither a preset ({', '.join(PRESETS)}) nor a config.json "
+                         "file or a directory holding one")
+    try:
+        with open(path) as f:
+            d = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: cannot read it as a Hugging Face config.json: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object (a Hugging Face config.json), got {type(d).__name__}")
+    return d, path
+
+
+def plan_tree(num_heads: int, tree_nodes: Optional[int] = None):
+    """The Medusa tree a plan compiles the step for (see the module docstring).
+
+    Args:
+      num_heads: K >= 0 Medusa heads; 0: plain decoding.
+      tree_nodes: T, tree tokens with the root (>= 2 with heads; only 1 or None without); None:
+        up to `DEFAULT_TREE_NODES` nodes of ``mc_sim_7b_63`` of depth <= K (fewer when K is small:
+        the official tree has 10 nodes at depth 1).
+    Returns:
+      `tree.TreeBuffers` of depth <= K and exactly T tokens when T was given.
+    Raises:
+      ValueError: K < 0, T < 2 with heads, T > 1 without heads, or T more than a tree of depth K
+        with top-10 heads can hold.
+    """
+    import numpy as np
+
+    from .generate import PLAIN_TREE
+    from .tree import MC_SIM_7B_63, _prefix_closed_head, build_tree, greedy_tree_search
+
+    if num_heads < 0:
+        raise ValueError(f"--medusa-heads must be >= 0 (0: plain decoding), got {num_heads}")
+    if num_heads == 0:
+        if tree_nodes not in (None, 1):
+            raise ValueError(f"--tree-nodes {tree_nodes} needs Medusa heads: plain decoding (--medusa-heads 0) "
+                             "runs the root alone (T = 1)")
+        return PLAIN_TREE
+    n = DEFAULT_TREE_NODES if tree_nodes is None else int(tree_nodes)
+    if n < 2:
+        raise ValueError(f"--tree-nodes must be >= 2 with Medusa heads (the root and at least one candidate), got "
+                         f"{n}; for the root alone plan plain decoding with --medusa-heads 0")
+    choices = _prefix_closed_head([p for p in MC_SIM_7B_63 if len(p) <= num_heads], n - 1)
+    if len(choices) < n - 1 and tree_nodes is not None:
+        acc = np.array([[STAND_IN_ACCURACY ** (k + 1) / (r + 1) for r in range(TREE_TOPK)]
+                        for k in range(num_heads)])
+        choices = greedy_tree_search(acc, n, topk=TREE_TOPK)
+        if len(choices) < n - 1:
+            raise ValueError(f"--tree-nodes {n} exceeds the {len(choices) + 1} nodes a tree of depth {num_heads} "
+                             f"with top-{TREE_TOPK} heads can hold; use fewer nodes or more --medusa-heads")
+    return build_tree(choices, topk=TREE_TOPK, num_heads=num_heads)
+
+
+def ensure_host_devices(count: int) -> bool:
+    """Ask JAX's CPU platform for `count` simulated devices, unless ``XLA_FLAGS`` already sets a
+    count: appends ``--xla_force_host_platform_device_count=<count>`` to ``os.environ["XLA_FLAGS"]``.
+    JAX reads the flag when its backend starts (the first ``jax.devices()`` or computation), not
+    at import, so call this before anything touches the backend; afterwards it has no effect.
+    Other platforms (GPU, TPU) ignore it. Returns True when the flag was added."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _HOST_DEVICES_FLAG in flags:
+        return False
+    os.environ["XLA_FLAGS"] = (flags + " " if flags else "") + f"{_HOST_DEVICES_FLAG}={int(count)}"
+    return True
+
+
+def _mesh_devices(need: int) -> list:
+    """The default devices, or the CPU's when the default platform has fewer than `need`."""
+    import jax
+
+    devs = jax.devices()
+    if len(devs) < need and devs[0].platform != "cpu":
+        try:
+            cpu = jax.devices("cpu")
+        except RuntimeError:
+            cpu = []
+        if len(cpu) >= need:
+            return cpu
+    return devs
+
+
+def shard_bytes(tree) -> int:
+    """Bytes one device holds of every `jax.ShapeDtypeStruct` leaf of `tree` (its shard: the
+    sharding's ``shard_shape`` of the leaf's shape, times the itemsize; the whole leaf without a
+    sharding). Returns an int (0 for an empty tree)."""
+    import jax
+    import numpy as np
+
+    total = 0
+    for leaf in jax.tree_util.tree_leaves(tree):
+        shape = leaf.sharding.shard_shape(leaf.shape) if leaf.sharding is not None else leaf.shape
+        total += math.prod(shape) * np.dtype(leaf.dtype).itemsize
+    return int(total)
+
+
+def _global_bytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
+
+
+def _acceptance(name: str):
+    from .verify import Acceptance
+
+    if name not in ACCEPTANCES:
+        raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {name!r}")
+    if name == "greedy":
+        return Acceptance()
+    return Acceptance(temperature=1.0, method=name).check()
+
+
+def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", max_len: int = 4096,
+         batch: int = 8, medusa_heads: int = 4, tree_nodes: Optional[int] = None,
+         acceptance: str = "greedy") -> Dict[str, Any]:
+    """Per-device memory of one decoding step, from XLA's compilation of it; nothing is allocated.
+
+    Args:
+      hf_config_or_preset: a preset name (`PRESETS`), a path to an HF ``config.json`` (or a directory
+        holding one), or an HF config dict.
+      mesh: ``"DATAxMODEL"`` (`sharding.parse_mesh`); needs data * model devices (see the module
+        docstring; in a process whose backend has started, they must exist already).
+      dtype: "float32", "bfloat16" or "float16": params, heads, KV cache and activations.
+      max_len: S, KV cache slots per row, in [T, max_position_embeddings] (T: tree tokens).
+      batch: B >= 1 rows (split on 'data' when B divides by it, else replicated).
+      medusa_heads: K >= 0 Medusa heads (one residual block each, the backbone's lm_head shared);
+        0: plain decoding.
+      tree_nodes: T, tree tokens with the root (`plan_tree`); None: the default tree.
+      acceptance: "greedy" (temperature 0), "exact" or "typical" (sampling; more temporaries:
+        the tree's [B, T, V] log-probabilities).
+    Returns:
+      A JSON-serialisable dict. Per device, ints in bytes: ``params_bytes`` (backbone shards),
+      ``heads_bytes`` (the heads decoding keeps: the first tree-depth of them), ``kv_cache_bytes``
+      (k and v shards), ``state_bytes`` (logits, hidden, keys, next_token, cache lengths),
+      ``output_bytes`` / ``alias_bytes`` (XLA's outputs and the part of them that reuses donated
+      inputs), ``unaliased_output_bytes``, ``temp_bytes`` (XLA's temporaries), ``argument_bytes``
+      (XLA's arguments: equals params + heads + KV cache + state), ``total_bytes`` (params + heads +
+      KV cache + state + unaliased outputs + temporaries); ``params_global_bytes`` (the whole
+      backbone, unsharded); ``compile_s`` (seconds); ``notes`` (list of str: caveats, e.g. XLA:CPU's
+      float32 copies in a bfloat16 plan's temporaries); and the echo of the inputs: ``config``,
+      ``arch``, ``num_layers``, ``hidden_size``, ``intermediate_size``, ``vocab_size``,
+      ``num_heads``, ``num_kv_heads``, ``head_dim``, ``mesh``, ``data``, ``model``, ``devices``,
+      ``platform``, ``dtype``, ``batch``, ``max_len``, ``medusa_heads``, ``heads_used``,
+      ``tree_nodes``, ``tree_depth``, ``acceptance``.
+    Raises:
+      ValueError: an unknown preset or missing / unreadable config file (naming the presets), an
+        unsupported architecture, a malformed mesh, a model axis that does not divide the attention
+        heads (naming the sizes that work), fewer devices than the mesh needs, a dtype outside
+        `DTYPES`, batch < 1, max_len outside [T, max_position_embeddings], or a bad tree size.
+    """
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+
+    from . import sharding
+    from .config import MedusaConfig, ModelConfig
+    from .generate import step
+    from .heads import MedusaHeads, prepare_heads
+    from .kv_cache import KVCache
+    from .models.llama import LlamaModel
+    from .verify import DecodeState
+
+    if isinstance(hf_config_or_preset, Mapping):
+        hf, label = dict(hf_config_or_preset), "config dict"
+    else:
+        hf, label = load_hf_config(str(hf_config_or_preset))
+    try:
+        cfg = ModelConfig.from_hf_dict(hf, source=label)
+    except KeyError as e:
+        raise ValueError(f"{label}: missing key {e} (a Hugging Face config.json of a Llama-family model)") from None
+    data, model = sharding.parse_mesh(mesh)
+    sharding.check_model_axis(cfg, model)
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    dt = jnp.dtype(dtype)
+    if int(batch) < 1:
+        raise ValueError(f"--batch must be >= 1 row, got {batch}")
+    acc = _acceptance(acceptance)
+    tree = plan_tree(int(medusa_heads), tree_nodes)
+    B, S = int(batch), int(max_len)
+    ctx = cfg.max_position_embeddings
+    if not tree.size <= S <= ctx:
+        raise ValueError(f"--max-len {S} must be in [{tree.size}, {ctx}]: at least the tree's {tree.size} tokens "
+                         f"and at most the model's context (max_position_embeddings {ctx}), as decoding refuses "
+                         "a larger cache")
+    mesh_obj = sharding.make_mesh(data, model, _mesh_devices(data * model))
+
+    def place(path: str, shape, dtype_, spec=None):
+        spec = sharding.spec_for(path, shape, mesh_obj) if spec is None else sharding.fit_spec(spec, shape, mesh_obj)
+        return jax.ShapeDtypeStruct(tuple(shape), dtype_, sharding=NamedSharding(mesh_obj, spec))
+
+    def placed_tree(abstract):
+        return jax.tree_util.tree_map_with_path(
+            lambda p, x: place(sharding._path_str(p), x.shape, dt), abstract)
+
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    abstract = jax.eval_shape(lambda t: LlamaModel(cfg).init(jax.random.PRNGKey(0), t, t)["params"], tokens)
+    params = placed_tree(abstract)
+
+    heads_cfg = head_params = None
+    if tree.max_depth > 0:
+        full_cfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                                num_heads=int(medusa_heads), num_layers=1, shared_lm_head=True)
+        hidden = jax.ShapeDtypeStruct((1, cfg.hidden_size), jnp.float32)
+        raw = jax.eval_shape(lambda h: MedusaHeads(full_cfg).init(jax.random.PRNGKey(0), h,
+                                                                  method=MedusaHeads.head_states)["params"], hidden)
+        prepared = {}
+
+        def ready(p):  # decoding keeps the first tree-depth heads only (`generate._decoding_setup`)
+            c, out = prepare_heads(full_cfg, p, None, depth=tree.max_depth)
+            prepared["cfg"] = c
+            return out
+
+        head_params = placed_tree(jax.eval_shape(ready, raw))
+        heads_cfg = prepared["cfg"]
+
+    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    rows = lambda shape, dtype_: place("", shape, dtype_, sharding.batch_spec(len(shape)))
+    cache = KVCache(k=place("", kv_shape, dt, sharding.cache_spec()), v=place("", kv_shape, dt, sharding.cache_spec()),
+                    lengths=rows((B,), jnp.int32))
+    state = DecodeState(logits=rows((B, cfg.vocab_size), jnp.float32), hidden=rows((B, cfg.hidden_size), dt),
+                        cache=cache, key=rows((B, 2), jnp.uint32), next_token=rows((B,), jnp.int32))
+
+    t0 = time.perf_counter()
+    with jax.set_mesh(mesh_obj):
+        compiled = step.lower(cfg, heads_cfg, tree, acc, params, head_params, state).compile()
+    compile_s = time.perf_counter() - t0
+    mem = compiled.memory_analysis()
+    if mem is None:
+        raise RuntimeError(f"XLA's {mesh_obj.devices.flat[0].platform} compiler gives no memory analysis")
+
+    params_b = shard_bytes(params)
+    heads_b = shard_bytes(head_params) if head_params is not None else 0
+    kv_b = shard_bytes((cache.k, cache.v))
+    state_b = shard_bytes((cache.lengths, state.logits, state.hidden, state.key, state.next_token))
+    out_b, alias_b = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
+    unaliased = max(out_b - alias_b, 0)
+    temp_b = int(mem.temp_size_in_bytes)
+    dev = mesh_obj.devices.flat[0]
+    notes = []
+    if dev.platform == "cpu" and dt != jnp.float32:
+        notes.append(f"XLA's CPU compiler runs {dt.name} products and cache updates in float32, converting whole "
+                     "operands (weights, KV cache): temp_bytes holds float32 copies that a GPU or TPU compile does "
+                     "not make (params, heads, KV cache and state are the same on every platform; the --dtype "
+                     "float32 plan's temporaries bound the activations)")
+    return {
+        "config": label, "arch": cfg.arch, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads,
+        "num_kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim,
+        "mesh": f"{data}x{model}", "data": data, "model": model, "devices": data * model, "platform": dev.platform,
+        "dtype": dt.name, "batch": B, "max_len": S, "medusa_heads": int(medusa_heads),
+        "heads_used": tree.max_depth, "tree_nodes": tree.size, "tree_depth": tree.max_depth,
+        "acceptance": acceptance,
+        "params_bytes": params_b, "heads_bytes": heads_b, "kv_cache_bytes": kv_b, "state_bytes": state_b,
+        "unaliased_output_bytes": unaliased, "temp_bytes": temp_b,
+        "total_bytes": params_b + heads_b + kv_b + state_b + unaliased + temp_b,
+        "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": out_b, "alias_bytes": alias_b,
+        "params_global_bytes": _global_bytes(params), "compile_s": round(compile_s, 2), "notes": notes,
+    }
+
+
+_GIB = 1024 ** 3
+
+
+def format_plan(r: Mapping[str, Any]) -> str:
+    """The readable report of a `plan` result: a header line and a per-device table (GiB with two
+    decimals, and bytes)."""
+    heads = (f"{r['medusa_heads']} Medusa heads ({r['heads_used']} used by the tree)" if r["medusa_heads"]
+             else "plain decoding")
+    head = (f"memory plan of one decoding step: {r['config']} on a {r['mesh']} mesh ({r['devices']} "
+            f"{r['platform']} device{'s' if r['devices'] > 1 else ''}), {r['dtype']}, batch {r['batch']}, "
+            f"max-len {r['max_len']}, tree {r['tree_nodes']} node{'s' if r['tree_nodes'] > 1 else ''} "
+            f"(depth {r['tree_depth']}), {heads}, {r['acceptance']} acceptance; compiled in {r['compile_s']:.1f} s")
+    rows = [("backbone params", r["params_bytes"]), ("Medusa heads", r["heads_bytes"]),
+            ("KV cache", r["kv_cache_bytes"]), ("decode state", r["state_bytes"]),
+            ("outputs (not aliased)", r["unaliased_output_bytes"]), ("XLA temporaries", r["temp_bytes"]),
+            ("total", r["total_bytes"])]
+    lines = [head, f"{'per device':<24}{'GiB':>10}{'bytes':>18}"]
+    for i, (name, b) in enumerate(rows):
+        if i == len(rows) - 1:
+            lines.append("-" * 52)
+        lines.append(f"  {name:<22}{b / _GIB:>10.2f}{b:>18,}")
+    inputs = r["params_bytes"] + r["heads_bytes"] + r["kv_cache_bytes"] + r["state_bytes"]
+    lines.append(f"cross-check: XLA's arguments {r['argument_bytes']:,} bytes, the inputs' shards above "
+                 f"{inputs:,} bytes; whole backbone {r['params_global_bytes'] / _GIB:.2f} GiB")
+    lines.extend(f"note: {n}" for n in r.get("notes", ()))
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    """The command line (see the module docstring). Returns 0, or 2 after an ``error: ...`` line on
+    stderr for a bad config, mesh, size or too few devices."""
+    from .cli_help import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="python -m medusa_jax.plan", formatter_class=HelpFormatter,
+        description="Per-device memory of one Medusa decoding step on a DATAxMODEL device mesh, from XLA's "
+                    "compilation of the step on abstract inputs: nothing is allocated, and on a CPU the mesh's "
+                    "devices are simulated.")
+    p.add_argument("--config", required=True, metavar="CONFIG",
+                   help="a Hugging Face config.json, a directory holding one, or a preset: " + ", ".join(PRESETS))
+    p.add_argument("--mesh", default="1x1", metavar="DATAxMODEL",
+                   help="device mesh: DATA-way batch split times MODEL-way Megatron split (MODEL must divide the "
+                        "query and KV heads)")
+    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
+                   help="dtype of the params, Medusa heads, KV cache and activations (logits stay float32)")
+    p.add_argument("--max-len", type=int, default=4096, metavar="S",
+                   help="KV cache slots per row (prompt plus output), at most the model's context")
+    p.add_argument("--batch", type=int, default=8, metavar="B", help="rows decoded together")
+    p.add_argument("--medusa-heads", type=int, default=4, metavar="K",
+                   help="Medusa heads (one residual block each, sharing the backbone's lm_head); 0: plain decoding")
+    p.add_argument("--tree-nodes", type=int, default=None, metavar="T",
+                   help=f"tree tokens with the root; default: up to {DEFAULT_TREE_NODES}, the official mc_sim_7b_63 "
+                        "tree cut to depth K (larger T: a greedy tree on stand-in accuracies)")
+    p.add_argument("--acceptance", choices=ACCEPTANCES, default="greedy",
+                   help="acceptance rule of the step: greedy (temperature 0), or sampling with exact or typical "
+                        "acceptance (more temporaries)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    args = p.parse_args(argv)
+
+    from .sharding import parse_mesh
+
+    try:
+        data, model = parse_mesh(args.mesh)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    ensure_host_devices(data * model)  # before anything starts JAX's backend
+    try:
+        result = plan(args.config, mesh=args.mesh, dtype=args.dtype, max_len=args.max_len, batch=args.batch,
+                      medusa_heads=args.medusa_heads, tree_nodes=args.tree_nodes, acceptance=args.acceptance)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(result) if args.json else format_plan(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
