@@ -83,7 +83,12 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if res.heads_dir is None:
-        print(f"stopped at step {res.steps_done}/{tc.steps}; run the same command again to resume", file=sys.stderr)
+        if res.steps_done >= tc.steps:  # another process of a multi-process run
+            import jax
+            print(f"process {jax.process_index()}: trained {res.steps_done} steps; process 0 wrote the heads to "
+                  f"{os.path.join(os.path.abspath(tc.out_dir), 'heads')}", file=sys.stderr)
+        else:
+            print(f"stopped at step {res.steps_done}/{tc.steps}; run the same command again to resume", file=sys.stderr)
         return 0
     m = res.metrics
     done = "already trained" if res.already_finished else "trained"

@@ -319,10 +319,11 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
                 return D.Positions(*(z[f] for f in D.Positions._fields))
     out = compute_positions(backbone, examples, tc.num_heads, tc.max_seq_len, tc.hidden_batch_tokens,
                             desc=f"hidden states ({split})", progress=progress)
-    if tc.cache_hidden:
+    if tc.cache_hidden and jax.process_index() == 0:  # in a multi-process run, process 0 writes it
         os.makedirs(os.path.dirname(fn), exist_ok=True)
-        np.savez(fn + ".tmp.npz", key=json.dumps(key), **out._asdict())
-        os.replace(fn + ".tmp.npz", fn)
+        tmp = f"{fn}.{os.getpid()}.tmp.npz"
+        np.savez(tmp, key=json.dumps(key), **out._asdict())
+        os.replace(tmp, fn)
     return out
 
 

@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from conftest import random_heads
 from medusa_jax import sharding
 from medusa_jax.check import compare
-from medusa_jax.config import ModelConfig, TrainConfig
+from medusa_jax.config import ModelConfig
 from medusa_jax.generate import generate, generate_batch, generate_device, start_state
 from medusa_jax.models.llama import LlamaModel
 from medusa_jax.tree import build_tree
@@ -162,23 +162,59 @@ def test_training_step_on_2x4_equals_one_device(mode):
     assert _rel(a[worst], b[worst]) <= 1e-5, worst
 
 
-def test_train_on_mesh_equals_one_device(tmp_path):
-    """`train` itself (config field / --mesh) on 2x4: the same heads and backbone as one device."""
-    from medusa_jax.train.trainer import train
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
 
-    base = ("steps=3", "mode=joint", "eval_every=0", "random_num_heads=8", "random_num_kv_heads=4",
-            "tree=small_8", "adam_eps=1e-3", "batch_size=8")
-    res = {}
-    for mesh in ("1x1", "2x4"):
-        tc = TrainConfig.from_yaml(os.path.join(ROOT, "configs", "tiny.yaml"),
-                                   base + (f"mesh={mesh}", f"out_dir={tmp_path / mesh}"))
-        res[mesh] = train(tc, resume=False, progress=False)
-    for part in ("heads_params", "backbone_params"):
-        a, b = getattr(res["1x1"], part), getattr(res["2x4"], part)
-        flat_a, flat_b = jax.tree_util.tree_leaves_with_path(a), jax.tree_util.tree_leaves(b)
-        for (path, x), y in zip(flat_a, flat_b):
-            assert _rel(x, y) <= 1e-5, (part, jax.tree_util.keystr(path))
-    assert (tmp_path / "2x4" / "heads" / "config.json").exists()
+
+def _run_processes(argvs, timeout: int = 300):
+    """Start one process per argv (one simulated CPU device each) and wait; returns their logs.
+    Fails the test when one exits non-zero or they do not finish in time."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for argv in argvs]
+    logs = []
+    for p in procs:
+        try:
+            logs.append(p.communicate(timeout=timeout)[0])
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            pytest.fail(f"the processes did not finish in {timeout} s")
+    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    return logs
+
+
+def test_train_py_two_processes_equals_one(tmp_path):
+    """train.py joint mode (heads and backbone) as 2 processes on a 2x1 mesh (`--coordinator`,
+    `--num-processes`, `--process-id`), with an Orbax checkpoint on the way: process 0 exports the
+    same heads and backbone as a single-process run (1e-5 relative); process 1 writes nothing."""
+    from medusa_jax.convert.medusa_format import load_heads
+
+    common = ["train.py", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--no-progress", "--set",
+              "steps=4", "mode=joint", "checkpoint_every=2", "eval_every=0", "adam_eps=1e-3", "tree=small_8"]
+    port = _free_port()
+    logs = _run_processes([[sys.executable] + common + [f"out_dir={tmp_path / 'two'}", "--mesh", "2x1",
+                                                        "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
+                                                        "--process-id", str(i)] for i in range(2)])
+    assert "process 1: trained 4 steps; process 0 wrote the heads" in logs[1]
+    _run_processes([[sys.executable] + common + [f"out_dir={tmp_path / 'one'}"]])
+    for part in ("heads", "backbone"):
+        assert (tmp_path / "two" / part).is_dir()
+    (_, a), (_, b) = load_heads(str(tmp_path / "one" / "heads")), load_heads(str(tmp_path / "two" / "heads"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert _rel(a[k], b[k]) <= 1e-5, k
+    from safetensors.numpy import load_file
+    x = load_file(str(tmp_path / "one" / "backbone" / "model.safetensors"))
+    y = load_file(str(tmp_path / "two" / "backbone" / "model.safetensors"))
+    assert x.keys() == y.keys() and len(x) > 10
+    for k in x:
+        assert _rel(x[k], y[k]) <= 1e-5, k
+    assert sorted(os.listdir(tmp_path / "two" / "checkpoints")) == ["2", "4"]
 
 
 def test_two_processes_data_parallel_step(tmp_path):
@@ -186,24 +222,10 @@ def test_two_processes_data_parallel_step(tmp_path):
     frozen and one joint step on a 2x1 mesh: loss and params equal the single-process step."""
     import dp_step
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
+    port = _free_port()
     out = tmp_path / "dp.npz"
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
-    procs = [subprocess.Popen([sys.executable, os.path.join(HERE, "dp_step.py"), "--coordinator",
-                               f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i), "--out", str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
-    logs = []
-    for p in procs:
-        try:
-            logs.append(p.communicate(timeout=240)[0])
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            pytest.fail("the two processes did not finish in 240 s")
-    assert all(p.returncode == 0 for p in procs), "\n".join(log[-3000:] for log in logs)
+    _run_processes([[sys.executable, os.path.join(HERE, "dp_step.py"), "--coordinator", f"127.0.0.1:{port}",
+                     "--num-processes", "2", "--process-id", str(i), "--out", str(out)] for i in range(2)])
     got = np.load(out)
     for mode in ("frozen", "joint"):
         ref = dp_step.one_step(mode)
