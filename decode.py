@@ -125,9 +125,7 @@ def read_prompt(prompt, prompt_file, stdin=None) -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     import medusa_jax as mj
-    from medusa_jax import runtime
-
-    from medusa_jax import sharding
+    from medusa_jax import runtime, sharding
 
     try:  # every path, the tree and the mesh, before the slow model load
         runtime.preflight(args.model, args.heads, args.tree, use_medusa=not args.no_medusa)

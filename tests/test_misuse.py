@@ -171,3 +171,33 @@ def test_heads_and_tree_misuse(tiny):
     other = (heads[0].replace(hidden_size=16), jax.tree_util.tree_map(lambda a: a, heads[1]))
     with pytest.raises(HeadsMismatchError, match=r"hidden size 16 \(heads\) != 32 \(backbone\)"):
         generate_device(cfg, params, [PROMPT], max_new_tokens=4, heads=other, tree=tree)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mesh", "2x"], "DATAxMODEL"),
+    (["--mesh", "0x4"], "DATAxMODEL"),
+    (["--mesh", "64x64"], "needs 4096 devices, but JAX sees"),
+])
+def test_mesh_flag_misuse(argv, message, capsys):
+    """--mesh is checked before the model is loaded; too few devices names XLA_FLAGS on a CPU."""
+    import decode
+    assert decode.main(argv + ["--prompt", "Hi"]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    if "devices" in message:
+        assert "xla_force_host_platform_device_count=4096" in err
+
+
+def test_train_mesh_and_distributed_misuse(capsys, monkeypatch):
+    import train
+    from medusa_jax import distributed
+    for name in distributed.ENV.values():
+        monkeypatch.delenv(name, raising=False)
+    assert train.main(["--config", "configs/tiny.yaml", "--mesh", "2by4"]) == 2
+    assert "mesh: --mesh takes DATAxMODEL" in capsys.readouterr().err
+    for kw, message in [(dict(coordinator="127.0.0.1:1"), "also needs --num-processes and --process-id"),
+                        (dict(coordinator="127.0.0.1:1", num_processes=2, process_id=2), "outside 0..1"),
+                        (dict(num_processes=2), "without a coordinator")]:
+        with pytest.raises(ValueError, match=message):
+            distributed.initialize(**kw)
+    assert distributed.initialize() is False  # no settings: one process
