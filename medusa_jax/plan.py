@@ -303,7 +303,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
 
     def placed_tree(abstract):
         return jax.tree_util.tree_map_with_path(
-            lambda p, x: place(sharding._path_str(p), x.shape, dt), abstract)
+            lambda p, x: place(sharding.path_str(p), x.shape, dt), abstract)
 
     tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
     abstract = jax.eval_shape(lambda t: LlamaModel(cfg).init(jax.random.PRNGKey(0), t, t)["params"], tokens)

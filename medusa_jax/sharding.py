@@ -17,7 +17,7 @@ query and KV heads is refused (`check_model_axis`), because the cache could not 
 Public API:
   parse_mesh("2x4") -> (2, 4);  make_mesh(data, model) -> Mesh;  mesh_from_arg(text) -> Mesh | None
   check_model_axis(cfg, model)           clear error naming the model-axis sizes that work
-  spec_for(path, shape, mesh) -> PartitionSpec   (the rules table, `RULES`)
+  spec_for(path, shape, mesh) -> PartitionSpec   (the rules table, `RULES`; path_str(key path))
   shard_params(tree, mesh), put(array, mesh, spec), cache_spec(), batch_spec(ndim, axis)
   mesh_of(tree) -> Mesh | None;  constrain(x, spec) inside jit (no-op without a mesh in context)
 """
@@ -125,7 +125,8 @@ def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     return P(*out)
 
 
-def _path_str(path) -> str:
+def path_str(path) -> str:
+    """A `jax.tree_util` key path as the "/"-joined keys `RULES` match (e.g. "layers_0/attn/q_proj/kernel")."""
     keys = []
     for k in path:
         key = getattr(k, "key", None)
@@ -168,7 +169,7 @@ def shard_params(tree, mesh: Optional[Mesh]):
     def place(path, x):
         if not hasattr(x, "shape") or not hasattr(x, "dtype"):
             return x
-        return put(x, mesh, spec_for(_path_str(path), x.shape, mesh))
+        return put(x, mesh, spec_for(path_str(path), x.shape, mesh))
     return jax.tree_util.tree_map_with_path(place, tree)
 
 
