@@ -68,10 +68,11 @@ import numpy as np
 
 
 def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: int, eos, acceptance=None,
-                      seed: int = 0) -> dict:
+                      seed: int = 0, progress: bool = True) -> dict:
     """One fully on-device generation (`generate_device`; compilation never timed).
 
-    acceptance: a `verify.Acceptance` (default greedy); seed: the sampling seed.
+    acceptance: a `verify.Acceptance` (default greedy); seed: the sampling seed; progress: a
+    progress bar for a long prefill.
     Returns {"tokens": list, "seconds": float (decode only: all new tokens), "prefill_s": float,
     "steps": int, "hist": list}.
     """
@@ -79,7 +80,7 @@ def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: 
     from .verify import Acceptance
 
     r = generate_device(cfg, params, [ids], max_new_tokens=max_new_tokens, heads=heads, tree=tree,
-                        eos_token_ids=eos, acceptance=acceptance or Acceptance(), seed=seed)
+                        eos_token_ids=eos, acceptance=acceptance or Acceptance(), seed=seed, progress=progress)
     n = int(r.count[0])
     return {"tokens": r.tokens[0, :n].tolist(), "seconds": r.decode_s, "prefill_s": r.prefill_s,
             "steps": r.steps, "hist": r.hist.tolist()}

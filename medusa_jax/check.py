@@ -198,14 +198,13 @@ def main(argv=None) -> int:
 
 def decode_one(model, ids, max_new_tokens: int, heads=None, tree=None, acceptance=None, seed: int = 0):
     """(new token ids, decoding steps) of one prompt with the on-device loop
-    (`generate.generate_device`: the same tokens as `generate`, and on a CPU in bfloat16 several
+    (`bench.time_jit_generate`: the same tokens as `generate`, and on a CPU in bfloat16 several
     times faster, because XLA converts the weights to float32 once per loop rather than every step)."""
-    from .generate import generate_device
-    from .verify import Acceptance
+    from .bench import time_jit_generate
 
-    r = generate_device(model.cfg, model.params, [ids], max_new_tokens=max_new_tokens, heads=heads, tree=tree,
-                        acceptance=acceptance or Acceptance(), seed=seed, progress=False)
-    return [int(t) for t in r.tokens[0, :r.count[0]]], r.steps
+    r = time_jit_generate(model.cfg, model.params, heads, tree, ids, max_new_tokens, model.cfg.eos_token_ids,
+                          acceptance, seed, progress=False)
+    return r["tokens"], r["steps"]
 
 
 def sampled(model, heads, tree, records, acc, args) -> int:

@@ -427,11 +427,10 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     key = row_keys(seed, B)
     mesh = sharding.mesh_of(params)
     if mesh is not None:  # the cache follows the attention heads; the rows go on 'data'
-        spec = sharding.fit_spec(sharding.cache_spec(), cache.k.shape, mesh)
-        rows = lambda x: sharding.put(x, mesh, sharding.fit_spec(sharding.batch_spec(x.ndim), x.shape, mesh))
+        spec = sharding.cache_spec()
         cache = KVCache(k=sharding.put(cache.k, mesh, spec), v=sharding.put(cache.v, mesh, spec),
-                        lengths=rows(cache.lengths))
-        last = rows(last)
+                        lengths=sharding.put(cache.lengths, mesh, sharding.batch_spec(1)))
+        last = sharding.put(last, mesh, sharding.batch_spec(2))
     run = _aot(prefill_chunk, (cfg, kv_block), (params, jnp.asarray(toks[:, :T]), lengths, cache, last))
     finish = _aot(prefill_logits, (cfg,), (params, last, cache, key))
     bar = _progress_bar(progress and chunks > 1, chunks, "prefill", "chunk")
@@ -490,7 +489,7 @@ def _decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]
 
         heads_cfg, head_params = prepare_heads(heads_cfg, head_params, lm_head_matrix(cfg, params),
                                                depth=tree.max_depth)
-    if mesh is not None and sharding.mesh_of(head_params) is not mesh:
+    if mesh is not None and sharding.mesh_of(head_params) != mesh:
         head_params = sharding.shard_params(head_params, mesh)
     return params, heads_cfg, head_params, tree
 
@@ -727,9 +726,8 @@ def _grow_carry(carry: tuple, size: int) -> tuple:
     st = carry[0]
     old = st.cache
     new = grow_cache(old, size)
-    if sharding.mesh_of(old) is not None:
-        new = KVCache(k=jax.device_put(new.k, old.k.sharding), v=jax.device_put(new.v, old.v.sharding),
-                      lengths=new.lengths)
+    new = KVCache(k=jax.device_put(new.k, old.k.sharding), v=jax.device_put(new.v, old.v.sharding),
+                  lengths=new.lengths)
     return (st.replace(cache=new),) + tuple(carry[1:])
 
 

@@ -111,6 +111,7 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
                                 "plainly (train heads with train.py and pass --heads DIR)")
     else:
         heads_cfg, params = load_heads(heads_path, model.cfg)
+    from . import sharding
     from .heads import prepare_heads
     from .models.llama import compute_dtype, lm_head_matrix
 
@@ -123,6 +124,8 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
     base = lm_head_matrix(model.cfg, model.params) if need_base else None
     heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1))
+    # once, here, for a model on a device mesh (`place_on_mesh`): decoding would otherwise place them every call
+    params = sharding.shard_params(params, sharding.mesh_of(getattr(model, "params", None)))
     return (heads_cfg, params), tree, ""
 
 

@@ -18,7 +18,7 @@ Public API:
   parse_mesh("2x4") -> (2, 4);  make_mesh(data, model) -> Mesh;  mesh_from_arg(text) -> Mesh | None
   check_model_axis(cfg, model)           clear error naming the model-axis sizes that work
   spec_for(path, shape, mesh) -> PartitionSpec   (the rules table, `RULES`; path_str(key path))
-  shard_params(tree, mesh), put(array, mesh, spec), cache_spec(), batch_spec(ndim, axis)
+  shard_params(tree, mesh), put(array, mesh, spec) (spec fitted), cache_spec(), batch_spec(ndim, axis)
   mesh_of(tree) -> Mesh | None;  constrain(x, spec) inside jit (no-op without a mesh in context)
 """
 from __future__ import annotations
@@ -117,12 +117,9 @@ def check_model_axis(cfg, model: int, what: str = "the backbone") -> None:
 
 def fit_spec(spec: P, shape: Sequence[int], mesh: Mesh) -> P:
     """`spec` with every axis that does not divide its dimension of `shape` dropped (replicated),
-    and padded or cut to len(shape) entries."""
-    parts = list(spec) + [None] * max(0, len(shape) - len(spec))
-    out = []
-    for dim, axis in zip(shape, parts[:len(shape)]):
-        out.append(axis if axis is not None and dim % mesh.shape[axis] == 0 else None)
-    return P(*out)
+    cut to len(shape) entries (dimensions past the spec's are replicated, as in any PartitionSpec)."""
+    return P(*(axis if axis is not None and dim % mesh.shape[axis] == 0 else None
+               for dim, axis in zip(shape, spec)))
 
 
 def path_str(path) -> str:
@@ -151,9 +148,10 @@ def spec_for(path: str, shape: Sequence[int], mesh: Mesh) -> P:
 
 
 def put(x, mesh: Mesh, spec: P) -> jax.Array:
-    """`x` (numpy or jax) as a global array on `mesh` with `spec`. Works in a multi-process run
-    too: every process passes the same whole array and keeps only its own devices' shards."""
-    sharding = NamedSharding(mesh, spec)
+    """`x` (numpy or jax) as a global array on `mesh` with `spec` fitted to its shape (`fit_spec`:
+    an axis that does not divide its dimension replicates it). Works in a multi-process run too:
+    every process passes the same whole array and keeps only its own devices' shards."""
+    sharding = NamedSharding(mesh, fit_spec(spec, np.shape(x), mesh))
     if isinstance(x, jax.Array) and x.is_fully_addressable and jax.process_count() == 1:
         return jax.device_put(x, sharding)
     host = np.asarray(x)

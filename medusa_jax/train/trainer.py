@@ -459,8 +459,7 @@ def place_frozen_batch(batch: dict, mesh) -> dict:
     axis 1 (`sharding.put`: every process passes the same whole batch). Unchanged without a mesh."""
     if mesh is None:
         return batch
-    return {k: sharding.put(v, mesh, sharding.fit_spec(sharding.batch_spec(v.ndim, 0 if k == "hidden" else 1),
-                                                       v.shape, mesh)) for k, v in batch.items()}
+    return {k: sharding.put(v, mesh, sharding.batch_spec(v.ndim, 0 if k == "hidden" else 1)) for k, v in batch.items()}
 
 
 def place_joint_batch(tokens, lab, ok, blab, bok, mesh) -> tuple:
@@ -468,9 +467,18 @@ def place_joint_batch(tokens, lab, ok, blab, bok, mesh) -> tuple:
     along axis 0, lab / ok [K, B, T] along axis 1. Unchanged without a mesh."""
     if mesh is None:
         return tokens, lab, ok, blab, bok
-    put = lambda x, axis: sharding.put(x, mesh, sharding.fit_spec(sharding.batch_spec(np.ndim(x), axis),
-                                                                  np.shape(x), mesh))
+    put = lambda x, axis: sharding.put(x, mesh, sharding.batch_spec(np.ndim(x), axis))
     return put(tokens, 0), put(lab, 1), put(ok, 1), put(blab, 0), put(bok, 0)
+
+
+def place_projections(lm, emb, mesh) -> tuple:
+    """The frozen steps' constants on `mesh` as the backbone's own: lm [D, V] split like
+    ``lm_head/kernel``, emb [V, D] like ``embed/embedding`` (`sharding.RULES`). Unchanged without
+    a mesh."""
+    if mesh is None:
+        return lm, emb
+    return (sharding.put(lm, mesh, sharding.spec_for("lm_head/kernel", lm.shape, mesh)),
+            sharding.put(emb, mesh, sharding.spec_for("embed/embedding", emb.shape, mesh)))
 
 
 def to_host(tree):
@@ -773,8 +781,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     ref = bb.params if joint and tc.base_loss == "kl" else None
     if mesh is not None:  # Megatron-style on 'model' (`sharding.RULES`), optimizer states as their params
         params, opt_state, ref = sharding.shard_params((params, opt_state, ref), mesh)
-        lm_train = sharding.put(lm_train, mesh, sharding.spec_for("lm_head/kernel", lm_train.shape, mesh))
-        emb = sharding.put(emb, mesh, sharding.spec_for("embed/embedding", emb.shape, mesh))
+        lm_train, emb = place_projections(lm_train, emb, mesh)
 
     def evaluate(p) -> dict:
         if not joint:

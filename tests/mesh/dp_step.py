@@ -58,10 +58,8 @@ def one_step(mode: str, mesh=None) -> dict:
                  "valid": rng.random((K, N)) < 0.9,
                  "path_tokens": rng.integers(0, cfg.vocab_size, size=(K, N)).astype(np.int32)}
         emb = jnp.asarray(token_embeddings(bb.params))
-        if mesh is not None:
-            params, state = sharding.shard_params((params, state), mesh)
-            lm = sharding.put(lm, mesh, sharding.spec_for("lm_head/kernel", lm.shape, mesh))
-            emb = sharding.put(emb, mesh, sharding.spec_for("embed/embedding", emb.shape, mesh))
+        params, state = sharding.shard_params((params, state), mesh)
+        lm, emb = T.place_projections(lm, emb, mesh)
         step = T.make_frozen_step(hcfg, tc, opt)
         params, state, st = step(params, state, lm, emb, T.place_frozen_batch(batch, mesh))
     else:
@@ -72,8 +70,7 @@ def one_step(mode: str, mesh=None) -> dict:
         tokens = rng.integers(0, cfg.vocab_size, size=(8, 32)).astype(np.int32)
         mask = np.ones_like(tokens, bool)
         mask[:, :4] = False
-        if mesh is not None:
-            params, state = sharding.shard_params((params, state), mesh)
+        params, state = sharding.shard_params((params, state), mesh)
         step = T.make_joint_step(cfg, hcfg, tc, opts, True)
         params, state, st = step(params, state, None, *T.place_joint_batch(
             tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask), mesh))
