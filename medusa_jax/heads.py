@@ -48,6 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import MedusaConfig, ModelConfig
+from . import hydra
 from .hydra import check_path_params, init_path_params, num_path_params, path_key_head
 
 
@@ -243,6 +244,9 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
        ``[out, in]`` layout that `medusa_jax.kernels` streams) or ``"proposal_lm_head"``
        [depth, D, N] for own lm_heads; the own lm_heads [depth, D, V], which decoding then never
        reads, are dropped.
+    4. Hydra heads get their matrices in decoding layout (`hydra.decoding_layout`: one
+       ``[out, in]`` matrix per product, streamed whole, instead of slices of the stacked params
+       copied every step).
     Already prepared params pass through (cut further when `depth` is smaller).
 
     Args:
@@ -293,6 +297,8 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
             else:
                 p["proposal_lm_head"] = proj
         p.pop("lm_head", None)
+    if cfg.head_type == "hydra":  # 4. hydra heads' matrices in the layout the step streams
+        p = hydra.decoding_layout(cfg, p, depth)
     return cfg, p
 
 
@@ -327,4 +333,4 @@ def heads_params_to_numpy(params) -> dict:
     if "params" in params and "blocks_kernel" not in params:
         params = params["params"]
     return {k: np.asarray(v, dtype=np.int32 if k == "proposal_ids" else np.float32) for k, v in params.items()
-            if k not in ("proposal_lm_head", "proposal_lm_head_t")}
+            if k not in ("proposal_lm_head", "proposal_lm_head_t") and not k.startswith(hydra.DECODE_PREFIX)}

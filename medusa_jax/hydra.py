@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 from .config import MedusaConfig
 
 #: Name patterns of the Hydra-only params (k = head index).
@@ -118,6 +119,8 @@ def head_state(cfg: MedusaConfig, params, k: int, hidden: jax.Array, path_embeds
     """
     if path_embeds.shape[-2] != k + 1:
         raise ValueError(f"hydra head {k} reads a path of {k + 1} tokens (root first), got {path_embeds.shape[-2]}")
+    if DECODE_FIRST.format(k) in params:
+        return _decoding_head_state(cfg, params, k, hidden, path_embeds, dtype)
     h = hidden.astype(dtype)
     e = path_embeds.astype(dtype)
     w, b = params["blocks_kernel"][k].astype(dtype), params["blocks_bias"][k].astype(dtype)
@@ -126,6 +129,58 @@ def head_state(cfg: MedusaConfig, params, k: int, hidden: jax.Array, path_embeds
     x = h + jnp.einsum("...jd,jde->...e", e, pr) + jax.nn.silu(y)
     for l in range(1, cfg.num_layers):
         x = x + jax.nn.silu(x @ w[l] + b[l])
+    return x
+
+
+#: Names of the decoding layout's params (`decoding_layout`), per head k and block l.
+DECODE_FIRST, DECODE_RESIDUAL = "decode_first_t_{}", "decode_residual_t_{}"
+DECODE_BLOCK, DECODE_BIAS = "decode_block_t_{}_{}", "decode_bias_{}_{}"
+DECODE_PREFIX = "decode_"
+
+
+def decoding_layout(cfg: MedusaConfig, params, depth: int) -> dict:
+    """`params` plus heads 0..depth-1 in decoding layout, made once (`heads.prepare_heads`):
+
+        decode_first_t_{k}     [D, (k+2) D]  [W[k, 0]; P[k][0]; ...; P[k][k]] transposed: the first
+                                             block's pre-activation from ``[h_t ; e_1 ; ... ; e_{k+1}]``
+        decode_residual_t_{k}  [D, (k+1) D]  [R[k][0]; ...; R[k][k]] transposed
+        decode_block_t_{k}_{l} [D, D]        W[k, l] transposed, l >= 1
+        decode_bias_{k}_{l}    [D]           b[k, l]
+
+    Each is one ``[out, in]`` matrix that `medusa_jax.kernels.matmul_nt` streams whole: inside the
+    jitted step, slicing head k's blocks out of the stacked ``blocks_kernel`` and reshaping its
+    path params copied ~3 MB of weights per head per step (1-3 ms of a tree step on this
+    project's CPU, docs/performance.md). Decoding layout keys from an earlier call are replaced.
+    """
+    out = {k: v for k, v in params.items() if not k.startswith(DECODE_PREFIX)}
+    for k in range(depth):
+        w, b = jnp.asarray(params["blocks_kernel"][k]), jnp.asarray(params["blocks_bias"][k])  # [L, D, D], [L, D]
+        D = w.shape[-1]
+        path_kernel = jnp.asarray(params[PATH_KERNEL.format(k)]).reshape(-1, D)      # [(k+1) D, D]
+        out[DECODE_FIRST.format(k)] = jnp.transpose(jnp.concatenate([w[0], path_kernel], axis=0))
+        out[DECODE_RESIDUAL.format(k)] = jnp.transpose(jnp.asarray(params[PATH_RESIDUAL.format(k)]).reshape(-1, D))
+        for l in range(cfg.num_layers):
+            if l:
+                out[DECODE_BLOCK.format(k, l)] = jnp.transpose(w[l])
+            out[DECODE_BIAS.format(k, l)] = b[l]
+    return out
+
+
+def _decoding_head_state(cfg: MedusaConfig, params, k: int, hidden: jax.Array, path_embeds: jax.Array,
+                         dtype) -> jax.Array:
+    """`head_state` from the decoding layout (`decoding_layout`): the same math, as 1 + 1 + (L - 1)
+    weight-streaming products."""
+    D = hidden.shape[-1]
+    e = path_embeds.astype(dtype)
+    lead = jnp.broadcast_shapes(hidden.shape[:-1], e.shape[:-2])
+    h = jnp.broadcast_to(hidden.astype(dtype), lead + (D,))
+    path = jnp.broadcast_to(e.reshape(e.shape[:-2] + (-1,)), lead + ((k + 1) * D,))    # [..., (k+1) D]
+    mat = lambda name: params[name].astype(dtype)
+    y = kernels.matmul_nt(jnp.concatenate([h, path], axis=-1), mat(DECODE_FIRST.format(k))) \
+        + mat(DECODE_BIAS.format(k, 0))
+    x = h + kernels.matmul_nt(path, mat(DECODE_RESIDUAL.format(k))) + jax.nn.silu(y)
+    for l in range(1, cfg.num_layers):
+        x = x + jax.nn.silu(kernels.matmul_nt(x, mat(DECODE_BLOCK.format(k, l))) + mat(DECODE_BIAS.format(k, l)))
     return x
 
 

@@ -1,6 +1,10 @@
 """The KV cache: an explicit pytree that goes into and comes out of every forward call.
 
-Layout (DESIGN.md): ``k, v: [L, B, S, KVH, Dh]`` in the compute dtype, ``lengths: [B] int32``.
+Layout: ``k, v: [L, B, KVH, S, Dh]`` in the compute dtype, ``lengths: [B] int32``. (DESIGN.md
+first had ``[L, B, S, KVH, Dh]``; with the slots next to the head dimension, a layer's keys and
+values are the ``[B, KVH, S, Dh]`` operands attention's products read, with no transposed copy of
+the cache per layer and step: that copy was ~10% of a plain decoding step on this project's CPU at
+256 slots, and grew with the cache; docs/performance.md.)
 Row ``b`` holds valid entries at cache indices ``[0, lengths[b])``; index equals token position,
 which Medusa's in-place compaction (`medusa_jax.verify`) keeps true after every step.
 """
@@ -15,7 +19,7 @@ from .config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-    """Static-size KV cache. k, v: [L, B, S, KVH, Dh]; lengths: [B] int32 (valid entries per row)."""
+    """Static-size KV cache. k, v: [L, B, KVH, S, Dh]; lengths: [B] int32 (valid entries per row)."""
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
@@ -23,7 +27,7 @@ class KVCache:
     @property
     def size(self) -> int:
         """S, the static number of slots per row."""
-        return self.k.shape[2]
+        return self.k.shape[3]
 
     @property
     def batch(self) -> int:
@@ -39,7 +43,7 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KV
       size: S, slots per row; a call of T tokens needs lengths + T <= S.
       dtype: storage dtype of k and v.
     """
-    shape = (cfg.num_layers, batch, size, cfg.num_kv_heads, cfg.head_dim)
+    shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
                    lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -57,5 +61,5 @@ def grow_cache(cache: KVCache, size: int) -> KVCache:
         raise ValueError(f"cannot shrink a KV cache from {cache.size} to {size} slots")
     if size == cache.size:
         return cache
-    pad = ((0, 0), (0, 0), (0, size - cache.size), (0, 0), (0, 0))
+    pad = ((0, 0), (0, 0), (0, 0), (0, size - cache.size), (0, 0))
     return KVCache(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad), lengths=cache.lengths)

@@ -12,7 +12,7 @@ lowered and compiled by XLA for abstract inputs (`jax.ShapeDtypeStruct` with the
 - Medusa heads: ``MedusaHeads`` with one residual block each and the backbone's shared lm_head,
   readied for the tree as decoding readies them (`heads.prepare_heads`: only the first
   tree-depth heads are kept), in ``--dtype``;
-- KV cache: k, v ``[L, B, S, KVH, Dh]`` in ``--dtype``, B on 'data' and KVH on 'model'
+- KV cache: k, v ``[L, B, KVH, S, Dh]`` in ``--dtype``, B on 'data' and KVH on 'model'
   (`sharding.cache_spec`), lengths ``[B]`` int32;
 - decode state: logits ``[B, V]`` float32, hidden ``[B, D]``, per-row keys ``[B, 2]`` uint32 and
   next_token ``[B]`` int32, rows on 'data'.
@@ -326,7 +326,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
         head_params = placed_tree(jax.eval_shape(ready, raw))
         heads_cfg = prepared["cfg"]
 
-    kv_shape = (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+    kv_shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
     rows = lambda shape, dtype_: place("", shape, dtype_, sharding.batch_spec(len(shape)))
     cache = KVCache(k=place("", kv_shape, dt, sharding.cache_spec()), v=place("", kv_shape, dt, sharding.cache_spec()),
                     lengths=rows((B,), jnp.int32))

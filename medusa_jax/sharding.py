@@ -5,7 +5,7 @@ query/key/value projections and the MLP's gate/up projections are split by outpu
 'model' (attention heads and the MLP hidden dimension), the output and down projections by input
 row, so each layer needs one all-reduce per block; vocabulary projections (the embedding, the
 lm_head, the Medusa heads' own lm_heads and proposal projections) are split by vocabulary entry.
-The batch goes on 'data', and the KV cache ``[L, B, S, KVH, Dh]`` follows the attention heads
+The batch goes on 'data', and the KV cache ``[L, B, KVH, S, Dh]`` follows the attention heads
 (B on 'data', KVH on 'model'). JAX's SPMD partitioner (GSPMD) inserts every collective; there is
 no hand-written communication.
 
@@ -179,8 +179,8 @@ def batch_spec(ndim: int, axis: int = 0) -> P:
 
 
 def cache_spec() -> P:
-    """The KV cache's ``[L, B, S, KVH, Dh]`` spec: batch on 'data', KV heads on 'model'."""
-    return P(None, "data", None, "model", None)
+    """The KV cache's ``[L, B, KVH, S, Dh]`` spec: batch on 'data', KV heads on 'model'."""
+    return P(None, "data", "model", None, None)
 
 
 def mesh_of(tree: Any) -> Optional[Mesh]:

@@ -396,8 +396,7 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
     rows = jnp.arange(B)[:, None]
     src = start[:, None] + path_nodes
     dst = start[:, None] + jnp.arange(P1, dtype=jnp.int32)[None, :]
-    k = cache.k.at[:, rows, dst].set(cache.k[:, rows, src], mode="drop")
-    v = cache.v.at[:, rows, dst].set(cache.v[:, rows, src], mode="drop")
+    k, v = (c.at[:, rows, :, dst].set(c[:, rows, :, src], mode="drop") for c in (cache.k, cache.v))
     return KVCache(k=k, v=v, lengths=new_lengths)
 
 

@@ -14,7 +14,7 @@ from medusa_jax.convert.medusa_format import (HeadsFormatError, export_official,
                                               read_tensors, save_heads)
 from medusa_jax.generate import generate, generate_device
 from medusa_jax.heads import MedusaHeads, init_heads, num_head_params, prepare_heads
-from medusa_jax.hydra import from_medusa, head_state, hydra_logits, path_keys, token_embeddings
+from medusa_jax.hydra import decoding_layout, from_medusa, head_state, hydra_logits, path_keys, token_embeddings
 from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.tree import build_tree, get_tree, random_tree
 from medusa_jax.tune import rank_accuracies
@@ -65,6 +65,23 @@ def test_head_state_matches_the_concatenated_reference(tiny):
         h, e = r.normal(size=DM), r.normal(size=(k + 1, DM))
         got = np.asarray(head_state(hcfg, hp, k, jnp.asarray(h, jnp.float32), jnp.asarray(e, jnp.float32)))
         np.testing.assert_allclose(got, np_head(hp, k, hcfg.num_layers, h, e), rtol=1e-4, atol=1e-4)
+    # the decoding layout (one [out, in] matrix per product) computes the same states, for a
+    # batch of paths sharing one h_t as the tree draft runs it
+    dec = decoding_layout(hcfg, hp, hcfg.num_heads)
+    assert dec["decode_first_t_2"].shape == (DM, 4 * DM) and dec["decode_residual_t_2"].shape == (DM, 3 * DM)
+    cut = decoding_layout(hcfg, dec, 2)  # re-made for 2 heads: the other heads' decoding keys go
+    want = {f"decode_{n}_t_{k}" for k in range(2) for n in ("first", "residual")} | {"decode_block_t_0_1", "decode_block_t_1_1"} \
+        | {f"decode_bias_{k}_{l}" for k in range(2) for l in range(2)}
+    assert set(cut) == set(hp) | want
+    for k in range(hcfg.num_heads):
+        h, e = r.normal(size=(2, 1, DM)), r.normal(size=(2, 3, k + 1, DM))
+        got = np.asarray(jax.jit(head_state, static_argnums=(0, 2))(
+            hcfg, dec, k, jnp.asarray(h, jnp.float32), jnp.asarray(e, jnp.float32)))
+        assert got.shape == (2, 3, DM)
+        for b in range(2):
+            for n in range(3):
+                np.testing.assert_allclose(got[b, n], np_head(hp, k, hcfg.num_layers, h[b, 0], e[b, n]),
+                                           rtol=1e-4, atol=1e-4)
     with pytest.raises(ValueError, match="path of 2 tokens"):
         head_state(hcfg, hp, 1, jnp.zeros(DM), jnp.zeros((3, DM)))
 

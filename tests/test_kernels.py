@@ -68,6 +68,74 @@ def test_rows_do_not_depend_on_how_many_are_multiplied():
         np.testing.assert_array_equal(part, full[:m])  # bit for bit
 
 
+@needs_kernels
+def test_concurrent_products_from_several_threads():
+    """Products big enough to be split between the kernel's worker threads, called from several
+    Python threads at once (as XLA's threads do with several devices): every result equals the
+    one-call result bit for bit, whichever thread ran which columns."""
+    import concurrent.futures
+
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((5003, 577)).astype(np.float32))  # 11.5 MB: many chunks
+    xs = [jnp.asarray(rng.standard_normal((m, 577)).astype(np.float32)) for m in (1, 2, 3, 4, 7, 16)]
+    f = jax.jit(kernels.matmul_nt)
+    want = [np.asarray(f(x, w)) for x in xs]
+    assert rel_err(want[3], np.asarray(xs[3], np.float64) @ np.asarray(w, np.float64).T) < 1e-5
+
+    def run(i):
+        return all(np.array_equal(np.asarray(f(xs[j % len(xs)], w)), want[j % len(xs)]) for j in range(i, i + 12))
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        assert all(pool.map(run, range(8)))
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,T,H,KVH,S,Dh", [(1, 1, 9, 3, 256, 64), (2, 4, 8, 2, 40, 12), (1, 16, 4, 4, 67, 130),
+                                            (3, 3, 6, 1, 9, 72), (2, 7, 2, 2, 128, 8)])
+def test_cache_attention_matches_xla(B, T, H, KVH, S, Dh):
+    """The attention kernel over a [L, B, KVH, S, Dh] cache equals XLA's attention (float64
+    reference too) with ragged lengths, a tree-like mask with holes, a sliding window and a query
+    that sees nothing (the mean of all values); a query's result does not depend on T (bit for bit)."""
+    from medusa_jax.models.llama import grouped_query_attention
+
+    rng = np.random.default_rng(B * 100 + T * 10 + S)
+    L, layer = 3, 1
+    q = rng.standard_normal((B, T, H, Dh)).astype(np.float32) * 2
+    k = rng.standard_normal((L, B, KVH, S, Dh)).astype(np.float32)
+    v = rng.standard_normal((L, B, KVH, S, Dh)).astype(np.float32)
+    lengths = rng.integers(0, S - T + 1, size=B).astype(np.int32)
+    s = np.arange(S)[None, None, :]
+    rel = s - lengths[:, None, None]                                       # [B, 1, S]
+    block = np.tril(rng.random((T, T)) < 0.7) | np.eye(T, dtype=bool)      # ancestor-like, self visible
+    idx = np.clip(rel, 0, T - 1)
+    mask = (rel < 0) | ((rel >= 0) & (rel < T) & np.take_along_axis(np.broadcast_to(block, (B, T, T)),
+                                                                      np.broadcast_to(idx, (B, T, S)), axis=2))
+    if S > 20:
+        mask[0] &= (lengths[0] + np.arange(T))[:, None] - np.arange(S)[None, :] < 20   # row 0: a window
+    if B > 1:
+        mask[1, 0] = False                                                  # sees nothing
+    args = [jnp.asarray(a) for a in (q, k, v, mask, lengths)]
+    xla = lambda q, k, v, mask, lengths: grouped_query_attention(q, k[layer], v[layer], mask)
+    got = np.asarray(jax.jit(lambda *a: kernels.cache_attention(*a, layer, xla))(*args))
+    want = np.asarray(jax.jit(xla)(*args))
+    assert got.shape == (B, T, H * Dh)
+    assert rel_err(got, want) < 1e-5
+    # float64 reference
+    g = H // KVH
+    kk = np.repeat(k[layer].astype(np.float64), g, axis=1)                  # [B, H, S, Dh]
+    vv = np.repeat(v[layer].astype(np.float64), g, axis=1)
+    sc = np.einsum("bthd,bhsd->bhts", q.astype(np.float64), kk) / np.sqrt(Dh)
+    sc = np.where(mask[:, None], sc, -np.inf)
+    sc = np.where(mask.any(-1)[:, None, :, None], sc, 0.0)                 # no visible slot: uniform
+    p = np.exp(sc - sc.max(-1, keepdims=True))
+    ref = np.einsum("bhts,bhsd->bthd", p / p.sum(-1, keepdims=True), vv).reshape(B, T, H * Dh)
+    assert np.abs(got - ref).max() < 1e-4
+    # the first query alone (T = 1, same visible slots) gives the same bits
+    one = np.asarray(jax.jit(lambda *a: kernels.cache_attention(*a, layer, xla))(
+        args[0][:, :1], args[1], args[2], args[3][:, :1], args[4]))
+    np.testing.assert_array_equal(one[:, 0], got[:, 0])
+
+
 def test_leading_dims_gradients_vmap_and_large_products():
     rng = np.random.default_rng(1)
     x = jnp.asarray(rng.standard_normal((2, 3, 40)).astype(np.float32))
@@ -94,11 +162,21 @@ def test_decoding_layout_gives_the_same_logits(arch, tied):
     dec = decoding_params(params)
     assert decoding_params(params) is dec and decoding_params(dec) is dec  # cached; idempotent
     if kernels.available():
-        assert "kernel_t" in dec["layers_0"]["mlp"]["up_proj"] and "kernel" not in dec["layers_0"]["mlp"]["up_proj"]
-        w = np.asarray(params["layers_0"]["attn"]["q_proj"]["kernel"])
-        np.testing.assert_array_equal(np.asarray(dec["layers_0"]["attn"]["q_proj"]["kernel_t"]), w.T)
+        attn, mlp = params["layers_0"]["attn"], params["layers_0"]["mlp"]
+        d_attn, d_mlp = dec["layers_0"]["attn"], dec["layers_0"]["mlp"]
+        assert set(d_mlp) == {"gate_up_t", "down_proj"} and set(d_mlp["down_proj"]) == {"kernel_t"}
+        np.testing.assert_array_equal(np.asarray(d_mlp["down_proj"]["kernel_t"]), np.asarray(mlp["down_proj"]["kernel"]).T)
+        np.testing.assert_array_equal(  # gate's rows first, then up's
+            np.asarray(d_mlp["gate_up_t"]),
+            np.concatenate([np.asarray(mlp["gate_proj"]["kernel"]).T, np.asarray(mlp["up_proj"]["kernel"]).T]))
+        qkv = [np.asarray(attn[p]["kernel"]).T for p in ("q_proj", "k_proj", "v_proj")]
+        np.testing.assert_array_equal(np.asarray(d_attn["qkv_t"]), np.concatenate(qkv))
+        assert d_attn["qkv_t"].shape == (cfg.head_dim * (cfg.num_heads + 2 * cfg.num_kv_heads), cfg.hidden_size)
         if arch == "qwen2":
-            assert dec["layers_0"]["attn"]["q_proj"]["bias"] is params["layers_0"]["attn"]["q_proj"]["bias"]
+            np.testing.assert_array_equal(np.asarray(d_attn["qkv_bias"]), np.concatenate(
+                [np.asarray(attn[p]["bias"]) for p in ("q_proj", "k_proj", "v_proj")]))
+        else:
+            assert "qkv_bias" not in d_attn
     np.testing.assert_array_equal(np.asarray(lm_head_matrix(cfg, dec)), np.asarray(lm_head_matrix(cfg, params)))
     for T in (1, 4, 9):  # the kernel's rows (T <= 16) and XLA's
         pos = jnp.arange(T)[None]

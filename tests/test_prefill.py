@@ -52,8 +52,8 @@ def test_chunked_prefill_equals_one_pass(arch, chunk, kv_block):
     assert rel_err(chunked.logits, one.logits) < 1e-5
     assert rel_err(chunked.hidden, one.hidden) < 1e-5
     for b, n in enumerate(LENGTHS):  # every valid slot of every layer; past the length is free space
-        assert rel_err(chunked.cache.k[:, b, :n], one.cache.k[:, b, :n]) < 1e-5
-        assert rel_err(chunked.cache.v[:, b, :n], one.cache.v[:, b, :n]) < 1e-5
+        assert rel_err(chunked.cache.k[:, b, :, :n], one.cache.k[:, b, :, :n]) < 1e-5
+        assert rel_err(chunked.cache.v[:, b, :, :n], one.cache.v[:, b, :, :n]) < 1e-5
         # and both are the full forward's last-position logits, each row alone
         alone = jax_logits(cfg, params, np.asarray([prompts[b]]))[0, -1]
         assert rel_err(chunked.logits[b], alone) < 1e-5
@@ -91,7 +91,7 @@ def test_blockwise_attention_equals_one_pass(end):
     rng = np.random.default_rng(end)
     B, T, S, H, KVH, Dh = 2, 24, 128, 8, 2, 16
     q, k, v = (jnp.asarray(rng.standard_normal(shape) * 2, jnp.float32)
-               for shape in [(B, T, H, Dh), (B, S, KVH, Dh), (B, S, KVH, Dh)])
+               for shape in [(B, T, H, Dh), (B, KVH, S, Dh), (B, KVH, S, Dh)])
     lengths = np.array([end - T, max(end - T - 9, 0)])
     q_pos = lengths[:, None] + np.arange(T)[None, :]  # [B, T]
     s = np.arange(S)[None, None, :]
@@ -102,8 +102,8 @@ def test_blockwise_attention_equals_one_pass(end):
     blocks = blockwise_attention(q, k, v, mask, jnp.int32(end), 16)
     assert rel_err(blocks, one) < 1e-5
     dense_ref = jax.nn.softmax(jnp.where(mask[:, None], jnp.einsum(
-        "bthd,bshd->bhts", q, jnp.repeat(k, H // KVH, axis=2)) / np.sqrt(Dh), -jnp.inf), axis=-1)
-    ref = jnp.einsum("bhts,bshd->bthd", dense_ref, jnp.repeat(v, H // KVH, axis=2)).reshape(B, T, H * Dh)
+        "bthd,bhsd->bhts", q, jnp.repeat(k, H // KVH, axis=1)) / np.sqrt(Dh), -jnp.inf), axis=-1)
+    ref = jnp.einsum("bhts,bhsd->bthd", dense_ref, jnp.repeat(v, H // KVH, axis=1)).reshape(B, T, H * Dh)
     assert rel_err(one, ref) < 1e-5
     with pytest.raises(ValueError, match="multiple of the block"):
         blockwise_attention(q, k, v, mask, jnp.int32(end), 48)

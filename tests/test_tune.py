@@ -105,8 +105,8 @@ def test_grow_cache_keeps_entries():
     c = c.replace(k=c.k + 1.0, v=c.v + 2.0, lengths=jnp.array([3], jnp.int32))
     g = grow_cache(c, 8)
     assert g.size == 8 and int(g.lengths[0]) == 3
-    np.testing.assert_array_equal(np.asarray(g.k[:, :, :4]), np.asarray(c.k))
-    assert float(jnp.abs(g.v[:, :, 4:]).sum()) == 0.0
+    np.testing.assert_array_equal(np.asarray(g.k[:, :, :, :4]), np.asarray(c.k))  # [L, B, KVH, S, Dh]
+    assert float(jnp.abs(g.v[:, :, :, 4:]).sum()) == 0.0
     with pytest.raises(ValueError, match="shrink"):
         grow_cache(g, 4)
 

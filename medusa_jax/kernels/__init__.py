@@ -19,6 +19,8 @@ product uses (default: as many as XLA's intra-op pool has).
 Public API:
   available() -> bool;  status() -> str
   matmul_nt(x [..., K], w [N, K]) -> [..., N]  (x @ w.T; float32 kernel for <= MAX_ROWS rows)
+  cache_attention(q, k, v, mask, lengths, layer, fallback) -> [B, T, H * Dh]  (attention over the
+      KV cache read in place; attention_applies(dtype, T) says when the kernel runs)
   read_bandwidth(bytes, threads) -> bytes/s   (the roofline the decoding step is measured against)
 """
 from __future__ import annotations
@@ -37,12 +39,13 @@ from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import sharding
 
 SOURCE = Path(__file__).with_name("stream_matmul.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
-TARGETS = ("medusa_matmul_nt",)
+TARGETS = ("medusa_matmul_nt", "medusa_cache_attention")
 # Products with more rows than this go to XLA: the kernel's advantage is for decoding-sized M (it
 # keeps 4 rows' accumulators in registers and re-reads the weights from L1 for every 4 rows); on
 # this project's CPU a 32-node tree step was faster with XLA's product (docs/performance.md).
@@ -178,6 +181,42 @@ def _streamed_bwd(res, g):  # the same gradients as XLA's product (training neve
 
 
 _streamed_nt.defvjp(_streamed_fwd, _streamed_bwd)
+
+
+def attention_applies(dtype, rows: int) -> bool:
+    """Whether `cache_attention` runs the kernel for queries of this dtype with `rows` new tokens per
+    row: float32, at most `MAX_ROWS` tokens (decoding and tree steps, not prefill chunks), the
+    kernels available, no device mesh being traced."""
+    return jnp.dtype(dtype) == jnp.float32 and 0 < rows <= MAX_ROWS and available() and not sharding.active()
+
+
+def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, lengths: jax.Array, layer: int,
+                    fallback) -> jax.Array:
+    """Masked grouped-query attention of T new tokens over layer `layer` of the KV cache, read in
+    place (the ``medusa_cache_attention`` kernel on the CPU; `fallback` elsewhere).
+
+    Args:
+      q: [B, T, H, Dh] float32 queries (RoPE applied).
+      k, v: [L, B, KVH, S, Dh] float32, the whole cache with the T new tokens already written.
+      mask: [B, T, S] bool (True = visible; slots at or past ``lengths[b] + T`` must be hidden).
+      lengths: [B] int32 cache lengths before the new tokens.
+      layer: the layer to read (static).
+      fallback: ``(q, k, v, mask, lengths) -> [B, T, H * Dh]``, XLA's attention, run on other
+        backends (GPU).
+    Returns:
+      [B, T, H * Dh] float32, ``softmax(q k^T / sqrt(Dh)) v`` per query head (query head h reads
+      KV head ``h // (H // KVH)``); equal to `models.llama.grouped_query_attention` up to float32
+      round-off, and each query's result does not depend on T.
+    Callers check `attention_applies` first.
+    """
+    B, T, H, Dh = q.shape
+
+    def ffi(q, k, v, mask, lengths):
+        call = jax.ffi.ffi_call("medusa_cache_attention", jax.ShapeDtypeStruct((B, T, H * Dh), jnp.float32),
+                                vmap_method="sequential")
+        return call(q, k, v, mask, lengths.astype(jnp.int32), layer=np.int64(layer))
+
+    return jax.lax.platform_dependent(q, k, v, mask.astype(bool), lengths, cpu=ffi, default=fallback)
 
 
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:

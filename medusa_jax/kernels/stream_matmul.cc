@@ -16,13 +16,19 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdlib>
+#include <cmath>
 #include <cstring>
 #include <functional>
 #include <memory>
+#include <mutex>
 #include <thread>
 #include <vector>
+
+#include <sched.h>
+#include <unistd.h>
 
 #include "xla/ffi/api/ffi.h"
 
@@ -124,58 +130,148 @@ void nt_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int
 }
 
 // ---------------------------------------------------------------------------------------------
-// Splits [0, N) into `parts` ranges of whole `align`-column units and runs fn(begin, end) on each:
-// the caller and tasks handed to XLA's intra-op pool claim ranges from one counter, and the caller
-// waits only for ranges that another thread has claimed. A task the pool does not start in time
-// (it may sit in the calling thread's own queue) cannot stall the caller: the caller runs the
-// range itself, and the task, when it runs later, finds nothing left (it holds the shared
-// counters, never the caller's stack).
-// Threads of our own that spin between products were tried: on a 2-core machine they slowed XLA's
-// own operations more than they saved.
-struct Claims {
-  std::atomic<int64_t> next{0}, done{0};
-  int64_t parts = 0;
-  std::function<void(int64_t)> run;  // valid while the caller waits; called only for a claimed part
+// Threads. A decoding step runs ~200 products of 0.1-1 ms each, so what a product pays to start its
+// helper threads matters: waking a sleeping thread costs tens of microseconds on a virtual machine
+// (measured ~45 us per product on this project's CPU with XLA's intra-op pool, docs/performance.md).
+// The helpers here are the kernel's own, started on first use: after a product they spin for a
+// short while (MEDUSA_JAX_SPIN_US, default 200 us) waiting for the next one, and only then sleep.
+// Work is split into chunks of output columns that the caller and the helpers claim from one
+// counter, so the caller starts at once and never waits for a helper that has not claimed anything:
+// a late helper costs the parallelism it missed, not its wake-up time. Each output is computed by
+// one thread in a fixed order, so the results do not depend on who ran which chunk.
 
-  // Claims and runs parts until none is left, or `limit` of them have run.
-  void work(int64_t limit = INT64_MAX) {
-    for (int64_t p; limit > 0 && (p = next.fetch_add(1, std::memory_order_acq_rel)) < parts; --limit) {
-      run(p);
-      done.fetch_add(1, std::memory_order_acq_rel);
+int env_int(const char* name, int fallback) {
+  const char* v = std::getenv(name);
+  return v && *v ? std::atoi(v) : fallback;
+}
+
+class Workers {
+ public:
+  // The process's workers (recreated in a forked child, whose parent's threads do not exist).
+  static Workers& get() {
+    static std::atomic<Workers*> instance{nullptr};
+    static std::mutex mu;
+    Workers* w = instance.load(std::memory_order_acquire);
+    if (w && w->pid_ == getpid()) return *w;
+    std::lock_guard<std::mutex> lock(mu);
+    w = instance.load(std::memory_order_acquire);
+    if (!w || w->pid_ != getpid()) {
+      w = new Workers();  // never freed: its threads live as long as the process
+      instance.store(w, std::memory_order_release);
+    }
+    return *w;
+  }
+
+  int threads() const { return helpers_ + 1; }
+
+  // Runs fn(begin, end) over [0, n) in `nchunks` chunks of `chunk` columns, on the caller and the
+  // helpers. A product that finds the helpers busy (another device's thread is using them) runs
+  // alone on its caller.
+  void run(int64_t n, int64_t chunk, const std::function<void(int64_t, int64_t)>& fn) {
+    const int64_t nchunks = (n + chunk - 1) / chunk;
+    if (helpers_ == 0 || nchunks < 2 || nchunks > kMaxChunks || !run_mu_.try_lock()) {
+      fn(0, n);
+      return;
+    }
+    fn_ = &fn;
+    n_ = n;
+    chunk_ = chunk;
+    done_.store(0, std::memory_order_relaxed);
+    const uint64_t gen = ++gen_;
+    ticket_.store(pack(gen, nchunks, 0), std::memory_order_seq_cst);
+    if (sleepers_.load(std::memory_order_seq_cst) > 0) {
+      std::lock_guard<std::mutex> lock(sleep_mu_);
+      wake_.notify_all();
+    }
+    work(gen);
+    while (done_.load(std::memory_order_acquire) != nchunks) _mm_pause();
+    run_mu_.unlock();
+  }
+
+ private:
+  static constexpr int64_t kMaxChunks = 0xffff;
+
+  // ticket = generation (32 bits) | chunks (16) | next chunk (16): a claim is one compare-exchange
+  // that also checks the product is still the one the claimer saw.
+  static uint64_t pack(uint64_t gen, int64_t nchunks, int64_t next) {
+    return (gen << 32) | (uint64_t(nchunks) << 16) | uint64_t(next);
+  }
+  static uint64_t gen_of(uint64_t t) { return t >> 32; }
+
+  Workers() : pid_(getpid()) {
+    cpu_set_t set;
+    int cpus = sched_getaffinity(0, sizeof(set), &set) == 0 ? CPU_COUNT(&set) : 1;
+    helpers_ = std::max(0, std::min(cpus, env_int("MEDUSA_JAX_THREADS", cpus)) - 1);
+    spin_ = std::chrono::microseconds(std::max(0, env_int("MEDUSA_JAX_SPIN_US", 200)));
+    for (int i = 0; i < helpers_; ++i) std::thread([this] { helper(); }).detach();
+  }
+
+  // Claims and runs chunks of product `gen` until none is left (or another product started).
+  void work(uint64_t gen) {
+    uint64_t t = ticket_.load(std::memory_order_acquire);
+    while (gen_of(t) == gen) {
+      const int64_t nchunks = (t >> 16) & 0xffff, next = t & 0xffff;
+      if (next >= nchunks) return;
+      if (!ticket_.compare_exchange_weak(t, t + 1, std::memory_order_acq_rel, std::memory_order_acquire)) continue;
+      // The claim holds the product open (its caller waits for every chunk): fn_, n_, chunk_ are its.
+      (*fn_)(next * chunk_, std::min(n_, (next + 1) * chunk_));
+      done_.fetch_add(1, std::memory_order_release);
+      t = ticket_.load(std::memory_order_acquire);
     }
   }
+
+  void helper() {
+    uint64_t seen = 0;
+    for (;;) {
+      uint64_t t = ticket_.load(std::memory_order_acquire);
+      if (gen_of(t) != seen) {
+        seen = gen_of(t);
+        work(seen);
+        continue;
+      }
+      const auto until = std::chrono::steady_clock::now() + spin_;
+      bool fresh = false;
+      while (!fresh && std::chrono::steady_clock::now() < until) {
+        for (int i = 0; i < 64 && !fresh; ++i) {
+          _mm_pause();
+          fresh = gen_of(ticket_.load(std::memory_order_acquire)) != seen;
+        }
+      }
+      if (fresh) continue;
+      sleepers_.fetch_add(1, std::memory_order_seq_cst);
+      {
+        std::unique_lock<std::mutex> lock(sleep_mu_);
+        wake_.wait(lock, [&] { return gen_of(ticket_.load(std::memory_order_seq_cst)) != seen; });
+      }
+      sleepers_.fetch_sub(1, std::memory_order_seq_cst);
+    }
+  }
+
+  const pid_t pid_;
+  int helpers_ = 0;
+  std::chrono::microseconds spin_{0};
+  std::mutex run_mu_;  // held by the product the helpers work for
+  const std::function<void(int64_t, int64_t)>* fn_ = nullptr;
+  int64_t n_ = 0, chunk_ = 1;
+  uint64_t gen_ = 0;
+  std::atomic<uint64_t> ticket_{0};
+  std::atomic<int64_t> done_{0};
+  std::atomic<int> sleepers_{0};
+  std::mutex sleep_mu_;
+  std::condition_variable wake_;
 };
 
-template <typename Fn>
-void parallel_columns(ffi::ThreadPool& pool, int64_t N, int64_t align, int64_t work, Fn fn) {
-  static const int64_t max_parts = [] {
-    const char* v = std::getenv("MEDUSA_JAX_THREADS");
-    return v ? std::max(1, std::atoi(v)) : 16;
-  }();
-  int64_t parts = std::max<int64_t>(1, std::min<int64_t>(pool.num_threads(), max_parts));
-  if (work < (int64_t{1} << 16)) parts = 1;  // too small to be worth a hand-off
-  const int64_t units = (N + align - 1) / align;
-  parts = std::max<int64_t>(1, std::min(parts, units));
-  if (parts == 1) {
-    fn(0, N);
+// Splits [0, N) into chunks of whole `align`-column units of about MEDUSA_JAX_CHUNK_KB (default
+// 256) KiB of weights each, and runs fn(begin, end) on them across the workers.
+void parallel_columns(int64_t N, int64_t K, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
+  static const int64_t chunk_bytes = int64_t{1024} * std::max(4, env_int("MEDUSA_JAX_CHUNK_KB", 256));
+  Workers& workers = Workers::get();
+  if (K * N * int64_t(sizeof(float)) < 2 * chunk_bytes || workers.threads() == 1) {
+    fn(0, N);  // too small to be worth a hand-off
     return;
   }
-  auto claims = std::make_shared<Claims>();
-  claims->parts = parts;
-  claims->run = [&](int64_t p) {
-    fn(units * p / parts * align, std::min(N, units * (p + 1) / parts * align));
-  };
-  for (int64_t p = 1; p < parts; ++p) pool.Schedule([claims] { claims->work(); });
-  // The caller's own part first; then it gives the pool's threads as long again to claim theirs
-  // (they usually start within microseconds) before it takes what is left.
-  const auto t0 = std::chrono::steady_clock::now();
-  claims->work(1);
-  const auto patience = std::chrono::steady_clock::now() - t0;
-  const auto t1 = std::chrono::steady_clock::now();
-  while (claims->next.load(std::memory_order_acquire) < parts && std::chrono::steady_clock::now() - t1 < patience)
-    _mm_pause();
-  claims->work();
-  while (claims->done.load(std::memory_order_acquire) != parts) _mm_pause();
+  const int64_t units = std::max<int64_t>(1, chunk_bytes / (K * int64_t(sizeof(float)) * align));
+  workers.run(N, units * align, fn);
 }
 
 ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
@@ -191,14 +287,14 @@ ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
+ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                     ffi::ResultBuffer<ffi::F32> y) {
   int64_t M, K, N;
   if (auto err = check_shapes(x, w, y, &M, &K, &N); err.failure()) return err;
   const float* xp = x.typed_data();
   const float* wp = w.typed_data();
   float* yp = y->typed_data();
-  parallel_columns(pool, N, 12, K * N, [&](int64_t b, int64_t e) { nt_rows(xp, wp, yp, M, K, N, b, e); });
+  parallel_columns(N, K, 12, [&](int64_t b, int64_t e) { nt_rows(xp, wp, yp, M, K, N, b, e); });
   return ffi::Error::Success();
 }
 
@@ -206,9 +302,186 @@ ffi::Error MatmulNT(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<f
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt, MatmulNT,
                               ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Attention of a decoding or tree step over the KV cache, read in place:
+//
+//   medusa_cache_attention: out[B, T, H * Dh] = softmax(q k^T / sqrt(Dh), mask) v
+//     q [B, T, H, Dh] float32 (RoPE applied); k, v [L, B, KVH, S, Dh] float32 (the whole cache,
+//     layer `layer` read); mask [B, T, S] bool; lengths [B] int32 (slots >= lengths[b] + T are
+//     never visible, so they are not read).
+//
+// XLA copied each layer's cache slice out of the cache and ran two small products per layer
+// (docs/performance.md). Here, per (row b, KV head): the g = H / KVH query heads' T queries are
+// the rows of one block; its scores against the slots are a `nt_rows` product with the layer's
+// [S, Dh] keys (each score one dot product in a fixed order), then a masked softmax per row
+// (float32, exp by a polynomial accurate to ~2 ulp), then each row's weighted sum of the values.
+// Every query row is computed alone, in the same order whatever T is, so a tree step's root row
+// equals a plain step's bit for bit. A query that sees no slot gets the mean of all S values
+// (as the XLA path: every score at float32's lowest).
+
+// e^x for x <= 0 (x below -87.3 gives 0): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and
+// a degree-6 polynomial for e^r (Cephes' expf coefficients).
+inline __m256 exp_nonpositive(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+inline __m256i tail_mask(int64_t count) {  // the first `count` (0..8) lanes
+  alignas(32) int32_t bits[8];
+  for (int i = 0; i < 8; ++i) bits[i] = i < count ? -1 : 0;
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+}
+
+// out[0:w] = scale * sum_{s < E} p[s] * v[s * Dh + 0:w], w <= 64, in NV vectors of 8 (the last
+// masked to w): each output is one sum over s in order.
+template <int NV>
+void weighted_sum(const float* p, const float* v, int64_t E, int64_t Dh, int64_t w, float scale, float* out) {
+  const __m256i last = tail_mask(w - 8 * (NV - 1));
+  __m256 acc[NV];
+  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
+  for (int64_t s = 0; s < E; ++s) {
+    const __m256 ps = _mm256_broadcast_ss(p + s);
+    const float* vs = v + s * Dh;
+    for (int j = 0; j < NV; ++j) {
+      const __m256 x = j + 1 < NV ? _mm256_loadu_ps(vs + 8 * j) : _mm256_maskload_ps(vs + 8 * j, last);
+      acc[j] = _mm256_fmadd_ps(ps, x, acc[j]);
+    }
+  }
+  const __m256 sc = _mm256_set1_ps(scale);
+  for (int j = 0; j < NV; ++j) {
+    if (j + 1 < NV) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], sc));
+    else _mm256_maskstore_ps(out + 8 * j, last, _mm256_mul_ps(acc[j], sc));
+  }
+}
+
+void weighted_sum_any(const float* p, const float* v, int64_t E, int64_t Dh, float scale, float* out) {
+  for (int64_t d0 = 0; d0 < Dh; d0 += 64) {
+    const int64_t w = std::min<int64_t>(64, Dh - d0);
+    switch ((w + 7) / 8) {
+      case 1: weighted_sum<1>(p, v + d0, E, Dh, w, scale, out + d0); break;
+      case 2: weighted_sum<2>(p, v + d0, E, Dh, w, scale, out + d0); break;
+      case 3: weighted_sum<3>(p, v + d0, E, Dh, w, scale, out + d0); break;
+      case 4: weighted_sum<4>(p, v + d0, E, Dh, w, scale, out + d0); break;
+      case 5: weighted_sum<5>(p, v + d0, E, Dh, w, scale, out + d0); break;
+      case 6: weighted_sum<6>(p, v + d0, E, Dh, w, scale, out + d0); break;
+      case 7: weighted_sum<7>(p, v + d0, E, Dh, w, scale, out + d0); break;
+      default: weighted_sum<8>(p, v + d0, E, Dh, w, scale, out + d0); break;
+    }
+  }
+}
+
+struct AttentionShape {
+  int64_t B, T, H, KVH, S, Dh, layer;
+};
+
+// One (row b, KV head kvh) block: its g * T query rows against slots [0, E).
+void attention_block(const AttentionShape& a, const float* q, const float* kc, const float* vc, const bool* mask,
+                     const int32_t* lengths, float* out, int64_t b, int64_t kvh) {
+  const int64_t g = a.H / a.KVH, R = g * a.T, Dh = a.Dh;
+  const int64_t E = std::min<int64_t>(a.S, std::max<int64_t>(0, int64_t(lengths[b]) + a.T));
+  const int64_t cache_off = ((a.layer * a.B + b) * a.KVH + kvh) * a.S * Dh;
+  const float* k = kc + cache_off;
+  const float* v = vc + cache_off;
+  thread_local std::vector<float> qs, scores;
+  qs.resize(R * Dh);
+  scores.resize(R * std::max<int64_t>(E, 1));
+  const float inv_sqrt = 1.0f / std::sqrt(float(Dh));
+  for (int64_t t = 0; t < a.T; ++t)  // row r = t * g + i holds query head kvh * g + i of token t
+    for (int64_t i = 0; i < g; ++i) {
+      const float* src = q + ((b * a.T + t) * a.H + kvh * g + i) * Dh;
+      float* dst = qs.data() + (t * g + i) * Dh;
+      for (int64_t d = 0; d < Dh; ++d) dst[d] = src[d] * inv_sqrt;
+    }
+  if (E > 0) nt_rows(qs.data(), k, scores.data(), R, Dh, E, 0, E);
+  for (int64_t r = 0; r < R; ++r) {
+    const int64_t t = r / g, h = kvh * g + r % g;
+    float* o = out + (b * a.T + t) * a.H * Dh + h * Dh;
+    float* sc = scores.data() + r * E;
+    const bool* m = mask + (b * a.T + t) * a.S;
+    float top = -INFINITY;
+    for (int64_t s = 0; s < E; ++s)
+      if (m[s]) top = std::max(top, sc[s]);
+    if (top == -INFINITY) {  // sees no slot: the mean of all S values
+      std::vector<float> ones(a.S, 1.0f);
+      weighted_sum_any(ones.data(), v, a.S, Dh, 1.0f / float(a.S), o);
+      continue;
+    }
+    const __m256 tv = _mm256_set1_ps(top);
+    __m256 total = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s < E; s += 8) {
+      const int64_t n = std::min<int64_t>(8, E - s);
+      const __m256i lanes = tail_mask(n);
+      alignas(32) int32_t vis[8];
+      for (int j = 0; j < 8; ++j) vis[j] = (j < n && m[s + j]) ? -1 : 0;
+      const __m256 keep = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(vis)));
+      const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(sc + s, lanes), tv);
+      const __m256 p = _mm256_and_ps(exp_nonpositive(_mm256_min_ps(x, _mm256_setzero_ps())), keep);
+      _mm256_maskstore_ps(sc + s, lanes, p);
+      total = _mm256_add_ps(total, p);
+    }
+    weighted_sum_any(sc, v, E, Dh, 1.0f / hsum(total), o);
+  }
+}
+
+ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
+                          ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> lengths, int64_t layer,
+                          ffi::ResultBuffer<ffi::F32> out) {
+  auto qd = q.dimensions(), kd = k.dimensions(), vd = v.dimensions(), md = mask.dimensions();
+  if (qd.size() != 4 || kd.size() != 5 || md.size() != 3 || vd.size() != 5 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument("medusa_cache_attention: q [B, T, H, Dh], k = v [L, B, KVH, S, Dh], mask [B, T, S]");
+  const AttentionShape a{qd[0], qd[1], qd[2], kd[2], kd[3], qd[3], layer};
+  if (kd[1] != a.B || kd[4] != a.Dh || a.H % a.KVH || md[0] != a.B || md[1] != a.T || md[2] != a.S ||
+      lengths.element_count() != size_t(a.B) || layer < 0 || layer >= kd[0] ||
+      out->element_count() != size_t(a.B * a.T * a.H * a.Dh))
+    return ffi::Error::InvalidArgument("medusa_cache_attention: shapes do not agree");
+  const float* qp = q.typed_data();
+  const float* kp = k.typed_data();
+  const float* vp = v.typed_data();
+  const bool* mp = mask.typed_data();
+  const int32_t* lp = lengths.typed_data();
+  float* op = out->typed_data();
+  const int64_t blocks = a.B * a.KVH;
+  auto run = [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) attention_block(a, qp, kp, vp, mp, lp, op, j / a.KVH, j % a.KVH);
+  };
+  // Split (row, KV head) blocks between threads only when each is worth a hand-off.
+  const int64_t work = a.T * (a.H / a.KVH) * a.S * a.Dh;
+  Workers& workers = Workers::get();
+  if (blocks < 2 || work < (int64_t{1} << 17) || workers.threads() == 1) run(0, blocks);
+  else workers.run(blocks, 1, run);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_cache_attention, CacheAttention,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("layer")
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 // Read bandwidth of this machine in bytes/s: `threads` threads each sum their share of a

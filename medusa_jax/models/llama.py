@@ -89,6 +89,17 @@ class Linear(nn.Module):
         return y
 
 
+def _fused_product(module: nn.Module, x: jax.Array, name: str, dtype) -> jax.Array:
+    """The decoding layout's fused projection of `module`: ``x [..., D] @ {name}_t [N, D]^T`` (+
+    ``{name}_bias [N]`` when present) -> [..., N] in `dtype`, one weight-streaming product for
+    what `Linear` layers sharing an input compute (`decoding_params`)."""
+    w = module.get_variable("params", f"{name}_t")
+    y = kernels.matmul_nt(x.astype(dtype), w.astype(dtype))
+    if module.has_variable("params", f"{name}_bias"):
+        y = y + module.get_variable("params", f"{name}_bias").astype(dtype)
+    return y
+
+
 class RMSNorm(nn.Module):
     """RMSNorm (computed in float32, as transformers' LlamaRMSNorm). x: [..., D]."""
     eps: float
@@ -158,8 +169,8 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     ``repeat_kv``).
 
     Args:
-      q: [B, T, H, Dh] queries (RoPE applied); k, v: [B, S, KVH, Dh]; mask: [B, T, S] bool
-        (True = visible; a query that sees no key gets the mean of all values).
+      q: [B, T, H, Dh] queries (RoPE applied); k, v: [B, KVH, S, Dh] (the KV cache's layout);
+        mask: [B, T, S] bool (True = visible; a query that sees no key gets the mean of all values).
       dtype: the compute dtype of the output.
     Returns:
       [B, T, H * Dh]: ``softmax(q k^T / sqrt(Dh)) v`` per head, scores and softmax in float32.
@@ -168,15 +179,15 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     [B, H, T, S] scores are written once and read twice rather than five times.
     """
     B, T, H, Dh = q.shape
-    S, KVH = k.shape[1], k.shape[2]
+    KVH, S = k.shape[1], k.shape[2]
     qg = _grouped_queries(q, KVH)
-    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(q.dtype).transpose(0, 2, 1, 3),
+    scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(q.dtype),
                         preferred_element_type=jnp.float32).reshape(B, KVH, H // KVH, T, S)
     scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
     unnormalized = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)  # [B, KVH, g, T, 1], >= 1
     out = jnp.einsum("bkqs,bksd->bkqd", unnormalized.reshape(B, KVH, -1, S).astype(dtype),
-                     v.astype(dtype).transpose(0, 2, 1, 3), preferred_element_type=jnp.float32)
+                     v.astype(dtype), preferred_element_type=jnp.float32)
     return _ungrouped((out.reshape(B, KVH, H // KVH, T, Dh) / total).astype(dtype))
 
 
@@ -189,7 +200,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
     long prompt's chunks cost what their causal part of the cache costs.
 
     Args:
-      q: [B, T, H, Dh]; k, v: [B, S, KVH, Dh]; mask: [B, T, S] bool, as `grouped_query_attention`.
+      q: [B, T, H, Dh]; k, v: [B, KVH, S, Dh]; mask: [B, T, S] bool, as `grouped_query_attention`.
       end: () int32, one past the last slot any query may see (slots ``>= end`` are skipped).
       block: slots per block (static); S must be a multiple of it.
       dtype: the compute dtype of the output.
@@ -200,7 +211,7 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
       ValueError: S not a multiple of `block`.
     """
     B, T, H, Dh = q.shape
-    S, KVH = k.shape[1], k.shape[2]
+    KVH, S = k.shape[1], k.shape[2]
     if S % block:
         raise ValueError(f"blockwise attention needs a cache size that is a multiple of the block: "
                          f"S={S}, block={block}")
@@ -210,8 +221,8 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
 
     def body(j, carry):
         top, total, acc = carry  # running max and sum [B, KVH, g, T, 1], output [B, KVH, g, T, Dh]
-        kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=1).astype(q.dtype).transpose(0, 2, 1, 3)
-        vb = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=1).astype(dtype).transpose(0, 2, 1, 3)
+        kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=2).astype(q.dtype)
+        vb = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=2).astype(dtype)
         mb = jax.lax.dynamic_slice_in_dim(mask, j * block, block, axis=2)
         s = jnp.einsum("bkqd,bksd->bkqs", qg, kb, preferred_element_type=jnp.float32).reshape(B, KVH, g, T, block)
         s = jnp.where(mb[:, None, None, :, :], s, low)
@@ -243,7 +254,7 @@ class Attention(nn.Module):
 
     def __call__(self, x, positions, mask, kv: Optional[Tuple[jax.Array, jax.Array]], lengths,
                  inv_freq, layer: int, kv_block: Optional[int] = None):
-        """x: [B, T, D]; mask: [B, T, S]; kv: the whole cache (k, v: [L, B, S, KVH, Dh]) or None.
+        """x: [B, T, D]; mask: [B, T, S]; kv: the whole cache (k, v: [L, B, KVH, S, Dh]) or None.
 
         The T new K/V go to slots ``lengths[b] + t`` of layer `layer` (a scatter that XLA does in
         place when the cache is donated; out-of-range slots are dropped, never clamped).
@@ -253,21 +264,31 @@ class Attention(nn.Module):
         """
         c = self.cfg
         B, T, _ = x.shape
-        q = self.q_proj(x).reshape(B, T, c.num_heads, c.head_dim)
-        k = self.k_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
-        v = self.v_proj(x).reshape(B, T, c.num_kv_heads, c.head_dim)
+        if self.has_variable("params", "qkv_t"):  # decoding layout: one product for q, k and v
+            nq, nk = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+            q, k, v = jnp.split(_fused_product(self, x, "qkv", self.dtype), [nq, nq + nk], axis=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.reshape(B, T, c.num_heads, c.head_dim)
+        k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
+        v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
         q = apply_rope(q, positions, inv_freq)
         k = apply_rope(k, positions, inv_freq)
         if kv is not None:
             rows = jnp.arange(B)[:, None]
             slots = lengths[:, None] + jnp.arange(T)[None, :]
-            k_full = kv[0].at[layer, rows, slots].set(k.astype(kv[0].dtype), mode="drop")
-            v_full = kv[1].at[layer, rows, slots].set(v.astype(kv[1].dtype), mode="drop")
+            # [B, T, KVH, Dh] into [layer, b, :, slot, :] (the indexed dims lead the update's shape)
+            k_full = kv[0].at[layer, rows, :, slots].set(k.astype(kv[0].dtype), mode="drop")
+            v_full = kv[1].at[layer, rows, :, slots].set(v.astype(kv[1].dtype), mode="drop")
             k_all, v_all, new_kv = k_full[layer], v_full[layer], (k_full, v_full)
         else:
-            k_all, v_all, new_kv = k, v, None
-        S = k_all.shape[1]
-        if kv is not None and kv_block and S > kv_block and S % kv_block == 0:
+            k_all, v_all, new_kv = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), None
+        S = k_all.shape[2]
+        if kv is not None and kv[0].dtype == q.dtype and kernels.attention_applies(q.dtype, T):
+            # a decoding or tree step: the CPU kernel reads the layer's cache in place
+            fallback = lambda q, k, v, mask, lengths: grouped_query_attention(q, k[layer], v[layer], mask, self.dtype)
+            out = kernels.cache_attention(q, new_kv[0], new_kv[1], mask, lengths, layer, fallback).astype(self.dtype)
+        elif kv is not None and kv_block and S > kv_block and S % kv_block == 0:
             end = jnp.max(lengths) + T  # no row sees a slot at or past it
             out = blockwise_attention(q, k_all, v_all, mask, end, kv_block, self.dtype)
         else:
@@ -283,7 +304,11 @@ class MLP(nn.Module):
     def __call__(self, x):
         c = self.cfg
         dense = lambda n, name: Linear(n, use_bias=False, dtype=self.dtype, param_dtype=self.dtype, name=name)
-        h = nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(c.intermediate_size, "up_proj")(x)
+        if self.has_variable("params", "gate_up_t"):  # decoding layout: one product for gate and up
+            gate, up = jnp.split(_fused_product(self, x, "gate_up", self.dtype), 2, axis=-1)
+        else:
+            gate, up = dense(c.intermediate_size, "gate_proj")(x), dense(c.intermediate_size, "up_proj")(x)
+        h = nn.silu(gate) * up
         return dense(c.hidden_size, "down_proj")(h)
 
 
@@ -338,7 +363,7 @@ class LlamaModel(nn.Module):
           tokens: [B, T] int32 token ids.
           positions: [B, T] int32 RoPE positions (``lengths + arange(T)`` for prefill/decode,
             ``lengths + depth`` for a Medusa tree).
-          cache: a `KVCache` (k, v: [L, B, S, KVH, Dh]); the T new K/V are written at slots
+          cache: a `KVCache` (k, v: [L, B, KVH, S, Dh]); the T new K/V are written at slots
             ``lengths[b] .. lengths[b] + T - 1`` (caller guarantees ``lengths + T <= S``).
             None: no cache, attention over the T tokens only (training).
           mask: [T, T] or [B, T, T] bool block among the new tokens (default causal); the cached
@@ -412,11 +437,20 @@ def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
 _DECODING: dict = {}
 
 
+# Projections that read the same input, fused into one [sum of outs, in] matrix in decoding layout.
+_FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
+
+
 def decoding_params(params: dict) -> dict:
     """The backbone's params in decoding layout: every `Linear` ``kernel [in, out]`` stored as
-    ``kernel_t [out, in]`` (contiguous), the layout `medusa_jax.kernels` streams; everything else
-    shared, not copied. `LlamaModel` runs either layout with the same results (up to float32
-    round-off); training keeps the ``kernel`` layout (its gradients and checkpoints use it).
+    ``kernel_t [out, in]`` (contiguous), the layout `medusa_jax.kernels` streams, and the
+    projections that share an input fused into one matrix: ``attn/qkv_t [(H + 2 KVH) Dh, D]``
+    (with ``qkv_bias`` when q/k/v have biases) and ``mlp/gate_up_t [2 I, D]``. A decoding step
+    then makes 4 weight-streaming products per layer instead of 7; each starts and ends its
+    threads, which costs about as much as streaming a small matrix. Everything else is shared, not
+    copied. `LlamaModel` runs either layout with the same results (up to float32 round-off; the
+    kernel computes each output alike whichever matrix holds it); training keeps the ``kernel``
+    layout (its gradients and checkpoints use it).
 
     Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
     (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the tree is already in decoding layout. The result is cached per
@@ -434,8 +468,16 @@ def decoding_params(params: dict) -> dict:
     def convert(tree):
         if not isinstance(tree, Mapping):
             return tree
-        return {("kernel_t" if k == "kernel" else k): (jnp.transpose(v) if k == "kernel" else convert(v))
-                for k, v in tree.items()}
+        out = {("kernel_t" if k == "kernel" else k): (jnp.transpose(v) if k == "kernel" else convert(v))
+               for k, v in tree.items()}
+        for fused, parts in _FUSED.items():
+            if all(isinstance(out.get(p), Mapping) and "kernel_t" in out[p] for p in parts):
+                out[f"{fused}_t"] = jnp.concatenate([out[p]["kernel_t"] for p in parts], axis=0)
+                if all("bias" in out[p] for p in parts):
+                    out[f"{fused}_bias"] = jnp.concatenate([out[p]["bias"] for p in parts])
+                for p in parts:
+                    del out[p]
+        return out
 
     out = convert(params)
     for key in [k for k, (ref, _) in _DECODING.items() if ref() is None]:

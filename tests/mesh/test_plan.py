@@ -2,7 +2,7 @@
 
 Every figure of the inputs is checked against an independent count made here from the config by
 hand (Megatron split: q/k/v/gate/up by output column on 'model', o/down by input row, embedding
-and lm_head by vocabulary entry, norms replicated; the KV cache [L, B, S, KVH, Dh] by rows on
+and lm_head by vocabulary entry, norms replicated; the KV cache [L, B, KVH, S, Dh] by rows on
 'data' and KV heads on 'model'). The meshes need 8 devices: tests/conftest.py simulates them
 (``XLA_FLAGS=--xla_force_host_platform_device_count=8``).
 """

@@ -95,10 +95,10 @@ def test_kv_cache_follows_the_heads(model):
     cfg, params, _, prompts = model
     mesh = sharding.make_mesh(2, 4)
     st = start_state(cfg, sharding.shard_params(params, mesh), prompts, 128, progress=False)
-    want = NamedSharding(mesh, P(None, "data", None, "model", None))
+    want = NamedSharding(mesh, P(None, "data", "model", None, None))
     assert st.cache.k.sharding.is_equivalent_to(want, 5) and st.cache.v.sharding.is_equivalent_to(want, 5)
     # each device holds a quarter of the KV heads of half the rows
-    assert st.cache.k.addressable_shards[0].data.shape == (2, 2, 128, 2, 8)
+    assert st.cache.k.addressable_shards[0].data.shape == (2, 2, 2, 128, 8)
 
 
 def test_rules_cover_backbone_and_heads(model):
