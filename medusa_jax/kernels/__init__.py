@@ -5,16 +5,20 @@ model. That product is bound by memory bandwidth (each weight is read once and u
 XLA's CPU GEMM for a handful of rows reads the weights well below the bandwidth: on this project's
 CPU the 2-row lm_head product cost 2-2.8x the 1-row one (issue 13, docs/performance.md).
 `stream_matmul.cc` streams each weight matrix once for all M rows, in the ``[out, in]`` layout
-(contiguous rows, as torch's ``nn.Linear.weight``), and splits the output between the caller
-thread and XLA's intra-op thread pool.
+(contiguous rows, as torch's ``nn.Linear.weight``), and splits the output columns between the
+calling thread and the kernel's own worker threads, which spin briefly between products instead of
+sleeping (waking a sleeping thread cost tens of microseconds per product here). It also holds the
+attention of decoding and tree steps over the KV cache, read in place (`cache_attention`).
 
 The library is compiled on first use (``c++ -O3 -mavx2 -mfma`` against ``jax.ffi.include_dir()``)
 into ``$MEDUSA_JAX_CACHE`` (default ``~/.cache/medusa_jax``) and registered with
 ``jax.ffi.register_ffi_target``; ``make demo`` builds it at install (``python -m medusa_jax.kernels``).
 Where it cannot be used (no C++ compiler, a CPU without AVX2/FMA, not x86-64, a GPU backend,
 ``MEDUSA_JAX_KERNELS=0``), every product falls back to XLA's, with the same results up to float32
-round-off; `status()` says which path runs and why. ``MEDUSA_JAX_THREADS=N`` caps the threads one
-product uses (default: as many as XLA's intra-op pool has).
+round-off; `status()` says which path runs and why. Environment: ``MEDUSA_JAX_THREADS=N`` caps
+the threads one product uses (default: the CPUs this process may run on); ``MEDUSA_JAX_SPIN_US``
+is how long an idle worker spins before it sleeps (default 200); ``MEDUSA_JAX_CHUNK_KB`` the
+weights per claimed chunk of columns (default 256).
 
 Public API:
   available() -> bool;  status() -> str
