@@ -442,7 +442,10 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
         best, acc_len = evaluate_posterior(logits, tree_tokens, tree, acc, k_accept)
         path_nodes = jnp.asarray(tree.retrieve_indices)[best]                 # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
-        cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
+        if tree.size > D + 1:
+            cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
+        else:  # a chain: node j already sits at slot start + j, the accepted prefix is in place
+            cache = cache.replace(lengths=start + acc_len + 1)
         tokens = jnp.take_along_axis(tree_tokens, path_nodes, axis=1)
         if acc.mode == "exact":
             next_token = residual_token(logits, tree_tokens, tree, acc, last, k_next)
