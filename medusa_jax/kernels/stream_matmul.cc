@@ -45,6 +45,12 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
+inline __m256i tail_mask(int64_t count) {  // the first `count` (0..8) lanes
+  alignas(32) int32_t bits[8];
+  for (int i = 0; i < 8; ++i) bits[i] = i < count ? -1 : 0;
+  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
+}
+
 // One block of the product: rows t..t+TB-1 of x against rows n..n+NB-1 of w ([N, K]), TB x NB
 // accumulators in registers, k in steps of 8 (the K tail by a masked load). For k in [pf0, pf1)
 // the rows `ahead` rows further down w are prefetched, one cache line per row every 16 k, so that
@@ -123,9 +129,7 @@ void nt_rows_blocked(const float* x, const float* w, float* y, int64_t M, int64_
 // per block (memory-bound); two rows, 2 x 4; more, 4 x 3 accumulators (12 of the 16 registers).
 // Every output is the same dot product, summed in the same order, whatever the blocking.
 void nt_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
-  alignas(32) int32_t mask_bits[8];
-  for (int i = 0; i < 8; ++i) mask_bits[i] = (i < K % 8) ? -1 : 0;
-  const __m256i tail = _mm256_load_si256(reinterpret_cast<const __m256i*>(mask_bits));
+  const __m256i tail = tail_mask(K % 8);
   if (M == 1) nt_rows_blocked<1, 4>(x, w, y, M, K, N, n0, n1, tail);
   else if (M == 2) nt_rows_blocked<2, 4>(x, w, y, M, K, N, n0, n1, tail);
   else nt_rows_blocked<4, 3>(x, w, y, M, K, N, n0, n1, tail);
@@ -345,12 +349,6 @@ inline __m256 exp_nonpositive(__m256 x) {
   y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
   const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-inline __m256i tail_mask(int64_t count) {  // the first `count` (0..8) lanes
-  alignas(32) int32_t bits[8];
-  for (int i = 0; i < 8; ++i) bits[i] = i < count ? -1 : 0;
-  return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
 }
 
 // out[0:w] = scale * sum_{s < E} p[s] * v[s * Dh + 0:w], w <= 64, in NV vectors of 8 (the last
