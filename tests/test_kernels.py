@@ -91,7 +91,8 @@ def test_concurrent_products_from_several_threads():
 
 @needs_kernels
 @pytest.mark.parametrize("B,T,H,KVH,S,Dh", [(1, 1, 9, 3, 256, 64), (2, 4, 8, 2, 40, 12), (1, 16, 4, 4, 67, 130),
-                                            (3, 3, 6, 1, 9, 72), (2, 7, 2, 2, 128, 8)])
+                                            (3, 3, 6, 1, 9, 72), (2, 7, 2, 2, 128, 8),
+                                            (1, 4, 9, 3, 1000, 64)])
 def test_cache_attention_matches_xla(B, T, H, KVH, S, Dh):
     """The attention kernel over a [L, B, KVH, S, Dh] cache equals XLA's attention (float64
     reference too) with ragged lengths, a tree-like mask with holes, a sliding window and a query

@@ -51,6 +51,15 @@ inline __m256i tail_mask(int64_t count) {  // the first `count` (0..8) lanes
   return _mm256_load_si256(reinterpret_cast<const __m256i*>(bits));
 }
 
+// All-ones lanes where m[i] is true, for the first n (1..8) of 8 bools (bool is one byte, 0 or 1).
+inline __m256 visible_lanes(const bool* m, int64_t n) {
+  uint64_t bytes = 0;
+  if (n == 8) std::memcpy(&bytes, m, 8);
+  else std::memcpy(&bytes, m, size_t(n));
+  const __m256i w = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128(int64_t(bytes)));
+  return _mm256_castsi256_ps(_mm256_cmpgt_epi32(w, _mm256_setzero_si256()));
+}
+
 // One block of the product: rows t..t+TB-1 of x against rows n..n+NB-1 of w ([N, K]), TB x NB
 // accumulators in registers, k in steps of 8 (the K tail by a masked load). For k in [pf0, pf1)
 // the rows `ahead` rows further down w are prefetched, one cache line per row every 16 k, so that
@@ -327,9 +336,10 @@ namespace {
 // (docs/performance.md). Here, per (row b, KV head): the g = H / KVH query heads' T queries are
 // the rows of one block; its scores against the slots are a `nt_rows` product with the layer's
 // [S, Dh] keys (each score one dot product in a fixed order), then a masked softmax per row
-// (float32, exp by a polynomial accurate to ~2 ulp), then each row's weighted sum of the values.
-// Every query row is computed alone, in the same order whatever T is, so a tree step's root row
-// equals a plain step's bit for bit. A query that sees no slot gets the mean of all S values
+// (float32, exp by a polynomial accurate to ~2 ulp), then the rows' weighted sums of the values
+// (`weighted_rows`). Each phase is split between the threads (`CacheAttention`). Every output
+// is the same sum, in the same order, whatever T is and whichever thread computes it, so a tree
+// step's root row equals a plain step's bit for bit. A query that sees no slot gets the mean of all S values
 // (as the XLA path: every score at float32's lowest).
 
 // e^x for x <= 0 (x below -87.3 gives 0): Cody-Waite reduction x = n ln2 + r, |r| <= ln2 / 2, and
@@ -389,60 +399,158 @@ void weighted_sum_any(const float* p, const float* v, int64_t E, int64_t Dh, flo
   }
 }
 
-struct AttentionShape {
-  int64_t B, T, H, KVH, S, Dh, layer;
-};
+// Weighted sums of several query rows over the same values, 32 columns at a time:
+//   o[r][0:w] = scale[r] * sum_{s < E} p[r][s] * v[s * Dh + 0:w],  w <= 32 (NV vectors of 8).
+// Two rows share each load of v, and the slots go in tiles of `kValueTile`, whose values the
+// other rows re-read from L1: streaming v from L2 once per row was the bound. Each output is the
+// same sum as `weighted_sum` (one fused multiply-add per slot, in slot order, then the scale).
+constexpr int64_t kValueTile = 64;
 
-// One (row b, KV head kvh) block: its g * T query rows against slots [0, E).
-void attention_block(const AttentionShape& a, const float* q, const float* kc, const float* vc, const bool* mask,
-                     const int32_t* lengths, float* out, int64_t b, int64_t kvh) {
-  const int64_t g = a.H / a.KVH, R = g * a.T, Dh = a.Dh;
-  const int64_t E = std::min<int64_t>(a.S, std::max<int64_t>(0, int64_t(lengths[b]) + a.T));
-  const int64_t cache_off = ((a.layer * a.B + b) * a.KVH + kvh) * a.S * Dh;
-  const float* k = kc + cache_off;
-  const float* v = vc + cache_off;
-  thread_local std::vector<float> qs, scores;
-  qs.resize(R * Dh);
-  scores.resize(R * std::max<int64_t>(E, 1));
-  const float inv_sqrt = 1.0f / std::sqrt(float(Dh));
-  for (int64_t t = 0; t < a.T; ++t)  // row r = t * g + i holds query head kvh * g + i of token t
-    for (int64_t i = 0; i < g; ++i) {
-      const float* src = q + ((b * a.T + t) * a.H + kvh * g + i) * Dh;
-      float* dst = qs.data() + (t * g + i) * Dh;
-      for (int64_t d = 0; d < Dh; ++d) dst[d] = src[d] * inv_sqrt;
+template <int NV, int RB, bool FULL>
+void weighted_tile(const float* const* p, const float* v, int64_t s0, int64_t s1, int64_t Dh, __m256i last,
+                   float* acc_mem, int64_t prefetch_to) {
+  __m256 acc[RB][NV];
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_loadu_ps(acc_mem + (i * NV + j) * 8);
+  for (int64_t s = s0; s < s1; ++s) {
+    const float* vs = v + s * Dh;
+    if (s + kValueTile < prefetch_to)  // the next tile, while this one computes
+      for (int j = 0; j < NV; j += 2) _mm_prefetch(reinterpret_cast<const char*>(vs + kValueTile * Dh + 8 * j), _MM_HINT_T0);
+    __m256 x[NV];
+    for (int j = 0; j < NV; ++j) {
+      x[j] = (FULL || j + 1 < NV) ? _mm256_loadu_ps(vs + 8 * j) : _mm256_maskload_ps(vs + 8 * j, last);
+      if (RB > 1) __asm__("" : "+x"(x[j]));  // keep it in a register: it is used RB times
     }
-  if (E > 0) nt_rows(qs.data(), k, scores.data(), R, Dh, E, 0, E);
-  for (int64_t r = 0; r < R; ++r) {
-    const int64_t t = r / g, h = kvh * g + r % g;
-    float* o = out + (b * a.T + t) * a.H * Dh + h * Dh;
-    float* sc = scores.data() + r * E;
-    const bool* m = mask + (b * a.T + t) * a.S;
-    float top = -INFINITY;
-    for (int64_t s = 0; s < E; ++s)
-      if (m[s]) top = std::max(top, sc[s]);
-    if (top == -INFINITY) {  // sees no slot: the mean of all S values
-      std::vector<float> ones(a.S, 1.0f);
-      weighted_sum_any(ones.data(), v, a.S, Dh, 1.0f / float(a.S), o);
-      continue;
+    for (int i = 0; i < RB; ++i) {
+      const __m256 ps = _mm256_broadcast_ss(p[i] + s);
+      for (int j = 0; j < NV; ++j) acc[i][j] = _mm256_fmadd_ps(ps, x[j], acc[i][j]);
     }
-    const __m256 tv = _mm256_set1_ps(top);
-    __m256 total = _mm256_setzero_ps();
-    int64_t s = 0;
-    for (; s < E; s += 8) {
-      const int64_t n = std::min<int64_t>(8, E - s);
-      const __m256i lanes = tail_mask(n);
-      alignas(32) int32_t vis[8];
-      for (int j = 0; j < 8; ++j) vis[j] = (j < n && m[s + j]) ? -1 : 0;
-      const __m256 keep = _mm256_castsi256_ps(_mm256_load_si256(reinterpret_cast<const __m256i*>(vis)));
-      const __m256 x = _mm256_sub_ps(_mm256_maskload_ps(sc + s, lanes), tv);
-      const __m256 p = _mm256_and_ps(exp_nonpositive(_mm256_min_ps(x, _mm256_setzero_ps())), keep);
-      _mm256_maskstore_ps(sc + s, lanes, p);
-      total = _mm256_add_ps(total, p);
+  }
+  for (int i = 0; i < RB; ++i)
+    for (int j = 0; j < NV; ++j) _mm256_storeu_ps(acc_mem + (i * NV + j) * 8, acc[i][j]);
+}
+
+template <int NV, bool FULL>
+void weighted_rows(const float* const* p, const float* v, int64_t E, int64_t Dh, int64_t w, const float* scale,
+                   float* const* o, int64_t n) {
+  const __m256i last = tail_mask(w - 8 * (NV - 1));
+  thread_local std::vector<float> acc;
+  acc.assign(n * NV * 8, 0.0f);
+  for (int64_t s0 = 0; s0 < E; s0 += kValueTile) {
+    const int64_t s1 = std::min(E, s0 + kValueTile);
+    int64_t i = 0;
+    // the first rows prefetch the next tile's values (measured: 10-20% off the attention)
+    for (; i + 2 <= n; i += 2)
+      weighted_tile<NV, 2, FULL>(p + i, v, s0, s1, Dh, last, acc.data() + i * NV * 8, i == 0 ? E : 0);
+    if (i < n) weighted_tile<NV, 1, FULL>(p + i, v, s0, s1, Dh, last, acc.data() + i * NV * 8, i == 0 ? E : 0);
+  }
+  for (int64_t i = 0; i < n; ++i) {
+    const __m256 sc = _mm256_set1_ps(scale[i]);
+    for (int j = 0; j < NV; ++j) {
+      const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(acc.data() + (i * NV + j) * 8), sc);
+      if (FULL || j + 1 < NV) _mm256_storeu_ps(o[i] + 8 * j, y);
+      else _mm256_maskstore_ps(o[i] + 8 * j, last, y);
     }
-    weighted_sum_any(sc, v, E, Dh, 1.0f / hsum(total), o);
   }
 }
 
+// `weighted_rows` for columns [c0, c0 + w) of v and of each o[r], w <= 32.
+void weighted_columns(const float* const* p, const float* v, int64_t E, int64_t Dh, int64_t c0, int64_t w,
+                      const float* scale, float* const* o, int64_t n) {
+  std::vector<float*> oc(o, o + n);
+  for (auto& x : oc) x += c0;
+  const bool full = w % 8 == 0;
+  switch ((w + 7) / 8) {
+    case 1: full ? weighted_rows<1, true>(p, v + c0, E, Dh, w, scale, oc.data(), n)
+                 : weighted_rows<1, false>(p, v + c0, E, Dh, w, scale, oc.data(), n); break;
+    case 2: full ? weighted_rows<2, true>(p, v + c0, E, Dh, w, scale, oc.data(), n)
+                 : weighted_rows<2, false>(p, v + c0, E, Dh, w, scale, oc.data(), n); break;
+    case 3: full ? weighted_rows<3, true>(p, v + c0, E, Dh, w, scale, oc.data(), n)
+                 : weighted_rows<3, false>(p, v + c0, E, Dh, w, scale, oc.data(), n); break;
+    default: full ? weighted_rows<4, true>(p, v + c0, E, Dh, w, scale, oc.data(), n)
+                  : weighted_rows<4, false>(p, v + c0, E, Dh, w, scale, oc.data(), n); break;
+  }
+}
+
+struct AttentionShape {
+  int64_t B, T, H, KVH, S, Dh, layer;
+  int64_t rows() const { return (H / KVH) * T; }  // query rows of one (row b, KV head) block
+  int64_t visible(const int32_t* lengths, int64_t b) const {  // slots [0, E) of row b are read
+    return std::min<int64_t>(S, std::max<int64_t>(0, int64_t(lengths[b]) + T));
+  }
+  const float* cache(const float* c, int64_t b, int64_t kvh) const {  // [S, Dh] of this layer
+    return c + ((layer * B + b) * KVH + kvh) * S * Dh;
+  }
+};
+
+// Slots per score chunk: the unit of work the threads share in the scores phase.
+constexpr int64_t kSlotChunk = 128;
+
+// Scores of block j = (b, kvh) against slots [s0, s1): scores[r, s] = qs[r] . k[s], each one
+// dot product in a fixed order (`nt_rows`), whichever thread computes which slots.
+void attention_scores(const AttentionShape& a, const float* qs, const float* kc, float* scores,
+                      int64_t j, int64_t s0, int64_t s1) {
+  const int64_t b = j / a.KVH, kvh = j % a.KVH, R = a.rows();
+  nt_rows(qs + j * R * a.Dh, a.cache(kc, b, kvh), scores + j * R * a.S, R, a.Dh, a.S, s0, s1);
+}
+
+// Query row r of block j = (b, kvh): the masked softmax of its scores over slots [0, E) (float32,
+// exp by a polynomial), left unnormalised in place; returns 1 / their total. A row that sees no
+// slot gets the mean of all S values, written to out here, and returns 0.
+float attention_softmax(const AttentionShape& a, const float* vc, const bool* mask, float* scores, int64_t E,
+                        float* out, int64_t j, int64_t r) {
+  const int64_t b = j / a.KVH, kvh = j % a.KVH, g = a.H / a.KVH, Dh = a.Dh;
+  const int64_t t = r / g, h = kvh * g + r % g;
+  const float* v = a.cache(vc, b, kvh);
+  float* o = out + (b * a.T + t) * a.H * Dh + h * Dh;
+  float* sc = scores + (j * a.rows() + r) * a.S;
+  const bool* m = mask + (b * a.T + t) * a.S;
+  // pass 1: the largest visible score (vector max over 8 slots at a time)
+  const __m256 lowest = _mm256_set1_ps(-INFINITY);
+  __m256 top8 = lowest;
+  const int64_t whole = E / 8 * 8;  // slots in whole groups of 8; the rest by masked loads
+  for (int64_t s = 0; s < whole; s += 8)
+    top8 = _mm256_max_ps(top8, _mm256_blendv_ps(lowest, _mm256_loadu_ps(sc + s), visible_lanes(m + s, 8)));
+  const __m256i rest = tail_mask(E - whole);
+  if (whole < E)
+    top8 = _mm256_max_ps(top8, _mm256_blendv_ps(lowest, _mm256_maskload_ps(sc + whole, rest),
+                                                visible_lanes(m + whole, E - whole)));
+  __m128 t4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+  t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
+  const float top = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
+  if (top == -INFINITY) {  // sees no slot: the mean of all S values
+    std::vector<float> ones(a.S, 1.0f);
+    weighted_sum_any(ones.data(), v, a.S, Dh, 1.0f / float(a.S), o);
+    return 0.0f;
+  }
+  // pass 2: p = e^(score - top) on visible slots, 0 elsewhere, in place; their total
+  const __m256 tv = _mm256_set1_ps(top);
+  __m256 total = _mm256_setzero_ps();
+  auto prob = [&](__m256 x, int64_t s, int64_t n) {  // e^(x - top) where visible, else 0
+    x = _mm256_min_ps(_mm256_sub_ps(x, tv), _mm256_setzero_ps());
+    return _mm256_and_ps(exp_nonpositive(x), visible_lanes(m + s, n));
+  };
+  for (int64_t s = 0; s < whole; s += 8) {
+    const __m256 p = prob(_mm256_loadu_ps(sc + s), s, 8);
+    _mm256_storeu_ps(sc + s, p);
+    total = _mm256_add_ps(total, p);
+  }
+  if (whole < E) {
+    const __m256 p = prob(_mm256_maskload_ps(sc + whole, rest), whole, E - whole);
+    _mm256_maskstore_ps(sc + whole, rest, p);
+    total = _mm256_add_ps(total, p);
+  }
+  return 1.0f / hsum(total);
+}
+
+// Three phases, each split between the threads in small pieces (a step's B x KVH blocks alone are
+// too few: 3 on 2 threads at batch 1 left one thread idle a third of the time):
+//   1. scores, in chunks of `kSlotChunk` slots of one block (the keys are read once);
+//   2. per query row, its softmax;
+//   3. weighted sums of the values, per block and 32 columns (the values are read once per
+//      block from memory, and re-read from L1 for its rows: `weighted_rows`).
+// Every score and every row's sums are computed in the same order whatever the split, so the
+// result does not depend on the threads, and a query's result is the same at any T.
 ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi::Buffer<ffi::F32> v,
                           ffi::Buffer<ffi::PRED> mask, ffi::Buffer<ffi::S32> lengths, int64_t layer,
                           ffi::ResultBuffer<ffi::F32> out) {
@@ -461,15 +569,78 @@ ffi::Error CacheAttention(ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::F32> k, ffi:
   const bool* mp = mask.typed_data();
   const int32_t* lp = lengths.typed_data();
   float* op = out->typed_data();
-  const int64_t blocks = a.B * a.KVH;
-  auto run = [&](int64_t begin, int64_t end) {
-    for (int64_t j = begin; j < end; ++j) attention_block(a, qp, kp, vp, mp, lp, op, j / a.KVH, j % a.KVH);
+  const int64_t blocks = a.B * a.KVH, R = a.rows(), g = a.H / a.KVH, Dh = a.Dh;
+
+  // The scaled queries, [blocks, R, Dh]: row r = t * g + i of block (b, kvh) is query head
+  // kvh * g + i of token t; and room for every block's scores, [blocks, R, S].
+  thread_local std::vector<float> qs, scores;
+  qs.resize(blocks * R * Dh);
+  scores.resize(blocks * R * a.S);
+  const float inv_sqrt = 1.0f / std::sqrt(float(Dh));
+  for (int64_t j = 0; j < blocks; ++j)
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t b = j / a.KVH, kvh = j % a.KVH, t = r / g, i = r % g;
+      const float* src = qp + ((b * a.T + t) * a.H + kvh * g + i) * Dh;
+      float* dst = qs.data() + (j * R + r) * Dh;
+      for (int64_t d = 0; d < Dh; ++d) dst[d] = src[d] * inv_sqrt;
+    }
+
+  // Phase 1: score chunks, numbered block by block.
+  std::vector<int64_t> first(blocks + 1, 0);  // block j's chunks are [first[j], first[j + 1])
+  for (int64_t j = 0; j < blocks; ++j)
+    first[j + 1] = first[j] + (a.visible(lp, j / a.KVH) + kSlotChunk - 1) / kSlotChunk;
+  // (the phases run on other threads too: they see these buffers through pointers, not by the
+  // thread_local names, which name another buffer on each thread)
+  const float* qsp = qs.data();
+  float* sp = scores.data();
+  auto score_chunks = [&](int64_t begin, int64_t end) {
+    int64_t j = 0;
+    for (int64_t c = begin; c < end; ++c) {
+      while (c >= first[j + 1]) ++j;
+      const int64_t E = a.visible(lp, j / a.KVH), s0 = (c - first[j]) * kSlotChunk;
+      attention_scores(a, qsp, kp, sp, j, s0, std::min(E, s0 + kSlotChunk));
+    }
   };
-  // Split (row, KV head) blocks between threads only when each is worth a hand-off.
-  const int64_t work = a.T * (a.H / a.KVH) * a.S * a.Dh;
+  // Phase 2: each row's softmax, rows numbered block by block.
+  thread_local std::vector<float> scale;
+  scale.resize(blocks * R);
+  float* scp = scale.data();
+  auto softmax_rows = [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i)
+      scp[i] = attention_softmax(a, vp, mp, sp, a.visible(lp, i / R / a.KVH), op, i / R, i % R);
+  };
+  // Phase 3: weighted sums of the values, in units of one block's rows x 32 columns.
+  const int64_t groups = (Dh + 31) / 32;
+  auto value_units = [&](int64_t begin, int64_t end) {
+    std::vector<const float*> ps;
+    std::vector<float*> os;
+    std::vector<float> scales;
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t j = u / groups, b = j / a.KVH, kvh = j % a.KVH, c0 = (u % groups) * 32;
+      ps.clear(), os.clear(), scales.clear();
+      for (int64_t r = 0; r < R; ++r) {
+        if (scp[j * R + r] == 0.0f) continue;  // saw no slot: done in phase 2
+        const int64_t t = r / g, h = kvh * g + r % g;
+        ps.push_back(sp + (j * R + r) * a.S);
+        os.push_back(op + (b * a.T + t) * a.H * Dh + h * Dh);
+        scales.push_back(scp[j * R + r]);
+      }
+      weighted_columns(ps.data(), a.cache(vp, b, kvh), a.visible(lp, b), Dh, c0, std::min<int64_t>(32, Dh - c0),
+                       scales.data(), os.data(), int64_t(ps.size()));
+    }
+  };
+  // Split between threads only when the step is worth the hand-offs.
+  const int64_t work = a.T * g * a.S * Dh;
   Workers& workers = Workers::get();
-  if (blocks < 2 || work < (int64_t{1} << 17) || workers.threads() == 1) run(0, blocks);
-  else workers.run(blocks, 1, run);
+  if (work < (int64_t{1} << 17) || workers.threads() == 1) {
+    score_chunks(0, first[blocks]);
+    softmax_rows(0, blocks * R);
+    value_units(0, blocks * groups);
+  } else {
+    workers.run(first[blocks], 1, score_chunks);
+    workers.run(blocks * R, 1, softmax_rows);
+    workers.run(blocks * groups, 1, value_units);
+  }
   return ffi::Error::Success();
 }
 
