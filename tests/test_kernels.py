@@ -155,6 +155,30 @@ def test_leading_dims_gradients_vmap_and_large_products():
         kernels.matmul_nt(x, w[:, :39])
 
 
+@needs_kernels
+def test_on_huge_pages_copies_into_aligned_memory_used_in_place(monkeypatch):
+    """A big CPU array comes back equal, in memory aligned to 2 MB that the jax array uses in place
+    (and that outlives the numpy view it was written through); small arrays, and every array with
+    MEDUSA_JAX_HUGE_PAGES=0, come back as they were; a jitted product reads it like the original."""
+    rng = np.random.default_rng(0)
+    a = jnp.asarray(rng.standard_normal((3000, 577)).astype(np.float32))  # 6.9 MB
+    b = kernels.on_huge_pages(a)
+    assert b is not a and b.shape == a.shape and b.dtype == a.dtype
+    assert b.unsafe_buffer_pointer() % (2 << 20) == 0
+    np.testing.assert_array_equal(np.asarray(b), np.asarray(a))
+    x = jnp.asarray(rng.standard_normal((3, 577)).astype(np.float32))
+    f = jax.jit(lambda x, w: kernels.matmul_nt(x, w))
+    np.testing.assert_array_equal(np.asarray(f(x, b)), np.asarray(f(x, a)))
+    del a
+    import gc
+    gc.collect()
+    assert np.isfinite(np.asarray(b)).all()
+    small = jnp.ones((10, 10))
+    assert kernels.on_huge_pages(small) is small
+    monkeypatch.setenv("MEDUSA_JAX_HUGE_PAGES", "0")
+    assert kernels.on_huge_pages(b) is b
+
+
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", False), ("llama", True)])
 def test_decoding_layout_gives_the_same_logits(arch, tied):
     cfg = tiny_config(arch, tie_word_embeddings=tied)

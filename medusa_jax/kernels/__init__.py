@@ -18,7 +18,8 @@ Where it cannot be used (no C++ compiler, a CPU without AVX2/FMA, not x86-64, a 
 round-off; `status()` says which path runs and why. Environment: ``MEDUSA_JAX_THREADS=N`` caps
 the threads one product uses (default: the CPUs this process may run on); ``MEDUSA_JAX_SPIN_US``
 is how long an idle worker spins before it sleeps (default 200); ``MEDUSA_JAX_CHUNK_KB`` the
-weights per claimed chunk of columns (default 256).
+weights per claimed chunk of columns (default 256); ``MEDUSA_JAX_HUGE_PAGES=0`` keeps the decoding
+weights on ordinary 4 KB pages (`on_huge_pages`).
 
 Public API:
   available() -> bool;  status() -> str
@@ -26,6 +27,7 @@ Public API:
   cache_attention(q, k, v, mask, lengths, layer, fallback) -> [B, T, H * Dh]  (attention over the
       KV cache read in place; attention_applies(dtype, T) says when the kernel runs)
   read_bandwidth(bytes, threads) -> bytes/s   (the roofline the decoding step is measured against)
+  on_huge_pages(a) -> a copy of a CPU array on 2 MB pages (the kernels stream such weights faster)
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ import ctypes
 import functools
 import hashlib
 import math
+import mmap
 import os
 import platform
 import subprocess
@@ -155,6 +158,39 @@ def read_bandwidth(nbytes: int = 1 << 30, threads: int = 2, repeats: int = 3) ->
     if lib is None:
         raise RuntimeError(f"read_bandwidth needs the streaming kernels: {why}")
     return float(lib.medusa_read_bandwidth(int(nbytes), int(threads), int(repeats)))
+
+
+_HUGE_PAGE = 2 << 20
+
+
+def on_huge_pages(a: jax.Array) -> jax.Array:
+    """`a` copied into host memory backed by 2 MB pages, as a CPU jax array that uses that memory in
+    place (no further copy), for the weights the kernels stream: from 4 KB pages the hardware
+    prefetchers restart at every page and the TLB misses, and the product kernel read 8-16% slower
+    on this project's CPU (docs/performance.md). The memory is an anonymous mapping aligned to 2 MB
+    and advised ``MADV_HUGEPAGE`` before it is written, so the OS backs it with 2 MB pages as it is
+    filled, where it can (Linux; best effort elsewhere).
+
+    Args: a: a jax array on the CPU (any shape and dtype).
+    Returns: an equal jax array; `a` itself when it is under 2 MB, not on a single CPU device,
+      the kernels are unavailable, or ``MEDUSA_JAX_HUGE_PAGES=0``."""
+    if (not available() or not isinstance(a, jax.Array) or a.nbytes < _HUGE_PAGE
+            or os.environ.get("MEDUSA_JAX_HUGE_PAGES", "1").strip().lower() in ("0", "false", "off")):
+        return a
+    devices = a.devices()
+    if len(devices) != 1 or next(iter(devices)).platform != "cpu":
+        return a
+    mm = mmap.mmap(-1, a.nbytes + _HUGE_PAGE, flags=mmap.MAP_PRIVATE | getattr(mmap, "MAP_ANONYMOUS", 0x20))
+    raw = np.frombuffer(mm, np.uint8)
+    start = -raw.ctypes.data % _HUGE_PAGE
+    if hasattr(mm, "madvise") and hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            mm.madvise(mmap.MADV_HUGEPAGE)
+        except OSError:  # the OS declines: 4 KB pages, as any other array
+            pass
+    host = raw[start:start + a.nbytes].view(a.dtype).reshape(a.shape)
+    host[...] = np.asarray(a)
+    return jax.device_put(host, next(iter(devices)))  # page-aligned host memory: used in place
 
 
 def _ffi_nt(x: jax.Array, w: jax.Array) -> jax.Array:

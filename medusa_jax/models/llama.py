@@ -447,8 +447,9 @@ def decoding_params(params: dict) -> dict:
     projections that share an input fused into one matrix: ``attn/qkv_t [(H + 2 KVH) Dh, D]``
     (with ``qkv_bias`` when q/k/v have biases) and ``mlp/gate_up_t [2 I, D]``. A decoding step
     then makes 4 weight-streaming products per layer instead of 7; each starts and ends its
-    threads, which costs about as much as streaming a small matrix. Everything else is shared, not
-    copied. `LlamaModel` runs either layout with the same results (up to float32 round-off; the
+    threads, which costs about as much as streaming a small matrix. Every array of 2 MB or more,
+    the embedding included, is then copied onto 2 MB pages (`kernels.on_huge_pages`), from which
+    the kernels stream it faster; smaller ones are shared, not copied. `LlamaModel` runs either layout with the same results (up to float32 round-off; the
     kernel computes each output alike whichever matrix holds it); training keeps the ``kernel``
     layout (its gradients and checkpoints use it).
 
@@ -479,7 +480,7 @@ def decoding_params(params: dict) -> dict:
                     del out[p]
         return out
 
-    out = convert(params)
+    out = jax.tree_util.tree_map(kernels.on_huge_pages, convert(params))  # streamed faster from 2 MB pages
     for key in [k for k, (ref, _) in _DECODING.items() if ref() is None]:
         del _DECODING[key]
     _DECODING[id(params)] = (weakref.ref(leaf), out)
