@@ -172,9 +172,9 @@ def on_huge_pages(a: jax.Array) -> jax.Array:
     filled, where it can (Linux; best effort elsewhere).
 
     Args: a: a jax array on the CPU (any shape and dtype).
-    Returns: an equal jax array; `a` itself when it is under 2 MB, not on a single CPU device,
-      the kernels are unavailable, or ``MEDUSA_JAX_HUGE_PAGES=0``."""
-    if (not available() or not isinstance(a, jax.Array) or a.nbytes < _HUGE_PAGE
+    Returns: an equal jax array; `a` itself when it is under 2 MB, not on a single CPU device, a
+      tracer (inside jit), the kernels are unavailable, or ``MEDUSA_JAX_HUGE_PAGES=0``."""
+    if (not available() or not isinstance(a, jax.Array) or isinstance(a, jax.core.Tracer) or a.nbytes < _HUGE_PAGE
             or os.environ.get("MEDUSA_JAX_HUGE_PAGES", "1").strip().lower() in ("0", "false", "off")):
         return a
     devices = a.devices()
