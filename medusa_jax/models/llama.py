@@ -449,9 +449,10 @@ def decoding_params(params: dict) -> dict:
     then makes 4 weight-streaming products per layer instead of 7; each starts and ends its
     threads, which costs about as much as streaming a small matrix. Every array of 2 MB or more,
     the embedding included, is then copied onto 2 MB pages (`kernels.on_huge_pages`), from which
-    the kernels stream it faster; smaller ones are shared, not copied. `LlamaModel` runs either layout with the same results (up to float32 round-off; the
-    kernel computes each output alike whichever matrix holds it); training keeps the ``kernel``
-    layout (its gradients and checkpoints use it).
+    the kernels stream it faster; smaller ones are shared, not copied. `LlamaModel` runs either
+    layout with the same results (up to float32 round-off; the kernel computes each output alike
+    whichever matrix holds it); training keeps the ``kernel`` layout (its gradients and
+    checkpoints use it).
 
     Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
     (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the tree is already in decoding layout. The result is cached per
