@@ -12,13 +12,13 @@ of a tree step that grows with the prompt (docs/performance.md, issue 13 third p
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
+from medusa_jax.cost import _best_time  # warm-up call, then the best of the timed calls
 
 
 def time_attention(T: int, S: int, visible: int, repeats: int, L: int = 30, H: int = 9, KVH: int = 3,
@@ -38,14 +38,7 @@ def time_attention(T: int, S: int, visible: int, repeats: int, L: int = 30, H: i
             out = out + kernels.cache_attention(q + out.reshape(q.shape) * 1e-9, k, v, mask, lengths, layer, None)
         return out
 
-    args = (q, k, v, mask, lengths)
-    jax.block_until_ready(layers(*args))
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(layers(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
+    return _best_time(layers, (q, k, v, mask, lengths), 1, repeats) * 1e3
 
 
 def main() -> None:

@@ -362,49 +362,11 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
-// out[0:w] = scale * sum_{s < E} p[s] * v[s * Dh + 0:w], w <= 64, in NV vectors of 8 (the last
-// masked to w): each output is one sum over s in order.
-template <int NV>
-void weighted_sum(const float* p, const float* v, int64_t E, int64_t Dh, int64_t w, float scale, float* out) {
-  const __m256i last = tail_mask(w - 8 * (NV - 1));
-  __m256 acc[NV];
-  for (int j = 0; j < NV; ++j) acc[j] = _mm256_setzero_ps();
-  for (int64_t s = 0; s < E; ++s) {
-    const __m256 ps = _mm256_broadcast_ss(p + s);
-    const float* vs = v + s * Dh;
-    for (int j = 0; j < NV; ++j) {
-      const __m256 x = j + 1 < NV ? _mm256_loadu_ps(vs + 8 * j) : _mm256_maskload_ps(vs + 8 * j, last);
-      acc[j] = _mm256_fmadd_ps(ps, x, acc[j]);
-    }
-  }
-  const __m256 sc = _mm256_set1_ps(scale);
-  for (int j = 0; j < NV; ++j) {
-    if (j + 1 < NV) _mm256_storeu_ps(out + 8 * j, _mm256_mul_ps(acc[j], sc));
-    else _mm256_maskstore_ps(out + 8 * j, last, _mm256_mul_ps(acc[j], sc));
-  }
-}
-
-void weighted_sum_any(const float* p, const float* v, int64_t E, int64_t Dh, float scale, float* out) {
-  for (int64_t d0 = 0; d0 < Dh; d0 += 64) {
-    const int64_t w = std::min<int64_t>(64, Dh - d0);
-    switch ((w + 7) / 8) {
-      case 1: weighted_sum<1>(p, v + d0, E, Dh, w, scale, out + d0); break;
-      case 2: weighted_sum<2>(p, v + d0, E, Dh, w, scale, out + d0); break;
-      case 3: weighted_sum<3>(p, v + d0, E, Dh, w, scale, out + d0); break;
-      case 4: weighted_sum<4>(p, v + d0, E, Dh, w, scale, out + d0); break;
-      case 5: weighted_sum<5>(p, v + d0, E, Dh, w, scale, out + d0); break;
-      case 6: weighted_sum<6>(p, v + d0, E, Dh, w, scale, out + d0); break;
-      case 7: weighted_sum<7>(p, v + d0, E, Dh, w, scale, out + d0); break;
-      default: weighted_sum<8>(p, v + d0, E, Dh, w, scale, out + d0); break;
-    }
-  }
-}
-
 // Weighted sums of several query rows over the same values, 32 columns at a time:
 //   o[r][0:w] = scale[r] * sum_{s < E} p[r][s] * v[s * Dh + 0:w],  w <= 32 (NV vectors of 8).
 // Two rows share each load of v, and the slots go in tiles of `kValueTile`, whose values the
-// other rows re-read from L1: streaming v from L2 once per row was the bound. Each output is the
-// same sum as `weighted_sum` (one fused multiply-add per slot, in slot order, then the scale).
+// other rows re-read from L1: streaming v from L2 once per row was the bound. Each output is one
+// fused multiply-add per slot, in slot order, then the scale, whatever the rows and tiles.
 constexpr int64_t kValueTile = 64;
 
 template <int NV, int RB, bool FULL>
@@ -520,8 +482,10 @@ float attention_softmax(const AttentionShape& a, const float* vc, const bool* ma
   t4 = _mm_max_ps(t4, _mm_movehl_ps(t4, t4));
   const float top = _mm_cvtss_f32(_mm_max_ss(t4, _mm_movehdup_ps(t4)));
   if (top == -INFINITY) {  // sees no slot: the mean of all S values
-    std::vector<float> ones(a.S, 1.0f);
-    weighted_sum_any(ones.data(), v, a.S, Dh, 1.0f / float(a.S), o);
+    const std::vector<float> ones(a.S, 1.0f);
+    const float* p = ones.data();
+    const float mean = 1.0f / float(a.S);
+    for (int64_t c0 = 0; c0 < Dh; c0 += 32) weighted_columns(&p, v, a.S, Dh, c0, std::min<int64_t>(32, Dh - c0), &mean, &o, 1);
     return 0.0f;
   }
   // pass 2: p = e^(score - top) on visible slots, 0 elsewhere, in place; their total
