@@ -52,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     runtime.add_dtype_arg(p)
     runtime.add_mesh_arg(p)
     runtime.add_acceptance_args(p)
+    runtime.add_lookup_arg(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (text, new_tokens, steps, mean_accepted, "
                         "tokens_per_s, prefill_s, decode_s, ...) instead of streaming")
@@ -138,7 +139,8 @@ def main(argv=None) -> int:
     try:
         model = runtime.place_on_mesh(mj.load_model(args.model, dtype=args.dtype, progress=progress), mesh)
         heads, tree, heads_note = mj.resolve_heads(model, None if args.no_medusa else args.heads,
-                                                    args.tree, use_medusa=not args.no_medusa)
+                                                    args.tree, use_medusa=not args.no_medusa,
+                                                    prompt_lookup=args.prompt_lookup)
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -383,6 +383,7 @@ def main(argv=None) -> int:
     runtime.add_mesh_arg(p)
     runtime.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
                                                     "sampling against Medusa sampling (no comparison of outputs)")
+    runtime.add_lookup_arg(p)
     args = p.parse_args(argv)
     acc = runtime.acceptance_from_args(p, args)
     try:
@@ -432,7 +433,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     cfg, params = model.cfg, model.params
-    heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=4)
+    heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=4,
+                                              prompt_lookup=args.prompt_lookup)
     if heads is None:
         print(f"error: {note}", file=sys.stderr)
         return 2
@@ -473,12 +475,15 @@ def main(argv=None) -> int:
     batches = [batched(cfg, params, heads, tree, prompts, plain_outputs, rows, n, args.max_new_tokens, eos,
                        {"plain": plain_acc, "medusa": acc}, args.seed, greedy) for n in batch_sizes]
     conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    summary = summarize(rows, tree.max_depth)
+    summary = summarize(rows, tree.max_accepted)
     predicted = runtime.predicted_tokens_per_step(tree, runtime.heads_calibration(args.heads))
     overall = summary.get("overall", summary.get("all"))
     tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
-                + (f"{predicted:.3f} (calibrated rank accuracies, independent heads)" if predicted else "n/a (heads not tuned)")
-                + f"; tree of {tree.size} tokens; acceptance per depth "
+                + (f"{predicted:.3f} (calibrated rank accuracies, independent heads"
+                   + (", without prompt lookup)" if tree.lookup else ")") if predicted else "n/a (heads not tuned)")
+                + f"; tree of {tree.size} tokens"
+                + (f", prompt lookup {dict(tree.lookup._asdict())}" if tree.lookup else ", no prompt lookup")
+                + "; acceptance per depth "
                 + " ".join(f"{a:.3f}" for a in overall["acceptance_per_depth"]))
     timing_line = ("tokens/s: decode only, total tokens emitted after the prompt's forward pass / total seconds "
                    f"after it (prefill excluded for every decoder); prefill over {overall['prompts']} prompts: "
@@ -490,6 +495,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
                    "tree": [list(c) for c in tree.medusa_choices],
+                   "prompt_lookup": tree.lookup._asdict() if tree.lookup else None,
                    "predicted_tokens_per_step": predicted, "conditions": conditions, "rows": rows}, f, indent=1)
     table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
     if not greedy:

@@ -145,6 +145,7 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None, help="also write per-prompt results as JSON to this file")
     runtime.add_acceptance_args(p, temperature_help="0: the lossless check (Medusa greedy against plain greedy); "
                                                     "> 0: Medusa sampling's tokens/step, no comparison")
+    runtime.add_lookup_arg(p)
     args = p.parse_args(argv)
     acc = runtime.acceptance_from_args(p, args)
     if args.limit is not None and args.limit < 1:
@@ -164,7 +165,8 @@ def main(argv=None) -> int:
         return 2
     runtime.enable_compilation_cache()
     model = load_model(args.model, dtype=jnp.dtype(args.dtype))
-    heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=args.num_heads)
+    heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=args.num_heads,
+                                              prompt_lookup=args.prompt_lookup)
     if heads is None:
         print(f"error: {note}", file=sys.stderr)
         return 2

@@ -268,7 +268,8 @@ def _constrain_cache(cache: KVCache) -> KVCache:
     on 'data' (no-op otherwise)."""
     spec = sharding.cache_spec()
     return KVCache(k=sharding.constrain(cache.k, spec), v=sharding.constrain(cache.v, spec),
-                   lengths=sharding.constrain(cache.lengths, sharding.batch_spec(1)))
+                   lengths=sharding.constrain(cache.lengths, sharding.batch_spec(1)),
+                   tokens=sharding.constrain(cache.tokens, sharding.batch_spec(2)))
 
 
 def _constrain_state(st: DecodeState) -> DecodeState:
@@ -429,7 +430,8 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     if mesh is not None:  # the cache follows the attention heads; the rows go on 'data'
         spec = sharding.cache_spec()
         cache = KVCache(k=sharding.put(cache.k, mesh, spec), v=sharding.put(cache.v, mesh, spec),
-                        lengths=sharding.put(cache.lengths, mesh, sharding.batch_spec(1)))
+                        lengths=sharding.put(cache.lengths, mesh, sharding.batch_spec(1)),
+                        tokens=sharding.put(cache.tokens, mesh, sharding.batch_spec(2)))
         last = sharding.put(last, mesh, sharding.batch_spec(2))
     run = _aot(prefill_chunk, (cfg, kv_block), (params, jnp.asarray(toks[:, :T]), lengths, cache, last))
     finish = _aot(prefill_logits, (cfg,), (params, last, cache, key))
@@ -530,7 +532,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                                            heads=heads, tree=tree, eos_token_ids=eos_token_ids,
                                            acceptance=acceptance, seed=seed)
     params, heads_cfg, head_params, full_tree = _decoding_setup(cfg, params, heads, tree)
-    S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.size)
+    S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.step_size)
     return _stream(cfg, params, prompt, max_new_tokens, heads_cfg, head_params, full_tree, acceptance,
                    seed, eos, S, progress)
 
@@ -550,7 +552,7 @@ def _stream(cfg: ModelConfig, params, prompt: List[int], max_new_tokens: int, he
         if length >= S:
             result.stop_reason = "cache_full"
             break
-        tr = full_tree if length + full_tree.size <= S else PLAIN_TREE
+        tr = full_tree if length + full_tree.step_size <= S else PLAIN_TREE
         if tr not in compiled:
             compiled[tr] = _aot(step, (cfg, heads_cfg, tr, acceptance), (params, head_params, state))
         t1 = time.perf_counter()
@@ -631,7 +633,7 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
     state = carry[0]
     B = state.logits.shape[0]
     S = state.cache.size
-    D = tree.max_depth
+    D = tree.max_accepted
     width = D + 1
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
     step_limit, done_limit = limits[0], limits[1]
@@ -645,7 +647,7 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
         return medusa_step(cfg, heads_cfg, tree, acc, params, head_params, st)
 
     def fits(st):
-        return jnp.all(st.cache.lengths + tree.size <= S)
+        return jnp.all(st.cache.lengths + tree.step_size <= S)
 
     def cond(c):
         st, _, _, done, steps, _, _ = c
@@ -704,7 +706,7 @@ def put_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
     logits, hidden state, key and next token. Pure; jit it with `state` donated to update in place."""
     c, r = state.cache, row.cache
     cache = KVCache(k=c.k.at[:, b].set(r.k[:, 0]), v=c.v.at[:, b].set(r.v[:, 0]),
-                    lengths=c.lengths.at[b].set(r.lengths[0]))
+                    lengths=c.lengths.at[b].set(r.lengths[0]), tokens=c.tokens.at[b].set(r.tokens[0]))
     return DecodeState(logits=state.logits.at[b].set(row.logits[0]), hidden=state.hidden.at[b].set(row.hidden[0]),
                        cache=cache, key=state.key.at[b].set(row.key[0]),
                        next_token=state.next_token.at[b].set(row.next_token[0]))
@@ -727,7 +729,7 @@ def _grow_carry(carry: tuple, size: int) -> tuple:
     old = st.cache
     new = grow_cache(old, size)
     new = KVCache(k=jax.device_put(new.k, old.k.sharding), v=jax.device_put(new.v, old.v.sharding),
-                  lengths=new.lengths)
+                  lengths=new.lengths, tokens=jax.device_put(new.tokens, old.tokens.sharding))
     return (st.replace(cache=new),) + tuple(carry[1:])
 
 
@@ -757,12 +759,12 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
                                          acceptance=acceptance, seed=seed)
     params, heads_cfg, head_params, tr = _decoding_setup(cfg, params, heads, tree)
     longest = max(len(p) for p in prompts)
-    s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.size)
-    S = min(bucket(longest + tr.size + 1, 128), s_max)
+    s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.step_size)
+    S = min(bucket(longest + tr.step_size + 1, 128), s_max)
     timing: dict = {}
     state = start_state(cfg, params, prompts, S, seed, timing=timing, progress=progress)
     B = len(prompts)
-    carry = init_carry(state, max_new_tokens, tr.max_depth)
+    carry = init_carry(state, max_new_tokens, tr.max_accepted)
     static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos)
     limits = jnp.asarray([max_new_tokens, B + 1], jnp.int32)
     sizes = []
@@ -858,10 +860,10 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: L
                 cache_size: Optional[int], progress: bool) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
     """The generator behind `generate_batch`, on checked arguments."""
     N = len(prompts)
-    s_max = cache_size or cache_size_for(cfg, max(len(p) for p in prompts), max_new_tokens, tr.size)
+    s_max = cache_size or cache_size_for(cfg, max(len(p) for p in prompts), max_new_tokens, tr.step_size)
 
     def room(n: int) -> int:  # the cache a prompt of n tokens needs for one tree step
-        return min(bucket(n + tr.size + 1, 128), s_max)
+        return min(bucket(n + tr.step_size + 1, 128), s_max)
 
     overhead = 0.0  # compilation seconds, left out of every timing
 
@@ -874,7 +876,7 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: L
     state = start_state(cfg, params, prompts[:B], S, seeds[:B], timing=timing, progress=False)
     overhead += time.perf_counter() - t - timing["prefill_s"]
     t_begin = clock() - timing["prefill_s"]
-    carry = init_carry(state, max_new_tokens, tr.max_depth)
+    carry = init_carry(state, max_new_tokens, tr.max_accepted)
     rows: List[Optional[int]] = list(range(B))  # the prompt in each row; None: retired
     started = [clock()] * B
     prefill_s = [timing["prefill_s"]] * B

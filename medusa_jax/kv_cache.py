@@ -1,6 +1,7 @@
 """The KV cache: an explicit pytree that goes into and comes out of every forward call.
 
-Layout: ``k, v: [L, B, KVH, S, Dh]`` in the compute dtype, ``lengths: [B] int32``. (DESIGN.md
+Layout: ``k, v: [L, B, KVH, S, Dh]`` in the compute dtype, ``tokens: [B, S] int32`` (the token
+whose K/V sit in each slot: prompt lookup drafts from it, `medusa_jax.lookup`), ``lengths: [B] int32``. (DESIGN.md
 first had ``[L, B, S, KVH, Dh]``; with the slots next to the head dimension, a layer's keys and
 values are the ``[B, KVH, S, Dh]`` operands attention's products read, with no transposed copy of
 the cache per layer and step: that copy was ~10% of a plain decoding step on this project's CPU at
@@ -19,10 +20,13 @@ from .config import ModelConfig
 
 @flax.struct.dataclass
 class KVCache:
-    """Static-size KV cache. k, v: [L, B, KVH, S, Dh]; lengths: [B] int32 (valid entries per row)."""
+    """Static-size KV cache. k, v: [L, B, KVH, S, Dh]; tokens: [B, S] int32, the token id in each
+    slot (written with its K/V, moved with them by the tree's compaction); lengths: [B] int32 (valid
+    entries per row)."""
     k: jax.Array
     v: jax.Array
     lengths: jax.Array
+    tokens: jax.Array
 
     @property
     def size(self) -> int:
@@ -45,7 +49,7 @@ def init_cache(cfg: ModelConfig, batch: int, size: int, dtype=jnp.float32) -> KV
     """
     shape = (cfg.num_layers, batch, cfg.num_kv_heads, size, cfg.head_dim)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+                   lengths=jnp.zeros((batch,), jnp.int32), tokens=jnp.zeros((batch, size), jnp.int32))
 
 
 def grow_cache(cache: KVCache, size: int) -> KVCache:
@@ -62,4 +66,5 @@ def grow_cache(cache: KVCache, size: int) -> KVCache:
     if size == cache.size:
         return cache
     pad = ((0, 0), (0, 0), (0, 0), (0, size - cache.size), (0, 0))
-    return KVCache(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad), lengths=cache.lengths)
+    return KVCache(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad), lengths=cache.lengths,
+                   tokens=jnp.pad(cache.tokens, ((0, 0), (0, size - cache.size))))

@@ -329,7 +329,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     kv_shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
     rows = lambda shape, dtype_: place("", shape, dtype_, sharding.batch_spec(len(shape)))
     cache = KVCache(k=place("", kv_shape, dt, sharding.cache_spec()), v=place("", kv_shape, dt, sharding.cache_spec()),
-                    lengths=rows((B,), jnp.int32))
+                    lengths=rows((B,), jnp.int32), tokens=rows((B, S), jnp.int32))
     state = DecodeState(logits=rows((B, cfg.vocab_size), jnp.float32), hidden=rows((B, cfg.hidden_size), dt),
                         cache=cache, key=rows((B, 2), jnp.uint32), next_token=rows((B,), jnp.int32))
 

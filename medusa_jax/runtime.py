@@ -7,7 +7,8 @@ import sys
 from typing import Optional, Tuple
 
 from .config import MedusaConfig
-from .tree import PRESETS, TreeBuffers, get_tree
+from .lookup import PromptLookup
+from .tree import PRESETS, TreeBuffers, get_tree, with_lookup
 
 _ASSET_HEADS = os.path.join(os.path.dirname(__file__), "assets", "heads")
 #: Heads shipped for the default model (SmolLM2-135M-Instruct), inside the package.
@@ -15,6 +16,42 @@ DEFAULT_HEADS_DIR = os.path.join(_ASSET_HEADS, "smollm2-135m-instruct")
 #: The other heads shipped for the default model, by the name `--heads` accepts: the paper's
 #: Medusa-1 heads (Cai et al. 2024, Sec. 2.2.1), kept beside the default (Hydra) heads.
 SHIPPED_HEADS = {"medusa1": os.path.join(_ASSET_HEADS, "smollm2-135m-instruct-medusa1")}
+#: Prompt lookup (`medusa_jax.lookup`) on the tools' trees unless asked otherwise: copies of 3
+#: tokens after a repeated 3- or 2-gram. On Spec-Bench with SmolLM2-135M it beat copies of 2, 4
+#: and 6 and 1-grams (docs/performance.md, "Prompt lookup").
+DEFAULT_PROMPT_LOOKUP = PromptLookup(num_tokens=3, max_ngram=3, min_ngram=2)
+
+
+def tree_lookup(tree: TreeBuffers, prompt_lookup: Optional[int] = None) -> TreeBuffers:
+    """`tree` with the prompt lookup asked for: None: the tree's own (a tree file's
+    ``prompt_lookup``), else `DEFAULT_PROMPT_LOOKUP`; 0: none; K > 0: copies of K tokens (n-grams
+    as the default's). Raises ValueError for K < 0."""
+    if prompt_lookup is None:
+        return tree if tree.lookup is not None else with_lookup(tree, DEFAULT_PROMPT_LOOKUP)
+    if prompt_lookup < 0:
+        raise ValueError(f"--prompt-lookup takes the tokens copied per draft (0 = off), got {prompt_lookup}")
+    return with_lookup(tree, DEFAULT_PROMPT_LOOKUP._replace(num_tokens=prompt_lookup) if prompt_lookup else None)
+
+
+def add_lookup_arg(p) -> None:
+    """The ``--prompt-lookup K`` flag of decode.py, check and bench (`tree_lookup`)."""
+    def tokens(text: str) -> int:
+        import argparse
+
+        try:
+            k = int(text)
+        except ValueError:
+            k = -1
+        if k < 0:
+            raise argparse.ArgumentTypeError(f"takes the tokens copied per draft, an integer >= 0 (0 = off), "
+                                             f"got {text!r}")
+        return k
+
+    p.add_argument("--prompt-lookup", type=tokens, default=None, metavar="K",
+                   help="prompt lookup: when the context's last 3- or 2-gram occurred before, verify the K tokens "
+                        "that followed it instead of the heads' tree (lossless, like the heads' candidates; fast "
+                        "on summaries, translations, answers about a document); 0 = off; default: the tree "
+                        f"file's setting, else K={DEFAULT_PROMPT_LOOKUP.num_tokens}")
 
 
 def heads_help(zero: bool = True) -> str:
@@ -65,7 +102,8 @@ def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
 
 
 def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: bool = True,
-                  zero_heads: int = 4) -> Tuple[Optional[Tuple[MedusaConfig, dict]], Optional[TreeBuffers], str]:
+                  zero_heads: int = 4, prompt_lookup: Optional[int] = None
+                  ) -> Tuple[Optional[Tuple[MedusaConfig, dict]], Optional[TreeBuffers], str]:
     """Heads and tree for a loaded model.
 
     Args:
@@ -76,6 +114,8 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
         is that model and they exist.
       tree_spec: see `resolve_tree`.
       use_medusa: False gives (None, None, "").
+      prompt_lookup: the tree's prompt lookup (`tree_lookup`): None: the tree file's, else
+        `DEFAULT_PROMPT_LOOKUP`; 0: off; K: copies of K tokens.
     Returns:
       ((MedusaConfig, params as jnp arrays) or None, TreeBuffers or None, a note for the user
       when Medusa was asked for but falls back to plain decoding). The heads come prepared for
@@ -119,7 +159,7 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
         dt = compute_dtype(model.params)
         params = {k: (v.astype(dt) if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) else v)
                   for k, v in params.items()}
-    tree = resolve_tree(tree_spec, heads_cfg)
+    tree = tree_lookup(resolve_tree(tree_spec, heads_cfg), prompt_lookup)
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
     base = lm_head_matrix(model.cfg, model.params) if need_base else None

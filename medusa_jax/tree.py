@@ -18,6 +18,10 @@ nodes that have children ("expanded" nodes). Their static lists are ``expand_nod
 ``expand_offsets``), ``node_paths`` (each node's path root..node), and ``parent_tree_indices``:
 node i's index into the flat vector ``[root, expanded node 0's top-k, expanded node 1's top-k, ...]``
 (``1 + slot(parent) * topk + rank``), the per-parent counterpart of ``tree_indices``.
+
+A tree may also carry prompt-lookup settings (`with_lookup`, `medusa_jax.lookup`): a step then
+verifies a chain copied from the context instead of the heads' tree whenever the context's last
+n-gram occurred before. Tree files keep them under ``"prompt_lookup"``.
 """
 from __future__ import annotations
 
@@ -25,10 +29,12 @@ import heapq
 import json
 import os
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
+
+from .lookup import PromptLookup
 
 Path = tuple[int, ...]
 
@@ -101,6 +107,7 @@ class TreeBuffers:
     expand_nodes: np.ndarray
     expand_offsets: np.ndarray
     parent_tree_indices: np.ndarray
+    lookup: PromptLookup | None = None
 
     @property
     def size(self) -> int:
@@ -117,8 +124,20 @@ class TreeBuffers:
         """P: number of root-to-leaf paths (= leaves)."""
         return int(self.retrieve_indices.shape[0])
 
+    @property
+    def step_size(self) -> int:
+        """The most tokens one step's forward runs: T, or the prompt-lookup chain's k + 1 when
+        longer (the cache room a step needs)."""
+        return max(self.size, self.lookup.num_tokens + 1) if self.lookup is not None else self.size
+
+    @property
+    def max_accepted(self) -> int:
+        """The most candidates one step can accept: D, or the prompt-lookup draft's k when longer
+        (a step emits at most max_accepted + 1 tokens)."""
+        return max(self.max_depth, self.lookup.num_tokens) if self.lookup is not None else self.max_depth
+
     def _key(self) -> tuple:
-        return (self.medusa_choices, self.topk)
+        return (self.medusa_choices, self.topk, self.lookup)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TreeBuffers):
@@ -129,8 +148,9 @@ class TreeBuffers:
         return hash(self._key())
 
     def __repr__(self) -> str:
+        extra = "" if self.lookup is None else f", lookup={tuple(self.lookup)}"
         return (f"TreeBuffers(T={self.size}, D={self.max_depth}, P={self.num_paths}, "
-                f"topk={self.topk})")
+                f"topk={self.topk}{extra})")
 
 
 def _normalise(medusa_choices: Iterable[Any], topk: int, num_heads: int | None) -> tuple[Path, ...]:
@@ -227,22 +247,26 @@ def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
                        _ro(retrieve), _ro(valid), _ro(node_paths), _ro(expand), _ro(offsets), _ro(parent_idx))
 
 
-def _load_choices_file(path: str) -> tuple[Any, int | None]:
+def _load_choices_file(path: str) -> tuple[Any, int | None, Any]:
     with open(path) as f:
         if path.endswith((".yaml", ".yml")):
             import yaml
             data = yaml.safe_load(f)
         else:
             data = json.load(f)
-    topk = None
+    topk = lookup = None
     if isinstance(data, Mapping):
         if "medusa_choices" not in data:
             raise ValueError(f"{path}: a dict tree file needs the key 'medusa_choices'")
         topk = data.get("topk")
+        lookup = data.get("prompt_lookup")
+        if lookup is not None and not isinstance(lookup, Mapping):
+            raise ValueError(f"{path}: 'prompt_lookup' must be a dict such as "
+                             "{\"num_tokens\": 3, \"max_ngram\": 3, \"min_ngram\": 2}")
         data = data["medusa_choices"]
     if not isinstance(data, list):
         raise ValueError(f"{path}: expected a list of paths or a dict with 'medusa_choices'")
-    return data, topk
+    return data, topk, lookup
 
 
 def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -> TreeBuffers:
@@ -250,14 +274,14 @@ def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -
 
     ``spec``: a TreeBuffers (returned as is when topk agrees), a preset name from ``PRESETS``, a
     path to a ``.json``/``.yaml``/``.yml`` file holding a list of paths or a dict with key
-    ``medusa_choices`` (and optionally ``topk``), or a sequence of paths. ``topk`` defaults to the
-    file's ``topk``, else 10.
+    ``medusa_choices`` (and optionally ``topk`` and ``prompt_lookup``, `with_lookup`), or a sequence
+    of paths. ``topk`` defaults to the file's ``topk``, else 10.
     Raises: ValueError for an unknown name (the message lists the presets) and every
       ``build_tree`` error.
     """
     if isinstance(spec, TreeBuffers):
         if topk is not None and topk != spec.topk:
-            return build_tree(spec.medusa_choices, topk, num_heads)
+            return with_lookup(build_tree(spec.medusa_choices, topk, num_heads), spec.lookup)
         if num_heads is not None:
             _normalise(spec.medusa_choices, spec.topk, num_heads)
         return spec
@@ -266,25 +290,33 @@ def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -
         if name in PRESETS:
             return build_tree(PRESETS[name], 10 if topk is None else topk, num_heads)
         if os.path.isfile(name):
-            choices, file_topk = _load_choices_file(name)
+            choices, file_topk, lookup = _load_choices_file(name)
             k = topk if topk is not None else (file_topk if file_topk is not None else 10)
-            return build_tree(choices, k, num_heads)
+            try:
+                return with_lookup(build_tree(choices, k, num_heads), lookup)
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"{name}: {e}") from None
         raise ValueError(f"unknown tree {name!r}: not a file; presets are {', '.join(sorted(PRESETS))}")
     return build_tree(spec, 10 if topk is None else topk, num_heads)
 
 
 def tree_to_json(tree: TreeBuffers | Sequence[Sequence[int]], path: str | os.PathLike | None = None,
                  topk: int | None = None) -> str:
-    """Serialise a tree as ``{"medusa_choices": [[...], ...], "topk": k}`` (readable by get_tree).
+    """Serialise a tree as ``{"medusa_choices": [[...], ...], "topk": k}`` (readable by get_tree),
+    with ``"prompt_lookup": {...}`` when the tree carries prompt-lookup settings.
 
     Writes the text to ``path`` when given; returns it either way.
     """
+    lookup = None
     if isinstance(tree, TreeBuffers):
-        choices, k = tree.medusa_choices, tree.topk
+        choices, k, lookup = tree.medusa_choices, tree.topk, tree.lookup
     else:
         choices = _normalise(tree, topk or 10, None)
         k = topk or 10
-    text = json.dumps({"medusa_choices": [list(p) for p in choices], "topk": int(k)})
+    data = {"medusa_choices": [list(p) for p in choices], "topk": int(k)}
+    if lookup is not None:
+        data["prompt_lookup"] = lookup._asdict()
+    text = json.dumps(data)
     if path is not None:
         with open(path, "w") as f:
             f.write(text + "\n")
@@ -399,3 +431,16 @@ def greedy_tree_search(head_accuracies: Any, num_nodes: int, topk: int = 10) -> 
         out.append(path)
         push_children(path, -neg)
     return tuple(out)
+
+
+def with_lookup(tree: TreeBuffers, lookup: PromptLookup | Mapping[str, int] | None) -> TreeBuffers:
+    """`tree` with prompt-lookup drafting (`medusa_jax.lookup`): `lookup` a `PromptLookup`, a dict
+    of its fields, or None (none). Raises ValueError for invalid settings or unknown keys."""
+    if isinstance(lookup, Mapping):
+        unknown = set(lookup) - set(PromptLookup._fields)
+        if unknown:
+            raise ValueError(f"unknown prompt_lookup keys {sorted(unknown)}; known: {', '.join(PromptLookup._fields)}")
+        lookup = PromptLookup(**{k: int(v) for k, v in lookup.items()})
+    if lookup is not None:
+        lookup = PromptLookup(*(int(x) for x in lookup)).check()
+    return replace(tree, lookup=lookup)

@@ -34,6 +34,7 @@ from .config import MedusaConfig, ModelConfig
 from .heads import BLOCK_KEYS, MedusaHeads, proposal_projection
 from .hydra import head_state, teacher_forced_states, token_embeddings
 from .kv_cache import KVCache
+from .lookup import chain_tree, ngram_draft
 from .models.llama import LlamaModel, lm_head_matrix
 from .sampling import categorical_rows, filtered_logits, sample_logits, split_rows, uniform_rows
 from .tree import TreeBuffers
@@ -105,7 +106,8 @@ class Acceptance(NamedTuple):
 
 class StepOutput(NamedTuple):
     """tokens: [B, D+1] int32, the emitted tokens (root then accepted candidates; entries at and
-    beyond ``num_tokens`` are filler). num_tokens: [B] int32 in [1, D+1] (tokens per step)."""
+    beyond ``num_tokens`` are filler; D = the tree's ``max_accepted``). num_tokens: [B] int32 in
+    [1, D+1] (tokens per step)."""
     tokens: jax.Array
     num_tokens: jax.Array
 
@@ -397,7 +399,8 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
     src = start[:, None] + path_nodes
     dst = start[:, None] + jnp.arange(P1, dtype=jnp.int32)[None, :]
     k, v = (c.at[:, rows, :, dst].set(c[:, rows, :, src], mode="drop") for c in (cache.k, cache.v))
-    return KVCache(k=k, v=v, lengths=new_lengths)
+    tokens = cache.tokens.at[rows, dst].set(cache.tokens[rows, src], mode="drop")
+    return KVCache(k=k, v=v, lengths=new_lengths, tokens=tokens)
 
 
 def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
@@ -415,9 +418,13 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
        that node's residual distribution (`residual_token`) into ``next_token``.
     Every row draws from its own key (``state.key`` [B, 2]), so rows are independent of each other.
     With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
+    A tree with prompt-lookup settings (``tree.lookup``, `medusa_jax.lookup`) first searches the
+    context (``cache.tokens``) for its last n-gram; when at least half the rows find one, the step
+    verifies the copied chain (`lookup.ngram_draft`, on `lookup.chain_tree`) instead of the heads'
+    tree, with the same acceptance rule (a `lax.cond`: only one of the two forwards runs).
 
-    Requires ``cache.lengths + T <= cache.size`` (the caller picks a smaller tree near the end).
-    Returns (StepOutput, next DecodeState).
+    Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
+    near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
     key, k_root, k_accept, k_next = split_rows(state.key, 4)
     root = jnp.where(state.next_token >= 0, state.next_token,
@@ -429,9 +436,33 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
         if D > heads_cfg.num_heads:
             raise ValueError(f"tree depth {D} exceeds the {heads_cfg.num_heads} Medusa heads; "
                              "use a shallower tree or more heads")
-        tree_tokens = draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree)
-    else:
-        tree_tokens = root[:, None]
+
+    def by_heads(_):
+        tree_tokens = (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
+                       else root[:, None])
+        return _verify_tree(cfg, tree, acc, params, state, tree_tokens, key, k_accept, k_next, width)
+
+    width = tree.max_accepted + 1
+    if tree.lookup is None:
+        return by_heads(None)
+    draft, found = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)
+
+    def by_lookup(_):
+        chain = jnp.concatenate([root[:, None], draft], axis=1)
+        return _verify_tree(cfg, chain_tree(tree.lookup.num_tokens), acc, params, state, chain, key, k_accept,
+                            k_next, width)
+
+    # one draft for the whole batch (static shapes): the copy when at least half the rows found one
+    use = 2 * jnp.sum(found.astype(jnp.int32)) >= found.shape[0]
+    return jax.lax.cond(use, by_lookup, by_heads, None)
+
+
+def _verify_tree(cfg: ModelConfig, tree: TreeBuffers, acc: Acceptance, params, state: DecodeState,
+                 tree_tokens: jax.Array, key: jax.Array, k_accept: jax.Array, k_next: jax.Array,
+                 width: int) -> Tuple[StepOutput, DecodeState]:
+    """Steps 3-5 of `medusa_step` for the [B, T] tokens on `tree`'s nodes (root first); the
+    emitted tokens are padded to `width` columns."""
+    D = tree.max_depth
     start = state.cache.lengths
     positions = start[:, None] + jnp.asarray(tree.depth)[None, :]
     logits, hidden, cache = LlamaModel(cfg).apply(
@@ -453,6 +484,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
         acc_len = jnp.zeros((B,), jnp.int32)
         last = jnp.zeros((B,), jnp.int32)
         tokens = tree_tokens
+    tokens = jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
     rows = jnp.arange(B)
     new_state = DecodeState(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache, key=key,
                             next_token=next_token)

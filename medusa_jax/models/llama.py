@@ -397,7 +397,9 @@ class LlamaModel(nn.Module):
         new_cache = None
         if cache is not None:
             adv = num_new if num_new is not None else jnp.full((B,), T, jnp.int32)
-            new_cache = KVCache(k=kv[0], v=kv[1], lengths=cache.lengths + adv)
+            slots = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]  # where the K/V went
+            written = cache.tokens.at[jnp.arange(B)[:, None], slots].set(tokens.astype(jnp.int32), mode="drop")
+            new_cache = KVCache(k=kv[0], v=kv[1], lengths=cache.lengths + adv, tokens=written)
         logits = self.logits(hidden) if compute_logits else None
         return logits, hidden, new_cache
 
