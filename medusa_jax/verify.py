@@ -271,9 +271,49 @@ def sibling_acceptance(p: jax.Array, prior: jax.Array) -> jax.Array:
     return jnp.clip(p / jnp.maximum(1.0 - prior, 1e-30), 0.0, 1.0)
 
 
-def _earlier_siblings(tree: TreeBuffers):
+class TreeArrays(NamedTuple):
+    """A tree's verification buffers as arrays, named as `TreeBuffers`' fields (which the
+    verification functions also accept): a step that picks its tree per call (prompt lookup) selects
+    them with ``jnp.where``, so the one forward it runs needs no conditional around it.
+
+    ancestor_mask [T, T] bool, depth [T] int32, parents [T] int32, retrieve_indices [P, D+1] int32,
+    valid [P, D+1] bool, earlier [T, T] float32 (`_earlier_siblings`).
+    """
+    ancestor_mask: jax.Array
+    depth: jax.Array
+    parents: jax.Array
+    retrieve_indices: jax.Array
+    valid: jax.Array
+    earlier: jax.Array
+
+
+def padded_arrays(tree: TreeBuffers, size: int, paths: int, depth: int) -> TreeArrays:
+    """`tree`'s buffers padded to `size` nodes, `paths` root-to-leaf paths and `depth` (static,
+    numpy). A padding node is a lone root (parent -1, depth 0, sees only itself and the cache): it
+    is verified but on no path, so it is never accepted; padding paths are invalid past the root."""
+    T, P, D = tree.size, tree.num_paths, tree.max_depth
+    if size < T or paths < P or depth < D:
+        raise ValueError(f"cannot pad a tree of {T} nodes, {P} paths, depth {D} to {size}, {paths}, {depth}")
+    mask = np.eye(size, dtype=bool)
+    mask[:T, :T] = tree.ancestor_mask
+    parents = np.full(size, -1, np.int32)
+    parents[:T] = tree.parents
+    retrieve = np.zeros((paths, depth + 1), np.int32)
+    retrieve[:P, :D + 1] = tree.retrieve_indices
+    valid = np.zeros((paths, depth + 1), bool)
+    valid[:, 0] = True
+    valid[:P, :D + 1] = tree.valid
+    earlier = np.zeros((size, size), np.float32)
+    earlier[:T, :T] = _earlier_siblings(tree)
+    return TreeArrays(mask, np.pad(tree.depth, (0, size - T)), parents, retrieve, valid, earlier)
+
+
+def _earlier_siblings(tree):
     """[T, T] float32 (static): entry (i, j) = 1 when node j is a sibling of node i tried before it
-    (same parent, smaller node index, i.e. a better rank: nodes are sorted by (depth, ranks))."""
+    (same parent, smaller node index, i.e. a better rank: nodes are sorted by (depth, ranks)).
+    A `TreeArrays` carries it as ``earlier``."""
+    if isinstance(tree, TreeArrays):
+        return tree.earlier
     par = np.asarray(tree.parents)
     idx = np.arange(len(par))
     return ((par[:, None] == par[None, :]) & (idx[None, :] < idx[:, None]) & (par[:, None] >= 0)).astype(np.float32)
@@ -403,6 +443,14 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
     return KVCache(k=k, v=v, lengths=new_lengths, tokens=tokens)
 
 
+def step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
+    """[B] int32, the root token `medusa_step` will decode from `state`: ``state.next_token`` when
+    an exact step drew it, else the argmax (or a sample with the step's own key) of ``state.logits``."""
+    k_root = split_rows(state.key, 4)[1]
+    return jnp.where(state.next_token >= 0, state.next_token,
+                     sample_logits(state.logits, k_root, acc.temperature, acc.top_p))
+
+
 def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
                 params, head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
     """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
@@ -421,14 +469,16 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     A tree with prompt-lookup settings (``tree.lookup``, `medusa_jax.lookup`) first searches the
     context (``cache.tokens``) for its last n-gram; when at least half the rows find one, the step
     verifies the copied chain (`lookup.ngram_draft`, on `lookup.chain_tree`) instead of the heads'
-    tree, with the same acceptance rule (a `lax.cond`: only one of the two forwards runs).
+    tree, with the same acceptance rule: one forward of ``tree.step_size`` tokens whose mask,
+    positions and paths are both trees' buffers padded to one shape (`padded_arrays`) and chosen by
+    data, not by a conditional (which made XLA copy the KV cache every step); the heads run only on
+    the steps that use their tree.
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
-    key, k_root, k_accept, k_next = split_rows(state.key, 4)
-    root = jnp.where(state.next_token >= 0, state.next_token,
-                     sample_logits(state.logits, k_root, acc.temperature, acc.top_p))
+    key, _, k_accept, k_next = split_rows(state.key, 4)
+    root = step_root(acc, state)
     D = tree.max_depth
     if D > 0:
         if heads_cfg is None:
@@ -437,32 +487,37 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
             raise ValueError(f"tree depth {D} exceeds the {heads_cfg.num_heads} Medusa heads; "
                              "use a shallower tree or more heads")
 
-    def by_heads(_):
-        tree_tokens = (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
-                       else root[:, None])
-        return _verify_tree(cfg, tree, acc, params, state, tree_tokens, key, k_accept, k_next, width)
+    def heads_draft(_):
+        return (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
+                else root[:, None])
 
     width = tree.max_accepted + 1
     if tree.lookup is None:
-        return by_heads(None)
-    draft, found = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)
-
-    def by_lookup(_):
-        chain = jnp.concatenate([root[:, None], draft], axis=1)
-        return _verify_tree(cfg, chain_tree(tree.lookup.num_tokens), acc, params, state, chain, key, k_accept,
+        return _verify_tree(cfg, tree, tree.size > D + 1, acc, params, state, heads_draft(None), key, k_accept,
                             k_next, width)
-
-    # one draft for the whole batch (static shapes): the copy when at least half the rows found one
+    # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
+    # by data (a lax.cond around the forward made XLA copy the KV cache every step)
+    chain = chain_tree(tree.lookup.num_tokens)
+    shape = (tree.step_size, max(tree.num_paths, chain.num_paths), tree.max_accepted)
+    copied, found = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)
     use = 2 * jnp.sum(found.astype(jnp.int32)) >= found.shape[0]
-    return jax.lax.cond(use, by_lookup, by_heads, None)
+    B = root.shape[0]
+    # the heads run only on the steps that verify their tree (a conditional over small arrays)
+    by_heads = jax.lax.cond(use, lambda _: jnp.zeros((B, tree.size), jnp.int32), heads_draft, None)
+    pad = lambda t: jnp.pad(t, ((0, 0), (0, shape[0] - t.shape[1])))
+    tokens = jnp.where(use, pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
+    arrays = jax.tree_util.tree_map(lambda c, h: jnp.where(use, c, h), padded_arrays(chain, *shape),
+                                    padded_arrays(tree, *shape))
+    return _verify_tree(cfg, TreeArrays(*arrays), True, acc, params, state, tokens, key, k_accept, k_next, width)
 
 
-def _verify_tree(cfg: ModelConfig, tree: TreeBuffers, acc: Acceptance, params, state: DecodeState,
+def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
                  tree_tokens: jax.Array, key: jax.Array, k_accept: jax.Array, k_next: jax.Array,
                  width: int) -> Tuple[StepOutput, DecodeState]:
-    """Steps 3-5 of `medusa_step` for the [B, T] tokens on `tree`'s nodes (root first); the
-    emitted tokens are padded to `width` columns."""
-    D = tree.max_depth
+    """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers` or
+    `TreeArrays`; root first). compact (static): whether the accepted path's K/V must move (False
+    for a chain, whose accepted prefix is in place). The emitted tokens are padded to `width` columns."""
+    D = tree.retrieve_indices.shape[1] - 1
     start = state.cache.lengths
     positions = start[:, None] + jnp.asarray(tree.depth)[None, :]
     logits, hidden, cache = LlamaModel(cfg).apply(
@@ -473,7 +528,7 @@ def _verify_tree(cfg: ModelConfig, tree: TreeBuffers, acc: Acceptance, params, s
         best, acc_len = evaluate_posterior(logits, tree_tokens, tree, acc, k_accept)
         path_nodes = jnp.asarray(tree.retrieve_indices)[best]                 # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
-        if tree.size > D + 1:
+        if compact:
             cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
         else:  # a chain: node j already sits at slot start + j, the accepted prefix is in place
             cache = cache.replace(lengths=start + acc_len + 1)

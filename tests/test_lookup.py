@@ -173,3 +173,15 @@ def test_tree_file_round_trip_and_bad_settings(tmp_path):
     path.write_text(json.dumps({"medusa_choices": [[0]], "prompt_lookup": 3}))
     with pytest.raises(ValueError, match="must be a dict"):
         get_tree(str(path))
+
+
+def test_a_lookup_that_never_finds_decodes_as_the_heads_alone(tiny):
+    # the padded, data-selected buffers (verify.padded_arrays) verify the heads' tree exactly as the
+    # tree itself does: same tokens, same steps, same tokens per step
+    cfg, params, hcfg, hp = tiny
+    tree = get_tree([[0], [1], [0, 0], [0, 1], [1, 0]], topk=10, num_heads=3)
+    never = with_lookup(tree, PromptLookup(num_tokens=6, max_ngram=90, min_ngram=90))
+    for prompt in PROMPTS[:2]:
+        a = generate(cfg, params, prompt, max_new_tokens=80, heads=(hcfg, hp), tree=tree, eos_token_ids=())
+        b = generate(cfg, params, prompt, max_new_tokens=80, heads=(hcfg, hp), tree=never, eos_token_ids=())
+        assert a.tokens == b.tokens and a.tokens_per_step == b.tokens_per_step
