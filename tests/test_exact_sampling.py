@@ -1,6 +1,6 @@
 """Exact (lossless) tree sampling: the first three emitted tokens of Medusa decoding with exact
 acceptance follow plain ancestral sampling's joint distribution, for several trees, temperatures
-0.7 and 1.0, top-p 0.9 and both head types; broken variants fail the same test.
+0.7 and 1.0, top-p 0.9, both head types and with prompt lookup; broken variants fail the same test.
 
 The reference distribution is computed exactly (8 + 64 forwards of a V = 8 model), and the Medusa
 samples (one batch row each, per-row keys, fixed seeds: deterministic) are compared with it by a
@@ -19,7 +19,8 @@ from medusa_jax import verify
 from medusa_jax.generate import _decoding_setup, generate, generate_device, start_state
 from medusa_jax.models.llama import LlamaModel
 from medusa_jax.sampling import filtered_logits
-from medusa_jax.tree import build_tree
+from medusa_jax.lookup import PromptLookup
+from medusa_jax.tree import build_tree, with_lookup
 from medusa_jax.verify import Acceptance
 
 from conftest import random_heads, tiny_decoding_model
@@ -34,6 +35,9 @@ P_MIN = 1e-3     # chi-square p-value below which the distributions differ
 # rank paths (medusa_choices); siblings at every depth, nodes with 2-3 children
 TREE_A = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)], topk=3)
 TREE_B = build_tree([(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)], topk=4)
+# prompt lookup beside tree A: a root that occurred in the context gets the tokens after it as a chain
+TREES = {"A": TREE_A, "B": TREE_B, "A+lookup": with_lookup(TREE_A, PromptLookup(num_tokens=2, max_ngram=2,
+                                                                                 min_ngram=1))}
 
 
 @pytest.fixture(scope="module")
@@ -98,14 +102,15 @@ def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
 
 
 CASES = [("medusa", "A", 0.7, 1.0), ("medusa", "B", 1.0, 1.0), ("medusa", "A", 1.0, 0.9),
-         ("medusa", "B", 0.7, 0.9), ("hydra", "A", 1.0, 1.0), ("hydra", "B", 0.7, 0.9)]
+         ("medusa", "B", 0.7, 0.9), ("hydra", "A", 1.0, 1.0), ("hydra", "B", 0.7, 0.9),
+         ("medusa", "A+lookup", 1.0, 1.0), ("hydra", "A+lookup", 0.7, 0.9)]
 
 
 @pytest.mark.parametrize("head_type,tree_name,temperature,top_p", CASES)
 def test_exact_sampling_matches_plain_sampling(model, head_type, tree_name, temperature, top_p):
     cfg, params, logits = model
     acc = Acceptance(temperature=temperature, top_p=top_p, method="exact")
-    tree = {"A": TREE_A, "B": TREE_B}[tree_name]
+    tree = TREES[tree_name]
     samples = medusa_samples(cfg, params, random_heads(cfg, params, head_type=head_type), tree, acc)
     p = chi_square_p(samples, reference(logits, acc))
     assert p > P_MIN, f"exact Medusa sampling differs from plain sampling (chi-square p = {p:.2g})"
