@@ -15,7 +15,8 @@ from .config import MedusaConfig, ModelConfig, RopeScaling  # noqa: F401
 from .kv_cache import KVCache, init_cache  # noqa: F401
 from .models.llama import LlamaModel, lm_head_matrix  # noqa: F401
 from .heads import MedusaHeads, init_heads, prepare_heads  # noqa: F401
-from .tree import TreeBuffers, build_tree, get_tree  # noqa: F401
+from .lookup import PromptLookup  # noqa: F401
+from .tree import TreeBuffers, build_tree, get_tree, with_lookup  # noqa: F401
 from .verify import Acceptance, DecodeState, medusa_step  # noqa: F401
 from .generate import (BatchStats, DeviceResult, GenerationResult, PromptTooLongError, generate,  # noqa: F401
                        generate_batch, generate_device, generate_jit, generate_stream, start_state)

@@ -435,9 +435,11 @@ def main(argv=None) -> int:
     cfg, params = model.cfg, model.params
     heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=4,
                                               prompt_lookup=args.prompt_lookup)
-    if heads is None:
+    if tree is None:  # neither heads nor prompt lookup: nothing to compare with plain decoding
         print(f"error: {note}", file=sys.stderr)
         return 2
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None
     eos = cfg.eos_token_ids
     prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]

@@ -167,9 +167,11 @@ def main(argv=None) -> int:
     model = load_model(args.model, dtype=jnp.dtype(args.dtype))
     heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=args.num_heads,
                                               prompt_lookup=args.prompt_lookup)
-    if heads is None:
+    if tree is None:  # neither heads nor prompt lookup: nothing to compare with plain decoding
         print(f"error: {note}", file=sys.stderr)
         return 2
+    if note:
+        print(f"note: {note}", file=sys.stderr)
     if acc.mode != "greedy":
         return sampled(model, heads, tree, records, acc, args)
     rows, steps, new_tokens = [], 0, 0

@@ -194,10 +194,11 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
         if not isinstance(tree, TreeBuffers):
             raise ValueError(f"{caller}(): tree takes a TreeBuffers (medusa_jax.tree.get_tree(spec)), "
                              f"got {type(tree).__name__}")
-        if heads is None:
+        if heads is None and (tree.max_depth > 0 or tree.lookup is None):
             raise ValueError(f"{caller}(): a tree was given without heads; pass heads=(MedusaConfig, params) "
-                             "too, or tree=None for plain decoding")
-        if tree.max_depth > heads[0].num_heads:
+                             "too, or tree=None for plain decoding (without heads, a tree may only be the trivial "
+                             "one with prompt lookup: medusa_jax.tree.with_lookup(get_tree([]), PromptLookup()))")
+        if heads is not None and tree.max_depth > heads[0].num_heads:
             raise ValueError(f"tree depth {tree.max_depth} exceeds the {heads[0].num_heads} Medusa heads; "
                              "use a shallower tree")
     return out, eos
@@ -482,8 +483,8 @@ def _decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]
     if mesh is not None:
         sharding.check_model_axis(cfg, mesh.shape["model"])
     params = decoding_params(params)
-    if heads is None:
-        return params, None, None, PLAIN_TREE
+    if heads is None:  # plain decoding, or prompt lookup alone (the trivial tree with lookup settings)
+        return params, None, None, tree if tree is not None else PLAIN_TREE
     heads_cfg, head_params = heads
     if tree.max_depth > 0:
         from .heads import prepare_heads
@@ -511,7 +512,9 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
         or a [1, T] array.
       max_new_tokens: the most new tokens (>= 1).
       heads: (MedusaConfig, head params) or None for plain decoding.
-      tree: the Medusa tree (`medusa_jax.tree.get_tree`); required with heads, refused without.
+      tree: the Medusa tree (`medusa_jax.tree.get_tree`), which may carry prompt-lookup settings
+        (`medusa_jax.tree.with_lookup`); required with heads. Without heads only the trivial tree
+        with prompt lookup is accepted (prompt lookup alone, for a model with no heads).
       acceptance: temperature 0 = greedy; > 0 = sampling, with exact acceptance by default (the
         output follows the model's own distribution) or ``method="typical"`` (`verify.Acceptance`).
       seed: PRNG seed (the key is PRNGKey(seed), as row 0 of a batch with this seed).

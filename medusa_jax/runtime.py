@@ -118,7 +118,9 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
         `DEFAULT_PROMPT_LOOKUP`; 0: off; K: copies of K tokens.
     Returns:
       ((MedusaConfig, params as jnp arrays) or None, TreeBuffers or None, a note for the user
-      when Medusa was asked for but falls back to plain decoding). The heads come prepared for
+      when Medusa was asked for but no heads fit). Without heads the tree is the trivial one with
+      prompt lookup (lookup alone, which `generate` accepts without heads), or None when
+      ``prompt_lookup=0`` (plain decoding). The heads come prepared for
       that tree (`heads.prepare_heads`): only its first ``tree.max_depth`` heads are kept, so a
       deeper tree needs another call.
     Raises:
@@ -133,6 +135,12 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     from .convert.medusa_format import load_heads
     from .heads import check_heads_match
 
+    def without_heads(why: str):  # prompt lookup alone, unless it is off
+        alone = tree_lookup(get_tree([]), prompt_lookup)
+        if alone.lookup is None:
+            return None, None, why + "; decoding plainly"
+        return None, alone, why + "; decoding with prompt lookup only (no heads)"
+
     if heads_path == "zero":
         from .heads import init_heads
         from .models.llama import lm_head_matrix
@@ -142,13 +150,13 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
         params = init_heads(heads_cfg, lm_head_matrix(model.cfg, model.params))
     elif heads_path is None:
         if not os.path.isdir(DEFAULT_HEADS_DIR):
-            return None, None, "no default Medusa heads are installed; decoding plainly (pass --heads DIR)"
+            return without_heads("no default Medusa heads are installed (pass --heads DIR)")
         heads_cfg, params = load_heads(DEFAULT_HEADS_DIR)
         try:
             check_heads_match(heads_cfg, model.cfg)
         except ValueError:
-            return None, None, ("the shipped heads are for SmolLM2-135M-Instruct, not this model; decoding "
-                                "plainly (train heads with train.py and pass --heads DIR)")
+            return without_heads("the shipped heads are for SmolLM2-135M-Instruct, not this model (train heads "
+                                 "with train.py and pass --heads DIR)")
     else:
         heads_cfg, params = load_heads(heads_path, model.cfg)
     from . import sharding

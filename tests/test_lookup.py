@@ -185,3 +185,23 @@ def test_a_lookup_that_never_finds_decodes_as_the_heads_alone(tiny):
         a = generate(cfg, params, prompt, max_new_tokens=80, heads=(hcfg, hp), tree=tree, eos_token_ids=())
         b = generate(cfg, params, prompt, max_new_tokens=80, heads=(hcfg, hp), tree=never, eos_token_ids=())
         assert a.tokens == b.tokens and a.tokens_per_step == b.tokens_per_step
+
+
+def test_prompt_lookup_without_heads(tiny):
+    # any model, no heads: the trivial tree with lookup settings copies from the context
+    cfg, params = successor_model()
+    prompt = list(range(V)) + list(range(12))
+    alone = with_lookup(get_tree([]), PromptLookup(4, 3, 2))
+    assert alone.step_size == 5 and alone.max_accepted == 4
+    base = generate(cfg, params, prompt, max_new_tokens=40, eos_token_ids=())
+    out = generate(cfg, params, prompt, max_new_tokens=40, tree=alone, eos_token_ids=())
+    r = generate_device(cfg, params, [prompt], max_new_tokens=40, tree=alone, eos_token_ids=())
+    assert out.tokens == r.tokens[0].tolist() == base.tokens and r.steps == out.steps <= 10
+    cfg, params, _, _ = tiny  # a model that rarely repeats: still plain greedy's output
+    for p in PROMPTS:
+        assert (generate(cfg, params, p, max_new_tokens=50, tree=alone, eos_token_ids=()).tokens
+                == generate(cfg, params, p, max_new_tokens=50, eos_token_ids=()).tokens)
+    with pytest.raises(ValueError, match="a tree was given without heads"):
+        generate(cfg, params, PROMPTS[0], max_new_tokens=4, tree=get_tree("chain2"))
+    with pytest.raises(ValueError, match="a tree was given without heads"):
+        generate(cfg, params, PROMPTS[0], max_new_tokens=4, tree=get_tree([]))

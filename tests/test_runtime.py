@@ -46,8 +46,10 @@ def test_resolve_heads_mismatch_and_missing(tmp_path, monkeypatch):
     with pytest.raises(FileNotFoundError):
         runtime.resolve_heads(model, str(tmp_path / "nope"))
     monkeypatch.setattr(runtime, "DEFAULT_HEADS_DIR", str(tmp_path / "none"))
-    heads, tree, note = runtime.resolve_heads(model, None)
-    assert heads is None and "plainly" in note
+    heads, tree, note = runtime.resolve_heads(model, None)  # no heads: prompt lookup alone
+    assert heads is None and "prompt lookup only" in note and tree.size == 1 and tree.lookup is not None
+    heads, tree, note = runtime.resolve_heads(model, None, prompt_lookup=0)
+    assert heads is None and tree is None and "plainly" in note
     assert runtime.resolve_heads(model, None, use_medusa=False) == (None, None, "")
 
 
