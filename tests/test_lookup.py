@@ -7,15 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.config import MedusaConfig
 from medusa_jax.generate import generate, generate_batch, generate_device, start_state
-from medusa_jax.heads import init_heads
 from medusa_jax.lookup import PromptLookup, ngram_draft
-from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.tree import get_tree, tree_to_json, with_lookup
 from medusa_jax.verify import Acceptance
 
-from conftest import tiny_decoding_model
+from conftest import random_heads, tiny_decoding_model
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -76,11 +73,7 @@ def test_ngram_draft_by_hand():
 @pytest.fixture(scope="module")
 def tiny():
     cfg, params = tiny_decoding_model(V)
-    hcfg = MedusaConfig(hidden_size=32, vocab_size=V, num_heads=3, num_layers=1, shared_lm_head=True)
-    hp = init_heads(hcfg, lm_head_matrix(cfg, params))
-    keys = jax.random.split(jax.random.PRNGKey(1), len(hp))
-    hp = {k: jax.random.normal(kk, a.shape) * 0.5 for kk, (k, a) in zip(keys, sorted(hp.items()))}
-    return cfg, params, hcfg, hp
+    return (cfg, params) + random_heads(cfg, params, num_heads=3)
 
 
 # prompts that repeat themselves, so that lookup drafts; and one that does not
