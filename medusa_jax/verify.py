@@ -443,7 +443,7 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
     return KVCache(k=k, v=v, lengths=new_lengths, tokens=tokens)
 
 
-def step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
+def _step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
     """[B] int32, the root token `medusa_step` will decode from `state`: ``state.next_token`` when
     an exact step drew it, else the argmax (or a sample with the step's own key) of ``state.logits``."""
     k_root = split_rows(state.key, 4)[1]
@@ -478,7 +478,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
     key, _, k_accept, k_next = split_rows(state.key, 4)
-    root = step_root(acc, state)
+    root = _step_root(acc, state)
     D = tree.max_depth
     if D > 0:
         if heads_cfg is None:
