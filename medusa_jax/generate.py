@@ -631,7 +631,7 @@ class DeviceResult(NamedTuple):
 
 
 def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
-                   max_new_tokens: int, eos: Tuple[int, ...], params, head_params, carry, final, limits):
+                   max_new_tokens: int, eos: Tuple[int, ...], tail: bool, params, head_params, carry, final, limits):
     """One segment of on-device generation (lax.while_loop). See `generate_jit`."""
     state = carry[0]
     B = state.logits.shape[0]
@@ -649,17 +649,22 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
     def full(st):
         return medusa_step(cfg, heads_cfg, tree, acc, params, head_params, st)
 
+    # one kind of step per segment: a lax.cond choosing between the tree step and a plain one made
+    # XLA copy the KV cache every step (docs/performance.md); the host runs the plain tail apart
+    plain_only = tail or D == 0
+    room = 1 if plain_only else tree.step_size
+
     def fits(st):
-        return jnp.all(st.cache.lengths + tree.step_size <= S)
+        return jnp.all(st.cache.lengths + room <= S)
 
     def cond(c):
         st, _, _, done, steps, _, _ = c
         return (jnp.logical_not(jnp.all(done)) & (steps < step_limit) & (jnp.sum(done) < done_limit)
-                & (final | fits(st)))
+                & (fits(st) | (final & plain_only)))
 
     def body(c):
         st0, out, count, done, steps, hist, row_steps = c
-        o, st = (jax.lax.cond(fits(st0), full, plain, st0) if D > 0 else plain(st0))
+        o, st = plain(st0) if plain_only else full(st0)
         # a finished row keeps its length: it computes on, but never grows out of its cache
         st = st.replace(cache=st.cache.replace(lengths=jnp.where(done, st0.cache.lengths, st.cache.lengths)))
         j = jnp.arange(width)[None, :]
@@ -680,19 +685,22 @@ def _generate_loop(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tr
     return jax.lax.while_loop(cond, body, tuple(carry))
 
 
-generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5), donate_argnames=("carry",))
+generate_jit = jax.jit(_generate_loop, static_argnums=(0, 1, 2, 3, 4, 5, 6), donate_argnames=("carry",))
 generate_jit.__doc__ = """One segment of whole-generation-on-the-device: a lax.while_loop, no host sync per step.
 
 Args (static first): cfg, heads_cfg (None for plain), tree (`PLAIN_TREE` for plain), acc,
-  max_new_tokens, eos ids (tuple); then params, head_params, the loop carry (donated, `init_carry`)
+  max_new_tokens, eos ids (tuple), tail (True: plain steps only, for the last cache slots where the
+  tree no longer fits); then params, head_params, the loop carry (donated, `init_carry`)
   ``(DecodeState, out [B, max_new_tokens] int32, count [B] int32, done [B] bool, steps () int32,
-  hist [D+1] int32, row_steps [B] int32)``, ``final`` (bool scalar) and ``limits`` [2] int32
-  (step_limit, done_limit).
-The loop stops when every row is done, when ``steps`` reaches step_limit, when done_limit rows
-are done (a row to refill: `generate_batch`), or, unless ``final``, as soon as the tree no longer
-fits in the cache (the caller grows the cache and calls again). With ``final`` it falls back to
-plain steps near the cache end and a row is done when its cache is full. A done row emits nothing
-more and its cache length stays put. Use `generate_device` or `generate_batch`, which drive it.
+  hist [D+1] int32, row_steps [B] int32)``, ``final`` (bool scalar: the cache is at its largest)
+  and ``limits`` [2] int32 (step_limit, done_limit).
+Every step of a segment is of one kind, the tree's or (plain decoding, ``tail``) a plain one: a
+conditional between them made XLA copy the KV cache every step. The loop stops when every row is
+done, when ``steps`` reaches step_limit, when done_limit rows are done (a row to refill:
+`generate_batch`), or as soon as its step no longer fits in the cache: the caller then grows the
+cache, or at the final size runs a ``tail`` segment, whose plain steps go on (with ``final``) until
+each row's cache is full (the row is then done). A done row emits nothing more and its cache length
+stays put. Use `generate_device` or `generate_batch`, which drive it.
 Returns the carry after the segment.
 """
 
@@ -768,25 +776,29 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     state = start_state(cfg, params, prompts, S, seed, timing=timing, progress=progress)
     B = len(prompts)
     carry = init_carry(state, max_new_tokens, tr.max_accepted)
-    static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos)
     limits = jnp.asarray([max_new_tokens, B + 1], jnp.int32)
-    sizes = []
+    sizes = [S]
+    tail = tr.max_accepted == 0  # plain decoding: every segment is plain
     t0, compile_s = None, 0.0
     while True:
         final = S >= s_max
-        sizes.append(S)
+        static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos, tail)
         args = (params, head_params, carry, jnp.bool_(final), limits)
         tc = time.perf_counter()
-        fn = _aot(generate_jit, static, args)  # compiled once per tree and cache size, never timed
+        fn = _aot(generate_jit, static, args)  # compiled once per tree, cache size and kind, never timed
         if t0 is None:
             t0 = time.perf_counter()
         else:
             compile_s += time.perf_counter() - tc
         carry = fn(*args)
         done, steps = jax.device_get((carry[3], carry[4]))
-        if final or bool(np.all(done)) or int(steps) >= max_new_tokens:
+        if bool(np.all(done)) or int(steps) >= max_new_tokens or (final and tail):
             break
+        if final:  # the tree no longer fits in the largest cache: plain steps to the end
+            tail = True
+            continue
         S = min(S * 2, s_max)
+        sizes.append(S)
         carry = _grow_carry(carry, S)
     _, out, count, _, steps, hist, _ = jax.block_until_ready(carry)
     decode_s = time.perf_counter() - t0 - compile_s
@@ -884,12 +896,13 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: L
     started = [clock()] * B
     prefill_s = [timing["prefill_s"]] * B
     next_i = B  # the next prompt to start
-    static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos)
     sizes = [S]
     bar = _progress_bar(progress, N, "decode", "prompt")
     steps = 0
+    tail = tr.max_accepted == 0  # plain steps only (plain decoding, or the tree no longer fits)
     while any(r is not None for r in rows):
         final = S >= s_max
+        static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos, tail)
         done0 = sum(r is None for r in rows)  # at a segment's start only retired rows are done
         limits = jnp.asarray([steps + max_new_tokens, done0 + 1 if next_i < N else B + 1], jnp.int32)
         args = (params, head_params, carry, jnp.bool_(final), limits)
@@ -901,6 +914,9 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: L
         steps = int(steps)
         finished = [b for b in range(B) if rows[b] is not None and done[b]]
         if not finished:
+            if final and not tail:  # the tree no longer fits in the largest cache: plain steps
+                tail = True
+                continue
             if final:
                 raise RuntimeError("generate_batch: the decoding loop stopped with no row done")  # a bug
             S = min(S * 2, s_max)
@@ -909,6 +925,7 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, prompts: L
             continue
         out = jax.device_get(carry[1])
         now = clock()
+        tail = tr.max_accepted == 0  # a finished row may leave room for the tree again
         for b in finished:
             toks = [int(x) for x in out[b, :count[b]]]
             res = GenerationResult(tokens=toks, steps=int(row_steps[b]), prefill_s=prefill_s[b],
