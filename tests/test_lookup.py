@@ -198,3 +198,24 @@ def test_prompt_lookup_without_heads(tiny):
         generate(cfg, params, PROMPTS[0], max_new_tokens=4, tree=get_tree("chain2"))
     with pytest.raises(ValueError, match="a tree was given without heads"):
         generate(cfg, params, PROMPTS[0], max_new_tokens=4, tree=get_tree([]))
+
+
+@pytest.mark.parametrize("lookup", [None, PromptLookup(3, 3, 2)], ids=["heads", "heads+lookup"])
+def test_the_decoding_loop_never_copies_the_kv_cache(tiny, lookup):
+    """XLA copies the cache into the result of a conditional whose branch writes it (every step:
+    docs/design-notes.md). The compiled on-device loop must hold no cache-shaped copy."""
+    import re
+
+    from medusa_jax.generate import _decoding_setup, generate_jit, init_carry
+
+    cfg, params, hcfg, hp = tiny
+    tree = with_lookup(get_tree([[0], [1], [0, 0]], topk=10, num_heads=3), lookup)
+    p, hc, hpp, tr = _decoding_setup(cfg, params, (hcfg, hp), tree)
+    state = start_state(cfg, p, [PROMPTS[0]], 64, progress=False)
+    carry = init_carry(state, 16, tr.max_accepted)
+    args = (p, hpp, carry, jnp.bool_(True), jnp.asarray([16, 2], jnp.int32))
+    hlo = generate_jit.lower(cfg, hc, tr, Acceptance(), 16, (), False, *args).compile().as_text()
+    shape = "f32[" + ",".join(str(d) for d in state.cache.k.shape) + "]"
+    assert shape in hlo  # the loop carries the cache: the pattern below can match
+    copies = [line for line in hlo.splitlines() if re.search(re.escape(shape) + r"\S* copy\(", line)]
+    assert not copies, copies[:2]
