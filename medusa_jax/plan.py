@@ -13,7 +13,8 @@ lowered and compiled by XLA for abstract inputs (`jax.ShapeDtypeStruct` with the
   readied for the tree as decoding readies them (`heads.prepare_heads`: only the first
   tree-depth heads are kept), in ``--dtype``;
 - KV cache: k, v ``[L, B, KVH, S, Dh]`` in ``--dtype``, B on 'data' and KVH on 'model'
-  (`sharding.cache_spec`), lengths ``[B]`` int32;
+  (`sharding.cache_spec`), lengths ``[B]`` int32 and token ids ``[B, S]`` int32 (counted with the
+  decode state);
 - decode state: logits ``[B, V]`` float32, hidden ``[B, D]``, per-row keys ``[B, 2]`` uint32 and
   next_token ``[B]`` int32, rows on 'data'.
 
@@ -243,7 +244,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     Returns:
       A JSON-serialisable dict. Per device, ints in bytes: ``params_bytes`` (backbone shards),
       ``heads_bytes`` (the heads decoding keeps: the first tree-depth of them), ``kv_cache_bytes``
-      (k and v shards), ``state_bytes`` (logits, hidden, keys, next_token, cache lengths),
+      (k and v shards), ``state_bytes`` (logits, hidden, keys, next_token, cache lengths and token ids),
       ``output_bytes`` / ``alias_bytes`` (XLA's outputs and the part of them that reuses donated
       inputs), ``unaliased_output_bytes``, ``temp_bytes`` (XLA's temporaries), ``argument_bytes``
       (XLA's arguments: equals params + heads + KV cache + state), ``total_bytes`` (params + heads +
@@ -344,7 +345,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     params_b = shard_bytes(params)
     heads_b = shard_bytes(head_params) if head_params is not None else 0
     kv_b = shard_bytes((cache.k, cache.v))
-    state_b = shard_bytes((cache.lengths, state.logits, state.hidden, state.key, state.next_token))
+    state_b = shard_bytes((cache.lengths, cache.tokens, state.logits, state.hidden, state.key, state.next_token))
     out_b, alias_b = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
     unaliased = max(out_b - alias_b, 0)
     temp_b = int(mem.temp_size_in_bytes)
