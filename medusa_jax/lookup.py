@@ -69,7 +69,7 @@ def ngram_draft(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
     ctx = jnp.where(pos == L, root.astype(jnp.int32)[:, None], tokens)
     end = jnp.full((B,), -1, jnp.int32)
     for n in range(lookup.max_ngram, lookup.min_ngram - 1, -1):
-        hit = (pos >= n - 1) & (pos < L) & (L >= n)       # an n-gram ending at e < L, and an n-gram at L
+        hit = (pos >= n - 1) & (pos < L)        # an earlier n-gram, ending at e < L (so L >= n: one at L too)
         for j in range(n):
             earlier = jnp.pad(ctx, ((0, 0), (j, 0)))[:, :S]                          # ctx[e - j]
             last = jnp.take_along_axis(ctx, jnp.maximum(L - j, 0), axis=1)          # ctx[L - j]
