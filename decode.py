@@ -190,7 +190,7 @@ def result_stats(result, prompt_ids, model, heads, tree, acceptance: str) -> dic
         "stop_reason": result.stop_reason,
         "medusa": heads is not None,
         "tree_size": tree.size if heads is not None else 1,
-        "prompt_lookup": tree.lookup._asdict() if tree is not None and tree.lookup else None,
+        "prompt_lookup": tree.lookup_settings if tree is not None else None,
         "acceptance": acceptance,
         "model": model.path,
     }

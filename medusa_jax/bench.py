@@ -484,7 +484,7 @@ def main(argv=None) -> int:
                 + (f"{predicted:.3f} (calibrated rank accuracies, independent heads"
                    + (", without prompt lookup)" if tree.lookup else ")") if predicted else "n/a (heads not tuned)")
                 + f"; tree of {tree.size} tokens"
-                + (f", prompt lookup {dict(tree.lookup._asdict())}" if tree.lookup else ", no prompt lookup")
+                + (f", prompt lookup {tree.lookup_settings}" if tree.lookup else ", no prompt lookup")
                 + "; acceptance per depth "
                 + " ".join(f"{a:.3f}" for a in overall["acceptance_per_depth"]))
     timing_line = ("tokens/s: decode only, total tokens emitted after the prompt's forward pass / total seconds "
@@ -497,7 +497,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
                    "tree": [list(c) for c in tree.medusa_choices],
-                   "prompt_lookup": tree.lookup._asdict() if tree.lookup else None,
+                   "prompt_lookup": tree.lookup_settings,
                    "predicted_tokens_per_step": predicted, "conditions": conditions, "rows": rows}, f, indent=1)
     table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
     if not greedy:

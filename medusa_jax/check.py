@@ -189,7 +189,7 @@ def main(argv=None) -> int:
     bugs = len(rows) - identical - ties
     summary = {"prompts": len(rows), "identical": identical, "near_ties": ties, "other_differences": bugs,
                "mean_tokens_per_step": new_tokens / max(steps, 1), "tree_size": tree.size,
-               "prompt_lookup": tree.lookup._asdict() if tree.lookup else None, "max_new_tokens": args.max_new_tokens}
+               "prompt_lookup": tree.lookup_settings, "max_new_tokens": args.max_new_tokens}
     print(json.dumps(summary))
     for r in rows:
         if not r["identical"]:
@@ -228,7 +228,7 @@ def sampled(model, heads, tree, records, acc, args) -> int:
         rows.append({**rec, "new_tokens": len(med), "steps": med_steps, "tokens_per_step": len(med) / max(med_steps, 1)})
     summary = {"prompts": len(rows), "acceptance": acc.mode, "temperature": acc.temperature, "top_p": acc.top_p,
                "mean_tokens_per_step": new_tokens / max(steps, 1), "new_tokens": new_tokens, "steps": steps,
-               "tree_size": tree.size, "prompt_lookup": tree.lookup._asdict() if tree.lookup else None,
+               "tree_size": tree.size, "prompt_lookup": tree.lookup_settings,
                "max_new_tokens": args.max_new_tokens}
     print(json.dumps(summary))
     if args.out:

@@ -136,6 +136,11 @@ class TreeBuffers:
         (a step emits at most max_accepted + 1 tokens)."""
         return max(self.max_depth, self.lookup.num_tokens) if self.lookup is not None else self.max_depth
 
+    @property
+    def lookup_settings(self) -> dict | None:
+        """The prompt-lookup settings as a dict (tree files, the tools' JSON), or None without."""
+        return self.lookup._asdict() if self.lookup is not None else None
+
     def _key(self) -> tuple:
         return (self.medusa_choices, self.topk, self.lookup)
 
@@ -309,13 +314,13 @@ def tree_to_json(tree: TreeBuffers | Sequence[Sequence[int]], path: str | os.Pat
     """
     lookup = None
     if isinstance(tree, TreeBuffers):
-        choices, k, lookup = tree.medusa_choices, tree.topk, tree.lookup
+        choices, k, lookup = tree.medusa_choices, tree.topk, tree.lookup_settings
     else:
         choices = _normalise(tree, topk or 10, None)
         k = topk or 10
     data = {"medusa_choices": [list(p) for p in choices], "topk": int(k)}
     if lookup is not None:
-        data["prompt_lookup"] = lookup._asdict()
+        data["prompt_lookup"] = lookup
     text = json.dumps(data)
     if path is not None:
         with open(path, "w") as f:
