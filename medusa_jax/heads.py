@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .config import MedusaConfig, ModelConfig
-from . import hydra
+from . import hydra, kernels
 from .hydra import check_path_params, init_path_params, num_path_params, path_key_head
 
 
@@ -225,8 +225,14 @@ def with_proposal_projection(cfg: MedusaConfig, params, base_lm_head=None) -> di
 _PER_HEAD_KEYS = BLOCK_KEYS + ("lm_head",)
 
 
+#: dtype of the matrices `prepare_heads` makes for the draft (the shared proposal projection, hydra
+#: heads' decoding layout): the draft only proposes candidates, which the backbone verifies, and
+#: bfloat16 halves what the heads stream per step (docs/performance.md, session 11).
+DRAFT_DTYPE = jnp.bfloat16
+
+
 def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
-                  depth: Optional[int] = None) -> Tuple[MedusaConfig, dict]:
+                  depth: Optional[int] = None, draft_dtype=DRAFT_DTYPE) -> Tuple[MedusaConfig, dict]:
     """Heads made ready for decoding once, at load time, so that the jitted step (`verify.head_topk`)
     slices and gathers no big weight, whatever the head file's layout.
 
@@ -240,13 +246,15 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
        ``export_official(include_lm_head=True)`` and ``export_vllm`` write shared heads, become the
        shared lm_head: the same logits from one projection instead of `depth`.
     3. With a proposal vocabulary (``cfg.proposal_vocab_size`` = N), the projection is computed
-       (`proposal_projection`) and stored as ``"proposal_lm_head_t"`` [N, D] when shared (the
-       ``[out, in]`` layout that `medusa_jax.kernels` streams) or ``"proposal_lm_head"``
+       (`proposal_projection`) and stored as ``"proposal_lm_head_t"`` [N, D] in `draft_dtype` when
+       shared (the ``[out, in]`` layout that `medusa_jax.kernels` streams; bfloat16 by default:
+       the heads' top-k only proposes candidates, which the backbone verifies, so greedy output
+       does not depend on it) or ``"proposal_lm_head"``
        [depth, D, N] for own lm_heads; the own lm_heads [depth, D, V], which decoding then never
        reads, are dropped.
     4. Hydra heads get their matrices in decoding layout (`hydra.decoding_layout`: one
-       ``[out, in]`` matrix per product, streamed whole, instead of slices of the stacked params
-       copied every step).
+       ``[out, in]`` matrix per product in `draft_dtype`, streamed whole, instead of slices of the
+       stacked params copied every step).
     Already prepared params pass through (cut further when `depth` is smaller).
 
     Args:
@@ -255,6 +263,8 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
       base_lm_head: [D, V] the backbone's lm_head (`models.llama.lm_head_matrix`); needed for shared
         heads with a proposal vocabulary, and for step 2 (skipped without it).
       depth: heads to keep, 1 <= depth <= cfg.num_heads; None keeps all.
+      draft_dtype: dtype of the matrices made for the draft in steps 3 and 4 (float32 or bfloat16;
+        default `DRAFT_DTYPE`). Greedy output does not depend on it; tokens per step barely does.
     Returns:
       (cfg with num_heads = depth and medusa_choices cut to that depth, shared_lm_head set by step 2;
       params as jax arrays). For decoding (`verify.head_topk`, `generate`); the full-vocabulary
@@ -293,13 +303,15 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
             if proj is None:
                 proj = proposal_projection(cfg, p, base_lm_head)
             if proj.ndim == 2:  # shared: stored [N, D], the layout the decoding step streams
-                p["proposal_lm_head_t"] = jnp.transpose(proj)
+                p["proposal_lm_head_t"] = jnp.transpose(proj).astype(draft_dtype)
             else:
                 p["proposal_lm_head"] = proj
         p.pop("lm_head", None)
     if cfg.head_type == "hydra":  # 4. hydra heads' matrices in the layout the step streams
-        p = hydra.decoding_layout(cfg, p, depth)
-    return cfg, p
+        p = hydra.decoding_layout(cfg, p, depth, draft_dtype)
+    # the draft's matrices of 2 MB or more on 2 MB pages, as the backbone's (streamed faster)
+    return cfg, {k: kernels.on_huge_pages(v) if k == "proposal_lm_head_t" or k.startswith(hydra.DECODE_PREFIX) else v
+                 for k, v in p.items()}
 
 
 def frequent_tokens(sequences, size: int, vocab_size: int) -> np.ndarray:

@@ -138,8 +138,9 @@ DECODE_BLOCK, DECODE_BIAS = "decode_block_t_{}_{}", "decode_bias_{}_{}"
 DECODE_PREFIX = "decode_"
 
 
-def decoding_layout(cfg: MedusaConfig, params, depth: int) -> dict:
-    """`params` plus heads 0..depth-1 in decoding layout, made once (`heads.prepare_heads`):
+def decoding_layout(cfg: MedusaConfig, params, depth: int, dtype=jnp.float32) -> dict:
+    """`params` plus heads 0..depth-1 in decoding layout, made once (`heads.prepare_heads`), the
+    matrices in `dtype` (float32 or bfloat16; the biases stay as they are):
 
         decode_first_t_{k}     [D, (k+2) D]  [W[k, 0]; P[k][0]; ...; P[k][k]] transposed: the first
                                              block's pre-activation from ``[h_t ; e_1 ; ... ; e_{k+1}]``
@@ -157,11 +158,12 @@ def decoding_layout(cfg: MedusaConfig, params, depth: int) -> dict:
         w, b = jnp.asarray(params["blocks_kernel"][k]), jnp.asarray(params["blocks_bias"][k])  # [L, D, D], [L, D]
         D = w.shape[-1]
         path_kernel = jnp.asarray(params[PATH_KERNEL.format(k)]).reshape(-1, D)      # [(k+1) D, D]
-        out[DECODE_FIRST.format(k)] = jnp.transpose(jnp.concatenate([w[0], path_kernel], axis=0))
-        out[DECODE_RESIDUAL.format(k)] = jnp.transpose(jnp.asarray(params[PATH_RESIDUAL.format(k)]).reshape(-1, D))
+        out[DECODE_FIRST.format(k)] = jnp.transpose(jnp.concatenate([w[0], path_kernel], axis=0)).astype(dtype)
+        out[DECODE_RESIDUAL.format(k)] = jnp.transpose(
+            jnp.asarray(params[PATH_RESIDUAL.format(k)]).reshape(-1, D)).astype(dtype)
         for l in range(cfg.num_layers):
             if l:
-                out[DECODE_BLOCK.format(k, l)] = jnp.transpose(w[l])
+                out[DECODE_BLOCK.format(k, l)] = jnp.transpose(w[l]).astype(dtype)
             out[DECODE_BIAS.format(k, l)] = b[l]
     return out
 
@@ -175,7 +177,7 @@ def _decoding_head_state(cfg: MedusaConfig, params, k: int, hidden: jax.Array, p
     lead = jnp.broadcast_shapes(hidden.shape[:-1], e.shape[:-2])
     h = jnp.broadcast_to(hidden.astype(dtype), lead + (D,))
     path = jnp.broadcast_to(e.reshape(e.shape[:-2] + (-1,)), lead + ((k + 1) * D,))    # [..., (k+1) D]
-    mat = lambda name: params[name].astype(dtype)
+    mat = lambda name: kernels.weight_for(params[name], dtype)
     y = kernels.matmul_nt(jnp.concatenate([h, path], axis=-1), mat(DECODE_FIRST.format(k))) \
         + mat(DECODE_BIAS.format(k, 0))
     x = h + kernels.matmul_nt(path, mat(DECODE_RESIDUAL.format(k))) + jax.nn.silu(y)

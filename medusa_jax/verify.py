@@ -136,7 +136,7 @@ def _states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_l
     if heads_cfg.shared_lm_head:
         # proj [D, N] is the transpose of a stored [N, D] (the embedding of a tied lm_head, the
         # prepared proposal projection): .T gives the stored array back, streamed as it lies
-        logits = kernels.matmul_nt(states, proj.T.astype(states.dtype))
+        logits = kernels.matmul_nt(states, kernels.weight_for(proj.T, states.dtype))
     else:
         logits = jnp.einsum("k...d,kdv->k...v", states, proj[first:first + J].astype(states.dtype))
     idx = jax.lax.top_k(logits.astype(jnp.float32), topk)[1].astype(jnp.int32)

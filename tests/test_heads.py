@@ -465,8 +465,13 @@ def test_prepare_heads_folds_copies_of_the_base_lm_head_into_the_shared_one():
     cfg, p, base = _own_heads_with_proposals()
     p["lm_head"] = np.tile(base[None], (cfg.num_heads, 1, 1))  # what export_official(include_lm_head=True) writes
     pcfg, pp = prepare_heads(cfg, p, base, depth=3)
-    # shared: the proposal projection is kept [N, D], the layout the decoding step streams
+    # shared: the proposal projection is kept [N, D], the layout the decoding step streams, in
+    # bfloat16 by default (the draft's dtype)
     assert pcfg.shared_lm_head and "lm_head" not in pp and "proposal_lm_head" not in pp
+    assert pp["proposal_lm_head_t"].dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(pp["proposal_lm_head_t"]),
+                                  np.asarray(jnp.asarray(base[:, p["proposal_ids"]].T).astype(jnp.bfloat16)))
+    pcfg, pp = prepare_heads(cfg, p, base, depth=3, draft_dtype=jnp.float32)  # float32: the same top-k
     np.testing.assert_array_equal(np.asarray(pp["proposal_lm_head_t"]), base[:, p["proposal_ids"]].T)
     h = jnp.asarray(_hidden(shape=(4,)))
     np.testing.assert_array_equal(np.asarray(head_topk(pcfg, pp, h, base, 3, 4)),

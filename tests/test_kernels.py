@@ -45,12 +45,17 @@ def test_kernels_are_used_where_they_can_be():
 @needs_kernels
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16])
 @pytest.mark.parametrize("K,N", [(1, 1), (7, 3), (8, 4), (13, 5), (33, 12), (64, 13), (577, 203), (576, 1537)])
-def test_matmul_nt_matches_float64(M, K, N):
+@pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
+def test_matmul_nt_matches_float64(M, K, N, wdtype):
+    """float32 and bfloat16 weights (the latter widened exactly, so the reference is the float64
+    product with the bfloat16-rounded weights)."""
     rng = np.random.default_rng(M * 1000 + K * 10 + N)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    w = rng.standard_normal((N, K)).astype(np.float32)
-    got = np.asarray(jax.jit(kernels.matmul_nt)(jnp.asarray(x), jnp.asarray(w)))
-    want = x.astype(np.float64) @ w.astype(np.float64).T
+    w = jnp.asarray(rng.standard_normal((N, K)).astype(np.float32)).astype(wdtype)
+    got = jax.jit(kernels.matmul_nt)(jnp.asarray(x), w)
+    assert got.dtype == jnp.float32
+    got = np.asarray(got)
+    want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     # float32 sums of K products of unit normals: error ~ eps * sqrt(K) * |terms|
     assert np.abs(got - want).max() <= 1e-6 * K + 1e-5, np.abs(got - want).max()
     xla = np.asarray(jax.jit(kernels._xla_nt)(x, w))
@@ -58,10 +63,21 @@ def test_matmul_nt_matches_float64(M, K, N):
 
 
 @needs_kernels
-def test_rows_do_not_depend_on_how_many_are_multiplied():
+def test_bfloat16_weights_are_streamed_as_they_are():
+    """A bfloat16 weight goes to the bf16 kernel as it is: no float32 copy of it in the program."""
+    x = jnp.ones((2, 576), jnp.float32)
+    w = jnp.ones((8192, 576), jnp.bfloat16)
+    hlo = jax.jit(lambda x, w: kernels.matmul_nt(x, kernels.weight_for(w, jnp.float32))).lower(x, w).compile().as_text()
+    assert 'custom_call_target="medusa_matmul_nt_bf16"' in hlo
+    assert "f32[8192,576]" not in hlo
+
+
+@needs_kernels
+@pytest.mark.parametrize("wdtype", [jnp.float32, jnp.bfloat16])
+def test_rows_do_not_depend_on_how_many_are_multiplied(wdtype):
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.standard_normal((16, 577)).astype(np.float32))
-    w = jnp.asarray(rng.standard_normal((1001, 577)).astype(np.float32))
+    w = jnp.asarray(rng.standard_normal((1001, 577)).astype(np.float32)).astype(wdtype)
     full = np.asarray(jax.jit(kernels.matmul_nt)(x, w))
     for m in (1, 2, 3, 5, 8):
         part = np.asarray(jax.jit(kernels.matmul_nt)(x[:m], w))

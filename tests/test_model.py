@@ -122,3 +122,24 @@ def test_right_padded_batch_matches_single_rows(name):
         alone = jax_logits(cfg, params, rows[i][None, :])[0]  # [n + steps, V]
         assert rel_err(prefill[i, :n], alone[:n]) < TOL
         assert rel_err(step_logits[i], alone[n:]) < TOL
+
+
+def test_rope_tables_are_computed_once_per_forward():
+    """Each layer's queries and keys share one (cos, sin) table per forward: the compiled decoding
+    step of a 6-layer model evaluates at most one cosine and one sine op per conditional branch
+    (XLA fused them into every layer's RoPE, 2 per layer, before; docs/performance.md)."""
+    import jax
+
+    from conftest import tiny_decoding_model
+    from medusa_jax.generate import PLAIN_TREE, start_state
+    from medusa_jax.verify import Acceptance, medusa_step
+
+    cfg, _ = tiny_decoding_model()
+    cfg = cfg.replace(num_layers=6)
+    params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32),
+                                  jnp.zeros((1, 4), jnp.int32))["params"]
+    state = start_state(cfg, params, [[1, 2, 3]], 32, progress=False)
+    step = jax.jit(lambda p, s: medusa_step(cfg, None, PLAIN_TREE, Acceptance(), p, None, s))
+    hlo = step.lower(params, state).compile().as_text()
+    ops = [line for line in hlo.splitlines() if " cosine(" in line]
+    assert 1 <= len(ops) <= 2, ops[:4]

@@ -23,7 +23,8 @@ weights on ordinary 4 KB pages (`on_huge_pages`).
 
 Public API:
   available() -> bool;  status() -> str
-  matmul_nt(x [..., K], w [N, K]) -> [..., N]  (x @ w.T; float32 kernel for <= MAX_ROWS rows)
+  matmul_nt(x [..., K], w [N, K]) -> [..., N]  (x @ w.T; float32 kernel for <= MAX_ROWS rows, w float32
+      or bfloat16);  weight_for(w, dtype): a weight as matmul_nt takes it (bfloat16 kept as it is)
   cache_attention(q, k, v, mask, lengths, layer, fallback) -> [B, T, H * Dh]  (attention over the
       KV cache read in place; attention_applies(dtype, T) says when the kernel runs)
   read_bandwidth(bytes, threads) -> bytes/s   (the roofline the decoding step is measured against)
@@ -52,7 +53,7 @@ from .. import sharding
 
 SOURCE = Path(__file__).with_name("stream_matmul.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
-TARGETS = ("medusa_matmul_nt", "medusa_cache_attention")
+TARGETS = ("medusa_matmul_nt", "medusa_matmul_nt_bf16", "medusa_cache_attention")
 # Products with more rows than this go to XLA: the kernel's advantage is for decoding-sized M (it
 # keeps 4 rows' accumulators in registers and re-reads the weights from L1 for every 4 rows); on
 # this project's CPU a 32-node tree step was faster with XLA's product (docs/performance.md).
@@ -194,8 +195,9 @@ def on_huge_pages(a: jax.Array) -> jax.Array:
 
 
 def _ffi_nt(x: jax.Array, w: jax.Array) -> jax.Array:
-    """[M, K] float32 @ [N, K]^T float32 -> [M, N] float32 by the kernel (CPU only)."""
-    call = jax.ffi.ffi_call("medusa_matmul_nt", jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
+    """[M, K] float32 @ [N, K]^T float32 or bfloat16 -> [M, N] float32 by the kernel (CPU only)."""
+    target = "medusa_matmul_nt_bf16" if w.dtype == jnp.bfloat16 else "medusa_matmul_nt"
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x.shape[0], w.shape[0]), jnp.float32),
                             vmap_method="sequential")
     return call(x, w)
 
@@ -217,7 +219,7 @@ def _streamed_fwd(x, w):
 
 def _streamed_bwd(res, g):  # the same gradients as XLA's product (training never needs the kernel)
     x, w = res
-    return g @ w, g.T @ x
+    return (g @ w).astype(x.dtype), (g.T @ x).astype(w.dtype)
 
 
 _streamed_nt.defvjp(_streamed_fwd, _streamed_bwd)
@@ -259,14 +261,22 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, l
     return jax.lax.platform_dependent(q, k, v, mask.astype(bool), lengths, cpu=ffi, default=fallback)
 
 
+def weight_for(w: jax.Array, dtype) -> jax.Array:
+    """A weight for `matmul_nt` with activations of `dtype`: bfloat16 weights stay bfloat16 (the
+    kernel widens them as it streams them, where a cast inside jit would copy the whole matrix every
+    call); others are cast to `dtype`."""
+    return w if w.dtype == jnp.bfloat16 else w.astype(dtype)
+
+
 def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w.T`` for a weight stored ``[out, in]``.
 
     Args:
       x: [..., K] activations; w: [N, K] weights (row n holds output n's K weights).
     Returns:
-      [..., N] in the promoted dtype of x and w. float32 products with at most `MAX_ROWS` rows
-      (the product of x's leading dims) run the weight-streaming kernel when `available()`; the
+      [..., N] in the promoted dtype of x and w. Products of float32 x and float32 or bfloat16 w
+      (float32 out: the bfloat16 weights widen exactly, half the bytes are streamed) with at most
+      `MAX_ROWS` rows (the product of x's leading dims) run the weight-streaming kernel when `available()`; the
       others, every product on a non-CPU backend and every product traced under a device mesh
       (a custom call has no SPMD partitioning; `medusa_jax.sharding`) run XLA's ``dot_general``.
       Both agree to float32 round-off; the kernel's rows do not depend on M (a row's sums run in one fixed
@@ -278,7 +288,7 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(f"matmul_nt: x [..., {x.shape[-1]}] does not match w [{w.shape[0]}, {w.shape[-1]}]")
     lead = x.shape[:-1]
     rows = math.prod(lead)
-    if (x.dtype == jnp.float32 and w.dtype == jnp.float32 and 0 < rows <= MAX_ROWS and available()
+    if (x.dtype == jnp.float32 and w.dtype in (jnp.float32, jnp.bfloat16) and 0 < rows <= MAX_ROWS and available()
             and not sharding.active()):
         return _streamed_nt(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[0])
     return _xla_nt(x, w)

@@ -7,7 +7,8 @@
 // each weight matrix once, in the [out, in] layout (rows contiguous, as torch's nn.Linear.weight
 // and the embedding of a tied lm_head), and accumulates all M rows from registers and L1:
 //
-//   medusa_matmul_nt:  y[M, N] = x[M, K] @ w[N, K]^T     float32, AVX2 + FMA
+//   medusa_matmul_nt:       y[M, N] = x[M, K] @ w[N, K]^T     float32, AVX2 + FMA
+//   medusa_matmul_nt_bf16:  the same with bfloat16 w (float32 x, y and sums): half the bytes
 //
 //   medusa_cache_attention: attention of T <= 16 new tokens over the KV cache (below)
 //
@@ -61,17 +62,32 @@ inline __m256 visible_lanes(const bool* m, int64_t n) {
   return _mm256_castsi256_ps(_mm256_cmpgt_epi32(w, _mm256_setzero_si256()));
 }
 
+// Weights are float32 or bfloat16 (the upper 16 bits of a float32, stored as uint16): a bf16 load
+// widens 8 values to float32 exactly (zero-extend, shift left 16), so both products run the same
+// float32 fused multiply-adds in the same order.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+}
+inline __m256 load8_masked(const float* p, __m256i tail, int64_t) { return _mm256_maskload_ps(p, tail); }
+inline __m256 load8_masked(const uint16_t* p, __m256i, int64_t count) {  // the first `count` (1..7) values
+  alignas(16) uint16_t buf[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  std::memcpy(buf, p, size_t(count) * sizeof(uint16_t));
+  return load8(buf);
+}
+
 // One block of the product: rows t..t+TB-1 of x against rows n..n+NB-1 of w ([N, K]), TB x NB
 // accumulators in registers, k in steps of 8 (the K tail by a masked load). For k in [pf0, pf1)
 // the rows `ahead` rows further down w are prefetched, one cache line per row every 16 k, so that
 // memory keeps streaming while blocks compute from L1.
-template <int TB, int NB>
-inline void nt_block(const float* x, const float* w, float* y, int64_t K, int64_t N, int64_t t, int64_t n,
+template <typename WT, int TB, int NB>
+inline void nt_block(const float* x, const WT* w, float* y, int64_t K, int64_t N, int64_t t, int64_t n,
                      __m256i tail, int64_t pf0, int64_t pf1, int64_t ahead) {
   __m256 acc[TB][NB];
   for (int i = 0; i < TB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const float* e = w + n * K;
+  const WT* e = w + n * K;
   const float* xs = x + t * K;
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
@@ -80,7 +96,7 @@ inline void nt_block(const float* x, const float* w, float* y, int64_t K, int64_
     for (int h = 0; h < 16; h += 8) {
       __m256 u[NB];
       for (int j = 0; j < NB; ++j) {
-        u[j] = _mm256_loadu_ps(e + j * K + k + h);
+        u[j] = load8(e + j * K + k + h);
         if (TB > 1) __asm__("" : "+x"(u[j]));  // keep it in a register: it is used TB times
       }
       for (int i = 0; i < TB; ++i) {
@@ -93,7 +109,7 @@ inline void nt_block(const float* x, const float* w, float* y, int64_t K, int64_
     const bool full = k + 8 <= K;
     __m256 u[NB];
     for (int j = 0; j < NB; ++j)
-      u[j] = full ? _mm256_loadu_ps(e + j * K + k) : _mm256_maskload_ps(e + j * K + k, tail);
+      u[j] = full ? load8(e + j * K + k) : load8_masked(e + j * K + k, tail, K - k);
     for (int i = 0; i < TB; ++i) {
       const __m256 v = full ? _mm256_loadu_ps(xs + i * K + k) : _mm256_maskload_ps(xs + i * K + k, tail);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
@@ -103,16 +119,14 @@ inline void nt_block(const float* x, const float* w, float* y, int64_t K, int64_
     for (int j = 0; j < NB; ++j) y[(t + i) * N + n + j] = hsum(acc[i][j]);
 }
 
-// y[:, n0:n1] = x @ w[n0:n1, :]^T, w row-major [N, K]. Four rows of w (four outputs) at a time,
-// streamed from memory once (prefetching the next four) and re-read from L1 for every two rows of
-// x. Each output is one dot product whose order of additions does not depend on M, so a row's
-// result is the same whether it is multiplied alone or with others.
 // y[:, n0:n1] = x @ w[n0:n1, :]^T for w row-major [N, K]: NB rows of w (NB outputs) at a time,
 // streamed from memory once and re-read from L1 for every TB rows of x (the last pass takes the
 // 1 to TB - 1 rows left over). Each block prefetches a block two ahead, the work spread over its
-// passes, so memory keeps streaming while blocks compute.
-template <int TB, int NB>
-void nt_rows_blocked(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N,
+// passes, so memory keeps streaming while blocks compute. Each output is one dot product whose
+// order of additions does not depend on M, so a row's result is the same whether it is multiplied
+// alone or with others.
+template <typename WT, int TB, int NB>
+void nt_rows_blocked(const float* x, const WT* w, float* y, int64_t M, int64_t K, int64_t N,
                      int64_t n0, int64_t n1, __m256i tail) {
   static_assert(TB >= 1 && TB <= 4, "passes of 1 to 4 rows");
   const int64_t passes = (M + TB - 1) / TB;
@@ -124,25 +138,26 @@ void nt_rows_blocked(const float* x, const float* w, float* y, int64_t M, int64_
       const int64_t pf0 = ahead ? K * p / passes / 16 * 16 : K;
       const int64_t pf1 = !ahead ? K : (p + 1 == passes) ? K : K * (p + 1) / passes / 16 * 16;
       switch (std::min<int64_t>(TB, M - t)) {
-        case 4: nt_block<(TB >= 4 ? 4 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        case 3: nt_block<(TB >= 3 ? 3 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        case 2: nt_block<(TB >= 2 ? 2 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        default: nt_block<1, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 4: nt_block<WT, (TB >= 4 ? 4 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 3: nt_block<WT, (TB >= 3 ? 3 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 2: nt_block<WT, (TB >= 2 ? 2 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        default: nt_block<WT, 1, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
       }
     }
   }
   for (; n < n1; ++n)  // fewer than NB outputs left
-    for (int64_t t = 0; t < M; ++t) nt_block<1, 1>(x, w, y, K, N, t, n, tail, K, K, 0);
+    for (int64_t t = 0; t < M; ++t) nt_block<WT, 1, 1>(x, w, y, K, N, t, n, tail, K, K, 0);
 }
 
 // The blocking by M, measured on this project's AVX2 CPU (docs/performance.md): one row, 4 outputs
 // per block (memory-bound); two rows, 2 x 4; more, 4 x 3 accumulators (12 of the 16 registers).
 // Every output is the same dot product, summed in the same order, whatever the blocking.
-void nt_rows(const float* x, const float* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <typename WT>
+void nt_rows(const float* x, const WT* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const __m256i tail = tail_mask(K % 8);
-  if (M == 1) nt_rows_blocked<1, 4>(x, w, y, M, K, N, n0, n1, tail);
-  else if (M == 2) nt_rows_blocked<2, 4>(x, w, y, M, K, N, n0, n1, tail);
-  else nt_rows_blocked<4, 3>(x, w, y, M, K, N, n0, n1, tail);
+  if (M == 1) nt_rows_blocked<WT, 1, 4>(x, w, y, M, K, N, n0, n1, tail);
+  else if (M == 2) nt_rows_blocked<WT, 2, 4>(x, w, y, M, K, N, n0, n1, tail);
+  else nt_rows_blocked<WT, 4, 3>(x, w, y, M, K, N, n0, n1, tail);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -279,19 +294,21 @@ class Workers {
 };
 
 // Splits [0, N) into chunks of whole `align`-column units of about MEDUSA_JAX_CHUNK_KB (default
-// 256) KiB of weights each, and runs fn(begin, end) on them across the workers.
-void parallel_columns(int64_t N, int64_t K, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
+// 256) KiB of weights each (`elem_bytes` per weight), and runs fn(begin, end) on them across the workers.
+void parallel_columns(int64_t N, int64_t K, int64_t align, const std::function<void(int64_t, int64_t)>& fn,
+                      int64_t elem_bytes = int64_t(sizeof(float))) {
   static const int64_t chunk_bytes = int64_t{1024} * std::max(4, env_int("MEDUSA_JAX_CHUNK_KB", 256));
   Workers& workers = Workers::get();
-  if (K * N * int64_t(sizeof(float)) < 2 * chunk_bytes || workers.threads() == 1) {
+  if (K * N * elem_bytes < 2 * chunk_bytes || workers.threads() == 1) {
     fn(0, N);  // too small to be worth a hand-off
     return;
   }
-  const int64_t units = std::max<int64_t>(1, chunk_bytes / (K * int64_t(sizeof(float)) * align));
+  const int64_t units = std::max<int64_t>(1, chunk_bytes / (K * elem_bytes * align));
   workers.run(N, units * align, fn);
 }
 
-ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& x, const ffi::Buffer<ffi::F32>& w,
+template <typename WBuffer>
+ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& x, const WBuffer& w,
                         ffi::ResultBuffer<ffi::F32>& y, int64_t* M, int64_t* K, int64_t* N) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
@@ -315,12 +332,31 @@ ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
   return ffi::Error::Success();
 }
 
+// The same product with bfloat16 weights (float32 activations and sums): half the bytes streamed.
+ffi::Error MatmulNTBf16(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
+                        ffi::ResultBuffer<ffi::F32> y) {
+  int64_t M, K, N;
+  if (auto err = check_shapes(x, w, y, &M, &K, &N); err.failure()) return err;
+  const float* xp = x.typed_data();
+  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
+  float* yp = y->typed_data();
+  parallel_columns(N, K, 12, [&](int64_t b, int64_t e) { nt_rows(xp, wp, yp, M, K, N, b, e); },
+                   int64_t(sizeof(uint16_t)));
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt, MatmulNT,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt_bf16, MatmulNTBf16,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::BF16>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
 namespace {

@@ -51,12 +51,26 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
-def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: np.ndarray) -> jax.Array:
-    """Rotate-half RoPE. x: [B, T, H, Dh]; positions: [B, T] int32. Returns x's shape and dtype."""
+def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Tuple[jax.Array, jax.Array]:
+    """Rotate-half RoPE's (cos, sin), each [B, T, 1, Dh] float32, for positions [B, T] int32.
+
+    Computed once per forward and shared by every layer's queries and keys. Left to itself, XLA's
+    CPU compiler fuses the sines and cosines into each layer's RoPE fusions, for queries and keys:
+    60 evaluations per step for SmolLM2 (0.6 ms of an 8-node tree step, docs/performance.md); an
+    optimization barrier does not stop it (it is removed before fusion), a conditional does."""
     freqs = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]
     emb = jnp.concatenate([freqs, freqs], axis=-1)  # [B, T, Dh]
-    cos = jnp.cos(emb)[:, :, None, :]
-    sin = jnp.sin(emb)[:, :, None, :]
+    tables = lambda e: (jnp.cos(e)[:, :, None, :], jnp.sin(e)[:, :, None, :])
+    # On the CPU, behind a conditional whose predicate XLA cannot know (always true), so that the
+    # tables are materialized once; elsewhere (GPU, where a conditional reads its predicate on the
+    # host) as they are.
+    cpu = lambda e: jax.lax.cond(jnp.all(positions >= -(1 << 30)), tables, tables, e)
+    return jax.lax.platform_dependent(emb, cpu=cpu, default=tables)
+
+
+def apply_rope(x: jax.Array, rope: Tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Rotate-half RoPE. x: [B, T, H, Dh]; rope: (cos, sin) from `rope_tables`. Returns x's shape and dtype."""
+    cos, sin = rope
     xf = x.astype(jnp.float32)
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
@@ -252,9 +266,10 @@ class Attention(nn.Module):
         self.v_proj = dense(c.num_kv_heads * c.head_dim, c.attention_bias)
         self.o_proj = dense(c.hidden_size, False)
 
-    def __call__(self, x, positions, mask, kv: Optional[Tuple[jax.Array, jax.Array]], lengths,
-                 inv_freq, layer: int, kv_block: Optional[int] = None):
-        """x: [B, T, D]; mask: [B, T, S]; kv: the whole cache (k, v: [L, B, KVH, S, Dh]) or None.
+    def __call__(self, x, rope, mask, kv: Optional[Tuple[jax.Array, jax.Array]], lengths,
+                 layer: int, kv_block: Optional[int] = None):
+        """x: [B, T, D]; rope: (cos, sin) of the new tokens' positions (`rope_tables`); mask: [B, T, S];
+        kv: the whole cache (k, v: [L, B, KVH, S, Dh]) or None.
 
         The T new K/V go to slots ``lengths[b] + t`` of layer `layer` (a scatter that XLA does in
         place when the cache is donated; out-of-range slots are dropped, never clamped).
@@ -272,8 +287,8 @@ class Attention(nn.Module):
         q = q.reshape(B, T, c.num_heads, c.head_dim)
         k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
-        q = apply_rope(q, positions, inv_freq)
-        k = apply_rope(k, positions, inv_freq)
+        q = apply_rope(q, rope)
+        k = apply_rope(k, rope)
         if kv is not None:
             rows = jnp.arange(B)[:, None]
             slots = lengths[:, None] + jnp.arange(T)[None, :]
@@ -322,8 +337,8 @@ class DecoderLayer(nn.Module):
         self.post_attn_norm = RMSNorm(self.cfg.rms_norm_eps, self.dtype)
         self.mlp = MLP(self.cfg, self.dtype)
 
-    def __call__(self, x, positions, mask, kv, lengths, inv_freq, layer: int, kv_block: Optional[int] = None):
-        h, new_kv = self.attn(self.input_norm(x), positions, mask, kv, lengths, inv_freq, layer, kv_block)
+    def __call__(self, x, rope, mask, kv, lengths, layer: int, kv_block: Optional[int] = None):
+        h, new_kv = self.attn(self.input_norm(x), rope, mask, kv, lengths, layer, kv_block)
         x = x + h
         return x + self.mlp(self.post_attn_norm(x)), new_kv
 
@@ -388,11 +403,11 @@ class LlamaModel(nn.Module):
         S = cache.size if cache is not None else T
         windows = self.cfg.layer_windows  # per layer: a window in tokens or None (full attention)
         masks = {w: build_attention_mask(lengths, S, mask, positions, w) for w in set(windows)}
-        inv_freq = rope_inv_freq(self.cfg)
+        rope = rope_tables(positions, rope_inv_freq(self.cfg))
         x = self.embed(tokens)
         kv = (cache.k, cache.v) if cache is not None else None
         for i, layer in enumerate(self.layers):
-            x, kv = layer(x, positions, masks[windows[i]], kv, lengths, inv_freq, i, kv_block)
+            x, kv = layer(x, rope, masks[windows[i]], kv, lengths, i, kv_block)
         hidden = self.norm(x)
         new_cache = None
         if cache is not None:
