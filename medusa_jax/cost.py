@@ -15,6 +15,7 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from . import kernels
 from .config import MedusaConfig, ModelConfig
 from .generate import PLAIN_TREE, _aot, start_state
 from .heads import prepare_heads
@@ -42,7 +43,7 @@ def _run_forwards(cfg: ModelConfig, tree: TreeBuffers, n: int, params, state: De
 
     def body(i, acc):
         logits, _, _ = LlamaModel(cfg).apply({"params": params}, tokens + i, positions, state.cache, mask)
-        return acc + jnp.argmax(logits, axis=-1).sum()
+        return acc + kernels.argmax(logits).sum()
     return jax.lax.fori_loop(0, n, body, jnp.int32(0))
 
 
@@ -52,7 +53,7 @@ def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, tree: Opti
     """`n` head proposals alone (blocks, vocabulary projection, top-k); with `tree` the whole draft
     (`verify.draft_tokens`: hydra heads run depth by depth on it)."""
     lm = lm_head_matrix(cfg, params)
-    root = jnp.argmax(state.logits, axis=-1).astype(jnp.int32)
+    root = kernels.argmax(state.logits)
 
     def body(i, acc):  # a different input each time, so nothing is hoisted out of the loop
         hidden = state.hidden + i.astype(state.hidden.dtype) * 1e-6
@@ -81,6 +82,20 @@ def _prepared(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict
     return prepare_heads(heads[0], heads[1], lm_head_matrix(cfg, params), depth=max(tree.max_depth, 1))
 
 
+def _step_timer(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
+                state: DecodeState, steps: int, repeats: int):
+    """`step_seconds`'s timing as a function of no arguments, compiled once (so that it can be
+    called again, interleaved with other timings)."""
+    need = int(state.cache.lengths.max()) + steps * (tree.max_depth + 1) + tree.size
+    if need > state.cache.size:
+        raise ValueError(f"timing {steps} steps of a {tree.size}-node tree needs {need} cache slots, "
+                         f"the state has {state.cache.size}")
+    heads_cfg, head_params = _prepared(cfg, params, heads, tree) if tree.size > 1 else (None, None)
+    args = (params, head_params, state)
+    fn = _aot(_run_steps, (cfg, heads_cfg, tree, steps), args)
+    return lambda: _best_time(fn, args, steps, repeats)
+
+
 def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
                  state: DecodeState, steps: int = 16, repeats: int = 3) -> float:
     """Seconds per greedy step with `tree` (`PLAIN_TREE` and heads None for a plain step), the
@@ -89,14 +104,7 @@ def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, d
     The cache of `state` must hold ``steps * (tree.max_depth + 1) + tree.size`` more tokens.
     Raises ValueError when it does not.
     """
-    need = int(state.cache.lengths.max()) + steps * (tree.max_depth + 1) + tree.size
-    if need > state.cache.size:
-        raise ValueError(f"timing {steps} steps of a {tree.size}-node tree needs {need} cache slots, "
-                         f"the state has {state.cache.size}")
-    heads_cfg, head_params = _prepared(cfg, params, heads, tree) if tree.size > 1 else (None, None)
-    args = (params, head_params, state)
-    fn = _aot(_run_steps, (cfg, heads_cfg, tree, steps), args)
-    return _best_time(fn, args, steps, repeats)
+    return _step_timer(cfg, params, heads, tree, state, steps, repeats)()
 
 
 def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], depth: int, state: DecodeState,
@@ -116,7 +124,10 @@ def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], de
 def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees: Iterable[TreeBuffers],
                prompt_ids: Sequence[int], steps: int = 16, repeats: int = 3, cache_size: int = 1024,
                progress: bool = True) -> Dict[str, object]:
-    """c(T) for every tree: seconds per Medusa step divided by seconds per plain step.
+    """c(T) for every tree: seconds per Medusa step divided by seconds per plain step, the plain
+    step timed again just before each tree (interleaved: this project's CPU reads memory 10-15%
+    faster or slower from one minute to the next, docs/performance.md, and a ratio of two timings
+    taken minutes apart carried that drift).
 
     Args:
       heads: (MedusaConfig, params) used to propose the candidates (their accuracy does not
@@ -125,18 +136,23 @@ def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees
       prompt_ids: the prompt that fills the cache before timing (its length sets the attention work).
       steps, repeats: steps per timed call, best-of repeats.
     Returns:
-      {"plain_s": seconds per plain step, "seconds": {T: s}, "cost": {T: c(T)}} (T = tree size).
+      {"plain_s": mean seconds per plain step, "plain_seconds": {T: the plain timing beside tree T},
+      "seconds": {T: s}, "cost": {T: seconds[T] / plain_seconds[T]}} (T = tree size).
     """
     from tqdm import tqdm
 
     params = decoding_params(params)
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
-    plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
-    seconds, cost = {}, {}
+    plain = _step_timer(cfg, params, None, PLAIN_TREE, state, steps, repeats)
+    plains, seconds, cost = {}, {}, {}
     for tree in tqdm(list(trees), desc="c(T)", unit="tree", disable=not progress):
-        s = step_seconds(cfg, params, heads, tree, state, steps, repeats)
-        seconds[tree.size], cost[tree.size] = s, s / plain
-    return {"plain_s": plain, "seconds": seconds, "cost": cost}
+        timer = _step_timer(cfg, params, heads, tree, state, steps, repeats)  # compiled before the timings
+        T = tree.size
+        plains[T] = plain()
+        seconds[T] = timer()
+        cost[T] = seconds[T] / plains[T]
+    plain_s = float(sum(plains.values()) / len(plains)) if plains else plain()
+    return {"plain_s": plain_s, "plain_seconds": plains, "seconds": seconds, "cost": cost}
 
 
 def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], tree: TreeBuffers,

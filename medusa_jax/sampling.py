@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from . import kernels
 
 SEED_LIMIT = 2 ** 31
 """Seeds are in [0, SEED_LIMIT)."""
@@ -98,7 +99,7 @@ def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_p: 
       [B] int32 token ids.
     """
     if temperature <= 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return kernels.argmax(logits)
     scaled = filtered_logits(logits, temperature, top_p)
     if key.ndim == 2:
         return categorical_rows(key, scaled)

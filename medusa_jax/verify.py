@@ -399,7 +399,7 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuff
     child_tok = tree_tokens[:, child]                     # [B, P, D]
     score = jnp.zeros(child_tok.shape, jnp.float32)
     if acc.mode == "greedy":
-        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # [B, T]
+        pred = kernels.argmax(logits)                      # [B, T]
         match = (child_tok == pred[:, parent]) & valid
     elif acc.mode == "exact":
         if key is None:

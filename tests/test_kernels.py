@@ -85,6 +85,31 @@ def test_rows_do_not_depend_on_how_many_are_multiplied(wdtype):
 
 
 @needs_kernels
+@pytest.mark.parametrize("V", [1, 7, 8, 9, 33, 1000, 49152])
+def test_argmax_matches_jnp_argmax(V):
+    """The greedy token, as jnp.argmax: ties (the first index wins), signed zeros, -inf rows,
+    NaNs (the first NaN wins), leading dims; and the kernel is what runs."""
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((3, 5, V)).astype(np.float32)
+    x[0, 1] = np.round(x[0, 1])                         # many ties
+    x[0, 2] = -np.inf
+    x[0, 3] = 0.0
+    x[0, 3, V // 2:] = -0.0
+    x[1, 0, V - 1] = np.nan
+    x[1, 1, [0, V - 1]] = np.nan
+    x[1, 2, V // 3] = np.nan
+    x[1, 2, V // 2] = np.inf
+    x[2, 0, V - 1] = x[2, 0].max() + 1                  # the last element is the largest
+    x[2, 1] = x[2, 1].max()                             # all equal
+    want = np.asarray(jnp.argmax(jnp.asarray(x), axis=-1))
+    f = jax.jit(kernels.argmax)
+    got = np.asarray(f(jnp.asarray(x)))
+    assert got.dtype == np.int32 and got.shape == (3, 5)
+    np.testing.assert_array_equal(got, want)
+    assert 'custom_call_target="medusa_argmax_rows"' in f.lower(jnp.asarray(x)).compile().as_text()
+
+
+@needs_kernels
 def test_concurrent_products_from_several_threads():
     """Products big enough to be split between the kernel's worker threads, called from several
     Python threads at once (as XLA's threads do with several devices): every result equals the

@@ -148,8 +148,10 @@ def test_step_costs_time_every_tree(tiny):
     acc = np.full((4, 4), 0.2)
     trees = [build_tree(greedy_tree_search(acc, T, 4), 4) for T in (3, 9)]
     out = step_costs(cfg, params, (hcfg, hp), trees, [1, 2, 3], steps=4, repeats=1, cache_size=128, progress=False)
-    assert set(out["cost"]) == {3, 9} and out["plain_s"] > 0
-    assert all(out["seconds"][T] == pytest.approx(out["cost"][T] * out["plain_s"]) for T in (3, 9))
+    assert set(out["cost"]) == set(out["plain_seconds"]) == {3, 9} and out["plain_s"] > 0
+    # each tree against the plain step timed beside it (interleaved)
+    assert all(out["seconds"][T] == pytest.approx(out["cost"][T] * out["plain_seconds"][T]) for T in (3, 9))
+    assert out["plain_s"] == pytest.approx(np.mean(list(out["plain_seconds"].values())))
     br = overhead_breakdown(cfg, params, (hcfg, hp), trees[1], [1, 2, 3], steps=4, repeats=1, cache_size=128)
     assert br["tree_size"] == 9 and br["medusa_step_ms"] > 0 and br["heads_ms"] > 0
     st = start_state(cfg, params, [[1, 2, 3]], 16)

@@ -27,6 +27,7 @@ Public API:
       or bfloat16);  weight_for(w, dtype): a weight as matmul_nt takes it (bfloat16 kept as it is)
   cache_attention(q, k, v, mask, lengths, layer, fallback) -> [B, T, H * Dh]  (attention over the
       KV cache read in place; attention_applies(dtype, T) says when the kernel runs)
+  argmax(logits [..., V]) -> [...] int32  (jnp.argmax over the last axis, the greedy token)
   read_bandwidth(bytes, threads) -> bytes/s   (the roofline the decoding step is measured against)
   on_huge_pages(a) -> a copy of a CPU array on 2 MB pages (the kernels stream such weights faster)
 """
@@ -53,7 +54,7 @@ from .. import sharding
 
 SOURCE = Path(__file__).with_name("stream_matmul.cc")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
-TARGETS = ("medusa_matmul_nt", "medusa_matmul_nt_bf16", "medusa_cache_attention")
+TARGETS = ("medusa_matmul_nt", "medusa_matmul_nt_bf16", "medusa_cache_attention", "medusa_argmax_rows")
 # Products with more rows than this go to XLA: the kernel's advantage is for decoding-sized M (it
 # keeps 4 rows' accumulators in registers and re-reads the weights from L1 for every 4 rows); on
 # this project's CPU a 32-node tree step was faster with XLA's product (docs/performance.md).
@@ -259,6 +260,30 @@ def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, l
         return call(q, k, v, mask, lengths.astype(jnp.int32), layer=np.int64(layer))
 
     return jax.lax.platform_dependent(q, k, v, mask.astype(bool), lengths, cpu=ffi, default=fallback)
+
+
+def argmax(logits: jax.Array) -> jax.Array:
+    """The greedy token: ``jnp.argmax(logits, axis=-1)`` as int32, the same answer (the first index
+    of the largest logit; a NaN counts as the largest, the first NaN wins).
+
+    Args: logits: [..., V] (V >= 1).
+    Returns: [...] int32. float32 logits on the CPU go through the ``medusa_argmax_rows`` kernel
+      when `available()` (XLA:CPU's argmax walks (value, index) pairs one at a time: ~1 ns an
+      element, 0.4 ms of an 8-node tree step over SmolLM2's 49,152 logits); others, and any
+      logits traced under a device mesh, through `jnp.argmax`.
+    """
+    fallback = lambda x: jnp.argmax(x, axis=-1).astype(jnp.int32)
+    if logits.dtype != jnp.float32 or logits.shape[-1] < 1 or not available() or sharding.active():
+        return fallback(logits)
+    lead = logits.shape[:-1]
+    flat = logits.reshape(math.prod(lead), logits.shape[-1])
+
+    def ffi(x):
+        call = jax.ffi.ffi_call("medusa_argmax_rows", jax.ShapeDtypeStruct((x.shape[0],), jnp.int32),
+                                vmap_method="sequential")
+        return call(x)
+
+    return jax.lax.platform_dependent(flat, cpu=ffi, default=fallback).reshape(lead)
 
 
 def weight_for(w: jax.Array, dtype) -> jax.Array:

@@ -12,6 +12,8 @@
 //
 //   medusa_cache_attention: attention of T <= 16 new tokens over the KV cache (below)
 //
+//   medusa_argmax_rows: the greedy token of each row of logits, as jnp.argmax (below)
+//
 // The Python side (__init__.py) loads this library only on x86-64 CPUs with AVX2 and FMA. The
 // output rows of w are split between the calling thread and the kernel's own workers (`Workers`).
 #include <immintrin.h>
@@ -656,6 +658,62 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_cache_attention, CacheAttention,
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("layer")
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Greedy choice over the vocabulary: out[r] = the first index of the largest x[r, :], a NaN
+// counting as the largest (the first NaN wins), exactly jnp.argmax's answer. XLA:CPU's argmax is a
+// scalar loop over (value, index) pairs, ~1 ns an element: 0.4 ms for the 8 rows of an 8-node tree
+// step over SmolLM2's 49,152 logits. Here one vector pass finds the maximum (and whether a NaN is
+// present) and a second finds its first index.
+int32_t argmax_row(const float* p, int64_t V) {
+  __m256 m = _mm256_set1_ps(-INFINITY), nan = _mm256_setzero_ps();
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 a = _mm256_loadu_ps(p + v);
+    nan = _mm256_or_ps(nan, _mm256_cmp_ps(a, a, _CMP_UNORD_Q));
+    m = _mm256_max_ps(m, a);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m);
+  float best = lanes[0];
+  for (int i = 1; i < 8; ++i) best = std::max(best, lanes[i]);
+  bool has_nan = _mm256_movemask_ps(nan) != 0;
+  for (; v < V; ++v) {
+    has_nan |= std::isnan(p[v]);
+    best = std::max(best, p[v]);
+  }
+  if (has_nan) {
+    for (int64_t i = 0; i < V; ++i)
+      if (std::isnan(p[i])) return int32_t(i);
+  }
+  const __m256 b = _mm256_set1_ps(best);
+  for (v = 0; v + 8 <= V; v += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(p + v), b, _CMP_EQ_OQ));
+    if (mask) return int32_t(v + __builtin_ctz(unsigned(mask)));
+  }
+  for (; v < V; ++v)
+    if (p[v] == best) return int32_t(v);
+  return 0;  // V == 0 is refused by the caller; all -inf rows end above
+}
+
+ffi::Error ArgmaxRows(ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::S32> out) {
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || out->dimensions().size() != 1 || out->dimensions()[0] != xd[0] || xd[1] < 1)
+    return ffi::Error::InvalidArgument("medusa_argmax_rows: x must be [R, V] with V >= 1 and out [R]");
+  const float* xp = x.typed_data();
+  int32_t* op = out->typed_data();
+  for (int64_t r = 0; r < xd[0]; ++r) op[r] = argmax_row(xp + r * xd[1], xd[1]);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_argmax_rows, ArgmaxRows,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>());
 
 // Read bandwidth of this machine in bytes/s: `threads` threads each sum their share of a
 // `bytes`-long buffer, best of `repeats` passes (the roofline the kernels are measured against).
