@@ -82,10 +82,10 @@ def _prepared(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict
     return prepare_heads(heads[0], heads[1], lm_head_matrix(cfg, params), depth=max(tree.max_depth, 1))
 
 
-def _step_timer(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
-                state: DecodeState, steps: int, repeats: int):
-    """`step_seconds`'s timing as a function of no arguments, compiled once (so that it can be
-    called again, interleaved with other timings)."""
+def _step_call(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
+               state: DecodeState, steps: int):
+    """One timed call of `steps` greedy steps with `tree`, compiled once: a function of no arguments
+    returning seconds per step (so that timings of several steps can be interleaved)."""
     need = int(state.cache.lengths.max()) + steps * (tree.max_depth + 1) + tree.size
     if need > state.cache.size:
         raise ValueError(f"timing {steps} steps of a {tree.size}-node tree needs {need} cache slots, "
@@ -93,18 +93,26 @@ def _step_timer(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, di
     heads_cfg, head_params = _prepared(cfg, params, heads, tree) if tree.size > 1 else (None, None)
     args = (params, head_params, state)
     fn = _aot(_run_steps, (cfg, heads_cfg, tree, steps), args)
-    return lambda: _best_time(fn, args, steps, repeats)
+
+    def call() -> float:
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        return (time.perf_counter() - t0) / steps
+    return call
 
 
 def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
                  state: DecodeState, steps: int = 16, repeats: int = 3) -> float:
     """Seconds per greedy step with `tree` (`PLAIN_TREE` and heads None for a plain step), the
-    heads prepared for it as decoding prepares them (`heads.prepare_heads`).
+    heads prepared for it as decoding prepares them (`heads.prepare_heads`): the best of `repeats`
+    timed calls of `steps` steps after one untimed call.
 
     The cache of `state` must hold ``steps * (tree.max_depth + 1) + tree.size`` more tokens.
     Raises ValueError when it does not.
     """
-    return _step_timer(cfg, params, heads, tree, state, steps, repeats)()
+    call = _step_call(cfg, params, heads, tree, state, steps)
+    call()
+    return min(call() for _ in range(repeats))
 
 
 def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], depth: int, state: DecodeState,
@@ -124,10 +132,10 @@ def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], de
 def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees: Iterable[TreeBuffers],
                prompt_ids: Sequence[int], steps: int = 16, repeats: int = 3, cache_size: int = 1024,
                progress: bool = True) -> Dict[str, object]:
-    """c(T) for every tree: seconds per Medusa step divided by seconds per plain step, the plain
-    step timed again just before each tree (interleaved: this project's CPU reads memory 10-15%
-    faster or slower from one minute to the next, docs/performance.md, and a ratio of two timings
-    taken minutes apart carried that drift).
+    """c(T) for every tree: seconds per Medusa step divided by seconds per plain step, the two
+    timed alternately, call by call, for each tree (best of `repeats` each): this project's CPU
+    reads memory 10-15% faster or slower from one minute to the next (docs/performance.md), and
+    a ratio of timings taken minutes apart carried that drift.
 
     Args:
       heads: (MedusaConfig, params) used to propose the candidates (their accuracy does not
@@ -143,15 +151,17 @@ def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees
 
     params = decoding_params(params)
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
-    plain = _step_timer(cfg, params, None, PLAIN_TREE, state, steps, repeats)
+    plain = _step_call(cfg, params, None, PLAIN_TREE, state, steps)
     plains, seconds, cost = {}, {}, {}
     for tree in tqdm(list(trees), desc="c(T)", unit="tree", disable=not progress):
-        timer = _step_timer(cfg, params, heads, tree, state, steps, repeats)  # compiled before the timings
+        call = _step_call(cfg, params, heads, tree, state, steps)  # compiled before any timing
+        plain(), call()                                             # untimed warm-ups
+        pairs = [(plain(), call()) for _ in range(repeats)]         # alternated, best of each
         T = tree.size
-        plains[T] = plain()
-        seconds[T] = timer()
+        plains[T], seconds[T] = min(p for p, _ in pairs), min(s for _, s in pairs)
         cost[T] = seconds[T] / plains[T]
-    plain_s = float(sum(plains.values()) / len(plains)) if plains else plain()
+    plain_s = float(sum(plains.values()) / len(plains)) if plains else step_seconds(
+        cfg, params, None, PLAIN_TREE, state, steps, repeats)
     return {"plain_s": plain_s, "plain_seconds": plains, "seconds": seconds, "cost": cost}
 
 
