@@ -247,7 +247,8 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
        shared lm_head: the same logits from one projection instead of `depth`.
     3. With a proposal vocabulary (``cfg.proposal_vocab_size`` = N), the projection is computed
        (`proposal_projection`) and stored as ``"proposal_lm_head_t"`` [N, D] in `draft_dtype` when
-       shared (the ``[out, in]`` layout that `medusa_jax.kernels` streams; bfloat16 by default:
+       shared (the ``[out, in]`` layout that `medusa_jax.kernels` streams, on 2 MB pages
+       (`kernels.on_huge_pages`); bfloat16 by default:
        the heads' top-k only proposes candidates, which the backbone verifies, so greedy output
        does not depend on it) or ``"proposal_lm_head"``
        [depth, D, N] for own lm_heads; the own lm_heads [depth, D, V], which decoding then never
@@ -303,15 +304,13 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
             if proj is None:
                 proj = proposal_projection(cfg, p, base_lm_head)
             if proj.ndim == 2:  # shared: stored [N, D], the layout the decoding step streams
-                p["proposal_lm_head_t"] = jnp.transpose(proj).astype(draft_dtype)
+                p["proposal_lm_head_t"] = kernels.on_huge_pages(jnp.transpose(proj).astype(draft_dtype))
             else:
                 p["proposal_lm_head"] = proj
         p.pop("lm_head", None)
     if cfg.head_type == "hydra":  # 4. hydra heads' matrices in the layout the step streams
         p = hydra.decoding_layout(cfg, p, depth, draft_dtype)
-    # the draft's matrices of 2 MB or more on 2 MB pages, as the backbone's (streamed faster)
-    return cfg, {k: kernels.on_huge_pages(v) if k == "proposal_lm_head_t" or k.startswith(hydra.DECODE_PREFIX) else v
-                 for k, v in p.items()}
+    return cfg, p
 
 
 def frequent_tokens(sequences, size: int, vocab_size: int) -> np.ndarray:

@@ -151,10 +151,18 @@ def decoding_layout(cfg: MedusaConfig, params, depth: int, dtype=jnp.float32) ->
     Each is one ``[out, in]`` matrix that `medusa_jax.kernels.matmul_nt` streams whole: inside the
     jitted step, slicing head k's blocks out of the stacked ``blocks_kernel`` and reshaping its
     path params copied ~3 MB of weights per head per step (1-3 ms of a tree step on this
-    project's CPU, docs/performance.md). Decoding layout keys from an earlier call are replaced.
+    project's CPU, docs/performance.md). Matrices of 2 MB or more go on 2 MB pages
+    (`kernels.on_huge_pages`), as the backbone's. A head already in decoding layout in `dtype`
+    (prepared heads prepared again, as each `generate` call does) keeps its arrays; other decoding
+    layout keys from an earlier call are dropped.
     """
     out = {k: v for k, v in params.items() if not k.startswith(DECODE_PREFIX)}
     for k in range(depth):
+        keys = [DECODE_FIRST.format(k), DECODE_RESIDUAL.format(k)] + [DECODE_BLOCK.format(k, l) for l in
+                                                                      range(1, cfg.num_layers)]
+        if all(n in params and params[n].dtype == dtype for n in keys):
+            out.update({n: params[n] for n in keys + [DECODE_BIAS.format(k, l) for l in range(cfg.num_layers)]})
+            continue
         w, b = jnp.asarray(params["blocks_kernel"][k]), jnp.asarray(params["blocks_bias"][k])  # [L, D, D], [L, D]
         D = w.shape[-1]
         path_kernel = jnp.asarray(params[PATH_KERNEL.format(k)]).reshape(-1, D)      # [(k+1) D, D]
@@ -165,6 +173,7 @@ def decoding_layout(cfg: MedusaConfig, params, depth: int, dtype=jnp.float32) ->
             if l:
                 out[DECODE_BLOCK.format(k, l)] = jnp.transpose(w[l]).astype(dtype)
             out[DECODE_BIAS.format(k, l)] = b[l]
+        out.update({n: kernels.on_huge_pages(out[n]) for n in keys})
     return out
 
 

@@ -184,6 +184,11 @@ def test_hydra_draft_equals_node_by_node_reference(tiny, tree_spec, variant):
     assert got.shape == (2, tree.size)
     for b in range(2):
         assert got[b].tolist() == reference_draft(hcfg, hp, hidden[b], root[b], emb, lm, tree, ids)
+    # prepared again (each generate call prepares its heads): the decoding layout is kept, not remade
+    again = prepare_heads(pcfg, pp, lm, depth=tree.max_depth)[1]
+    decode = [k for k in pp if k.startswith("decode_")]
+    assert decode and all(again[k] is pp[k] for k in decode)
+    assert pp["decode_first_t_0"].dtype == jnp.bfloat16  # the draft's dtype (heads.DRAFT_DTYPE)
 
 
 # ------------------------------------------------------------------------------------------ decoding
