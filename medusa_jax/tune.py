@@ -292,10 +292,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     prompt = _timing_prompt(val, args.cost_prompt_len)
     cache_sizes = sorted({int(s) for s in args.cost_cache_sizes.split(",")})
     by_size = {}
+    # the roofline beside the timings (issue 13): the weights a plain step streams over its time,
+    # against this machine's read bandwidth measured before each cache size's timings
+    weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(model.params))
+    bandwidth = {}
     for S in cache_sizes:
+        bandwidth[S] = kernels.read_bandwidth() if kernels.available() else None
         by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
                                 S, progress)
-        print(f"cache {S} slots: plain step {by_size[S]['plain_s'] * 1e3:.2f} ms, "
+        gbs = weight_bytes / by_size[S]["plain_s"] / 1e9
+        roof = f" = {gbs / (bandwidth[S] / 1e9):.2f} of the read bandwidth {bandwidth[S] / 1e9:.1f} GB/s" \
+            if bandwidth[S] else ""
+        print(f"cache {S} slots: plain step {by_size[S]['plain_s'] * 1e3:.2f} ms ({gbs:.1f} GB/s of weights{roof}), "
               + " ".join(f"c({T})={c:.2f}" for T, c in by_size[S]["cost"].items()))
     costs = {"plain_s": float(np.mean([c["plain_s"] for c in by_size.values()])),
              "cost": {T: float(np.mean([c["cost"][T] for c in by_size.values()])) for T in by_size[cache_sizes[0]]["cost"]}}
@@ -318,6 +326,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "cost_cache_sizes": cache_sizes, "cost_prompt_tokens": len(prompt),
               "plain_step_ms_by_cache_size": {S: c["plain_s"] * 1e3 for S, c in by_size.items()},
               "cost_by_cache_size": {S: c["cost"] for S, c in by_size.items()}, "products": kernels.status(),
+              "weight_bytes": weight_bytes,
+              "read_bandwidth_gbs_by_cache_size": {S: b and b / 1e9 for S, b in bandwidth.items()},
               "calibration_chats": len(val), "calibration_positions": counts.tolist(),
               "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
               "predicted_tokens_per_step": best["predicted_tokens_per_step"], "step_breakdown_ms": breakdown,

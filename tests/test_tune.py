@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from medusa_jax import kernels
 from medusa_jax.config import MedusaConfig
 from medusa_jax.convert.medusa_format import HeadsFormatError, load_heads, save_heads
 from medusa_jax.cost import overhead_breakdown, step_costs, step_seconds
@@ -177,6 +178,10 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
         by_size = [report["cost_by_cache_size"][S][str(row["size"])] for S in ("64", "128")]
         assert row["cost"] == pytest.approx(np.mean(by_size), rel=1e-6)
     assert len(cfg2.medusa_choices) + 1 == report["chosen_size"] in (2, 4)
+    # the roofline beside the timings: the backbone's weight bytes and the read bandwidth per cache size
+    assert report["weight_bytes"] == sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(lm.params))
+    bws = report["read_bandwidth_gbs_by_cache_size"]
+    assert set(bws) == {"64", "128"} and all((b > 0.1) if kernels.available() else b is None for b in bws.values())
     # only response tokens (ids < 64) are frequent; the 64 proposal ids are exactly those
     assert cfg2.proposal_vocab_size == 64 and sorted(p2["proposal_ids"].tolist()) == list(range(64))
     assert np.asarray(report["rank_accuracies"]).shape == (3, 5)
