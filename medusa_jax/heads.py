@@ -246,13 +246,12 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
        ``export_official(include_lm_head=True)`` and ``export_vllm`` write shared heads, become the
        shared lm_head: the same logits from one projection instead of `depth`.
     3. With a proposal vocabulary (``cfg.proposal_vocab_size`` = N), the projection is computed
-       (`proposal_projection`) and stored as ``"proposal_lm_head_t"`` [N, D] in `draft_dtype` when
-       shared (the ``[out, in]`` layout that `medusa_jax.kernels` streams, on 2 MB pages
-       (`kernels.on_huge_pages`); bfloat16 by default:
-       the heads' top-k only proposes candidates, which the backbone verifies, so greedy output
-       does not depend on it) or ``"proposal_lm_head"``
-       [depth, D, N] for own lm_heads; the own lm_heads [depth, D, V], which decoding then never
-       reads, are dropped.
+       (`proposal_projection`) and stored as ``"proposal_lm_head_t"`` [N, D] when shared: the
+       ``[out, in]`` layout that `medusa_jax.kernels` streams, in `draft_dtype` (bfloat16 by
+       default: the heads' top-k only proposes candidates, which the backbone verifies, so greedy
+       output does not depend on it), on 2 MB pages (`kernels.on_huge_pages`). Own lm_heads get
+       ``"proposal_lm_head"`` [depth, D, N]; the own lm_heads [depth, D, V], which decoding then
+       never reads, are dropped.
     4. Hydra heads get their matrices in decoding layout (`hydra.decoding_layout`: one
        ``[out, in]`` matrix per product in `draft_dtype`, streamed whole, instead of slices of the
        stacked params copied every step).
