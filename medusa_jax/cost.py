@@ -64,15 +64,20 @@ def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, tree: Opti
     return jax.lax.fori_loop(0, n, body, jnp.int32(0))
 
 
-def _best_time(fn, args: tuple, n: int, repeats: int) -> float:
-    """Seconds per step: best of `repeats` timed calls after one untimed warm-up call."""
-    jax.block_until_ready(fn(*args))
-    best = float("inf")
-    for _ in range(repeats):
+def _timed_call(fn, args: tuple, n: int):
+    """A function of no arguments that calls ``fn(*args)`` once (`n` steps) and returns seconds per
+    step, so that timings of several functions can be interleaved (`step_costs`)."""
+    def call() -> float:
         t0 = time.perf_counter()
         jax.block_until_ready(fn(*args))
-        best = min(best, time.perf_counter() - t0)
-    return best / n
+        return (time.perf_counter() - t0) / n
+    return call
+
+
+def _best(call, repeats: int) -> float:
+    """Seconds per step: best of `repeats` timed calls after one untimed warm-up call."""
+    call()
+    return min(call() for _ in range(repeats))
 
 
 def _prepared(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers):
@@ -92,13 +97,7 @@ def _step_call(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dic
                          f"the state has {state.cache.size}")
     heads_cfg, head_params = _prepared(cfg, params, heads, tree) if tree.size > 1 else (None, None)
     args = (params, head_params, state)
-    fn = _aot(_run_steps, (cfg, heads_cfg, tree, steps), args)
-
-    def call() -> float:
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        return (time.perf_counter() - t0) / steps
-    return call
+    return _timed_call(_aot(_run_steps, (cfg, heads_cfg, tree, steps), args), args, steps)
 
 
 def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
@@ -110,9 +109,7 @@ def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, d
     The cache of `state` must hold ``steps * (tree.max_depth + 1) + tree.size`` more tokens.
     Raises ValueError when it does not.
     """
-    call = _step_call(cfg, params, heads, tree, state, steps)
-    call()
-    return min(call() for _ in range(repeats))
+    return _best(_step_call(cfg, params, heads, tree, state, steps), repeats)
 
 
 def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], depth: int, state: DecodeState,
@@ -126,7 +123,7 @@ def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], de
     if tree is None and heads_cfg.head_type == "hydra":
         raise ValueError("timing hydra heads needs the tree they draft on: pass tree=")
     args = (params, head_params, state)
-    return _best_time(_aot(_run_heads, (cfg, heads_cfg, depth, tree, steps), args), args, steps, repeats)
+    return _best(_timed_call(_aot(_run_heads, (cfg, heads_cfg, depth, tree, steps), args), args, steps), repeats)
 
 
 def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees: Iterable[TreeBuffers],
@@ -160,8 +157,7 @@ def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees
         T = tree.size
         plains[T], seconds[T] = min(p for p, _ in pairs), min(s for _, s in pairs)
         cost[T] = seconds[T] / plains[T]
-    plain_s = float(sum(plains.values()) / len(plains)) if plains else step_seconds(
-        cfg, params, None, PLAIN_TREE, state, steps, repeats)
+    plain_s = float(sum(plains.values()) / len(plains)) if plains else _best(plain, repeats)
     return {"plain_s": plain_s, "plain_seconds": plains, "seconds": seconds, "cost": cost}
 
 
@@ -178,7 +174,7 @@ def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict
     heads = _prepared(cfg, params, heads, tree)
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
     fwd_args = (params, state)
-    fwd = _best_time(_aot(_run_forwards, (cfg, tree, steps), fwd_args), fwd_args, steps, repeats)
+    fwd = _best(_timed_call(_aot(_run_forwards, (cfg, tree, steps), fwd_args), fwd_args, steps), repeats)
     hd = heads_seconds(cfg, params, heads, tree.max_depth, state, steps, repeats,
                        tree=tree if heads[0].head_type == "hydra" else None)
     full = step_seconds(cfg, params, heads, tree, state, steps, repeats)

@@ -206,7 +206,9 @@ def shard_bytes(tree) -> int:
     return int(total)
 
 
-def _global_bytes(tree) -> int:
+def tree_bytes(tree) -> int:
+    """Bytes of every array leaf of `tree`, whole (no sharding): e.g. the weights a plain decoding
+    step streams (`tune`'s roofline). Returns an int (0 for an empty tree)."""
     import jax
     import numpy as np
 
@@ -368,7 +370,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
         "unaliased_output_bytes": unaliased, "temp_bytes": temp_b,
         "total_bytes": params_b + heads_b + kv_b + state_b + unaliased + temp_b,
         "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": out_b, "alias_bytes": alias_b,
-        "params_global_bytes": _global_bytes(params), "compile_s": round(compile_s, 2), "notes": notes,
+        "params_global_bytes": tree_bytes(params), "compile_s": round(compile_s, 2), "notes": notes,
     }
 
 

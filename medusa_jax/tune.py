@@ -256,6 +256,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .hydra import token_embeddings
     from .loading import load_model
     from .models.llama import lm_head_matrix
+    from .plan import tree_bytes
 
     heads_dir = runtime.heads_location(args.heads) or runtime.DEFAULT_HEADS_DIR
     try:  # paths and heads before the slow model load
@@ -294,7 +295,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     by_size = {}
     # the roofline beside the timings (issue 13): the weights a plain step streams over its time,
     # against this machine's read bandwidth measured before each cache size's timings
-    weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(model.params))
+    weight_bytes = tree_bytes(model.params)
     bandwidth = {}
     for S in cache_sizes:
         bandwidth[S] = kernels.read_bandwidth() if kernels.available() else None

@@ -26,6 +26,7 @@ from medusa_jax.convert.medusa_format import load_heads
 from medusa_jax.cost import step_costs
 from medusa_jax.heads import with_proposal_projection
 from medusa_jax.models.llama import lm_head_matrix
+from medusa_jax.plan import tree_bytes
 from medusa_jax.tree import build_tree, greedy_tree_search
 
 
@@ -40,7 +41,7 @@ def main() -> None:
     if not kernels.available():
         raise SystemExit(f"the kernels are unavailable here: {kernels.status()}")
     m = mj.load_model(with_tokenizer=False)
-    weight_bytes = sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(m.params))
+    weight_bytes = tree_bytes(m.params)
     d = runtime.DEFAULT_HEADS_DIR
     hcfg, hp = load_heads(d, m.cfg)
     acc = np.asarray(json.load(open(f"{d}/config.json"))["tree_search"]["rank_accuracies"])

@@ -298,7 +298,7 @@ class Workers {
 // Splits [0, N) into chunks of whole `align`-column units of about MEDUSA_JAX_CHUNK_KB (default
 // 256) KiB of weights each (`elem_bytes` per weight), and runs fn(begin, end) on them across the workers.
 void parallel_columns(int64_t N, int64_t K, int64_t align, const std::function<void(int64_t, int64_t)>& fn,
-                      int64_t elem_bytes = int64_t(sizeof(float))) {
+                      int64_t elem_bytes) {
   static const int64_t chunk_bytes = int64_t{1024} * std::max(4, env_int("MEDUSA_JAX_CHUNK_KB", 256));
   Workers& workers = Workers::get();
   if (K * N * elem_bytes < 2 * chunk_bytes || workers.threads() == 1) {
@@ -323,28 +323,26 @@ ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& x, const WBuffer& w,
   return ffi::Error::Success();
 }
 
-ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
-                    ffi::ResultBuffer<ffi::F32> y) {
+// y = x @ w^T with weights WT (float, or uint16_t holding bfloat16) streamed by `nt_rows`.
+template <typename WT, typename WBuffer>
+ffi::Error run_nt(const ffi::Buffer<ffi::F32>& x, const WBuffer& w, ffi::ResultBuffer<ffi::F32>& y) {
   int64_t M, K, N;
   if (auto err = check_shapes(x, w, y, &M, &K, &N); err.failure()) return err;
   const float* xp = x.typed_data();
-  const float* wp = w.typed_data();
+  const WT* wp = reinterpret_cast<const WT*>(w.untyped_data());
   float* yp = y->typed_data();
-  parallel_columns(N, K, 12, [&](int64_t b, int64_t e) { nt_rows(xp, wp, yp, M, K, N, b, e); });
+  parallel_columns(N, K, 12, [&](int64_t b, int64_t e) { nt_rows(xp, wp, yp, M, K, N, b, e); },
+                   int64_t(sizeof(WT)));
   return ffi::Error::Success();
 }
 
+ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
+  return run_nt<float>(x, w, y);
+}
+
 // The same product with bfloat16 weights (float32 activations and sums): half the bytes streamed.
-ffi::Error MatmulNTBf16(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w,
-                        ffi::ResultBuffer<ffi::F32> y) {
-  int64_t M, K, N;
-  if (auto err = check_shapes(x, w, y, &M, &K, &N); err.failure()) return err;
-  const float* xp = x.typed_data();
-  const uint16_t* wp = reinterpret_cast<const uint16_t*>(w.untyped_data());
-  float* yp = y->typed_data();
-  parallel_columns(N, K, 12, [&](int64_t b, int64_t e) { nt_rows(xp, wp, yp, M, K, N, b, e); },
-                   int64_t(sizeof(uint16_t)));
-  return ffi::Error::Success();
+ffi::Error MatmulNTBf16(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
+  return run_nt<uint16_t>(x, w, y);
 }
 
 }  // namespace
