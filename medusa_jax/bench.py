@@ -481,8 +481,7 @@ def main(argv=None) -> int:
     predicted = runtime.predicted_tokens_per_step(tree, runtime.heads_calibration(args.heads))
     overall = summary.get("overall", summary.get("all"))
     tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
-                + (f"{predicted:.3f} (calibrated rank accuracies, independent heads"
-                   + (", without prompt lookup)" if tree.lookup else ")") if predicted else "n/a (heads not tuned)")
+                + (f"{predicted[0]:.3f} ({predicted[1]})" if predicted else "n/a (heads not tuned)")
                 + f"; tree of {tree.size} tokens"
                 + (f", prompt lookup {tree.lookup_settings}" if tree.lookup else ", no prompt lookup")
                 + "; acceptance per depth "
@@ -498,7 +497,8 @@ def main(argv=None) -> int:
         json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
                    "tree": [list(c) for c in tree.medusa_choices],
                    "prompt_lookup": tree.lookup_settings,
-                   "predicted_tokens_per_step": predicted, "conditions": conditions, "rows": rows}, f, indent=1)
+                   "predicted_tokens_per_step": predicted and predicted[0],
+                   "predicted_basis": predicted and predicted[1], "conditions": conditions, "rows": rows}, f, indent=1)
     table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
     if not greedy:
         table += (f"sampling at temperature {acc.temperature}, top-p {acc.top_p}: plain sampling against Medusa with "

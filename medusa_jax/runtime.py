@@ -191,16 +191,29 @@ def heads_calibration(heads_path: Optional[str]) -> Optional[dict]:
         return None
 
 
-def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) -> Optional[float]:
-    """1 + E[accepted] of `tree` under the calibrated rank accuracies (independent heads), or None."""
+def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) -> Optional[Tuple[float, str]]:
+    """The tokens per step `medusa_jax.tune` predicts for `tree`, and on what basis, or None.
+
+    For the tree tune chose, with the prompt lookup it chose it with (or with none), the figure tune
+    replayed on the held-out chats (`medusa_jax.replay`; with or without that lookup); for another
+    tree, 1 + E[accepted] under the calibrated rank accuracies as if the heads erred independently
+    (Medusa Sec. 3.3.1), which ignores prompt lookup. None without a calibration."""
     from .tree import expected_acceptance_length
 
     if not calibration or "rank_accuracies" not in calibration:
         return None
+    lookup = tree.lookup._asdict() if tree.lookup is not None else None
+    chosen = {tuple(p) for p in calibration.get("medusa_choices") or []}
+    if calibration.get("predicted_by") == "replay" and chosen == set(tree.medusa_choices):
+        if lookup is None:
+            return calibration["predicted_tokens_per_step"], "replayed on the held-out chats, heads alone"
+        if lookup == calibration.get("prompt_lookup") and calibration.get("predicted_tokens_per_step_lookup"):
+            return calibration["predicted_tokens_per_step_lookup"], "replayed on the held-out chats, with prompt lookup"
     try:
-        return 1.0 + expected_acceptance_length(tree, calibration["rank_accuracies"])
+        e = expected_acceptance_length(tree, calibration["rank_accuracies"])
     except ValueError:
         return None
+    return 1.0 + e, "rank accuracies, independent heads" + (", without prompt lookup" if lookup else "")
 
 
 def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
@@ -212,6 +225,8 @@ def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
 
     if calibration.get("device") != str(jax.devices()[0].device_kind) or calibration.get("chosen_size") != tree.size:
         return ""
+    if (tree.lookup._asdict() if tree.lookup is not None else None) != calibration.get("prompt_lookup"):
+        return ""  # chosen for another prompt-lookup setting
     row = next((r for r in calibration.get("rows", []) if r.get("size") == tree.size), None)
     if row is None or row.get("predicted_speedup", 1.0) >= 1.0:
         return ""

@@ -9,24 +9,27 @@ installed package unless ``--update-shipped-heads`` says so (maintainers re-tuni
 1. Proposal vocabulary (optional, ``--proposal-vocab N``): the N most frequent tokens of the
    self-distilled training split; the heads then propose only those (their vocabulary projection
    per step shrinks by V / N; verification still uses the full vocabulary, so output is unchanged).
-2. Calibration: each head's rank accuracies ``acc[k][r]`` = P(head k's rank-r proposal equals the
-   base model's greedy token k + 2 positions ahead; hydra heads read the true tokens before it),
-   counted over the held-out chats of the
-   self-distillation data (prompts from the training pool, never the evaluation sets; answers are the
-   backbone's own greedy tokens) and normalised per head by that head's own number of positions.
-3. Tree search: for every candidate size T, the greedy tree of Medusa Sec. 3.3.1 (maximal expected
-   acceptance length E[T] under independent heads, `tree.greedy_tree_search`).
+2. Calibration: at every position of the held-out chats of the self-distillation data (prompts
+   from the training pool, never the evaluation sets; answers are the backbone's own greedy
+   tokens), the rank of the true token among each head's proposals (`replay.path_ranks`; hydra
+   heads read the true tokens before it). The per-head rank accuracies ``acc[k][r]`` follow, but
+   the ranks themselves say exactly what any tree accepts at each position.
+3. Tree search: trees grown node by node for the fewest decoding steps on those chats
+   (`replay.search_tree`), with greedy decoding replayed step by step (`replay.Replay`), with
+   decoding's prompt lookup unless ``--prompt-lookup 0``. Medusa Sec. 3.3.1 instead multiplies the
+   per-head accuracies as if the heads erred independently, which on SmolLM2's hydra heads
+   overestimated tokens per step by 0.05-0.1 and picked a worse 4-node tree (docs/performance.md).
 4. Hardware-aware choice: the verify cost ``c(T) = t(Medusa step with the T-node tree) / t(plain
    step)`` is measured on this device (`medusa_jax.cost`; the mean over the KV cache sizes of
-   ``--cost-cache-sizes``, on the products decoding runs: `medusa_jax.kernels`), and the tree that maximises the predicted
-   speedup ``(1 + E[T]) / c(T)`` is saved as the heads' ``medusa_choices``, with the whole table
+   ``--cost-cache-sizes``, on the products decoding runs: `medusa_jax.kernels`), and the tree that
+   maximises the predicted speedup, replayed tokens per step / c(T) (a step with prompt lookup
+   verifies max(T, K + 1) nodes), is saved as the heads' ``medusa_choices``, with the whole table
    (``tree_search`` in config.json). decode.py and the benchmark use it by default; the benchmark
-   prints the predicted tokens per step (1 + E) beside the measured one.
+   prints the predicted tokens per step beside the measured one.
 """
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import sys
 from typing import Dict, List, Optional, Sequence, Tuple
@@ -37,7 +40,9 @@ import numpy as np
 
 from . import kernels
 from .config import MedusaConfig
-from .tree import build_tree, expected_acceptance_length, greedy_tree_search
+from .lookup import PromptLookup
+from .replay import Replay, path_ranks, rank_accuracies_of, search_tree, tree_accepted
+from .tree import build_tree
 
 DEFAULT_SIZES = (2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32)
 #: Where tuned shipped heads go without --out (relative to the current directory).
@@ -88,16 +93,6 @@ def output_dir(heads: Optional[str], out: Optional[str], update_shipped: bool = 
     return os.path.abspath(DEFAULT_OUT)
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _rank_hits(heads_cfg: MedusaConfig, topk: int, head_params, lm, emb, batch):
-    from .verify import head_topk
-
-    tokens = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
-                       path_tokens=batch["path_tokens"], embeddings=emb)                  # [K, N, topk]
-    hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
-    return jnp.sum(hit, axis=1, dtype=jnp.int32)  # [K, topk]
-
-
 def rank_accuracies(heads_cfg: MedusaConfig, head_params, base_lm_head, hidden: np.ndarray, labels: np.ndarray,
                     valid: np.ndarray, topk: int = 10, batch: int = 1024, path_tokens: Optional[np.ndarray] = None,
                     embeddings=None) -> Tuple[np.ndarray, np.ndarray]:
@@ -119,74 +114,98 @@ def rank_accuracies(heads_cfg: MedusaConfig, head_params, base_lm_head, hidden: 
       (acc [K, topk] float64: acc[k][r] = hits of head k at rank r / counts[k], counts [K] int64).
     Raises ValueError when some head has no valid position, or hydra heads lack path_tokens or embeddings.
     """
-    from .train.data import plain_positions, position_batches
+    from .train.data import plain_positions
 
-    K = heads_cfg.num_heads
     if heads_cfg.head_type == "hydra" and (path_tokens is None or embeddings is None):
         raise ValueError("calibrating hydra heads needs path_tokens [K, P] (tokens t+1..t+K) and embeddings [V, D]")
-    hits = np.zeros((K, topk), np.int64)
-    emb = None if embeddings is None else jnp.asarray(embeddings)
-    for b in position_batches(plain_positions(hidden, labels, valid, path_tokens), batch):
-        hits += np.asarray(_rank_hits(heads_cfg, topk, head_params, base_lm_head, emb, b))
-    counts = valid.sum(axis=1).astype(np.int64)
-    if np.any(counts == 0):
-        raise ValueError(f"no calibration position for heads {np.flatnonzero(counts == 0).tolist()}: "
-                         "use more (or longer) held-out chats")
-    return hits / counts[:, None], counts
+    pos = plain_positions(hidden, labels, valid, path_tokens)
+    ranks = path_ranks(heads_cfg, head_params, base_lm_head, pos, topk, embeddings, batch)
+    return rank_accuracies_of(ranks, valid, topk)
 
 
-def choose_tree(acc: np.ndarray, cost: Dict[int, float], topk: int = 10) -> Tuple[dict, List[dict]]:
-    """The hardware-aware choice among greedy trees.
+def choose_tree(ranks: np.ndarray, cost: Dict[int, float], topk: int = 10, chats: Optional[Sequence] = None,
+                sources: Optional[np.ndarray] = None, lookup: Optional[PromptLookup] = None,
+                order: Optional[Sequence] = None) -> Tuple[dict, List[dict]]:
+    """The hardware-aware choice among the trees that accept the most on the held-out chats.
 
     Args:
-      acc: [K, topk] calibrated rank accuracies.
+      ranks: [P, K] `replay.path_ranks` of the held-out positions.
       cost: {T: c(T)} measured relative step costs (T = tree tokens, root included; T = 1 is plain
         decoding with c = 1 and is always a candidate).
+      chats, sources: the held-out chats (token ids, loss mask) and the (chat, t) of each position
+        (`train.trainer.position_sources`): tokens per step are then those of decoding the answers
+        step by step (`replay.replay`); without them, 1 + the mean accepted over the positions.
+      lookup: with chats, also replay decoding with this prompt lookup, and choose on that. A step
+        then verifies max(T, k + 1) nodes (`verify.padded_arrays`), so it costs c(max(T, k + 1)),
+        which `cost` must hold.
+      order: the trees' paths in the order `replay.search_tree` adds them (each size's tree is a
+        prefix); default: searched here, for the fewest decoding steps of the chats when given.
     Returns:
-      (best row, all rows); a row is {"size": T, "expected_accepted": E, "predicted_tokens_per_step":
-      1 + E, "cost": c(T), "predicted_speedup": (1 + E) / c(T), "medusa_choices": paths}.
+      (best row, all rows); a row is {"size": T, "expected_accepted": E (mean over the positions),
+      "predicted_tokens_per_step": the heads alone, ["predicted_tokens_per_step_lookup": with the
+      prompt lookup,] "cost": c, "predicted_speedup": tokens per step / c (with the lookup when
+      given), "medusa_choices": paths}.
+    Raises KeyError when `cost` lacks c(k + 1); ValueError for lookup without chats.
     """
+    if lookup is not None and chats is None:
+        raise ValueError("choosing with prompt lookup needs the chats and sources to replay")
+    alone = Replay(chats, sources) if chats is not None else None
+    looked = Replay(chats, sources, lookup) if lookup is not None else None
+    if order is None:
+        order = search_tree(ranks, max(cost, default=1), topk, looked or alone)
     rows = [{"size": 1, "expected_accepted": 0.0, "predicted_tokens_per_step": 1.0, "cost": 1.0,
              "predicted_speedup": 1.0, "medusa_choices": []}]
     for T in sorted(cost):
         if T <= 1:
             continue
-        choices = greedy_tree_search(acc, T, topk)
-        e = expected_acceptance_length(choices, acc)
-        rows.append({"size": len(choices) + 1, "expected_accepted": e, "predicted_tokens_per_step": 1 + e,
-                     "cost": float(cost[T]), "predicted_speedup": (1 + e) / float(cost[T]),
-                     "medusa_choices": [list(p) for p in choices]})
+        choices = order[:T - 1]
+        accepted = tree_accepted(ranks, choices, topk)
+        tps = alone.tokens_per_step(accepted) if alone else 1.0 + (float(accepted.mean()) if len(accepted) else 0.0)
+        row = {"size": len(choices) + 1, "expected_accepted": float(accepted.mean()) if len(accepted) else 0.0,
+               "predicted_tokens_per_step": tps, "cost": float(cost[T])}
+        if looked is not None:
+            row["predicted_tokens_per_step_lookup"] = tps = looked.tokens_per_step(accepted)
+            row["cost"] = float(cost[max(T, lookup.num_tokens + 1)])
+        rows.append({**row, "predicted_speedup": tps / row["cost"], "medusa_choices": [list(p) for p in choices]})
     best = max(rows, key=lambda r: (r["predicted_speedup"], -r["size"]))
     return best, rows
 
 
 def _table(rows: List[dict], best: dict) -> str:
-    lines = ["| tree tokens T | E[accepted] | predicted tokens/step | c(T) | predicted speedup |",
-             "|---:|---:|---:|---:|---:|"]
+    lookup = any("predicted_tokens_per_step_lookup" in r for r in rows)
+    lines = ["| tree tokens T | E[accepted] | tokens/step, heads alone" + (" | tokens/step, with prompt lookup" if lookup
+                                                                          else "") + " | c(T) | predicted speedup |",
+             "|---:|---:|---:|" + ("---:|" if lookup else "") + "---:|---:|"]
     for r in rows:
         mark = " **(chosen)**" if r is best else ""
-        lines.append(f"| {r['size']}{mark} | {r['expected_accepted']:.3f} | {r['predicted_tokens_per_step']:.3f} | "
-                     f"{r['cost']:.3f} | {r['predicted_speedup']:.3f} |")
+        with_lookup = f" {r.get('predicted_tokens_per_step_lookup', 1.0):.3f} |" if lookup else ""
+        lines.append(f"| {r['size']}{mark} | {r['expected_accepted']:.3f} | {r['predicted_tokens_per_step']:.3f} |"
+                     f"{with_lookup} {r['cost']:.3f} | {r['predicted_speedup']:.3f} |")
     return "\n".join(lines)
 
 
 def _calibration_data(model, data_dir: str, val_fraction: float, seed: int, num_heads: int, max_seq_len: int,
                       max_positions: int, progress: bool):
+    """(train, val, chats, pos, sources): the split of the self-distilled chats, the held-out chats
+    calibrated (cut to max_seq_len; whole chats, in a seeded order, until they hold max_positions
+    positions; 0 = all), their `Positions` and each position's (chat index, t)."""
     from .train import data as D
-    from .train.trainer import Backbone, compute_positions
+    from .train.trainer import Backbone, compute_positions, position_sources
 
     examples = D.load_distilled(data_dir)
     train, val = D.split_train_val(examples, val_fraction, seed)
     if not val:
         raise ValueError(f"{data_dir}: val_fraction={val_fraction} leaves no held-out chat for calibration")
-    cut = [(np.asarray(i, np.int32)[:max_seq_len], np.asarray(m, bool)[:max_seq_len]) for i, m in val]
+    chats = [(np.asarray(i, np.int32)[:max_seq_len], np.asarray(m, bool)[:max_seq_len]) for i, m in val]
+    if max_positions:  # whole chats, so that decoding them can be replayed
+        sizes = [len(D.kept_positions(i, m, num_heads)) for i, m in chats]
+        order = np.random.default_rng(seed).permutation(len(chats))
+        n = int(np.searchsorted(np.cumsum([sizes[i] for i in order]), max_positions)) + 1
+        chats = [chats[i] for i in sorted(order[:n])]
     bb = Backbone(model.cfg, model.params, model.path)
-    pos = compute_positions(bb, cut, num_heads, max_seq_len, 4096, desc="calibration hidden states",
+    pos = compute_positions(bb, chats, num_heads, max_seq_len, 4096, desc="calibration hidden states",
                             progress=progress)
-    if max_positions and pos.num_positions > max_positions:
-        keep = np.sort(np.random.default_rng(seed).choice(pos.num_positions, max_positions, replace=False))
-        pos = D.select_positions(pos, keep)
-    return train, val, pos
+    return train, val, chats, pos, position_sources(chats, num_heads)
 
 
 def _timing_prompt(val, target_len: int) -> List[int]:
@@ -222,7 +241,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="held-out fraction of the chats; use the training config's so the heads never saw them")
     p.add_argument("--seed", type=int, default=0, help="split seed (the training config's)")
     p.add_argument("--max-seq-len", type=int, default=512, help="tokens per chat kept (the training config's)")
-    p.add_argument("--max-positions", type=int, default=16384, help="calibration positions kept (0 = all)")
+    p.add_argument("--max-positions", type=int, default=0,
+                   help="calibrate on whole held-out chats until they hold this many positions (0 = all of them)")
     p.add_argument("--proposal-vocab", type=int, default=None,
                    help="restrict proposals to the N most frequent training tokens (0 = whole vocabulary; "
                         "default: keep what the heads have)")
@@ -242,6 +262,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                         "(medusa_jax/assets/heads/...), replacing them, in float16; not with --out")
     p.add_argument("--dry-run", action="store_true", help="print the table, save nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    runtime.add_lookup_arg(p)
     runtime.add_dtype_arg(p)
     args = p.parse_args(argv)
     try:
@@ -269,7 +290,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     hcfg, hp = load_heads(heads_dir, model.cfg)
     lm = lm_head_matrix(model.cfg, model.params)
     progress = not args.no_progress
-    train, val, pos = _calibration_data(
+    train, val, chats, pos, sources = _calibration_data(
         model, args.data, args.val_fraction, args.seed, hcfg.num_heads, args.max_seq_len, args.max_positions,
         progress)
     if args.proposal_vocab is not None:
@@ -280,16 +301,18 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hp = {k: v for k, v in hp.items() if k != "proposal_ids"}
         hcfg = hcfg.replace(proposal_vocab_size=args.proposal_vocab)
     jhp = with_proposal_projection(hcfg, jax.tree_util.tree_map(jnp.asarray, hp), lm)
-    P = pos.num_positions
-    acc, counts = rank_accuracies(hcfg, jhp, lm, pos.hidden[:P], pos.labels, pos.valid, hcfg.topk,
-                                  path_tokens=pos.path_tokens, embeddings=token_embeddings(model.params))
-    print(f"calibration: {len(val)} held-out chats, positions per head {counts.tolist()}")
+    ranks = path_ranks(hcfg, jhp, lm, pos, hcfg.topk, embeddings=token_embeddings(model.params))
+    acc, counts = rank_accuracies_of(ranks, pos.valid, hcfg.topk)
+    print(f"calibration: {len(chats)} of {len(val)} held-out chats, positions per head {counts.tolist()}")
     for k in range(hcfg.num_heads):
         print(f"  head {k}: top-1 {acc[k, 0]:.3f}  top-5 {acc[k, :5].sum():.3f}  ranks "
               + " ".join(f"{a:.3f}" for a in acc[k]))
 
-    sizes = sorted({int(s) for s in args.sizes.split(",") if int(s) > 1})
-    trees = [build_tree(greedy_tree_search(acc, T, hcfg.topk), hcfg.topk) for T in sizes]
+    lookup = runtime.tree_lookup(build_tree([]), args.prompt_lookup).lookup
+    sizes = sorted({int(s) for s in args.sizes.split(",") if int(s) > 1} | ({lookup.num_tokens + 1} if lookup else set()))
+    # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
+    order = search_tree(ranks, max(sizes), hcfg.topk, Replay(chats, sources, lookup))
+    trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
     prompt = _timing_prompt(val, args.cost_prompt_len)
     cache_sizes = sorted({int(s) for s in args.cost_cache_sizes.split(",")})
     by_size = {}
@@ -308,7 +331,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + " ".join(f"c({T})={c:.2f}" for T, c in by_size[S]["cost"].items()))
     costs = {"plain_s": float(np.mean([c["plain_s"] for c in by_size.values()])),
              "cost": {T: float(np.mean([c["cost"][T] for c in by_size.values()])) for T in by_size[cache_sizes[0]]["cost"]}}
-    best, rows = choose_tree(acc, costs["cost"], hcfg.topk)
+    best, rows = choose_tree(ranks, costs["cost"], hcfg.topk, chats, sources, lookup, order)
     print(f"plain step {costs['plain_s'] * 1e3:.2f} ms on {jax.devices()[0].device_kind} (mean over caches of "
           f"{', '.join(map(str, cache_sizes))} slots, prompt {len(prompt)} tokens; products: {kernels.status()})")
     print(_table(rows, best))
@@ -329,9 +352,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "cost_by_cache_size": {S: c["cost"] for S, c in by_size.items()}, "products": kernels.status(),
               "weight_bytes": weight_bytes,
               "read_bandwidth_gbs_by_cache_size": {S: b and b / 1e9 for S, b in bandwidth.items()},
-              "calibration_chats": len(val), "calibration_positions": counts.tolist(),
+              "calibration_chats": len(chats), "calibration_positions": counts.tolist(),
               "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
-              "predicted_tokens_per_step": best["predicted_tokens_per_step"], "step_breakdown_ms": breakdown,
+              "medusa_choices": best["medusa_choices"],
+              "predicted_tokens_per_step": best["predicted_tokens_per_step"],
+              "predicted_tokens_per_step_lookup": best.get("predicted_tokens_per_step_lookup"),
+              "prompt_lookup": lookup._asdict() if lookup else None, "predicted_by": "replay",
+              "step_breakdown_ms": breakdown,
               "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows]}
     extras = _format_extras(read_heads_config(heads_dir))
     extras["tree_search"] = report
@@ -341,8 +368,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
         f.write(f"# Tree search ({report['device']}, plain step {report['plain_step_ms']:.2f} ms)\n\n"
                 + _table(rows, best) + "\n")
-    print(f"saved the {best['size']}-node tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step, "
-          f"speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
+    with_lookup = (f", {best['predicted_tokens_per_step_lookup']:.3f} with prompt lookup"
+                   if "predicted_tokens_per_step_lookup" in best else "")
+    print(f"saved the {best['size']}-node tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step with the "
+          f"heads alone{with_lookup}, speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
     if os.path.realpath(out_dir) != os.path.realpath(runtime.DEFAULT_HEADS_DIR):
         print(f"use them with: python decode.py --heads {out_dir}")
     return 0

@@ -139,6 +139,12 @@ def test_speed_note_only_for_a_slow_tuned_tree_on_this_device():
     assert speed_note(build_tree([(0,)], topk=2), cal) == ""  # not the tuned tree
     fast = {**cal, "rows": [{"size": 3, "predicted_speedup": 1.2}]}
     assert speed_note(tree, fast) == "" and speed_note(tree, None) == ""
+    # a tree chosen for decoding with prompt lookup says nothing of decoding without it, and back
+    from medusa_jax.lookup import PromptLookup
+    from medusa_jax.tree import with_lookup
+    looked = {**cal, "prompt_lookup": PromptLookup(3, 3, 2)._asdict()}
+    assert speed_note(tree, looked) == "" and "0.80x" in speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), looked)
+    assert speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), cal) == ""
 
 
 def test_prompt_files_are_checked_line_by_line(tmp_path):

@@ -14,8 +14,9 @@ from medusa_jax.cost import overhead_breakdown, step_costs, step_seconds
 from medusa_jax.generate import generate, generate_device, start_state
 from medusa_jax.heads import MedusaHeads, frequent_tokens, init_heads, with_proposal_projection
 from medusa_jax.kv_cache import grow_cache, init_cache
+from medusa_jax.lookup import PromptLookup
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.tree import build_tree, greedy_tree_search
+from medusa_jax.tree import build_tree, greedy_tree_search, with_lookup
 from medusa_jax.tune import choose_tree, rank_accuracies
 from medusa_jax.verify import head_topk
 
@@ -131,17 +132,41 @@ def test_rank_accuracies_count_each_rank_per_head(tiny):
 
 
 def test_choose_tree_maximises_predicted_speedup():
-    acc = np.array([[0.5, 0.2, 0.1], [0.4, 0.1, 0.05]])
-    best, rows = choose_tree(acc, {2: 1.2, 4: 1.3, 6: 2.5}, topk=3)
+    # 10 positions, 2 heads, topk 3 (3 = miss): rank vectors and how often they occur
+    ranks = np.array([[0, 0]] * 3 + [[0, 1]] * 2 + [[1, 0]] * 2 + [[2, 3]] + [[3, 0]] * 2, np.int8)
+    best, rows = choose_tree(ranks, {2: 1.2, 4: 1.3, 6: 2.5}, topk=3)
     assert [r["size"] for r in rows] == [1, 2, 4, 6]
     by = {r["size"]: r for r in rows}
+    # T=2: (0,) accepted at 5 positions; T=4: + (1,) 2, (0, 0) 3 -> 10 / 10
     assert by[2]["predicted_tokens_per_step"] == pytest.approx(1.5)
-    # T=4: (0,), (1,), (0,0) -> 0.5 + 0.2 + 0.2
-    assert by[4]["predicted_tokens_per_step"] == pytest.approx(1.9)
-    assert by[4]["predicted_speedup"] == pytest.approx(1.9 / 1.3)
+    assert by[4]["predicted_tokens_per_step"] == pytest.approx(2.0)
+    assert by[4]["medusa_choices"] == [[0], [0, 0], [1]]
+    assert by[4]["predicted_speedup"] == pytest.approx(2.0 / 1.3)
     assert best is by[4]
-    best, _ = choose_tree(acc, {2: 3.0}, topk=3)
+    best, _ = choose_tree(ranks, {2: 3.0}, topk=3)
     assert best["size"] == 1  # nothing beats plain decoding at that cost
+    with pytest.raises(ValueError, match="replay"):
+        choose_tree(ranks, {2: 1.0}, topk=3, lookup=PromptLookup(3, 3, 2))
+
+
+def test_choose_tree_with_prompt_lookup_replays_decoding():
+    # one chat whose answer loops: the copy accepts what the heads never do, and a step verifies
+    # max(T, k + 1) nodes, so a 2-node tree with a 3-token copy costs c(4)
+    ids = np.array([5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7, 5, 6, 7])
+    mask = np.arange(15) >= 3
+    sources = np.array([[0, t] for t in range(2, 13)])
+    ranks = np.full((11, 2), 3, np.int8)
+    ranks[:, 0] = 0                                        # head 0 always right, head 1 never
+    cost = {2: 1.1, 4: 1.25}
+    best, rows = choose_tree(ranks, cost, 3, [(ids, mask)], sources, PromptLookup(3, 3, 2))
+    by = {r["size"]: r for r in rows}
+    assert by[2]["predicted_tokens_per_step"] == pytest.approx(2.0)          # 12 answer tokens in 6 steps
+    # the first step finds no earlier n-gram (heads: 2 tokens), then copies of 3 accept all (4, 4),
+    # and the last copy stops at the answer's end (2)
+    assert by[2]["predicted_tokens_per_step_lookup"] == pytest.approx(3.0)
+    assert by[2]["cost"] == 1.25 and by[2]["predicted_speedup"] == pytest.approx(3.0 / 1.25)
+    with pytest.raises(KeyError):
+        choose_tree(ranks, {2: 1.1}, 3, [(ids, mask)], sources, PromptLookup(3, 3, 2))
 
 
 def test_step_costs_time_every_tree(tiny):
@@ -174,8 +199,9 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     assert [r["size"] for r in report["rows"]] == [1, 2, 4]
     # c(T) timed at both cache sizes; the tree is chosen on their mean
     assert report["cost_cache_sizes"] == [64, 128] and set(report["cost_by_cache_size"]) == {"64", "128"}
-    for row in report["rows"][1:]:
-        by_size = [report["cost_by_cache_size"][S][str(row["size"])] for S in ("64", "128")]
+    for row in report["rows"][1:]:  # with the default prompt lookup a step verifies max(T, 4) nodes
+        T = max(row["size"], report["prompt_lookup"]["num_tokens"] + 1)
+        by_size = [report["cost_by_cache_size"][S][str(T)] for S in ("64", "128")]
         assert row["cost"] == pytest.approx(np.mean(by_size), rel=1e-6)
     assert len(cfg2.medusa_choices) + 1 == report["chosen_size"] in (2, 4)
     # the roofline beside the timings: the backbone's weight bytes and the read bandwidth per cache size
@@ -188,8 +214,17 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     heads, tree, _ = resolve_heads(lm, str(tmp_path / "tuned"))
     projection = "proposal_lm_head_t" if heads[0].shared_lm_head else "proposal_lm_head"  # heads.prepare_heads
     assert tree.size == report["chosen_size"] and projection in heads[1]
-    pred = predicted_tokens_per_step(tree, heads_calibration(str(tmp_path / "tuned")))
-    assert pred == pytest.approx(report["predicted_tokens_per_step"], abs=1e-4)  # accuracies saved to 5 places
+    # chosen for decoding with the default prompt lookup, and predicted by replaying it
+    assert report["prompt_lookup"] == {"num_tokens": 3, "max_ngram": 3, "min_ngram": 2}
+    assert report["predicted_by"] == "replay" and tree.lookup is not None
+    pred, basis = predicted_tokens_per_step(tree, heads_calibration(str(tmp_path / "tuned")))
+    assert pred == report["predicted_tokens_per_step_lookup"] and "with prompt lookup" in basis
+    pred, basis = predicted_tokens_per_step(with_lookup(tree, None), heads_calibration(str(tmp_path / "tuned")))
+    assert pred == report["predicted_tokens_per_step"] and "heads alone" in basis
+    other = build_tree([(0,), (1,), (2,)], 5)                 # not the tuned tree: independent heads
+    pred, basis = predicted_tokens_per_step(other, heads_calibration(str(tmp_path / "tuned")))
+    acc = np.asarray(report["rank_accuracies"])
+    assert pred == pytest.approx(1 + acc[0, :3].sum()) and "independent" in basis
 
 
 def _files(directory) -> dict:

@@ -170,7 +170,7 @@ def _prefill_one(cfg, params, prompt: Sequence[int], size: int, pad_multiple: in
 
 
 def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], out_dir: str, *,
-                     max_new_tokens: int = 256, batch_size: int = 32, temperature: float = 0.0,
+                     max_new_tokens: int = 256, batch_size: int = 128, temperature: float = 0.0,
                      seed: int = 0, target_tokens: Optional[int] = None, limit: Optional[int] = None,
                      cache_size: Optional[int] = None, eos_token_ids: Optional[Sequence[int]] = None,
                      progress: bool = True) -> dict:
@@ -315,7 +315,7 @@ def tokenized_prompts(tokenizer, pool: Sequence[Tuple[str, str]], seed: int, max
 
 
 def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None,
-            target_tokens: Optional[int] = None, max_new_tokens: int = 256, batch_size: int = 32,
+            target_tokens: Optional[int] = None, max_new_tokens: int = 256, batch_size: int = 128,
             temperature: float = 0.0, seed: int = 0, limit: Optional[int] = None,
             max_prompt_tokens: int = 256, progress: bool = True) -> dict:
     """Self-distil a prompt pool into ``out`` (see the module doc). Plain keyword arguments, so a
@@ -378,7 +378,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                    help="stop taking new prompts once samples.jsonl holds this many response tokens "
                         "(default: answer the whole pool)")
     p.add_argument("--max-new-tokens", type=int, default=256, help="response tokens per prompt at most")
-    p.add_argument("--batch-size", type=int, default=32, help="prompts decoded together (continuous batching)")
+    p.add_argument("--batch-size", type=int, default=128,
+                   help="prompts decoded together (continuous batching); on a 2-core CPU 128 made 320 tokens/s "
+                        "where 32 made 210 and 16 made 170")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled")
     p.add_argument("--seed", type=int, default=0, help="seed of the pool's shuffle and of sampling")
     p.add_argument("--limit", type=int, default=None,

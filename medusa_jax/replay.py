@@ -1,0 +1,279 @@
+"""What greedy decoding accepts on held-out chats, replayed exactly instead of estimated.
+
+A self-distilled chat's answer is the backbone's own greedy answer, so greedy Medusa decoding of
+its prompt emits exactly that answer, and what a step accepts at position t is fixed by the
+answer: the step's root is token t+1, and a tree node (r_0, ..., r_{d-1}) is accepted when, for
+every depth j < d, token t+j+2 is head j's rank-r_j proposal. Hydra heads propose from the path
+they extend (Ankner et al. 2024, Sec. 3); on a path whose earlier tokens are right that path is
+the answer's own tokens, which is what teacher forcing feeds them. So one number per head and
+position, the rank of the true token among the head's proposals (`path_ranks`), gives:
+
+- the exact accepted length of any tree at every position (`tree_accepted`), where Medusa Sec.
+  3.3.1 multiplies per-head accuracies as if the heads erred independently;
+- decoding itself, step by step (`Replay`), with prompt lookup choosing its draft from the
+  context as `medusa_jax.lookup.ngram_draft` does: the tokens per step of the shipped decoding,
+  not only of the heads;
+- trees grown node by node for the fewest decoding steps (`search_tree`).
+
+(Greedy decoding only: what sampling accepts depends on the draws. Near-ties, where the float32
+forward of a tree step and of the prefill could order two logits differently, are ignored.)
+The figures hold for chats like the held-out ones; other prompts accept differently.
+"""
+from __future__ import annotations
+
+import functools
+from typing import Dict, Iterable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from .lookup import PromptLookup
+
+Path = Tuple[int, ...]
+
+
+def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=None,
+               batch: int = 1024) -> np.ndarray:
+    """The rank of the true token among each head's proposals, at every position.
+
+    Args:
+      heads_cfg, head_params: the heads, as decoding proposes (proposal vocabulary included).
+      base_lm_head: [V, D] the backbone's lm_head (shared-lm_head heads project through it).
+      pos: `train.data.Positions` of the chats (hidden [P, D], labels and valid [K, P], path tokens).
+      topk: proposals per head.
+      embeddings: hydra heads: [V, D] the backbone's input embeddings (`hydra.token_embeddings`).
+      batch: positions per call.
+    Returns:
+      [P, K] int8: entry [t, k] is r when token t+k+2 is head k's rank-r proposal (0 = its top-1),
+      and `topk` when it is not among the `topk` proposals or has no label (past the answer).
+    Raises ValueError when hydra heads lack embeddings.
+    """
+    from .train.data import plain_positions, position_batches
+
+    if heads_cfg.head_type == "hydra" and embeddings is None:
+        raise ValueError("hydra heads read token embeddings: pass embeddings [V, D]")
+    P = pos.num_positions
+    emb = None if embeddings is None else jnp.asarray(embeddings)
+    out = [np.asarray(_ranks(heads_cfg, topk, head_params, base_lm_head, emb, b))
+           for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch)]
+    ranks = np.concatenate(out) if out else np.zeros((0, heads_cfg.num_heads), np.int8)
+    return ranks[:P]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _ranks(heads_cfg, topk: int, head_params, lm, emb, batch) -> jax.Array:
+    """[N, K] int8 ranks of one batch of positions (`path_ranks`)."""
+    from .verify import head_topk
+
+    tokens = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
+                       path_tokens=batch["path_tokens"], embeddings=emb)                  # [K, N, topk]
+    hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
+    return jnp.where(hit.any(-1), jnp.argmax(hit, axis=-1), topk).T.astype(jnp.int8)
+
+
+def rank_accuracies_of(ranks: np.ndarray, valid: np.ndarray, topk: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Per-head rank accuracies from `path_ranks`: (acc [K, topk] float64 = P(head k's rank-r
+    proposal is right) over the positions where head k has a label, counts [K] int64 of those).
+    Raises ValueError when some head has no labelled position."""
+    ranks = np.asarray(ranks)
+    valid = np.asarray(valid, bool)                                          # [K, P]
+    counts = valid.sum(axis=1).astype(np.int64)
+    if np.any(counts == 0):
+        raise ValueError(f"no calibration position for heads {np.flatnonzero(counts == 0).tolist()}: "
+                         "use more (or longer) held-out chats")
+    hits = np.stack([np.bincount(ranks[valid[k], k].astype(np.int64), minlength=topk + 1)[:topk]
+                     for k in range(valid.shape[0])])
+    return hits / counts[:, None], counts
+
+
+def _prefix_codes(ranks: np.ndarray, topk: int) -> np.ndarray:
+    """[K, P] int64: entry [d, t] encodes the rank vector's first d + 1 ranks (one code per path:
+    digits r + 1 in base topk + 1), or -1 once a rank misses (>= topk)."""
+    ranks = np.asarray(ranks).astype(np.int64)
+    P, K = ranks.shape
+    codes = np.full((K, P), -1, np.int64)
+    code = np.zeros(P, np.int64)
+    alive = np.ones(P, bool)
+    for d in range(K):
+        alive &= ranks[:, d] < topk
+        code = code * (topk + 1) + ranks[:, d] + 1
+        codes[d] = np.where(alive, code, -1)
+    return codes
+
+
+def _code(path: Sequence[int], topk: int) -> int:
+    c = 0
+    for r in path:
+        c = c * (topk + 1) + int(r) + 1
+    return c
+
+
+def tree_accepted(ranks: np.ndarray, choices: Iterable[Sequence[int]], topk: Optional[int] = None) -> np.ndarray:
+    """[P] int32: the tokens the tree accepts at each position besides its root (the depth of the
+    deepest tree path that the position's rank vector starts with).
+
+    Args:
+      ranks: [P, K] `path_ranks`. choices: the tree's paths (prefix-closed). topk: the ranks' miss
+        value (default: one more than the largest rank in `choices`).
+    """
+    ranks = np.asarray(ranks)
+    choices = [tuple(int(x) for x in p) for p in choices]
+    depth = min(max((len(p) for p in choices), default=0), ranks.shape[1])
+    if topk is None:
+        topk = max((max(p) for p in choices if p), default=0) + 1
+    codes = _prefix_codes(np.minimum(ranks, topk), topk)
+    out = np.zeros(len(ranks), np.int32)
+    alive = np.ones(len(ranks), bool)
+    for d in range(depth):
+        nodes = [_code(p, topk) for p in choices if len(p) == d + 1]
+        alive &= np.isin(codes[d], nodes)
+        out += alive
+    return out
+
+
+def lookup_draft(context: np.ndarray, lookup: PromptLookup) -> Optional[np.ndarray]:
+    """The prompt-lookup draft after `context` (its last token is the step's root), exactly as
+    `lookup.ngram_draft` computes it on the device: the `num_tokens` tokens after the latest
+    earlier occurrence of the longest n-gram that occurred (continued periodically past the end);
+    None when none did."""
+    ctx = np.asarray(context)
+    L = len(ctx) - 1
+    for n in range(lookup.max_ngram, lookup.min_ngram - 1, -1):
+        if L < n:
+            continue
+        pattern = ctx[L - n + 1:]
+        windows = np.lib.stride_tricks.sliding_window_view(ctx[:L], n)               # ends n-1 .. L-1
+        hits = np.flatnonzero((windows == pattern).all(axis=1))
+        if len(hits):
+            e = int(hits[-1]) + n - 1
+            idx = e + 1 + np.arange(lookup.num_tokens)
+            period = L - e
+            over = idx - L
+            idx = np.where(over > 0, idx - period * ((over + period - 1) // period), idx)
+            return ctx[idx]
+    return None
+
+
+class Replay:
+    """Greedy Medusa decoding of the chats' answers, step by step, for any tree's acceptance.
+
+    Each answer (a run of the loss mask) is decoded from the token before it: a step whose last
+    accepted token is t emits its root t+1 and the draft's accepted tokens, and the next step
+    starts after them. The draft is the heads' tree, or with `lookup` the prompt-lookup chain when
+    the context up to the root repeats an earlier n-gram (as decoding chooses, `lookup.ngram_draft`);
+    what a copy accepts does not depend on the tree, so it is found once, here.
+
+    Args:
+      chats: (token ids [L], loss mask [L] bool) pairs, the answers' tokens masked True.
+      sources: [P, 2] int (chat index, t) of the positions a tree's acceptance is given at
+        (`train.trainer.position_sources`); positions not listed accept nothing from the heads.
+      lookup: prompt-lookup settings, or None for the heads alone.
+    """
+
+    def __init__(self, chats: Sequence[Tuple[np.ndarray, np.ndarray]], sources: np.ndarray,
+                 lookup: Optional[PromptLookup] = None):
+        index = {(int(i), int(t)): j for j, (i, t) in enumerate(np.asarray(sources).reshape(-1, 2))}
+        self.num_positions = len(index)
+        self.segments = []          # (position index or -1, copy's accepted tokens or -1, per step start t)
+        for i, (ids, mask) in enumerate(chats):
+            ids, mask = np.asarray(ids), np.asarray(mask, bool)
+            edges = np.flatnonzero(np.diff(np.concatenate([[0], mask.astype(np.int8), [0]])))
+            for s, e in zip(edges[0::2], edges[1::2]):      # answer tokens s .. e-1, first step at t = s - 1
+                ts = range(max(int(s) - 1, 0), int(e) - 1)
+                where = [index.get((i, t), -1) for t in ts]
+                copy = [self._copied(ids, t, int(e), lookup) for t in ts]
+                room = [int(e) - (t + 2) for t in ts]       # tokens left after the root
+                self.segments.append((where, copy, room))
+
+    @staticmethod
+    def _copied(ids, t: int, end: int, lookup: Optional[PromptLookup]) -> int:
+        draft = lookup_draft(ids[:t + 2], lookup) if lookup is not None else None
+        if draft is None:
+            return -1
+        truth = ids[t + 2:min(t + 2 + len(draft), end)]
+        return int(np.cumprod(draft[:len(truth)] == truth).sum())
+
+    def run(self, accepted: np.ndarray) -> Dict[str, int]:
+        """Decode with the heads' tree accepting `accepted` [P] int at each source position.
+        Returns {"tokens": tokens emitted, "steps": decoding steps, "lookup_steps": steps that
+        verified a copied draft, "lookup_tokens": tokens those steps emitted}."""
+        acc = np.append(np.asarray(accepted, np.int64), 0).tolist()       # index -1: no position, 0
+        tokens = steps = lookup_steps = lookup_tokens = 0
+        for where, copy, room in self.segments:
+            t, n = 0, len(where)
+            while t < n:
+                a = copy[t]
+                if a >= 0:
+                    lookup_steps += 1
+                    lookup_tokens += min(a, room[t]) + 1
+                else:
+                    a = acc[where[t]]
+                a = min(a, room[t])
+                tokens += a + 1
+                steps += 1
+                t += a + 1
+        return {"tokens": tokens, "steps": steps, "lookup_steps": lookup_steps, "lookup_tokens": lookup_tokens}
+
+    def tokens_per_step(self, accepted: np.ndarray) -> float:
+        r = self.run(accepted)
+        return r["tokens"] / max(r["steps"], 1)
+
+
+def replay(chats, sources, accepted, lookup: Optional[PromptLookup] = None) -> Dict[str, int]:
+    """`Replay(chats, sources, lookup).run(accepted)`: one decoding of the chats' answers."""
+    return Replay(chats, sources, lookup).run(accepted)
+
+
+def search_tree(ranks: np.ndarray, num_nodes: int, topk: int = 10, decoding: Optional[Replay] = None,
+                candidates: int = 8) -> Tuple[Path, ...]:
+    """The tree of `num_nodes` tokens (root included) grown node by node for the most acceptance.
+
+    A node's path is accepted at a position when the position's rank vector starts with it; adding
+    it to the tree adds one accepted token at exactly those positions. Without `decoding`, each
+    step adds the node accepted at the most positions, which gives the tree of the largest total
+    acceptance over the positions (a path never counts more than its parent, so the nodes of
+    highest count form a tree). But decoding visits positions unevenly (a long acceptance skips the
+    positions it covers), so with `decoding` each step adds, among the `candidates` most counted
+    nodes that extend the tree, the one whose tree decodes the chats in the fewest steps
+    (`Replay.run`).
+
+    Args:
+      ranks: [P, K] `path_ranks`. num_nodes: tree tokens, root included (>= 1). topk: ranks kept.
+      decoding: a `Replay` of the chats the positions come from, or None.
+    Returns:
+      paths in the order added, so every prefix of the tuple is the tree this search gives at that
+      size (fewer than `num_nodes - 1` when fewer paths ever occur); pass them to `tree.build_tree`.
+    Raises ValueError when num_nodes < 1.
+    """
+    if num_nodes < 1:
+        raise ValueError(f"num_nodes must be >= 1 (the root), got {num_nodes}")
+    codes = _prefix_codes(ranks, topk)
+    counts: Dict[Path, int] = {}
+    for d in range(codes.shape[0]):
+        live = codes[d][codes[d] >= 0]
+        if not len(live):
+            break
+        value, n = np.unique(live, return_counts=True)
+        for v, c in zip(value.tolist(), n.tolist()):
+            path = []
+            while v:
+                v, digit = divmod(v, topk + 1)
+                path.append(digit - 1)
+            counts[tuple(reversed(path))] = c
+    out: list = []
+    chosen: set = set()
+    accepted = np.zeros(len(codes[0]) if len(codes) else 0, np.int64)
+    while len(out) < num_nodes - 1:
+        frontier = [p for p in counts if p not in chosen and (len(p) == 1 or p[:-1] in chosen)]
+        if not frontier:
+            break
+        frontier.sort(key=lambda p: (-counts[p], len(p), p))
+        best = frontier[0]
+        if decoding is not None:
+            gain = lambda p: accepted + (codes[len(p) - 1] == _code(p, topk))
+            best = max(frontier[:candidates], key=lambda p: (decoding.tokens_per_step(gain(p)), counts[p]))
+        accepted = accepted + (codes[len(best) - 1] == _code(best, topk))
+        out.append(best)
+        chosen.add(best)
+    return tuple(out)
