@@ -311,7 +311,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lookup = runtime.tree_lookup(build_tree([]), args.prompt_lookup).lookup
     sizes = sorted({int(s) for s in args.sizes.split(",") if int(s) > 1} | ({lookup.num_tokens + 1} if lookup else set()))
     # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
-    order = search_tree(ranks, max(sizes), hcfg.topk, Replay(chats, sources, lookup))
+    order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
     prompt = _timing_prompt(val, args.cost_prompt_len)
     cache_sizes = sorted({int(s) for s in args.cost_cache_sizes.split(",")})
