@@ -18,7 +18,9 @@ installed package unless ``--update-shipped-heads`` says so (maintainers re-tuni
    (`replay.search_tree`), with greedy decoding replayed step by step (`replay.Replay`), with
    decoding's prompt lookup unless ``--prompt-lookup 0``. Medusa Sec. 3.3.1 instead multiplies the
    per-head accuracies as if the heads erred independently, which on SmolLM2's hydra heads
-   overestimated tokens per step by 0.05-0.1 and picked a worse 4-node tree (docs/performance.md).
+   overestimated tokens per step by 0.07-0.10; and the tree of most acceptance summed over the
+   positions (a chain, at 4 nodes) decodes in more steps than the one grown for steps, because a
+   long acceptance skips the positions it covers (docs/performance.md).
 4. Hardware-aware choice: the verify cost ``c(T) = t(Medusa step with the T-node tree) / t(plain
    step)`` is measured on this device (`medusa_jax.cost`; the mean over the KV cache sizes of
    ``--cost-cache-sizes``, on the products decoding runs: `medusa_jax.kernels`), and the tree that
