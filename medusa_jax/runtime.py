@@ -202,7 +202,7 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
 
     if not calibration or "rank_accuracies" not in calibration:
         return None
-    lookup = tree.lookup._asdict() if tree.lookup is not None else None
+    lookup = tree.lookup_settings
     chosen = {tuple(p) for p in calibration.get("medusa_choices") or []}
     if calibration.get("predicted_by") == "replay" and chosen == set(tree.medusa_choices):
         if lookup is None:
@@ -225,7 +225,7 @@ def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
 
     if calibration.get("device") != str(jax.devices()[0].device_kind) or calibration.get("chosen_size") != tree.size:
         return ""
-    if (tree.lookup._asdict() if tree.lookup is not None else None) != calibration.get("prompt_lookup"):
+    if tree.lookup_settings != calibration.get("prompt_lookup"):
         return ""  # chosen for another prompt-lookup setting
     row = next((r for r in calibration.get("rows", []) if r.get("size") == tree.size), None)
     if row is None or row.get("predicted_speedup", 1.0) >= 1.0:
