@@ -461,6 +461,37 @@ def test_positions_hold_paths_and_soft_target_rows(frozen_run):
         assert batch["teacher"].shape == (K, 5, bb.cfg.hidden_size) and not batch["valid"][:, 3:].any()
 
 
+def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch):
+    """Distillation resumed: the cache computes only the new sequences, and the merged dataset equals
+    the one computed from scratch (rows, labels, paths, soft-target rows); a changed cached
+    sequence recomputes everything."""
+    import dataclasses
+
+    tc, bb, _, _ = frozen_run
+    tc = dataclasses.replace(tc, cache_hidden=True, hidden_dir=str(tmp_path), num_heads=3)
+    r = np.random.default_rng(5)
+    lens = [20, 9, 33, 14, 9, 27, 40, 12]   # the new sequences interleave the old ones by length
+    examples = [(r.integers(0, 64, n).astype(np.int32), np.arange(n) >= n // 3) for n in lens]
+    scratch = trainer.compute_positions(bb, examples, 3, tc.max_seq_len, tc.hidden_batch_tokens, progress=False)
+    seen = []
+    real = trainer.compute_positions
+    monkeypatch.setattr(trainer, "compute_positions", lambda b, exs, *a, **k: seen.append(len(exs)) or real(b, exs, *a, **k))
+
+    def check(pos):
+        np.testing.assert_allclose(pos.hidden, scratch.hidden, rtol=1e-5, atol=1e-5)
+        for f in ("labels", "valid", "path_tokens", "target_rows"):
+            np.testing.assert_array_equal(getattr(pos, f), getattr(scratch, f), err_msg=f)
+
+    trainer.cached_positions(tc, bb, examples[:5], "train", str(tmp_path), progress=False)
+    check(trainer.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False))
+    check(trainer.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False))  # now all cached
+    assert seen == [5, 3]
+    changed = [(examples[0][0][::-1].copy(), examples[0][1])] + examples[1:]
+    trainer.cached_positions(tc, bb, changed[:4], "train", str(tmp_path), progress=False)
+    trainer.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False)
+    assert seen == [5, 3, 4, 8]
+
+
 def test_frozen_hydra_and_soft_targets(frozen_run, tmp_path):
     """Hydra heads learn the synthetic data with teacher forcing; soft targets train towards the
     backbone's distribution (the KL falls); the exported hydra heads decode losslessly."""

@@ -301,24 +301,92 @@ def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: i
 CACHE_FORMAT = 2
 
 
+def _checksum(examples: Sequence[Pair]) -> int:
+    return int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) + int(m.sum()) for i, m in examples))
+
+
+def _row_counts(examples: Sequence[Pair], num_heads: int) -> Tuple[np.ndarray, np.ndarray]:
+    """Per sequence, its positions and its soft-target-only rows in `compute_positions`' layout:
+    kept [n] int64 (`data.kept_positions`) and extra [n] int64 (next-token label, no head label)."""
+    kept, extra = np.zeros(len(examples), np.int64), np.zeros(len(examples), np.int64)
+    for e, (ids, m) in enumerate(examples):
+        ok = D.head_targets(np.asarray(ids)[None], np.asarray(m)[None], num_heads)[1].any(axis=0)
+        kept[e] = ok.sum()
+        extra[e] = (D.base_targets(np.asarray(ids)[None], np.asarray(m)[None])[1] & ~ok).sum()
+    return kept, extra
+
+
+def merge_positions(old: D.Positions, new: D.Positions, examples: Sequence[Pair], n_old: int,
+                    num_heads: int) -> Optional[D.Positions]:
+    """`compute_positions` of all `examples`, from that of ``examples[:n_old]`` (`old`) and that of
+    ``examples[n_old:]`` (`new`), without the backbone: the rows are put back in the whole set's
+    layout (`_length_order`, kept positions first, then the soft-target-only rows) and every
+    ``target_rows`` entry follows its row. Returns None when the parts do not hold the rows the
+    sequences need (a cache that is not `compute_positions`' own): recompute then."""
+    kept, extra = _row_counts(examples, num_heads)
+    parts = [(old, list(range(n_old))), (new, list(range(n_old, len(examples))))]
+    start_kept, start_extra, base = {}, {}, 0   # each sequence's first row in the concatenated parts
+    for pos, members in parts:
+        order = [members[j] for j in _length_order([examples[e] for e in members])]
+        if pos.num_positions != kept[order].sum() or pos.hidden.shape[0] != pos.num_positions + extra[order].sum():
+            return None
+        k_off, x_off = base, base + pos.num_positions
+        for e in order:
+            start_kept[e], start_extra[e] = k_off, x_off
+            k_off, x_off = k_off + kept[e], x_off + extra[e]
+        base += pos.hidden.shape[0]
+    order = _length_order(examples)
+    blocks = lambda start, count: [np.arange(start[e], start[e] + count[e]) for e in order]
+    kept_rows = np.concatenate(blocks(start_kept, kept) + [np.zeros(0, np.int64)])  # combined row of new position p
+    perm = np.concatenate([kept_rows] + blocks(start_extra, extra))                 # combined row of new row r
+    where = np.empty(base, np.int64)
+    where[perm] = np.arange(base)                                                   # new row of combined row
+    kept_of = np.empty(base, np.int64)                                             # combined row -> column in old|new
+    kept_of[:old.num_positions] = np.arange(old.num_positions)
+    kept_of[old.hidden.shape[0]:old.hidden.shape[0] + new.num_positions] = old.num_positions + np.arange(
+        new.num_positions)
+    cols = kept_of[kept_rows]
+    cat = lambda a, b: np.concatenate([a, b], axis=1)[:, cols]
+    rows = np.concatenate([old.target_rows, np.where(new.target_rows >= 0, new.target_rows + old.hidden.shape[0],
+                                                     -1)], axis=1)[:, cols].astype(np.int64)
+    return D.Positions(np.concatenate([old.hidden, new.hidden])[perm], cat(old.labels, new.labels),
+                       cat(old.valid, new.valid), cat(old.path_tokens, new.path_tokens),
+                       np.where(rows >= 0, where[np.maximum(rows, 0)], -1).astype(np.int32))
+
+
 def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, out_dir: str,
                      progress: bool = True) -> D.Positions:
     """`compute_positions`, kept in ``out_dir/hidden/<split>.npz`` (``tc.hidden_dir/<split>.npz`` when
     set) when ``tc.cache_hidden``.
 
     The cache is used only when its fingerprint (model, data, split, K, token checksum, layout
-    version `CACHE_FORMAT`) matches."""
+    version `CACHE_FORMAT`) matches. When the data has grown since (distillation resumed: the
+    cached sequences are the first ones, unchanged), only the new sequences run through the backbone
+    and are merged in (`merge_positions`)."""
     key = {"model": backbone.path, "cfg": repr(backbone.cfg), "data": tc.data, "split": split, "K": tc.num_heads,
            "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None, "n": len(examples),
-           "sum": int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) + int(m.sum()) for i, m in examples)),
-           "format": CACHE_FORMAT}
+           "sum": _checksum(examples), "format": CACHE_FORMAT}
     fn = os.path.join(tc.hidden_dir or os.path.join(out_dir, "hidden"), f"{split}.npz")
+    run = lambda exs, desc: compute_positions(backbone, exs, tc.num_heads, tc.max_seq_len, tc.hidden_batch_tokens,
+                                              desc=desc, progress=progress)
+    out = None
     if tc.cache_hidden and os.path.isfile(fn):
         with np.load(fn) as z:
-            if json.loads(str(z["key"])) == key:
+            have = json.loads(str(z["key"]))
+            same = {k: v for k, v in have.items() if k not in ("n", "sum")} == {
+                k: v for k, v in key.items() if k not in ("n", "sum")}
+            if same and have == key:
                 return D.Positions(*(z[f] for f in D.Positions._fields))
-    out = compute_positions(backbone, examples, tc.num_heads, tc.max_seq_len, tc.hidden_batch_tokens,
-                            desc=f"hidden states ({split})", progress=progress)
+            n_old = int(have.get("n", 0))
+            if same and 0 < n_old < len(examples) and have.get("sum") == _checksum(examples[:n_old]):
+                old = D.Positions(*(z[f] for f in D.Positions._fields))
+                _note(f"hidden-state cache {fn}: {n_old:,} of {len(examples):,} {split} sequences cached; "
+                      f"computing the {len(examples) - n_old:,} new ones")
+                out = merge_positions(old, run(examples[n_old:], f"hidden states ({split}, new)"), examples,
+                                      n_old, tc.num_heads)
+                del old
+    if out is None:
+        out = run(examples, f"hidden states ({split})")
     if tc.cache_hidden and jax.process_index() == 0:  # in a multi-process run, process 0 writes it
         os.makedirs(os.path.dirname(fn), exist_ok=True)
         tmp = f"{fn}.{os.getpid()}.tmp.npz"
