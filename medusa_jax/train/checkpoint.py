@@ -254,12 +254,21 @@ def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: 
                           "loss_decay": tc.loss_decay, "seed": tc.seed, "loss_targets": tc.loss_targets,
                           "soft_temperature": tc.soft_temperature, "proposal_vocab": tc.proposal_vocab,
                           "loop_weight": tc.loop_weight, "loop_ngram": tc.loop_ngram,
-                          "backbone": os.path.join(out_dir, "backbone") if backbone_params is not None else bb.path}}
+                          "backbone": _backbone_record(tc, bb, out_dir, backbone_params is not None)}}
     heads_dir = os.path.join(out_dir, "heads")
     save_heads(heads_dir, hcfg, heads_params, base_lm_head=lm, extra=extra)
     if backbone_params is not None and tc.save_backbone:
         _save_backbone(os.path.join(out_dir, "backbone"), bb, backbone_params)
     return heads_dir
+
+
+def _backbone_record(tc, bb, out_dir: str, trained: bool) -> str:
+    """The backbone the heads were trained with, as their metadata records it: the saved joint
+    backbone, the model the config named, or the default packaged model's file name (not its
+    install path, which is this machine's)."""
+    if trained:
+        return os.path.join(out_dir, "backbone")
+    return tc.model if tc.model else os.path.basename(os.path.normpath(bb.path))
 
 
 def _save_backbone(path: str, bb, params) -> None:
