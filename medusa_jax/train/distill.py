@@ -336,12 +336,15 @@ def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None
     """
     from ..loading import load_model
 
+    prompts_given = prompts is not None
     prompts = os.path.abspath(prompts or default_prompts_path())
     check_not_eval_set(prompts)
     pool = read_prompt_pool(prompts)
     lm = load_model(model)
-    meta = {"model": os.path.abspath(lm.path), "max_new_tokens": int(max_new_tokens),
-            "temperature": float(temperature), "seed": int(seed), "prompts": prompts,
+    # the defaults by file name (this machine's install and checkout paths would not travel with the data)
+    meta = {"model": os.path.abspath(lm.path) if model else os.path.basename(lm.path),
+            "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": int(seed),
+            "prompts": prompts if prompts_given else os.path.basename(prompts),
             "max_prompt_tokens": int(max_prompt_tokens), "eos_token_ids": list(lm.cfg.eos_token_ids)}
     os.makedirs(out, exist_ok=True)
     meta_path = os.path.join(out, META_FILE)
