@@ -27,7 +27,9 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.base-installed
 demo: $(VENV)/.base-installed
 	$(PY) decode.py
 
+# lint-imports: the layout's walls (import-linter contracts in pyproject.toml, docs/design-notes.md)
 test: $(VENV)/.test-installed
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 clean:

@@ -1,107 +1,15 @@
 #!/usr/bin/env python
-"""Train Medusa heads: frozen backbone (Medusa-1) or jointly with it (Medusa-2).
+"""Train Medusa heads: ``python train.py --config configs/smollm2_hydra.yaml``; ``--help`` for more.
 
-    python train.py --config configs/smollm2_medusa1.yaml
-    python train.py --config configs/tiny.yaml --set steps=50 --set out_dir=runs/try
-    python train.py --config configs/smollm2_medusa1.yaml --no-resume      # start over
-
-Every YAML field is documented in `medusa_jax.config.TrainConfig` and in the config files.
-A run killed at any point continues from its last checkpoint when started again with the same
-command (``--resume`` is the default) and ends with the same heads as an uninterrupted run. A
-finished run continues when started again with a larger ``steps`` (the schedule then spans the new
-total); a run in ``out_dir`` made with other settings is refused (exit code 2) rather than mixed
-with this one: start over with ``--no-resume`` or pick another ``--set out_dir=DIR``.
-Several devices: ``--mesh 2x4`` (or the config's ``mesh``); several processes (hosts): the same
-command on each, with ``--coordinator HOST:PORT --num-processes N --process-id I``
-(`medusa_jax.distributed`).
-Outputs go to ``out_dir``: metrics.jsonl, accuracy.png, checkpoints/, heads/ (load them with
-``python decode.py --heads OUT_DIR/heads``) and, in joint mode, backbone/.
+The command lives in `medusa_jax.cli.train` (also ``medusa-train`` and
+``python -m medusa_jax.cli.train``); this file runs it from a checkout.
 """
-from __future__ import annotations
-
-import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # medusa_jax from this checkout
 
-
-def parse_args(argv=None) -> argparse.Namespace:
-    from medusa_jax import distributed
-    from medusa_jax.cli_help import HelpFormatter
-
-    p = argparse.ArgumentParser(prog="train.py", description="Train Medusa heads (frozen backbone or joint).",
-                                formatter_class=HelpFormatter)
-    p.add_argument("--config", default=None,
-                   help="YAML training config (see configs/; default: TrainConfig's defaults)")
-    p.add_argument("--set", dest="overrides", action="extend", nargs="+", default=[], metavar="KEY=VALUE",
-                   help="override config fields, e.g. --set steps=100 learning_rate=3e-4 model=null")
-    p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
-                   help="continue the run in out_dir from its latest checkpoint; --no-resume deletes its "
-                        "checkpoints and metrics and starts over")
-    p.add_argument("--stop-at-step", type=int, default=None,
-                   help="stop after this many steps without a final checkpoint or export, as if killed "
-                        "(to try resumption)")
-    p.add_argument("--no-progress", action="store_true", help="no progress bars")
-    p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
-    p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
-                   help="train on a device mesh, e.g. 2x4 (the config's `mesh` field; default: the config's, "
-                        "1x1 = one device): the batch split on 'data', heads and (joint mode) backbone "
-                        "Megatron-style on 'model'. On a CPU, simulate N devices with "
-                        "XLA_FLAGS=--xla_force_host_platform_device_count=N")
-    distributed.add_args(p)
-    return p.parse_args(argv)
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
-    from medusa_jax.config import TrainConfig, TrainConfigError
-
-    from medusa_jax import distributed
-
-    overrides = tuple(args.overrides) + ((f"mesh={args.mesh}",) if args.mesh is not None else ())
-    try:
-        tc = TrainConfig.from_yaml(args.config, overrides)
-        distributed.initialize(args.coordinator, args.num_processes, args.process_id)
-    except (TrainConfigError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if args.print_config:
-        print(json.dumps(tc.to_dict(), indent=2))
-        return 0
-    from medusa_jax.runtime import enable_compilation_cache
-    from medusa_jax.train.trainer import ResumeConflictError, train
-
-    enable_compilation_cache()
-    try:
-        res = train(tc, resume=args.resume, stop_at_step=args.stop_at_step, progress=not args.no_progress)
-    except ResumeConflictError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    if res.heads_dir is None:
-        if res.steps_done >= tc.steps:  # another process of a multi-process run
-            import jax
-            print(f"process {jax.process_index()}: trained {res.steps_done} steps; process 0 wrote the heads to "
-                  f"{os.path.join(os.path.abspath(tc.out_dir), 'heads')}", file=sys.stderr)
-        else:
-            print(f"stopped at step {res.steps_done}/{tc.steps}; run the same command again to resume", file=sys.stderr)
-        return 0
-    m = res.metrics
-    done = "already trained" if res.already_finished else "trained"
-    kind = "Medusa" if tc.head_type == "medusa" else "hydra"
-    soft = f", soft targets at T={tc.soft_temperature:g}" if tc.loss_targets == "soft" else ""
-    print(f"{done} {tc.mode} {kind} heads ({tc.num_heads} heads, {res.steps_done} steps{soft}) -> {res.heads_dir}")
-    if m.get("val_top1"):
-        for k, (a1, a5) in enumerate(zip(m["val_top1"], m["val_top5"])):
-            print(f"  head {k} (token t+{k + 2}): val top-1 {a1:.3f}  top-5 {a5:.3f}")
-    print(f"metrics: {os.path.join(os.path.abspath(tc.out_dir), 'metrics.jsonl')}, plot: "
-          f"{os.path.join(os.path.abspath(tc.out_dir), 'accuracy.png')}")
-    return 0
-
+from medusa_jax.cli.train import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

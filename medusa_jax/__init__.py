@@ -10,16 +10,43 @@ Public API (every step of decode.py and train.py)::
     fast = mj.generate_device(model.cfg, model.params, [ids], heads=heads, tree=tree)  # no per-step sync
     for i, res in mj.generate_batch(model.cfg, model.params, [ids, ids2], batch_size=4, heads=heads, tree=tree):
         ...                                      # prompts in rows, refilled as they finish
+
+The packages behind it, by role (docs/design-notes.md, "Layout"): `models` (the backbone),
+`heads` (Medusa and Hydra heads), `decoding` (tree, step, loop, generation), `convert` (loading
+and head formats), `train`, `tuning`, `evals`, and `cli` (the commands).
 """
-from .config import MedusaConfig, ModelConfig, RopeScaling  # noqa: F401
-from .kv_cache import KVCache, init_cache  # noqa: F401
-from .models.llama import LlamaModel, lm_head_matrix  # noqa: F401
-from .heads import MedusaHeads, init_heads, prepare_heads  # noqa: F401
-from .lookup import PromptLookup  # noqa: F401
-from .tree import TreeBuffers, build_tree, get_tree, with_lookup  # noqa: F401
-from .verify import Acceptance, DecodeState, medusa_step  # noqa: F401
-from .generate import (BatchStats, DeviceResult, GenerationResult, PromptTooLongError, generate,  # noqa: F401
-                       generate_batch, generate_device, generate_jit, generate_stream, start_state)
-from .loading import LoadedModel, apply_chat_template, default_model_path, load_model  # noqa: F401
-from .convert.medusa_format import export_official, export_vllm, load_heads, save_heads  # noqa: F401
-from .runtime import resolve_heads  # noqa: F401
+from medusa_jax.chat import apply_chat_template
+from medusa_jax.convert.load import LoadedModel, default_model_path, load_model
+from medusa_jax.convert.medusa_format import export_official, export_vllm, load_heads, save_heads
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.args import PromptTooLongError
+from medusa_jax.decoding.generate import (
+    BatchStats,
+    DeviceResult,
+    GenerationResult,
+    generate,
+    generate_batch,
+    generate_device,
+    generate_stream,
+)
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.decoding.loop import generate_jit
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.state import DecodeState
+from medusa_jax.decoding.step import medusa_step
+from medusa_jax.decoding.tree import TreeBuffers, build_tree, get_tree, with_lookup
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import MedusaHeads, init_heads, prepare_heads
+from medusa_jax.models.config import ModelConfig, RopeScaling
+from medusa_jax.models.kv_cache import KVCache, init_cache
+from medusa_jax.models.llama import LlamaModel, lm_head_matrix
+from medusa_jax.resolve import resolve_heads
+
+__all__ = [
+    "Acceptance", "BatchStats", "DecodeState", "DeviceResult", "GenerationResult", "KVCache", "LlamaModel",
+    "LoadedModel", "MedusaConfig", "MedusaHeads", "ModelConfig", "PromptLookup", "PromptTooLongError",
+    "RopeScaling", "TreeBuffers", "apply_chat_template", "build_tree", "default_model_path", "export_official",
+    "export_vllm", "generate", "generate_batch", "generate_device", "generate_jit", "generate_stream", "get_tree",
+    "init_cache", "init_heads", "lm_head_matrix", "load_heads", "load_model", "medusa_step", "prepare_heads",
+    "resolve_heads", "save_heads", "start_state", "with_lookup",
+]

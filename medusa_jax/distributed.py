@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import jax
+
 ENV = {"coordinator": "JAX_COORDINATOR_ADDRESS", "num_processes": "JAX_NUM_PROCESSES",
        "process_id": "JAX_PROCESS_ID"}
 
@@ -64,7 +66,6 @@ def initialize(coordinator: Optional[str] = None, num_processes: Optional[int] =
             raise ValueError("a process count or id was given without a coordinator: add --coordinator HOST:PORT "
                              f"(or ${ENV['coordinator']})")
         return False
-    import jax
 
     if coordinator == "auto":
         jax.distributed.initialize()

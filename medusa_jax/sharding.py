@@ -23,20 +23,22 @@ Public API:
 """
 from __future__ import annotations
 
+import dataclasses
+import os
 import re
-from collections.abc import Mapping
 from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "model")
 
 # Parameter path (keys joined by "/", matched at the end of the path so that optimizer states,
 # whose paths end in the parameter's, follow their parameter) -> PartitionSpec of that array.
 # The backbone's `Linear` kernels are [in, out] (`kernel`) or [out, in] (`kernel_t`, the decoding
-# layout); Medusa heads are `heads.MedusaHeads` (blocks [K, L, D, D], lm_head [K, D, V]) and
+# layout); Medusa heads are `heads.medusa.MedusaHeads` (blocks [K, L, D, D], lm_head [K, D, V]) and
 # Hydra's path params [k+1, D, D]. Anything unmatched is replicated.
 RULES: Tuple[Tuple[str, P], ...] = (
     (r"embed/embedding$", P("model", None)),                              # [V, D]: vocabulary
@@ -214,3 +216,14 @@ def describe(mesh: Optional[Mesh]) -> str:
         return "one device"
     d = mesh.devices.flat[0]
     return f"{mesh.shape['data']}x{mesh.shape['model']} mesh ({mesh.size} {d.platform} devices)"
+
+
+
+def place_on_mesh(model, mesh):
+    """`model` (a `convert.load.LoadedModel`) with its params on `mesh` (`sharding.shard_params`);
+    unchanged for None. Raises ValueError when the mesh's model axis does not divide the attention
+    heads (`sharding.check_model_axis`)."""
+    if mesh is None:
+        return model
+    check_model_axis(model.cfg, mesh.shape["model"], what=os.path.basename(model.path) or "the model")
+    return dataclasses.replace(model, params=shard_params(model.params, mesh))

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
-from medusa_jax.cost import _best, _timed_call  # warm-up call, then the best of the timed calls
+from medusa_jax.tuning.cost import best_time, timed_call
 
 
 def time_attention(T: int, S: int, visible: int, repeats: int, L: int = 30, H: int = 9, KVH: int = 3,
@@ -38,7 +38,7 @@ def time_attention(T: int, S: int, visible: int, repeats: int, L: int = 30, H: i
             out = out + kernels.cache_attention(q + out.reshape(q.shape) * 1e-9, k, v, mask, lengths, layer, None)
         return out
 
-    return _best(_timed_call(layers, (q, k, v, mask, lengths), 1), repeats) * 1e3
+    return best_time(timed_call(layers, (q, k, v, mask, lengths), 1), repeats) * 1e3
 
 
 def main() -> None:

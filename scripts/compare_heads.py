@@ -1,5 +1,5 @@
 """Compare heads directories on the same held-out chats: calibrated top-1/top-5 per head and the
-tokens/step that replaying greedy decoding gives (`medusa_jax.replay`) for each one's own tree
+tokens/step that replaying greedy decoding gives (`medusa_jax.tuning.replay`) for each one's own tree
 (heads alone and with prompt lookup) and for a larger tree searched for each.
 
     python scripts/compare_heads.py --heads runs/heads_s12 medusa_jax/assets/heads/smollm2-135m-instruct \
@@ -34,16 +34,16 @@ def main(argv=None) -> int:
     import jax
     import jax.numpy as jnp
 
-    from medusa_jax import runtime
+    from medusa_jax import resolve
+    from medusa_jax.convert.load import load_model
     from medusa_jax.convert.medusa_format import load_heads
-    from medusa_jax.heads import with_proposal_projection
-    from medusa_jax.hydra import token_embeddings
-    from medusa_jax.loading import load_model
+    from medusa_jax.decoding.tree import build_tree
+    from medusa_jax.heads.hydra import token_embeddings
+    from medusa_jax.heads.medusa import with_proposal_projection
     from medusa_jax.models.llama import lm_head_matrix
-    from medusa_jax.replay import Replay, path_ranks, rank_accuracies_of, search_tree, tree_accepted
     from medusa_jax.train import data as D
-    from medusa_jax.train.trainer import Backbone, compute_positions, position_sources
-    from medusa_jax.tree import build_tree
+    from medusa_jax.train.hidden import Backbone, compute_positions, position_sources
+    from medusa_jax.tuning.replay import Replay, path_ranks, rank_accuracies_of, search_tree, tree_accepted
 
     examples = D.load_distilled(args.data)
     if args.first:
@@ -53,7 +53,7 @@ def main(argv=None) -> int:
     model = load_model(None, with_tokenizer=False)
     lm = lm_head_matrix(model.cfg, model.params)
     emb = token_embeddings(model.params)
-    lookup = runtime.tree_lookup(build_tree([]), args.prompt_lookup).lookup
+    lookup = resolve.tree_lookup(build_tree([]), args.prompt_lookup).lookup
     result = {}
     pos = sources = alone = looked = None
     for d in args.heads:

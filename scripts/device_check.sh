@@ -9,7 +9,7 @@
 #    dtypes), capped at 4 minutes;
 # 3. benchmarks plain against Medusa decoding in bfloat16 with the shipped heads and trees of 4, 16
 #    and 64 nodes (small_4, small_16, mc_sim_7b_63 + root) on scripts/device_check_prompts.jsonl
-#    (or PROMPTS=FILE), interleaved per prompt by `python -m medusa_jax.bench`;
+#    (or PROMPTS=FILE), interleaved per prompt by `medusa-bench`;
 # 4. writes summary.txt: the devices, the test result and each tree's speed-up and tokens/step.
 # A step that fails is recorded and the script goes on; the exit status is 1 if any step failed.
 set -uo pipefail
@@ -42,7 +42,7 @@ fi
 step tests 240 $PY -m pytest -q -x -p no:cacheprovider tests/test_model.py tests/test_medusa.py tests/test_batch.py \
     tests/test_dtype.py
 for tree in small_4 small_16 mc_sim_7b_63; do
-    step "bench_$tree" 150 $PY -m medusa_jax.bench --prompts "$PROMPTS" --dtype bfloat16 --tree "$tree" \
+    step "bench_$tree" 150 $PY -m medusa_jax.cli.bench --prompts "$PROMPTS" --dtype bfloat16 --tree "$tree" \
         --max-new-tokens 128 --out "$OUT/bench_$tree"
 done
 

@@ -3,9 +3,9 @@
     .venv/bin/python scripts/heads_step_time.py [--rounds 5] [--before] [--breakdown]
 
 On the real SmolLM2-135M-Instruct (`medusa_jax.load_model()`) and the shipped heads' tree, times the
-heads alone per step (`medusa_jax.cost.heads_seconds`: blocks, vocabulary projection, top-k of the
+heads alone per step (`medusa_jax.tuning.cost.heads_seconds`: blocks, vocabulary projection, top-k of the
 tree's heads, many steps in one jitted loop, compilation excluded), the heads prepared as decoding
-prepares them (`medusa_jax.heads.prepare_heads`), for:
+prepares them (`medusa_jax.heads.medusa.prepare_heads`), for:
 
 * shipped: the shipped heads (shared lm_head, 8,192-token proposal vocabulary);
 * official, as exported: the shipped heads written by ``export_official(include_lm_head=True)``
@@ -13,10 +13,10 @@ prepares them (`medusa_jax.heads.prepare_heads`), for:
 * own lm_heads, full vocabulary / proposal N: official-format heads with their own, distinct lm_heads
   (copies of the base lm_head plus N(0, 1e-4) noise, written and read back in the official format),
   with the whole vocabulary, or with the shipped heads' N most frequent tokens as proposal vocabulary
-  (as ``python -m medusa_jax.tune --proposal-vocab N`` adds one).
+  (as ``medusa-tune --proposal-vocab N`` adds one).
 
 ``--before`` adds the own-lm_head heads unprepared (the per-step slicing and gathering of the code
-before `prepare_heads`); ``--breakdown`` adds `medusa_jax.cost.overhead_breakdown` (whole Medusa step)
+before `prepare_heads`); ``--breakdown`` adds `medusa_jax.tuning.cost.overhead_breakdown` (whole Medusa step)
 for the shipped and own-lm_head proposal heads. Variants are timed in interleaved rounds and each
 keeps its best, so that load from other processes on a shared machine hits all of them alike.
 """
@@ -48,10 +48,10 @@ def main(argv=None) -> int:
 
     import medusa_jax as mj
     from medusa_jax.convert.medusa_format import export_official, load_heads
-    from medusa_jax.cost import heads_seconds, overhead_breakdown
-    from medusa_jax.generate import start_state
-    from medusa_jax.heads import prepare_heads
-    from medusa_jax.runtime import DEFAULT_HEADS_DIR, resolve_tree
+    from medusa_jax.decoding.prefill import start_state
+    from medusa_jax.heads.medusa import prepare_heads
+    from medusa_jax.resolve import DEFAULT_HEADS_DIR, resolve_tree
+    from medusa_jax.tuning.cost import heads_seconds, overhead_breakdown
 
     model = mj.load_model(with_tokenizer=False)
     cfg, params = model.cfg, model.params

@@ -10,22 +10,29 @@
    copy exists). Prints tokens/step and the predicted speed-up per task.
 Run from the checkout: .venv/bin/python scripts/lookup_sim.py (~15 min on the project's CPU).
 """
-import json, os, sys, types
-import numpy as np, jax, jax.numpy as jnp
+import json
+import os
+import sys
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
 sys.path.insert(0, os.getcwd())
-from medusa_jax import runtime
-from medusa_jax.loading import load_model, apply_chat_template
-from medusa_jax.check import load_first_turns
-from medusa_jax.bench import spec_bench_groups, per_category, time_jit_generate
-from medusa_jax.generate import _decoding_setup
-from medusa_jax.verify import draft_tokens
-from medusa_jax.train.trainer import _hidden_fn
+from medusa_jax import resolve
+from medusa_jax.chat import apply_chat_template, load_first_turns
+from medusa_jax.convert.load import load_model
+from medusa_jax.decoding.draft import draft_tokens
+from medusa_jax.decoding.generate import decoding_setup
+from medusa_jax.evals.speed import per_category, spec_bench_groups, time_jit_generate
+from medusa_jax.train.hidden import hidden_fn
 
 os.makedirs("runs", exist_ok=True)
 OUT = "runs/lookup_outputs.json"
 model = load_model(None)
 cfg, params = model.cfg, model.params
-heads, tree, note = runtime.resolve_heads(model, None, None)
+heads, tree, note = resolve.resolve_heads(model, None, None)
 recs = per_category(spec_bench_groups(load_first_turns("../shared/data/Spec-Bench_question.jsonl", None)), 20)
 prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in recs]
 if os.path.exists(OUT):
@@ -36,8 +43,8 @@ else:
         outs.append(time_jit_generate(cfg, params, None, None, ids, 128, cfg.eos_token_ids, progress=False)["tokens"])
         print(i, len(outs[-1]), flush=True)
     json.dump(outs, open(OUT, "w"))
-dp, hcfg, hp, tr = _decoding_setup(cfg, params, heads, tree)
-hid = _hidden_fn(cfg)
+dp, hcfg, hp, tr = decoding_setup(cfg, params, heads, tree)
+hid = hidden_fn(cfg)
 draft = jax.jit(lambda h, root: draft_tokens(cfg, hcfg, hp, dp, types.SimpleNamespace(hidden=h), root, tr))
 print("tree", tr.medusa_choices)
 res = []
@@ -66,6 +73,7 @@ json.dump(res, open("runs/lookup_aM.json", "w"))
 
 # ---- 3. replay under drafting policies
 import collections
+
 res = json.load(open("runs/lookup_aM.json"))
 # c(T): the mean of `tune --update-shipped-heads` cost table (2026-12-01); c(7) interpolated
 c = {1: 1.0, 2: 1.15, 3: 1.25, 4: 1.32, 5: 1.49, 6: 1.58, 7: 1.65, 8: 1.72, 10: 1.88}

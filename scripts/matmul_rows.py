@@ -14,7 +14,7 @@ vocabulary), in float32, compilation excluded, best of `--rounds` interleaved ro
   weights stored ``[out, in]``), when it is available, with this machine's read bandwidth.
 
 The ratio to T = 1 is the extra cost of verifying T tokens in that product; on a CPU where it is
-well above 1 for T = 2, no tree pays (see `python -m medusa_jax.tune`).
+well above 1 for T = 2, no tree pays (see `medusa-tune`).
 """
 from __future__ import annotations
 

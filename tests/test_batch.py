@@ -2,12 +2,11 @@
 whatever the batch size, with rows refilled as they finish and the cache growing on the way."""
 import jax
 import pytest
-
-from medusa_jax.generate import generate, generate_batch, generate_device
-from medusa_jax.tree import get_tree
-from medusa_jax.verify import Acceptance
-
 from conftest import random_heads, tiny_decoding_model
+
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.generate import generate, generate_batch, generate_device
+from medusa_jax.decoding.tree import get_tree
 
 jax.config.update("jax_default_matmul_precision", "highest")
 

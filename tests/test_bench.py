@@ -1,8 +1,9 @@
 """bench: how each decoder is timed and counted (no timed assertions)."""
 import pytest
 
-from medusa_jax import bench
-from medusa_jax.bench import TokenClock, markdown_table, rate, summarize
+from medusa_jax.cli import bench
+from medusa_jax.evals import speed
+from medusa_jax.evals.speed import TokenClock, markdown_table, rate, summarize
 
 
 def test_token_clock_first_token_is_the_second_put():
@@ -65,14 +66,14 @@ def test_hf_generate_matches_ours_and_splits_prefill_from_decode():
     cfg = tiny_config(eos_token_ids=())
     hf_model, params = random_hf_model(cfg, seed=3)
     ids = [1, 17, 42, 99, 5, 63]
-    free = bench.time_jit_generate(cfg, params, None, None, ids, 12, ())["tokens"]
+    free = speed.time_jit_generate(cfg, params, None, None, ids, 12, ())["tokens"]
     # an EOS id that first appears after a few tokens: both must stop there, EOS included
     k = next(i for i, t in enumerate(free) if i >= 2 and t not in free[:i])
     eos = (free[k],)
     hf_model.generation_config.eos_token_id = eos[0]  # no EOS ids given: the model's default must not apply
-    assert bench.time_hf_generate(hf_model, ids, 12, ())["tokens"] == free
-    ours = bench.time_jit_generate(cfg, params, None, None, ids, 12, eos)
-    hf = bench.time_hf_generate(hf_model, ids, 12, eos)
+    assert speed.time_hf_generate(hf_model, ids, 12, ())["tokens"] == free
+    ours = speed.time_jit_generate(cfg, params, None, None, ids, 12, eos)
+    hf = speed.time_hf_generate(hf_model, ids, 12, eos)
     assert ours["tokens"] == free[:k + 1]
     assert hf["tokens"] == ours["tokens"]
     assert hf["decode_tokens"] == k
@@ -85,4 +86,4 @@ def test_torch_threads_checked_before_anything_loads(capsys):
     assert e.value.code == 2
     assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="must be >= 1"):
-        bench.load_hf_peer("unused", 0)
+        speed.load_hf_peer("unused", 0)

@@ -8,11 +8,10 @@ import pytest
 def _mains():
     import decode
     import train
-    from medusa_jax import bench, check, plan, tune
-    from medusa_jax.train import distill
-    return {"python decode.py": decode.main, "train.py": train.main, "python -m medusa_jax.check": check.main, "python -m medusa_jax.bench": bench.main,
-            "python -m medusa_jax.tune": tune.main, "python -m medusa_jax.plan": plan.main,
-            "python -m medusa_jax.train.distill": distill.main}
+    from medusa_jax.cli import bench, check, distill, plan, tune
+    return {"python decode.py": decode.main, "train.py": train.main, "medusa-check": check.main, "medusa-bench": bench.main,
+            "medusa-tune": tune.main, "medusa-plan": plan.main,
+            "medusa-distill": distill.main}
 
 
 def _option_entries(text: str) -> dict:

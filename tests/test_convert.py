@@ -10,14 +10,22 @@ import os
 
 import numpy as np
 import pytest
+from conftest import (
+    hf_state_dict,
+    jax_logits,
+    llama3_rope_scaling,
+    random_hf_model,
+    random_tokens,
+    rel_err,
+    tiny_config,
+    torch_logits,
+)
 
-from conftest import (hf_state_dict, jax_logits, llama3_rope_scaling, random_hf_model, random_tokens,
-                      rel_err, tiny_config, torch_logits)
-from medusa_jax.config import UnsupportedArchitectureError
+from medusa_jax.chat import apply_chat_template
 from medusa_jax.convert.gguf import hf_to_gguf_name, load_gguf
 from medusa_jax.convert.hf import ConversionError, load_hf, params_from_hf_tensors
-from medusa_jax.loading import (INSTALL_HINT, DefaultModelNotInstalledError, apply_chat_template,
-                                load_model)
+from medusa_jax.convert.load import INSTALL_HINT, DefaultModelNotInstalledError, load_model
+from medusa_jax.models.config import UnsupportedArchitectureError
 
 
 def assert_params_equal(a, b, tol=0.0):

@@ -10,7 +10,7 @@ from medusa_jax.train.distill import EvalSetError
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from medusa_jax.loading import DefaultModelNotInstalledError, default_model_path, load_tokenizer
+    from medusa_jax.convert.load import DefaultModelNotInstalledError, default_model_path, load_tokenizer
 
     try:
         path = default_model_path()

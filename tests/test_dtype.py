@@ -4,13 +4,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from medusa_jax import check
-from medusa_jax.generate import generate, generate_device, start_state
-from medusa_jax.models.llama import LlamaModel, compute_dtype
-from medusa_jax.tree import get_tree
-
 from conftest import random_heads, rel_err, tiny_decoding_model
+
+from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.tree import get_tree
+from medusa_jax.evals import lossless
+from medusa_jax.models.llama import LlamaModel, compute_dtype
 
 V = 64
 PROMPTS = [[1, 5, 9, 3, 7], [12], list(range(3, 40))]
@@ -56,7 +56,7 @@ def test_medusa_greedy_equals_plain_greedy_in_low_precision(tiny, dt):
         plain = generate(cfg, low, p, max_new_tokens=40, progress=False)
         med = generate(cfg, low, p, max_new_tokens=40, heads=heads, tree=tree, progress=False)
         dev = generate_device(cfg, low, [p], max_new_tokens=40, heads=heads, tree=tree, progress=False)
-        c = check.compare(cfg, low, p, plain.tokens, med.tokens)  # the dtype's near-tie gap
+        c = lossless.compare(cfg, low, p, plain.tokens, med.tokens)  # the dtype's near-tie gap
         assert c.identical or c.near_tie, c
         assert dev.tokens[0, :dev.count[0]].tolist() == med.tokens
         accepted += med.steps < len(med.tokens)
@@ -66,11 +66,11 @@ def test_medusa_greedy_equals_plain_greedy_in_low_precision(tiny, dt):
 def test_tie_gap_follows_the_dtype(tiny):
     cfg, params, _ = tiny
     ids = PROMPTS[0]
-    gap = check.top2_gap(cfg, params, ids)
+    gap = lossless.top2_gap(cfg, params, ids)
     # a difference at the first token: a near-tie only when the gap is below the dtype's threshold
     for dt, thr in [(jnp.float32, 1e-4), (jnp.bfloat16, 0.25), (jnp.float16, 0.03)]:
         p = cast(params, dt)
-        g = check.top2_gap(cfg, p, ids)
-        c = check.compare(cfg, p, ids, [1, 2], [3, 2])
+        g = lossless.top2_gap(cfg, p, ids)
+        c = lossless.compare(cfg, p, ids, [1, 2], [3, 2])
         assert c.gap == pytest.approx(g) and c.near_tie == (g < thr)
     assert np.isfinite(gap)

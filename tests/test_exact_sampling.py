@@ -13,17 +13,18 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_heads, tiny_decoding_model
 from scipy.stats import chi2
 
-from medusa_jax import verify
-from medusa_jax.generate import _decoding_setup, generate, generate_device, start_state
+from medusa_jax.decoding import acceptance
+from medusa_jax.decoding import step as step_module
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.generate import decoding_setup, generate, generate_device
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.sampling import filtered_logits
+from medusa_jax.decoding.tree import build_tree, with_lookup
 from medusa_jax.models.llama import LlamaModel
-from medusa_jax.sampling import filtered_logits
-from medusa_jax.lookup import PromptLookup
-from medusa_jax.tree import build_tree, with_lookup
-from medusa_jax.verify import Acceptance
-
-from conftest import random_heads, tiny_decoding_model
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -87,11 +88,11 @@ def medusa_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
 
 
 def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
-    """As `medusa_samples`, through a freshly traced `verify.medusa_step` (so that a monkeypatched
-    `verify` function is the one that runs)."""
-    p, hcfg, hp, tr = _decoding_setup(cfg, params, heads, tree)
+    """As `medusa_samples`, through a freshly traced `step.medusa_step` (so that a monkeypatched
+    function is the one that runs)."""
+    p, hcfg, hp, tr = decoding_setup(cfg, params, heads, tree)
     state = start_state(cfg, p, [PROMPT] * N, 32, seed, progress=False)
-    step = jax.jit(functools.partial(verify.medusa_step, cfg, hcfg, tr, acc))
+    step = jax.jit(functools.partial(step_module.medusa_step, cfg, hcfg, tr, acc))
     out = [[] for _ in range(N)]
     while min(len(o) for o in out) < 3:
         o, state = step(p, hp, state)
@@ -140,21 +141,21 @@ def _no_renormalisation(p, prior):
 
 def _bonus_from_full_distribution(logits, tree_tokens, tree, acc, last, key):
     """The next token from the last node's whole distribution: the rejected children not removed."""
-    from medusa_jax.sampling import categorical_rows
+    from medusa_jax.decoding.sampling import categorical_rows
     dist = filtered_logits(logits[jnp.arange(logits.shape[0]), last], acc.temperature, acc.top_p)
     return categorical_rows(key, dist)
 
 
-@pytest.mark.parametrize("name,broken", [("sibling_acceptance", _no_renormalisation),
-                                         ("residual_token", _bonus_from_full_distribution)])
-def test_broken_variants_fail_the_test(model, monkeypatch, name, broken):
+@pytest.mark.parametrize("module,name,broken", [(acceptance, "sibling_acceptance", _no_renormalisation),
+                                                (step_module, "residual_token", _bonus_from_full_distribution)])
+def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken):
     """No renormalisation after a rejected sibling, or a next token drawn without removing the
     rejected candidates: each visibly changes the distribution, and the test must say so."""
     cfg, params, logits = model
     acc = Acceptance(temperature=1.0)
     heads = random_heads(cfg, params)
     expected = reference(logits, acc)
-    monkeypatch.setattr(verify, name, broken)
+    monkeypatch.setattr(module, name, broken)  # where the step looks it up
     p = chi_square_p(patched_samples(cfg, params, heads, TREE_B, acc), expected)
     assert p < P_MIN, f"the broken variant ({name}) passed the test (p = {p:.2g})"
 
@@ -184,5 +185,5 @@ def test_acceptance_settings_are_checked(model):
     with pytest.raises(ValueError, match="one int per prompt"):
         generate_device(cfg, params, [PROMPT, PROMPT], max_new_tokens=2, seed=[1, 2, 3])
     with pytest.raises(ValueError, match="needs a key|per-row PRNG keys"):
-        verify.evaluate_posterior(jnp.zeros((1, TREE_A.size, V)), jnp.zeros((1, TREE_A.size), jnp.int32), TREE_A,
+        acceptance.evaluate_posterior(jnp.zeros((1, TREE_A.size, V)), jnp.zeros((1, TREE_A.size), jnp.int32), TREE_A,
                                   Acceptance(temperature=1.0))

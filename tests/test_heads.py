@@ -1,4 +1,4 @@
-"""Medusa heads (medusa_jax.heads) and head files (medusa_jax.convert.medusa_format)."""
+"""Medusa heads (medusa_jax.heads.medusa) and head files (medusa_jax.convert.medusa_format)."""
 import json
 import os
 
@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.config import MedusaConfig, ModelConfig
-from medusa_jax.convert.medusa_format import (HeadsFormatError, export_official, export_vllm, load_heads,
-                                              save_heads)
-from medusa_jax.heads import HeadsMismatchError, MedusaHeads, check_heads_match, init_heads
+from medusa_jax.convert.medusa_format import HeadsFormatError, export_official, export_vllm, load_heads, save_heads
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import HeadsMismatchError, MedusaHeads, check_heads_match, init_heads
+from medusa_jax.models.config import ModelConfig
 
 D, V, K, L = 16, 40, 3, 2
 
@@ -431,8 +431,8 @@ def _weight_reads(fn, *args):
 
 @pytest.mark.parametrize("proposals", [True, False])
 def test_prepare_heads_keeps_the_trees_heads_with_the_same_proposals(proposals):
-    from medusa_jax.heads import prepare_heads
-    from medusa_jax.verify import head_topk
+    from medusa_jax.heads.medusa import prepare_heads
+    from medusa_jax.heads.topk import head_topk
 
     cfg, p, base = _own_heads_with_proposals()
     if not proposals:
@@ -459,8 +459,8 @@ def test_prepare_heads_keeps_the_trees_heads_with_the_same_proposals(proposals):
 
 
 def test_prepare_heads_folds_copies_of_the_base_lm_head_into_the_shared_one():
-    from medusa_jax.heads import prepare_heads
-    from medusa_jax.verify import head_topk
+    from medusa_jax.heads.medusa import prepare_heads
+    from medusa_jax.heads.topk import head_topk
 
     cfg, p, base = _own_heads_with_proposals()
     p["lm_head"] = np.tile(base[None], (cfg.num_heads, 1, 1))  # what export_official(include_lm_head=True) writes
@@ -484,7 +484,7 @@ def test_prepare_heads_folds_copies_of_the_base_lm_head_into_the_shared_one():
 
 
 def test_prepare_heads_errors():
-    from medusa_jax.heads import prepare_heads
+    from medusa_jax.heads.medusa import prepare_heads
 
     cfg, p, base = _own_heads_with_proposals()
     for depth in (0, 5):
@@ -505,10 +505,11 @@ def test_official_own_lm_heads_with_proposals_and_a_shallow_tree_are_lossless(tm
     from types import SimpleNamespace
 
     from conftest import tiny_decoding_model
-    from medusa_jax.generate import generate, generate_device
+
+    from medusa_jax.decoding.generate import generate, generate_device
+    from medusa_jax.decoding.tree import build_tree
     from medusa_jax.models.llama import lm_head_matrix
-    from medusa_jax.runtime import resolve_heads
-    from medusa_jax.tree import build_tree
+    from medusa_jax.resolve import resolve_heads
 
     mcfg, mparams = tiny_decoding_model(64)
     base = np.asarray(lm_head_matrix(mcfg, mparams))

@@ -1,4 +1,4 @@
-"""Hydra heads (Ankner et al. 2024; medusa_jax.hydra): the math, the tree's per-parent draft, lossless
+"""Hydra heads (Ankner et al. 2024; medusa_jax.heads.hydra): the math, the tree's per-parent draft, lossless
 greedy decoding, an oracle, the heads directory format, calibration and tune on tiny models."""
 import json
 import os
@@ -7,19 +7,24 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from medusa_jax import verify
-from medusa_jax.config import MedusaConfig
-from medusa_jax.convert.medusa_format import (HeadsFormatError, export_official, export_vllm, load_heads,
-                                              read_tensors, save_heads)
-from medusa_jax.generate import generate, generate_device
-from medusa_jax.heads import MedusaHeads, init_heads, num_head_params, prepare_heads
-from medusa_jax.hydra import decoding_layout, from_medusa, head_state, hydra_logits, path_keys, token_embeddings
-from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.tree import build_tree, get_tree, random_tree
-from medusa_jax.tune import rank_accuracies
-
 from conftest import tiny_decoding_model
+
+from medusa_jax.convert.medusa_format import (
+    HeadsFormatError,
+    export_official,
+    export_vllm,
+    load_heads,
+    read_tensors,
+    save_heads,
+)
+from medusa_jax.decoding import draft
+from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.decoding.tree import build_tree, get_tree, random_tree
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.hydra import decoding_layout, from_medusa, head_state, hydra_logits, path_keys, token_embeddings
+from medusa_jax.heads.medusa import MedusaHeads, init_heads, num_head_params, prepare_heads
+from medusa_jax.models.llama import lm_head_matrix
+from medusa_jax.tuning.calibrate import rank_accuracies
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -180,7 +185,7 @@ def test_hydra_draft_equals_node_by_node_reference(tiny, tree_spec, variant):
     pcfg, pp = prepare_heads(hcfg, hp, lm, depth=tree.max_depth)
     hidden = jax.random.normal(jax.random.PRNGKey(7), (2, DM))
     root = jnp.asarray([5, 17], jnp.int32)
-    got = np.asarray(jax.jit(verify.hydra_candidates, static_argnums=(0, 6))(pcfg, pp, hidden, root, emb, lm, tree))
+    got = np.asarray(jax.jit(draft.hydra_candidates, static_argnums=(0, 6))(pcfg, pp, hidden, root, emb, lm, tree))
     assert got.shape == (2, tree.size)
     for b in range(2):
         assert got[b].tolist() == reference_draft(hcfg, hp, hidden[b], root[b], emb, lm, tree, ids)
@@ -348,7 +353,8 @@ def test_tune_and_decode_with_hydra_heads(tmp_path):
     """End to end on a tiny HF model: tune calibrates hydra heads, times their tree and saves it with
     them; resolve_heads loads them for decoding, which stays lossless."""
     from conftest import tiny_tune_run
-    from medusa_jax.runtime import resolve_heads
+
+    from medusa_jax.resolve import resolve_heads
 
     lm, rc = tiny_tune_run(tmp_path, head_type="hydra", sizes="2,4,6")
     assert rc == 0

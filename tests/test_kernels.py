@@ -15,18 +15,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import random_tokens, rel_err, tiny_config, tiny_decoding_model
 
 from medusa_jax import kernels
 from medusa_jax.models.llama import LlamaModel, decoding_params, lm_head_matrix
-
-from conftest import random_tokens, rel_err, tiny_config, tiny_decoding_model
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.status()}")
 
 
 def _supported_here() -> bool:
-    ok, _ = kernels._cpu_supported()
+    ok, _ = kernels.cpu_supported()
     return ok and shutil.which(os.environ.get("CXX", "c++")) is not None \
         and os.environ.get("MEDUSA_JAX_KERNELS", "1") != "0"
 
@@ -58,7 +57,7 @@ def test_matmul_nt_matches_float64(M, K, N, wdtype):
     want = x.astype(np.float64) @ np.asarray(w.astype(jnp.float32), np.float64).T
     # float32 sums of K products of unit normals: error ~ eps * sqrt(K) * |terms|
     assert np.abs(got - want).max() <= 1e-6 * K + 1e-5, np.abs(got - want).max()
-    xla = np.asarray(jax.jit(kernels._xla_nt)(x, w))
+    xla = np.asarray(jax.jit(kernels.xla_nt)(x, w))
     assert rel_err(got, xla) < 1e-5
 
 
@@ -254,7 +253,7 @@ def test_decoding_layout_gives_the_same_logits(arch, tied):
 _FALLBACK = """
 import numpy as np
 from medusa_jax import kernels
-from medusa_jax.generate import generate_device
+from medusa_jax.decoding.generate import generate_device
 from medusa_jax.models.llama import decoding_params
 from conftest import tiny_decoding_model
 cfg, params = tiny_decoding_model()
@@ -277,7 +276,7 @@ def test_xla_fallback_decodes(tmp_path, env, why):
     assert out.returncode == 0, out.stderr[-3000:]
     status, tokens = out.stdout.strip().splitlines()[-2:]
     assert why in status
-    from medusa_jax.generate import generate_device
+    from medusa_jax.decoding.generate import generate_device
 
     cfg, params = tiny_decoding_model()
     here = generate_device(cfg, params, [[1, 2, 3]], max_new_tokens=12, progress=False)

@@ -7,13 +7,13 @@ import sys
 
 import numpy as np
 import pytest
-
-import decode
-from medusa_jax import runtime
-from medusa_jax.convert import cache
-from medusa_jax.loading import load_model
 from conftest import hf_state_dict, random_hf_model, tiny_config
 from test_convert import write_gguf
+
+import decode
+from medusa_jax.cli import common
+from medusa_jax.convert import cache
+from medusa_jax.convert.load import load_model
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEXTS = ["Hello world!", "  leading spaces\n\ttabs and\r\nnewlines", "naïve café 日本語 🤖 1234567",
@@ -175,12 +175,12 @@ def test_prompt_and_prompt_file_are_exclusive(capsys):
     (["--model", "/no/such/model.gguf"], "--model /no/such/model.gguf: no such file"),
 ])
 def test_bad_paths_fail_before_the_model_loads(argv, message, monkeypatch, capsys, tmp_path):
-    import medusa_jax
+    import medusa_jax.cli.common
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(medusa_jax, "load_model", no_load)
+    monkeypatch.setattr(medusa_jax.cli.common, "load_model", no_load)
     assert decode.main(argv + ["--prompt", "hi"]) == 2
     assert message in capsys.readouterr().err
 
@@ -193,13 +193,13 @@ def test_preflight_checks_our_heads_depth(tmp_path, monkeypatch):
     (heads / "medusa_lm_head.safetensors").write_bytes(b"")
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF" + b"\0" * 16)
-    runtime.preflight(str(model), str(heads), "chain2")
+    common.preflight(str(model), str(heads), "chain2")
     with pytest.raises(ValueError, match="depth 3 but the heads have only 2"):
-        runtime.preflight(str(model), str(heads), "chain3")
+        common.preflight(str(model), str(heads), "chain3")
     bad = tmp_path / "bad.bin"
     bad.write_bytes(b"PK\x03\x04")
     with pytest.raises(ValueError, match="not a GGUF file"):
-        runtime.preflight(str(bad), None, None, use_medusa=False)
+        common.preflight(str(bad), None, None, use_medusa=False)
 
 
 @pytest.mark.parametrize("tool, argv, message", [
@@ -215,17 +215,19 @@ def test_tools_check_paths_before_the_model_loads(tool, argv, message, monkeypat
     """check, bench and tune fail at once, with one line and exit status 2, on a bad path or tree."""
     import importlib
 
-    import medusa_jax.loading
+    import medusa_jax.cli.common
+    import medusa_jax.convert.load
 
     def no_load(*a, **k):
         raise AssertionError("the model was loaded before the arguments were checked")
 
-    monkeypatch.setattr(medusa_jax.loading, "load_model", no_load)
+    monkeypatch.setattr(medusa_jax.convert.load, "load_model", no_load)
+    monkeypatch.setattr(medusa_jax.cli.common, "load_model", no_load)
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"question_id": 1, "category": "writing", "turns": ["Hi"]}) + "\n")
     argv = [str(prompts) if a == "PROMPTS" else str(tmp_path / "out") if a == "OUT" else a for a in argv]
     try:
-        assert importlib.import_module(f"medusa_jax.{tool}").main(argv) == 2
+        assert importlib.import_module(f"medusa_jax.cli.{tool}").main(argv) == 2
     except SystemExit as e:  # argparse's error(): also one line and status 2
         assert e.code == 2
     err = capsys.readouterr().err

@@ -6,13 +6,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from medusa_jax.generate import generate, generate_batch, generate_device, start_state
-from medusa_jax.lookup import PromptLookup, ngram_draft
-from medusa_jax.tree import get_tree, tree_to_json, with_lookup
-from medusa_jax.verify import Acceptance
-
 from conftest import random_heads, tiny_decoding_model
+
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.generate import generate, generate_batch, generate_device
+from medusa_jax.decoding.lookup import PromptLookup, ngram_draft
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.tree import get_tree, tree_to_json, with_lookup
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -206,11 +206,12 @@ def test_the_decoding_loop_never_copies_the_kv_cache(tiny, lookup):
     docs/design-notes.md). The compiled on-device loop must hold no cache-shaped copy."""
     import re
 
-    from medusa_jax.generate import _decoding_setup, generate_jit, init_carry
+    from medusa_jax.decoding.generate import decoding_setup
+    from medusa_jax.decoding.loop import generate_jit, init_carry
 
     cfg, params, hcfg, hp = tiny
     tree = with_lookup(get_tree([[0], [1], [0, 0]], topk=10, num_heads=3), lookup)
-    p, hc, hpp, tr = _decoding_setup(cfg, params, (hcfg, hp), tree)
+    p, hc, hpp, tr = decoding_setup(cfg, params, (hcfg, hp), tree)
     state = start_state(cfg, p, [PROMPTS[0]], 64, progress=False)
     carry = init_carry(state, 16, tr.max_accepted)
     args = (p, hpp, carry, jnp.bool_(True), jnp.asarray([16, 2], jnp.int32))

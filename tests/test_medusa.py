@@ -3,16 +3,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from medusa_jax import verify
-from medusa_jax.config import MedusaConfig
-from medusa_jax.generate import _COMPILED, generate, generate_device
-from medusa_jax.heads import init_heads
-from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.tree import build_tree, get_tree, random_tree
-from medusa_jax.verify import Acceptance, evaluate_posterior
-
 from conftest import tiny_decoding_model
+
+from medusa_jax.decoding import draft
+from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
+from medusa_jax.decoding.compile import clear_compiled
+from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.decoding.tree import build_tree, get_tree, random_tree
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import init_heads
+from medusa_jax.models.llama import lm_head_matrix
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -88,9 +88,9 @@ def test_oracle_heads_accept_every_candidate(tiny, monkeypatch, tree_spec, rank)
     n = 120
     base = plain(cfg, params, prompt, n + 10)
     seq = list(prompt) + base.tokens
-    monkeypatch.setattr(verify, "propose_candidates", oracle_proposer(seq, tree.topk))
+    monkeypatch.setattr(draft, "propose_candidates", oracle_proposer(seq, tree.topk))
     jax.clear_caches()
-    _COMPILED.clear()
+    clear_compiled()
     # rank 1 on the first head only: the tree must pick a path through (1, 0, 0, ...) when it exists
     head_rank = jnp.array([rank] + [0] * (hcfg.num_heads - 1))
     med = generate(cfg, params, prompt, max_new_tokens=n, heads=(hcfg, {"rank": head_rank}), tree=tree)
@@ -102,7 +102,7 @@ def test_oracle_heads_accept_every_candidate(tiny, monkeypatch, tree_spec, rank)
         deepest = max(len(p) for p in tree.medusa_choices if p[0] == 1)
         assert all(t == deepest + 1 for t in med.tokens_per_step[:-1])
     jax.clear_caches()
-    _COMPILED.clear()
+    clear_compiled()
 
 
 def test_eos_inside_accepted_chunk_ends_output_exactly(tiny, monkeypatch):
@@ -113,9 +113,9 @@ def test_eos_inside_accepted_chunk_ends_output_exactly(tiny, monkeypatch):
     # choose an EOS that first appears at output index i with i % 5 == 2: depth 2 of a chain-4 step
     idx = next(i for i in range(5, 60) if i % 5 == 2 and base.tokens[i] not in base.tokens[:i])
     eos = base.tokens[idx]
-    monkeypatch.setattr(verify, "propose_candidates", oracle_proposer(seq, 10))
+    monkeypatch.setattr(draft, "propose_candidates", oracle_proposer(seq, 10))
     jax.clear_caches()
-    _COMPILED.clear()
+    clear_compiled()
     hp = {"rank": jnp.zeros(hcfg.num_heads, jnp.int32)}
     tree = get_tree("chain4", num_heads=hcfg.num_heads)
     med = generate(cfg, params, prompt, max_new_tokens=60, heads=(hcfg, hp), tree=tree, eos_token_ids=[eos])
@@ -126,7 +126,7 @@ def test_eos_inside_accepted_chunk_ends_output_exactly(tiny, monkeypatch):
     r = generate_device(cfg, params, [prompt], max_new_tokens=60, heads=(hcfg, hp), tree=tree, eos_token_ids=[eos])
     assert r.tokens[0, :int(r.count[0])].tolist() == ref.tokens
     jax.clear_caches()
-    _COMPILED.clear()
+    clear_compiled()
 
 
 def test_prompt_near_cache_end(tiny):
@@ -250,7 +250,7 @@ def test_tree_deeper_than_heads_is_an_error(tiny):
     cfg, params, hcfg, hp = tiny
     small = hcfg.replace(num_heads=2)
     hp2 = jax.tree_util.tree_map(lambda a: a[:2], hp)
-    with pytest.raises(ValueError, match="exceeds the 2 Medusa heads"):
+    with pytest.raises(ValueError, match="but the heads have only 2"):
         generate(cfg, params, PROMPTS[0], max_new_tokens=5, heads=(small, hp2), tree=get_tree("chain3"))
 
 

@@ -14,7 +14,6 @@ import sys
 
 import jax
 import pytest
-
 from conftest import EIGHT_DEVICES
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,5 @@
 """Misused generation arguments get a clear error naming what the argument takes (one checker,
-`generate.check_generation_args`, behind every entry point), and no position beyond the model's
+`decoding.args.check_generation_args`, behind every entry point), and no position beyond the model's
 context is ever decoded."""
 from __future__ import annotations
 
@@ -7,14 +7,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import tiny_decoding_model
-from medusa_jax.config import MedusaConfig
-from medusa_jax.generate import (PromptTooLongError, generate, generate_device, generate_stream,
-                                 start_state)
-from medusa_jax.heads import HeadsMismatchError, init_heads
+
+from medusa_jax.decoding.args import PromptTooLongError
+from medusa_jax.decoding.generate import generate, generate_device, generate_stream
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.tree import get_tree
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import HeadsMismatchError, init_heads
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.tree import get_tree
 
 V, CTX = 64, 64
 PROMPT = [5, 9, 3, 7]
@@ -135,7 +136,7 @@ def test_bad_batch_prompts(tiny):
     (dict(eos_token_ids=[2, 64]), r"eos_token_ids \[2, 64\] must be in the vocabulary \[0, 64\)"),
     (dict(eos_token_ids="2"), r"eos_token_ids takes None, a token id or a list of token ids, got str"),
     (dict(seed=1.5), r"seed must be an integer"),
-    (dict(acceptance=0.7), r"acceptance takes a medusa_jax.verify.Acceptance"),
+    (dict(acceptance=0.7), r"acceptance takes a medusa_jax.decoding.acceptance.Acceptance"),
 ])
 def test_bad_arguments(tiny, kw, message):
     cfg, params, _, _ = tiny
@@ -158,7 +159,7 @@ def test_one_eos_id_is_accepted(tiny):
 
 def test_heads_and_tree_misuse(tiny):
     cfg, params, heads, tree = tiny
-    with pytest.raises(ValueError, match=r"generate\(\): heads given without a tree; pass tree=medusa_jax.tree.get_tree"):
+    with pytest.raises(ValueError, match=r"generate\(\): heads given without a tree; pass tree=medusa_jax.decoding.tree.get_tree"):
         generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads)
     with pytest.raises(ValueError, match=r"generate_device\(\): a tree was given without heads"):
         generate_device(cfg, params, [PROMPT], max_new_tokens=4, tree=tree)
@@ -166,7 +167,7 @@ def test_heads_and_tree_misuse(tiny):
         generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads, tree="chain2")
     with pytest.raises(ValueError, match=r"heads takes \(MedusaConfig, head params\).*got dict"):
         generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads[1], tree=tree)
-    with pytest.raises(ValueError, match="tree depth 3 exceeds the 2 Medusa heads"):
+    with pytest.raises(ValueError, match="tree has depth 3 but the heads have only 2"):
         generate(cfg, params, PROMPT, max_new_tokens=4, heads=heads, tree=get_tree("chain3"))
     other = (heads[0].replace(hidden_size=16), jax.tree_util.tree_map(lambda a: a, heads[1]))
     with pytest.raises(HeadsMismatchError, match=r"hidden size 16 \(heads\) != 32 \(backbone\)"):

@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jax_logits, llama3_rope_scaling, random_hf_model, random_tokens, rel_err, tiny_config, torch_logits
 
-from conftest import (jax_logits, llama3_rope_scaling, random_hf_model, random_tokens, rel_err,
-                      tiny_config, torch_logits)
-from medusa_jax.kv_cache import init_cache
+from medusa_jax.models.kv_cache import init_cache
 from medusa_jax.models.llama import LlamaModel
 
 TOL = 1e-4
@@ -129,10 +128,12 @@ def test_rope_tables_are_computed_once_per_forward():
     step of a 6-layer model evaluates at most one cosine and one sine op per conditional branch
     (XLA fused them into every layer's RoPE, 2 per layer, before; docs/performance.md)."""
     import jax
-
     from conftest import tiny_decoding_model
-    from medusa_jax.generate import PLAIN_TREE, start_state
-    from medusa_jax.verify import Acceptance, medusa_step
+
+    from medusa_jax.decoding.acceptance import Acceptance
+    from medusa_jax.decoding.prefill import start_state
+    from medusa_jax.decoding.step import medusa_step
+    from medusa_jax.decoding.tree import PLAIN_TREE
 
     cfg, _ = tiny_decoding_model()
     cfg = cfg.replace(num_layers=6)

@@ -1,19 +1,17 @@
-"""Chunked prefill (`medusa_jax.generate.start_state`): the same state as one pass, the same greedy
+"""Chunked prefill (`medusa_jax.decoding.prefill.start_state`): the same state as one pass, the same greedy
 output as full forwards, its chunk plan, its progress bar; blockwise attention equals one pass."""
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from medusa_jax.kv_cache import init_cache
-from medusa_jax.models.llama import LlamaModel, blockwise_attention, grouped_query_attention
-from medusa_jax.sampling import row_keys
-
 from conftest import jax_logits, random_tokens, rel_err, tiny_config, tiny_decoding_model
 
-gen = importlib.import_module("medusa_jax.generate")  # the module (the package exports generate())
+from medusa_jax.decoding import prefill as gen
+from medusa_jax.decoding.generate import generate
+from medusa_jax.decoding.sampling import row_keys
+from medusa_jax.models.kv_cache import init_cache
+from medusa_jax.models.llama import LlamaModel, blockwise_attention, grouped_query_attention
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -66,7 +64,7 @@ def test_greedy_after_a_chunked_prefill_equals_full_forwards():
     cfg, params = tiny_decoding_model(vocab_size=64)
     prompt = random_tokens(cfg, (600,), seed=5).tolist()
     assert gen.prefill_plan(600) == (256, 3) and gen.PREFILL_KV_BLOCK == 512
-    out = gen.generate(cfg, params, prompt, max_new_tokens=6, cache_size=1024, progress=False)
+    out = generate(cfg, params, prompt, max_new_tokens=6, cache_size=1024, progress=False)
     ids = list(prompt)
     for _ in range(6):
         ids.append(int(np.argmax(jax_logits(cfg, params, np.asarray([ids]))[0, -1])))

@@ -57,11 +57,15 @@ def _program(argv):
     argv = split_env(argv)[1]
     if argv[0] == "make":
         return "make", None, argv[1:]
+    if argv[0].startswith(".venv/bin/medusa-"):  # a console script of pyproject.toml
+        import importlib
+        module, func = console_scripts()[argv[0].rsplit("/", 1)[1]].split(":")
+        return "parse", getattr(importlib.import_module(module), func), argv[1:]
     assert argv[0] == ".venv/bin/python", f"README commands use the project's venv: {argv}"
     if argv[1] == "decode.py":
         return "run", None, argv[2:]
     if argv[1] == "train.py":
-        import train
+        from medusa_jax.cli import train
         return "parse", train.main, argv[2:]
     if argv[1] == "-m":
         import importlib
@@ -69,6 +73,24 @@ def _program(argv):
             return "pip", None, argv[3:]
         return "parse", importlib.import_module(argv[2]).main, argv[3:]
     raise AssertionError(f"unknown README command {argv}")
+
+
+def console_scripts() -> dict:
+    """pyproject.toml's [project.scripts]: {command: "module:function"}."""
+    import tomllib
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        return tomllib.load(f)["project"]["scripts"]
+
+
+def test_console_scripts_are_installed_and_answer_help():
+    """Every console script of pyproject.toml exists in the venv (the install made it) and prints
+    its --help."""
+    bin_dir = os.path.dirname(sys.executable)
+    for name in console_scripts():
+        path = os.path.join(bin_dir, name)
+        assert os.path.exists(path), f"{name} is not installed in {bin_dir}: pip install -e ."
+        out = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0 and "usage:" in out.stdout, (name, out.stderr[-2000:])
 
 
 def test_readme_has_blocks():
@@ -95,9 +117,9 @@ def test_long_commands_parse_and_name_existing_files(stdin, argv, monkeypatch):
     with pytest.raises(_Parsed) as parsed:
         main(args)
     ns = vars(parsed.value.args[0])
-    from medusa_jax.plan import PRESETS
+    from medusa_jax.evals.memory import PRESETS
     for key in ("prompts", "config", "data"):
-        if key == "config" and main.__module__ == "medusa_jax.plan" and ns[key] in PRESETS:
+        if key == "config" and main.__module__ == "medusa_jax.cli.plan" and ns[key] in PRESETS:
             continue  # a preset model, not a file
         if ns.get(key):
             assert os.path.exists(ns[key]), f"{' '.join(argv)}: {ns[key]} does not exist"
@@ -108,7 +130,7 @@ def test_long_commands_parse_and_name_existing_files(stdin, argv, monkeypatch):
                          ids=lambda v: " ".join(v) if isinstance(v, list) else "")
 def test_decode_commands_run_as_written(stdin, argv, smollm2_path, tmp_path):
     if "--heads" in argv:  # made by the README's tune line, which this test only parses
-        pytest.skip("needs the output of `python -m medusa_jax.tune`")
+        pytest.skip("needs the output of `medusa-tune`")
     env, argv = split_env(argv)
     out = subprocess.run([sys.executable] + argv[1:], cwd=ROOT, input=stdin, capture_output=True, text=True,
                          timeout=900, env={**os.environ, **env})

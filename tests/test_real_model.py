@@ -6,13 +6,13 @@ import numpy as np
 import pytest
 import torch
 
-from medusa_jax import check
-from medusa_jax.config import MedusaConfig
-from medusa_jax.generate import generate
-from medusa_jax.heads import init_heads
-from medusa_jax.loading import apply_chat_template
+from medusa_jax.chat import apply_chat_template
+from medusa_jax.decoding.generate import generate
+from medusa_jax.decoding.tree import get_tree
+from medusa_jax.evals import lossless
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import init_heads
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.tree import get_tree
 
 pytestmark = pytest.mark.real_model
 
@@ -41,7 +41,7 @@ def test_medusa_zero_heads_equal_plain_greedy(smollm2):
         ids = apply_chat_template(smollm2.tokenizer, prompt)
         plain = generate(cfg, params, ids, max_new_tokens=64)
         med = generate(cfg, params, ids, max_new_tokens=64, heads=heads, tree=tree)
-        c = check.compare(cfg, params, ids, plain.tokens, med.tokens)
+        c = lossless.compare(cfg, params, ids, plain.tokens, med.tokens)
         assert c.identical or c.near_tie, c
         assert med.steps < len(med.tokens)  # zero heads still accept repeated tokens now and then
 
@@ -50,17 +50,17 @@ def test_medusa_zero_heads_equal_plain_greedy(smollm2):
 def test_shipped_heads_are_lossless_and_accept(smollm2, name, head_type):
     """Both shipped heads (the default hydra heads and `--heads medusa1`) with their saved trees:
     the output is plain greedy's, token for token, in fewer steps than tokens."""
-    from medusa_jax import runtime
+    from medusa_jax import resolve
 
     cfg, params = smollm2.cfg, smollm2.params
-    heads, tree, note = runtime.resolve_heads(smollm2, name)
+    heads, tree, note = resolve.resolve_heads(smollm2, name)
     assert note == "" and heads[0].head_type == head_type and heads[0].proposal_vocab_size == 8192
     total = steps = 0
     for prompt in PROMPTS:
         ids = apply_chat_template(smollm2.tokenizer, prompt)
         plain = generate(cfg, params, ids, max_new_tokens=48)
         med = generate(cfg, params, ids, max_new_tokens=48, heads=heads, tree=tree)
-        c = check.compare(cfg, params, ids, plain.tokens, med.tokens)
+        c = lossless.compare(cfg, params, ids, plain.tokens, med.tokens)
         assert c.identical or c.near_tie, (prompt, c)
         total, steps = total + len(med.tokens), steps + med.steps
     assert total / steps > 1.15, total / steps
@@ -68,8 +68,9 @@ def test_shipped_heads_are_lossless_and_accept(smollm2, name, head_type):
 
 def test_top2_gap_is_the_logit_gap(smollm2):
     ids = apply_chat_template(smollm2.tokenizer, PROMPTS[0])
-    from medusa_jax.check import top2_gap
     from conftest import jax_logits
+
+    from medusa_jax.evals.lossless import top2_gap
     logits = np.sort(jax_logits(smollm2.cfg, smollm2.params, np.asarray([ids]))[0, -1])
     assert abs(top2_gap(smollm2.cfg, smollm2.params, ids) - (logits[-1] - logits[-2])) < 1e-4
 
@@ -136,7 +137,7 @@ def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
 def test_bench_batch_rows_equal_batch_one_and_check_samples(tmp_path, capsys):
     """bench --batch-size 2: every batched row (plain and Medusa) equals plain greedy at batch 1;
     check --temperature 0.7 reports exact sampling's tokens/step."""
-    from medusa_jax import bench, check
+    from medusa_jax.cli import bench, check
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [t]}) for i, t in
                                  enumerate(["What is the capital of France?", "Name three fruits.",

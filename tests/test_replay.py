@@ -1,21 +1,28 @@
-"""medusa_jax.replay: exact acceptance on chats whose answers are the backbone's own greedy answers."""
+"""medusa_jax.tuning.replay: exact acceptance on chats whose answers are the backbone's own greedy answers."""
 import itertools
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
 from conftest import random_heads, tiny_decoding_model
-from medusa_jax.generate import generate
-from medusa_jax.heads import with_proposal_projection
-from medusa_jax.hydra import token_embeddings
-from medusa_jax.lookup import PromptLookup, ngram_draft
+
+from medusa_jax.decoding.generate import generate
+from medusa_jax.decoding.lookup import PromptLookup, ngram_draft
+from medusa_jax.decoding.tree import build_tree, with_lookup
+from medusa_jax.heads.hydra import token_embeddings
+from medusa_jax.heads.medusa import with_proposal_projection
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.replay import (Replay, lookup_draft, path_ranks, rank_accuracies_of, replay, search_tree,
-                               tree_accepted)
-from medusa_jax.train.trainer import Backbone, compute_positions, position_sources
-from medusa_jax.tree import build_tree, with_lookup
+from medusa_jax.train.hidden import Backbone, compute_positions, position_sources
+from medusa_jax.tuning.replay import (
+    Replay,
+    lookup_draft,
+    path_ranks,
+    rank_accuracies_of,
+    replay,
+    search_tree,
+    tree_accepted,
+)
 
 
 def _prefix_closed_sets(nodes, size):

@@ -4,12 +4,15 @@ from types import SimpleNamespace
 
 import pytest
 
-from medusa_jax import runtime
-from medusa_jax.bench import markdown_table, summarize
-from medusa_jax.check import first_difference, load_first_turns
-from medusa_jax.config import MedusaConfig, ModelConfig
+from medusa_jax import resolve
+from medusa_jax.chat import load_first_turns
+from medusa_jax.cli import common
 from medusa_jax.convert.medusa_format import save_heads
-from medusa_jax.heads import HeadsMismatchError, init_heads
+from medusa_jax.evals.lossless import first_difference
+from medusa_jax.evals.speed import markdown_table, summarize
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import HeadsMismatchError, init_heads
+from medusa_jax.models.config import ModelConfig
 
 CFG = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
 
@@ -24,48 +27,48 @@ def _heads_dir(tmp_path, hidden=16, vocab=50, choices=None, k=3):
 def test_resolve_heads_reads_saved_tree_and_overrides(tmp_path):
     model = SimpleNamespace(cfg=CFG)
     d = _heads_dir(tmp_path, choices=[(0,), (1,), (0, 0)])
-    heads, tree, note = runtime.resolve_heads(model, d)
+    heads, tree, note = resolve.resolve_heads(model, d)
     assert note == "" and heads[0].num_heads == 2  # prepared for the tree: its depth-2 heads only
     assert heads[1]["blocks_kernel"].shape[0] == 2
     assert tree.medusa_choices == ((0,), (1,), (0, 0))
-    _, tree2, _ = runtime.resolve_heads(model, d, "chain2")
+    _, tree2, _ = resolve.resolve_heads(model, d, "chain2")
     assert tree2.medusa_choices == ((0,), (0, 0))
     with pytest.raises(ValueError, match="deeper|exceeds|depth"):
-        runtime.resolve_heads(model, d, "chain5")
+        resolve.resolve_heads(model, d, "chain5")
 
 
 def test_default_tree_is_cut_to_the_heads_depth(tmp_path):
-    _, tree, _ = runtime.resolve_heads(SimpleNamespace(cfg=CFG), _heads_dir(tmp_path, k=2))
+    _, tree, _ = resolve.resolve_heads(SimpleNamespace(cfg=CFG), _heads_dir(tmp_path, k=2))
     assert tree.max_depth <= 2 and tree.size > 2
 
 
 def test_resolve_heads_mismatch_and_missing(tmp_path, monkeypatch):
     model = SimpleNamespace(cfg=CFG)
     with pytest.raises(HeadsMismatchError, match="32"):
-        runtime.resolve_heads(model, _heads_dir(tmp_path, hidden=32))
+        resolve.resolve_heads(model, _heads_dir(tmp_path, hidden=32))
     with pytest.raises(FileNotFoundError):
-        runtime.resolve_heads(model, str(tmp_path / "nope"))
-    monkeypatch.setattr(runtime, "DEFAULT_HEADS_DIR", str(tmp_path / "none"))
-    heads, tree, note = runtime.resolve_heads(model, None)  # no heads: prompt lookup alone
+        resolve.resolve_heads(model, str(tmp_path / "nope"))
+    monkeypatch.setattr(resolve, "DEFAULT_HEADS_DIR", str(tmp_path / "none"))
+    heads, tree, note = resolve.resolve_heads(model, None)  # no heads: prompt lookup alone
     assert heads is None and "prompt lookup only" in note and tree.size == 1 and tree.lookup is not None
-    heads, tree, note = runtime.resolve_heads(model, None, prompt_lookup=0)
+    heads, tree, note = resolve.resolve_heads(model, None, prompt_lookup=0)
     assert heads is None and tree is None and "plainly" in note
-    assert runtime.resolve_heads(model, None, use_medusa=False) == (None, None, "")
+    assert resolve.resolve_heads(model, None, use_medusa=False) == (None, None, "")
 
 
 def test_shipped_heads_names_resolve_to_their_directories(tmp_path, monkeypatch):
     """`--heads medusa1` names the shipped Medusa-1 heads; paths, None and "zero" pass through, and an
     existing local path of the same name wins."""
     d = _heads_dir(tmp_path, choices=[(0,), (0, 0)])
-    monkeypatch.setitem(runtime.SHIPPED_HEADS, "medusa1", d)
+    monkeypatch.setitem(resolve.SHIPPED_HEADS, "medusa1", d)
     monkeypatch.chdir(tmp_path)
-    assert runtime.heads_location("medusa1") == d
-    assert [runtime.heads_location(x) for x in (None, "zero", d)] == [None, "zero", d]
-    heads, tree, _ = runtime.resolve_heads(SimpleNamespace(cfg=CFG), "medusa1")
+    assert resolve.heads_location("medusa1") == d
+    assert [resolve.heads_location(x) for x in (None, "zero", d)] == [None, "zero", d]
+    heads, tree, _ = resolve.resolve_heads(SimpleNamespace(cfg=CFG), "medusa1")
     assert tree.medusa_choices == ((0,), (0, 0))
-    runtime.preflight(None, "medusa1", "chain2")  # the shipped name passes the early checks
+    common.preflight(None, "medusa1", "chain2")  # the shipped name passes the early checks
     (tmp_path / "medusa1").mkdir()
-    assert runtime.heads_location("medusa1") == "medusa1"
+    assert resolve.heads_location("medusa1") == "medusa1"
 
 
 def test_text_streamer_holds_back_partial_characters():
@@ -76,7 +79,7 @@ def test_text_streamer_holds_back_partial_characters():
             return b"".join(self.pieces[i] for i in ids).decode("utf-8", errors="replace")
 
     out = io.StringIO()
-    s = runtime.TextStreamer(Tok(), stream=out)
+    s = common.TextStreamer(Tok(), stream=out)
     s.push([1])
     s.push([2])
     assert out.getvalue() == "caf"
@@ -112,7 +115,7 @@ def test_bench_summary_figures():
 
 
 def test_spec_bench_six_tasks_and_even_per_category_pick():
-    from medusa_jax.bench import per_category, spec_bench_groups
+    from medusa_jax.evals.speed import per_category, spec_bench_groups
     recs = spec_bench_groups(load_first_turns("../shared/data/Spec-Bench_question.jsonl"))
     cats = {r["category"] for r in recs}
     assert cats == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
@@ -128,8 +131,9 @@ def test_spec_bench_six_tasks_and_even_per_category_pick():
 
 def test_speed_note_only_for_a_slow_tuned_tree_on_this_device():
     import jax
-    from medusa_jax.runtime import speed_note
-    from medusa_jax.tree import build_tree
+
+    from medusa_jax.decoding.tree import build_tree
+    from medusa_jax.resolve import speed_note
     tree = build_tree([(0,), (1,)], topk=2)
     dev = str(jax.devices()[0].device_kind)
     cal = {"device": dev, "chosen_size": 3, "rows": [{"size": 1, "predicted_speedup": 1.0},
@@ -140,8 +144,8 @@ def test_speed_note_only_for_a_slow_tuned_tree_on_this_device():
     fast = {**cal, "rows": [{"size": 3, "predicted_speedup": 1.2}]}
     assert speed_note(tree, fast) == "" and speed_note(tree, None) == ""
     # a tree chosen for decoding with prompt lookup says nothing of decoding without it, and back
-    from medusa_jax.lookup import PromptLookup
-    from medusa_jax.tree import with_lookup
+    from medusa_jax.decoding.lookup import PromptLookup
+    from medusa_jax.decoding.tree import with_lookup
     looked = {**cal, "prompt_lookup": PromptLookup(3, 3, 2)._asdict()}
     assert speed_note(tree, looked) == "" and "0.80x" in speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), looked)
     assert speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), cal) == ""
@@ -172,14 +176,14 @@ def test_prompt_files_are_checked_line_by_line(tmp_path):
 def test_sampling_flags_refuse_nan_and_wrap_prompt_seeds(capsys):
     import argparse
 
-    from medusa_jax.sampling import prompt_seed, row_keys
+    from medusa_jax.decoding.sampling import prompt_seed, row_keys
     p = argparse.ArgumentParser()
-    runtime.add_acceptance_args(p)
+    common.add_acceptance_args(p)
     for argv, msg in [(["--temperature", "nan"], "finite"), (["--temperature", "inf"], "finite"),
                       (["--temperature", "0.7", "--acceptance", "typical", "--posterior-alpha", "nan"], "finite"),
                       (["--seed", str(2 ** 31)], "--seed must be in")]:
         with pytest.raises(SystemExit):
-            runtime.acceptance_from_args(p, p.parse_args(argv))
+            common.acceptance_from_args(p, p.parse_args(argv))
         assert msg in capsys.readouterr().err
     assert prompt_seed(2 ** 31 - 1, 2) == 1
     assert row_keys(2 ** 31 - 1, 3)[2].tolist() == row_keys(1, 1)[0].tolist()

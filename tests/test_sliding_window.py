@@ -7,11 +7,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import jax_logits, random_hf_model, random_tokens, tiny_config, tiny_decoding_model, torch_logits
 
-from conftest import (jax_logits, random_hf_model, random_tokens, tiny_config, tiny_decoding_model,
-                      torch_logits)
-from medusa_jax.config import ModelConfig
-from medusa_jax.kv_cache import init_cache
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.kv_cache import init_cache
 from medusa_jax.models.llama import LlamaModel
 
 W = 8   # window
@@ -144,8 +143,9 @@ def test_gguf_sliding_window_metadata(tmp_path, name):
     """llama.cpp's ``attention.sliding_window`` (+ ``sliding_window_pattern``, one bool per layer)
     give the same per-layer windows and logits; Mistral is written as a llama file."""
     from conftest import hf_state_dict
-    from medusa_jax.convert.gguf import load_gguf
     from test_convert import write_gguf
+
+    from medusa_jax.convert.gguf import load_gguf
 
     d, windows = LAYOUTS[name]
     cfg = ModelConfig.from_hf_dict(d)
@@ -159,11 +159,11 @@ def test_gguf_sliding_window_metadata(tmp_path, name):
 
 def test_gguf_bad_sliding_window_pattern(tmp_path):
     import gguf
-
     from conftest import hf_state_dict
+    from test_convert import write_gguf
+
     from medusa_jax.convert.gguf import load_gguf
     from medusa_jax.convert.hf import ConversionError
-    from test_convert import write_gguf
 
     cfg = tiny_config("qwen2", num_layers=3, sliding_window=W, layer_types=[F, S, S])
     model, _ = random_hf_model(cfg, seed=5)
@@ -181,13 +181,15 @@ def test_medusa_greedy_equals_plain_greedy_on_a_windowed_model(monkeypatch):
     """A windowed layer and a full one: plain greedy output changes with the window (so the window
     is live), and Medusa decoding (random heads, and oracle heads that accept every node, so that
     tree tokens attend across the window) still gives the plain greedy output."""
-    from medusa_jax import verify
-    from medusa_jax.config import MedusaConfig
-    from medusa_jax.generate import _COMPILED, generate, generate_device
-    from medusa_jax.heads import init_heads
-    from medusa_jax.models.llama import lm_head_matrix
-    from medusa_jax.tree import get_tree
     from test_medusa import oracle_proposer
+
+    from medusa_jax.decoding import draft
+    from medusa_jax.decoding.compile import clear_compiled
+    from medusa_jax.decoding.generate import generate, generate_device
+    from medusa_jax.decoding.tree import get_tree
+    from medusa_jax.heads.config import MedusaConfig
+    from medusa_jax.heads.medusa import init_heads
+    from medusa_jax.models.llama import lm_head_matrix
 
     base_cfg, params = tiny_decoding_model(64)
     cfg = base_cfg.replace(arch="qwen2", sliding_window=W, layer_types=(F, S))
@@ -202,13 +204,13 @@ def test_medusa_greedy_equals_plain_greedy_on_a_windowed_model(monkeypatch):
     assert generate(cfg, params, prompt, max_new_tokens=n, heads=(hcfg, hp), tree=tree).tokens == ref.tokens
     r = generate_device(cfg, params, [prompt], max_new_tokens=n, heads=(hcfg, hp), tree=tree, eos_token_ids=())
     assert r.tokens[0].tolist() == ref.tokens
-    monkeypatch.setattr(verify, "propose_candidates", oracle_proposer(list(prompt) + ref.tokens + [0] * 8, 10))
+    monkeypatch.setattr(draft, "propose_candidates", oracle_proposer(list(prompt) + ref.tokens + [0] * 8, 10))
     jax.clear_caches()
-    _COMPILED.clear()
+    clear_compiled()
     try:
         med = generate(cfg, params, prompt, max_new_tokens=n, heads=(hcfg, {"rank": jnp.zeros(4, jnp.int32)}),
                        tree=get_tree("chain4", num_heads=4))
         assert med.tokens == ref.tokens and all(t == 5 for t in med.tokens_per_step[:-1])
     finally:
         jax.clear_caches()
-        _COMPILED.clear()
+        clear_compiled()

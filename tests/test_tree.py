@@ -4,9 +4,18 @@ import json
 import numpy as np
 import pytest
 
-from medusa_jax.tree import (PRESETS, TreeBuffers, build_tree, expected_acceptance_length,
-                             get_tree, greedy_tree_search, random_tree, tree_to_json,
-                             tree_with_budget, truncate_tree)
+from medusa_jax.decoding.tree import (
+    PRESETS,
+    TreeBuffers,
+    build_tree,
+    expected_acceptance_length,
+    get_tree,
+    greedy_tree_search,
+    random_tree,
+    tree_to_json,
+    tree_with_budget,
+    truncate_tree,
+)
 
 HAND = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 
@@ -128,7 +137,7 @@ def test_small_8_shape():
 
 @pytest.mark.parametrize("choices, topk, heads, msg", [
     ([(0,), (0, 0, 0)], 10, None, "no parent (0, 0)"),
-    ([(0,), (0, 1)], 10, 1, "depth 2 but only num_heads=1"),
+    ([(0,), (0, 1)], 10, 1, "depth 2 but the heads have only 1"),
     ([(10,)], 10, None, "rank 10 outside [0, topk=10)"),
     ([(0,), (0, -1)], 10, None, "rank -1 outside"),
     ([(0,), (1,), (0,)], 10, None, "duplicate path (0,)"),

@@ -6,21 +6,21 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import tiny_decoding_model
 
 from medusa_jax import kernels
-from medusa_jax.config import MedusaConfig
 from medusa_jax.convert.medusa_format import HeadsFormatError, load_heads, save_heads
-from medusa_jax.cost import overhead_breakdown, step_costs, step_seconds
-from medusa_jax.generate import generate, generate_device, start_state
-from medusa_jax.heads import MedusaHeads, frequent_tokens, init_heads, with_proposal_projection
-from medusa_jax.kv_cache import grow_cache, init_cache
-from medusa_jax.lookup import PromptLookup
+from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.tree import build_tree, greedy_tree_search, with_lookup
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import MedusaHeads, frequent_tokens, init_heads, with_proposal_projection
+from medusa_jax.heads.topk import head_topk
+from medusa_jax.models.kv_cache import grow_cache, init_cache
 from medusa_jax.models.llama import lm_head_matrix
-from medusa_jax.tree import build_tree, greedy_tree_search, with_lookup
-from medusa_jax.tune import choose_tree, rank_accuracies
-from medusa_jax.verify import head_topk
-
-from conftest import tiny_decoding_model
+from medusa_jax.tuning.calibrate import choose_tree, rank_accuracies
+from medusa_jax.tuning.cost import overhead_breakdown, step_costs, step_seconds
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -101,7 +101,7 @@ def test_proposal_ids_round_trip_and_bad_ids(tmp_path, tiny):
 
 
 def test_grow_cache_keeps_entries():
-    from medusa_jax.config import ModelConfig
+    from medusa_jax.models.config import ModelConfig
     mc = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=8, num_layers=2, num_heads=2, num_kv_heads=1)
     c = init_cache(mc, 1, 4)
     c = c.replace(k=c.k + 1.0, v=c.v + 2.0, lengths=jnp.array([3], jnp.int32))
@@ -188,7 +188,8 @@ def test_step_costs_time_every_tree(tiny):
 def test_tune_command_saves_the_chosen_tree(tmp_path):
     """End to end on a tiny HF model: calibration, c(T), choice, saved with the heads and used by default."""
     from conftest import tiny_tune_run
-    from medusa_jax.runtime import heads_calibration, predicted_tokens_per_step, resolve_heads
+
+    from medusa_jax.resolve import heads_calibration, predicted_tokens_per_step, resolve_heads
 
     lm, rc = tiny_tune_run(tmp_path, extra={"metrics": {"note": "kept"}})
     assert rc == 0
@@ -240,21 +241,21 @@ def _files(directory) -> dict:
 
 def test_tune_output_never_defaults_into_the_package(tmp_path, monkeypatch):
     import medusa_jax
-    from medusa_jax import runtime
-    from medusa_jax.tune import DEFAULT_OUT, OutputDirError, output_dir
+    from medusa_jax import resolve
+    from medusa_jax.tuning.calibrate import DEFAULT_OUT, OutputDirError, output_dir
 
     package = os.path.dirname(os.path.abspath(medusa_jax.__file__))
     monkeypatch.chdir(tmp_path)
     mine = tmp_path / "runs" / "heads"
     assert output_dir(None, None) == str(tmp_path / DEFAULT_OUT)  # shipped heads -> ./tuned_heads
-    assert output_dir(runtime.DEFAULT_HEADS_DIR, None) == str(tmp_path / DEFAULT_OUT)
+    assert output_dir(resolve.DEFAULT_HEADS_DIR, None) == str(tmp_path / DEFAULT_OUT)
     assert output_dir(str(mine), None) == str(mine)  # the user's own heads: tuned in place
     assert output_dir(None, "elsewhere") == str(tmp_path / "elsewhere")
-    assert output_dir(None, None, update_shipped=True) == os.path.abspath(runtime.DEFAULT_HEADS_DIR)
-    medusa1 = runtime.SHIPPED_HEADS["medusa1"]  # the other shipped heads, by name
+    assert output_dir(None, None, update_shipped=True) == os.path.abspath(resolve.DEFAULT_HEADS_DIR)
+    medusa1 = resolve.SHIPPED_HEADS["medusa1"]  # the other shipped heads, by name
     assert output_dir("medusa1", None) == str(tmp_path / DEFAULT_OUT)
     assert output_dir("medusa1", None, update_shipped=True) == os.path.abspath(medusa1)
-    for inside in (runtime.DEFAULT_HEADS_DIR, package, os.path.join(package, "assets", "new")):
+    for inside in (resolve.DEFAULT_HEADS_DIR, package, os.path.join(package, "assets", "new")):
         with pytest.raises(OutputDirError, match="inside the installed medusa_jax package.*--update-shipped-heads"):
             output_dir(None, inside)
     with pytest.raises(OutputDirError, match="either --out or --update-shipped-heads"):
@@ -264,14 +265,15 @@ def test_tune_output_never_defaults_into_the_package(tmp_path, monkeypatch):
 def test_tune_command_refuses_out_inside_the_package(capsys):
     """Refused before anything is loaded; the shipped heads and the package are untouched."""
     import medusa_jax
-    from medusa_jax import runtime, tune
+    from medusa_jax import resolve
+    from medusa_jax.cli import tune
 
     package = os.path.dirname(os.path.abspath(medusa_jax.__file__))
     target = os.path.join(package, "assets", "heads", "tuned-here")
-    before = _files(runtime.DEFAULT_HEADS_DIR)
+    before = _files(resolve.DEFAULT_HEADS_DIR)
     assert tune.main(["--out", target, "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --out {target} is inside the installed medusa_jax package")
     assert "--update-shipped-heads" in err and len(err.strip().splitlines()) == 1
-    assert tune.main(["--out", runtime.DEFAULT_HEADS_DIR, "--no-progress"]) == 2
-    assert not os.path.exists(target) and _files(runtime.DEFAULT_HEADS_DIR) == before
+    assert tune.main(["--out", resolve.DEFAULT_HEADS_DIR, "--no-progress"]) == 2
+    assert not os.path.exists(target) and _files(resolve.DEFAULT_HEADS_DIR) == before

@@ -25,7 +25,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
-from ..config import ModelConfig, RopeScaling
+from medusa_jax.models.config import ModelConfig, RopeScaling
 
 #: Bumped whenever what is stored (or how the converter builds it) changes.
 CACHE_FORMAT = 1

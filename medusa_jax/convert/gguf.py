@@ -23,10 +23,14 @@ import os
 import re
 from typing import Any, Dict, Optional, Tuple
 
+import gguf
 import numpy as np
+from gguf.quants import dequantize
+from tqdm.auto import tqdm
 
-from ..config import ModelConfig, RopeScaling, check_architecture
-from .hf import ConversionError, params_from_hf_tensors
+from medusa_jax.convert.hf import ConversionError, params_from_hf_tensors
+from medusa_jax.models.config import ModelConfig, RopeScaling, check_architecture
+from medusa_jax.models.llama import rope_inv_freq
 
 #: First four bytes of every GGUF file.
 GGUF_MAGIC = b"GGUF"
@@ -86,9 +90,8 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _field_value(field) -> Any:
+def field_value(field) -> Any:
     """Decode one GGUF metadata field to a Python scalar, str or list."""
-    import gguf
 
     def one(part, vtype):
         if vtype == gguf.GGUFValueType.STRING:
@@ -107,7 +110,7 @@ def read_gguf_metadata(reader) -> Dict[str, Any]:
     tokenizer arrays (tokens, merges, scores, token types)."""
     skip = {"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
             "tokenizer.ggml.token_type"}
-    return {k: _field_value(f) for k, f in reader.fields.items()
+    return {k: field_value(f) for k, f in reader.fields.items()
             if k not in skip and not k.startswith("GGUF.")}
 
 
@@ -118,7 +121,6 @@ def open_gguf(path: str):
       FileNotFoundError: no such file.
       ConversionError: not a GGUF file (wrong magic bytes), or a truncated/corrupt one.
     """
-    import gguf
 
     if not os.path.isfile(path):
         raise FileNotFoundError(f"{path}: no such GGUF file")
@@ -142,7 +144,6 @@ def _llama3_scaling_from_freqs(factors: np.ndarray, cfg: ModelConfig, orig_ctx: 
     ``s = (orig_ctx / wavelen - low) / (high - low)`` linear in 1 / wavelen. The in-between points
     give (low, high) by least squares; the result must reproduce every divisor.
     """
-    from ..models.llama import rope_inv_freq
 
     f = np.asarray(factors, np.float64).reshape(-1)
     if f.shape[0] != cfg.head_dim // 2:
@@ -264,7 +265,6 @@ def _sliding_layout(get, num_layers: int, source: str) -> Tuple[Optional[int], O
 
 def _dequantize(tensor, source: str) -> np.ndarray:
     """One reader tensor -> float32 numpy array in torch layout (reversed GGUF shape)."""
-    from gguf.quants import dequantize
 
     try:
         arr = dequantize(tensor.data, tensor.tensor_type)
@@ -301,7 +301,6 @@ def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False) 
     permuted = file_arch == "llama"
     hf: Dict[str, np.ndarray] = {}
     unmapped = []
-    from tqdm.auto import tqdm
 
     for tensor in tqdm(reader.tensors, desc=f"converting {os.path.basename(path)} (cached for later runs)",
                        unit="tensor", disable=not progress, leave=False):

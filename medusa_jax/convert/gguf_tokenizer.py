@@ -13,7 +13,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Tuple
 
-from .hf import ConversionError
+from medusa_jax.convert.gguf import field_value
+from medusa_jax.convert.hf import ConversionError
 
 #: The metadata keys that hold the token arrays (read in full; everything else is small).
 _SPECIAL = {"bos_token": "bos_token_id", "eos_token": "eos_token_id",
@@ -26,8 +27,7 @@ def _converter():
     Raises ImportError when this transformers has neither module (they moved between releases).
     """
     try:  # transformers >= 5.x
-        from transformers.integrations.gguf.gguf_tokenizer_mapping import (
-            GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer)
+        from transformers.integrations.gguf.gguf_tokenizer_mapping import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     except ImportError:  # transformers 4.x
         from transformers.integrations.ggml import GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
     return GGUF_TOKENIZER_MAPPING, convert_gguf_tokenizer
@@ -44,7 +44,6 @@ def gguf_tokenizer_metadata(reader) -> Tuple[str, Dict[str, Any], Dict[str, Any]
     Raises:
       ConversionError: the file has no tokenizer metadata.
     """
-    from .gguf import _field_value
 
     mapping, _ = _converter()
     fields = reader.fields
@@ -53,7 +52,7 @@ def gguf_tokenizer_metadata(reader) -> Tuple[str, Dict[str, Any], Dict[str, Any]
                               "directory with tokenizer.json, or a GGUF exported with its tokenizer")
 
     def value(key):
-        return _field_value(fields[key]) if key in fields else None
+        return field_value(fields[key]) if key in fields else None
 
     grouped = {group: {name: value(f"tokenizer.{key}") for key, name in renames.items()
                        if f"tokenizer.{key}" in fields}

@@ -11,8 +11,9 @@ import os
 from typing import Dict, Iterable, Mapping, Tuple
 
 import numpy as np
+from safetensors import safe_open
 
-from ..config import ModelConfig
+from medusa_jax.models.config import ModelConfig
 
 
 class ConversionError(ValueError):
@@ -162,7 +163,6 @@ def load_hf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
       UnsupportedArchitectureError: model_type not llama/mistral/qwen2.
       ConversionError: no safetensors, a corrupt file, or an unmapped/missing/mis-shaped tensor.
     """
-    from safetensors import safe_open
 
     if not os.path.isdir(path):
         raise FileNotFoundError(f"{path}: not a directory")

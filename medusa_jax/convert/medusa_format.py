@@ -1,6 +1,6 @@
 """Medusa head files: load the official and vLLM formats, save ours, export to both.
 
-Formats (DESIGN.md, "Formats to read and write"):
+Formats (docs/design-notes.md, "Head file formats"):
 
 * Official (FasterDecoding/Medusa, ``medusa/model/medusa_model.py``): a directory with
   ``config.json`` (``medusa_num_heads``, ``medusa_num_layers``, ``base_model_name_or_path``) and
@@ -21,7 +21,7 @@ Formats (DESIGN.md, "Formats to read and write"):
 * Ours (`save_heads`): the official safetensors format plus ``medusa_choices``, ``topk``,
   ``shared_lm_head``, optionally ``proposal_token_ids`` (the tokens the heads may propose; see
   `MedusaConfig.proposal_vocab_size`) and free extra fields (metrics, training info) in ``config.json``.
-  Hydra heads (``"head_type": "hydra"``, `medusa_jax.hydra`; Ankner et al. 2024) add, per head h,
+  Hydra heads (``"head_type": "hydra"``, `medusa_jax.heads.hydra`; Ankner et al. 2024) add, per head h,
   the weights of their first block that read the path's token embeddings::
 
       hydra.{h}.path_linear.weight    [D, (h+1)*D]  torch [out, in]; in = [e(x_{t+1}) ; ... ; e(x_{t+h+1})]
@@ -31,7 +31,7 @@ Formats (DESIGN.md, "Formats to read and write"):
   their h_t columns, which are ``{h}.0.linear.weight`` and the identity). The official and vLLM
   formats have no place for them: exporting hydra heads there is refused.
 
-Params are the `medusa_jax.heads.MedusaHeads` layout (kernels [in, out]); files hold torch's
+Params are the `medusa_jax.heads.medusa.MedusaHeads` layout (kernels [in, out]); files hold torch's
 [out, in]. ``.pt`` files are read with ``torch.load(weights_only=True)`` only, and torch is imported
 only for ``.pt`` files. Safetensors are parsed here (header checked against the file size) so that
 bf16 files load without torch and truncated files fail with `HeadsFormatError`.
@@ -45,16 +45,19 @@ import warnings
 from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
+from safetensors import safe_open
+from safetensors.numpy import save_file
 
-from ..config import HEAD_TYPES, MedusaConfig, ModelConfig
-from ..heads import check_heads_match, heads_params_to_numpy
-from ..hydra import PATH_KERNEL, PATH_RESIDUAL, check_path_params
-from .hf import ConversionError
+from medusa_jax.convert.hf import ConversionError
+from medusa_jax.heads.config import HEAD_TYPES, MedusaConfig
+from medusa_jax.heads.hydra import PATH_KERNEL, PATH_RESIDUAL, check_path_params
+from medusa_jax.heads.medusa import check_heads_match, heads_params_to_numpy
+from medusa_jax.models.config import ModelConfig
 
 OFFICIAL_FILES = ("medusa_lm_head.safetensors", "medusa_lm_head.pt")
 VLLM_FILES = ("model.safetensors", "pytorch_model.bin")
 WEIGHT_FILES = OFFICIAL_FILES + VLLM_FILES
-_OUR_KEYS = ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
+OUR_KEYS = ("medusa_num_heads", "medusa_num_layers", "base_model_name_or_path", "hidden_size",
              "vocab_size", "version", "medusa_choices", "topk", "shared_lm_head", "proposal_token_ids", "head_type")
 _HYDRA_RE = re.compile(r"^hydra\.(\d+)\.(path_linear|path_residual)\.weight$")
 
@@ -68,7 +71,6 @@ class HeadsFormatError(ConversionError):
 def _read_safetensors(fn: str, dtype) -> Dict[str, np.ndarray]:
     """Read a .safetensors file (through the safetensors library) into name -> array; float tensors
     (bf16 included) are cast to `dtype`. A truncated or corrupt file raises HeadsFormatError."""
-    from safetensors import safe_open
 
     try:
         with safe_open(fn, framework="numpy") as f:
@@ -537,7 +539,6 @@ def _write(path: str, filename: str, tensors: Dict[str, np.ndarray], config: dic
         import torch
         torch.save({k: torch.from_numpy(np.array(v)) for k, v in tensors.items()}, tmp)
     else:
-        from safetensors.numpy import save_file
         save_file(tensors, tmp, metadata={"format": "pt"})
     os.replace(tmp, target)
     for other in WEIGHT_FILES:  # a stale file of another format would shadow or confuse loading
@@ -594,7 +595,7 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
     if cfg.proposal_vocab_size:
         config["proposal_token_ids"] = [int(i) for i in p["proposal_ids"]]
     for k, v in (extra or {}).items():
-        if k in config or k in _OUR_KEYS:
+        if k in config or k in OUR_KEYS:
             raise ValueError(f"extra field {k!r} collides with a Medusa config field")
         config[k] = v
     if cfg.head_type != "medusa":

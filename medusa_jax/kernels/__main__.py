@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from . import _load, available, read_bandwidth, status
+from medusa_jax.kernels import available, load_library, read_bandwidth, status
 
 
 def main(argv=None) -> int:
@@ -16,7 +16,7 @@ def main(argv=None) -> int:
                    help="also measure the read bandwidth (2 threads summing a 1 GiB buffer, best of 3)")
     p.add_argument("--threads", type=int, default=2, help="threads for --bandwidth")
     args = p.parse_args(argv)
-    _load()
+    load_library()
     print(f"decoding products: {status()}")
     if args.bandwidth:
         if not available():

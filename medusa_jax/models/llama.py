@@ -1,6 +1,6 @@
 """Flax Linen decoder for the Llama family: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2.
 
-Used pure-functionally (DESIGN.md)::
+Used pure-functionally (docs/design-notes.md, "Conventions")::
 
     logits, hidden, cache = LlamaModel(cfg).apply({"params": p}, tokens, positions, cache, mask)
 
@@ -20,9 +20,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import kernels, sharding
-from ..config import ModelConfig
-from ..kv_cache import KVCache
+from medusa_jax import kernels, sharding
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.kv_cache import KVCache
 
 
 def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:

@@ -26,6 +26,12 @@ from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
+from safetensors.numpy import save_file
+
+from medusa_jax.convert.hf import hf_tensors_from_params
+from medusa_jax.convert.medusa_format import save_heads
+from medusa_jax.decoding.tree import get_tree, greedy_tree_search
+from medusa_jax.models.llama import lm_head_matrix
 
 
 class Checkpointer:
@@ -239,9 +245,6 @@ def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: 
     model.safetensors and the tokenizer: an HF directory `load_model` reads).
     Returns the heads directory.
     """
-    from ..convert.medusa_format import save_heads
-    from ..models.llama import lm_head_matrix
-    from ..tree import get_tree, greedy_tree_search
     if tc.tree == "search" and metrics.get("val_rank_acc"):
         hcfg = hcfg.replace(medusa_choices=greedy_tree_search(np.asarray(metrics["val_rank_acc"]), tc.tree_nodes,
                                                               tc.topk))
@@ -254,7 +257,7 @@ def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: 
                           "loss_decay": tc.loss_decay, "seed": tc.seed, "loss_targets": tc.loss_targets,
                           "soft_temperature": tc.soft_temperature, "proposal_vocab": tc.proposal_vocab,
                           "loop_weight": tc.loop_weight, "loop_ngram": tc.loop_ngram,
-                          "backbone": _backbone_record(tc, bb, out_dir, backbone_params is not None)}}
+                          "backbone": backbone_record(tc, bb, out_dir, backbone_params is not None)}}
     heads_dir = os.path.join(out_dir, "heads")
     save_heads(heads_dir, hcfg, heads_params, base_lm_head=lm, extra=extra)
     if backbone_params is not None and tc.save_backbone:
@@ -262,7 +265,7 @@ def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: 
     return heads_dir
 
 
-def _backbone_record(tc, bb, out_dir: str, trained: bool) -> str:
+def backbone_record(tc, bb, out_dir: str, trained: bool) -> str:
     """The backbone the heads were trained with, as their metadata records it: the saved joint
     backbone, the model the config named, or the default packaged model's file name (not its
     install path, which is this machine's)."""
@@ -272,9 +275,7 @@ def _backbone_record(tc, bb, out_dir: str, trained: bool) -> str:
 
 
 def _save_backbone(path: str, bb, params) -> None:
-    from safetensors.numpy import save_file
 
-    from ..convert.hf import hf_tensors_from_params
     os.makedirs(path, exist_ok=True)
     save_file(hf_tensors_from_params(bb.cfg, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -1,6 +1,6 @@
 """Training data: chats -> token ids with an assistant-only loss mask, batching, Medusa targets.
 
-Conventions (DESIGN.md): an example is token ids ``[T]`` int32 with a loss mask ``[T]`` bool that
+Conventions (docs/design-notes.md, "Conventions"): an example is token ids ``[T]`` int32 with a loss mask ``[T]`` bool that
 marks the tokens the model should learn to produce (assistant answers and their end-of-turn
 token). Medusa head k (0-based) reads the hidden state at position t and predicts token t + k + 2;
 the backbone's own next-token prediction is "head -1" (token t + 1). A target is valid only when
@@ -14,6 +14,8 @@ import os
 from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
+
+from medusa_jax.train.distill import SAMPLES_FILE, check_not_eval_set, read_samples
 
 #: End-of-turn markers of common chat templates (ChatML, Llama 3, Phi 3, Gemma).
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
@@ -133,11 +135,10 @@ def load_distilled(directory: str) -> List[Example]:
     Raises:
       FileNotFoundError: no samples.jsonl there.
     """
-    from .distill import SAMPLES_FILE, read_samples
 
     path = os.path.join(directory, SAMPLES_FILE)
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"{path}: no such file; run `python -m medusa_jax.train.distill --out {directory}`")
+        raise FileNotFoundError(f"{path}: no such file; run `medusa-distill --out {directory}`")
     out = []
     for pid, r in read_samples(path, repair=False).items():
         p, a = r["prompt_ids"], r["response_ids"]
@@ -424,7 +425,6 @@ def position_batches(pos: Positions, batch: int, soft: bool = False):
 def read_chat_jsonl(path: str, field: str = "messages") -> Iterable[Tuple[str, list]]:
     """(id, messages) from a JSONL file whose lines hold a list of {"role", "content"} in `field`.
     Raises `medusa_jax.train.distill.EvalSetError` for an evaluation set (MT-Bench, Spec-Bench)."""
-    from .distill import check_not_eval_set
 
     check_not_eval_set(path)
     with open(path, encoding="utf-8") as f:

@@ -3,11 +3,11 @@
 The heads are then trained on the backbone's own answers, so that they learn to predict what the
 backbone will say (their acceptance at decoding time), not what some other model said.
 
-Generation is *continuously batched*: a host loop drives one jitted batched plain-decode step
-(`medusa_jax.generate.step` with `PLAIN_TREE`, no heads) over B rows of one KV cache; when a row
-finishes (EOS or ``max_new_tokens``), the next prompt is prefilled into a B = 1 cache and copied
-into that row (`insert_row`), so no row idles while others are still generating. Per-row cache
-lengths make this exact: each row's tokens equal single-prompt greedy decoding.
+Generation is *continuously batched* through the library's one batching decoder
+(`medusa_jax.decoding.generate.generate_batch`, plain decoding, no heads): B rows of one KV cache,
+and when a row finishes (EOS or ``max_new_tokens``) the next prompt is prefilled into it, so no row
+idles while others are still generating. Per-row cache lengths make this exact: each row's tokens
+equal single-prompt greedy decoding.
 
 Output, in ``out_dir``:
   ``samples.jsonl``: one line per finished prompt, flushed at once:
@@ -19,12 +19,11 @@ in ``samples.jsonl`` are skipped, and a truncated last line (a kill mid-write) i
 
 Command line::
 
-    python -m medusa_jax.train.distill --out data/distill/smollm2 --target-tokens 300000
+    medusa-distill --out data/distill/smollm2 --target-tokens 300000
 """
 from __future__ import annotations
 
-import argparse
-import functools
+import itertools
 import json
 import os
 import sys
@@ -32,11 +31,23 @@ import time
 from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
+from tqdm import tqdm
+
+from medusa_jax.chat import apply_chat_template
+from medusa_jax.convert.load import load_model
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.generate import generate_batch
 
 #: File-name fragments of evaluation sets that must never be trained on.
 EVAL_SET_MARKERS = ("mt_bench", "mt-bench", "spec-bench", "spec_bench", "specbench")
+
+
 SAMPLES_FILE = "samples.jsonl"
+
+
 META_FILE = "meta.json"
+
+
 #: meta.json fields that must match when resuming (they define the data).
 _META_KEYS = ("model", "max_new_tokens", "temperature", "seed", "prompts", "max_prompt_tokens")
 
@@ -109,66 +120,6 @@ def read_samples(path: str, repair: bool = True) -> Dict[str, dict]:
     return done
 
 
-# --------------------------------------------------------------------------------------------
-# continuous batching
-
-
-@functools.lru_cache(maxsize=None)
-def _insert_row_fn():
-    import jax
-
-    from ..generate import put_row
-
-    def insert(state, row, b):  # the row keeps drawing from its own key
-        return put_row(state, row.replace(key=state.key[b][None]), b)
-
-    return jax.jit(insert, donate_argnums=(0,))
-
-
-def insert_row(state, row, b: int):
-    """Copy a B = 1 `DecodeState` `row` (same cache size S) into row `b` of a batched `state`.
-
-    Jitted, `state` donated (updated in place). Returns the new batched state.
-    """
-    import jax.numpy as jnp
-    return _insert_row_fn()(state, row, jnp.int32(b))
-
-
-@functools.lru_cache(maxsize=None)
-def _reset_row_fn():
-    import jax
-
-    def reset(state, b):
-        return state.replace(cache=state.cache.replace(lengths=state.cache.lengths.at[b].set(0)))
-
-    return jax.jit(reset, donate_argnums=(0,))
-
-
-def _empty_state(cfg, batch: int, size: int, seed: int):
-    import jax.numpy as jnp
-
-    from ..kv_cache import init_cache
-    from ..sampling import row_keys
-    from ..verify import DecodeState
-    return DecodeState(logits=jnp.zeros((batch, cfg.vocab_size), jnp.float32),
-                       hidden=jnp.zeros((batch, cfg.hidden_size), jnp.float32),
-                       cache=init_cache(cfg, batch, size), key=row_keys(seed, batch),
-                       next_token=jnp.full((batch,), -1, jnp.int32))
-
-
-def _prefill_one(cfg, params, prompt: Sequence[int], size: int, pad_multiple: int = 64):
-    import jax.numpy as jnp
-
-    from ..generate import prefill
-    from ..kv_cache import init_cache
-    from ..sampling import row_keys
-    Tp = min(-(-len(prompt) // pad_multiple) * pad_multiple, size)
-    toks = np.zeros((1, Tp), np.int32)
-    toks[0, :len(prompt)] = prompt
-    return prefill(cfg, params, jnp.asarray(toks), jnp.asarray([len(prompt)], jnp.int32),
-                   init_cache(cfg, 1, size), row_keys(0, 1))
-
-
 def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], out_dir: str, *,
                      max_new_tokens: int = 256, batch_size: int = 128, temperature: float = 0.0,
                      seed: int = 0, target_tokens: Optional[int] = None, limit: Optional[int] = None,
@@ -176,18 +127,22 @@ def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], 
                      progress: bool = True) -> dict:
     """Answer tokenized prompts with continuous batching; append to ``out_dir/samples.jsonl``.
 
+    The answers are plain decoding's (no heads) through `medusa_jax.decoding.generate.generate_batch`,
+    which reads the prompts lazily: a prompt is taken only when a row is free and every answer
+    before it was written, so the token target is checked against all the answers so far.
+
     Args:
       cfg, params: the backbone (`ModelConfig`, `LlamaModel` params).
       prompts: (id, prompt token ids) in the order to process (chat template applied); ids
         already in samples.jsonl are skipped (resume) but still count towards `limit`.
       max_new_tokens: answer budget per prompt (finish "length" when reached without EOS).
       batch_size: B rows decoded together.
-      temperature: 0 greedy; > 0 sampling.
+      temperature: 0 greedy; > 0 sampling (the i-th prompt taken by this call draws with seed + i).
       target_tokens: stop taking new prompts once this many response tokens exist (those in the
         file included); rows in flight are finished. None: no target.
       limit: take only the first `limit` prompts of `prompts`.
-      cache_size: S slots per row; default: longest prompt + max_new_tokens + 1, rounded up to 64
-        (prompts are materialised to find it when not given).
+      cache_size: S slots per row at most; default: longest prompt + max_new_tokens + 1, rounded up
+        to 64 (prompts are materialised to find it when not given).
       eos_token_ids: default ``cfg.eos_token_ids``.
     Returns:
       {"written": samples written now, "tokens": response tokens written now, "total_tokens":
@@ -195,19 +150,13 @@ def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], 
     Raises:
       ValueError: a prompt that does not fit in `cache_size` with its budget, or an empty prompt.
     """
-    import jax
-
-    from ..generate import PLAIN_TREE, step
-    from ..verify import Acceptance
-
     os.makedirs(out_dir, exist_ok=True)
     path = os.path.join(out_dir, SAMPLES_FILE)
     done = read_samples(path)
     total = sum(len(r["response_ids"]) for r in done.values())
-    eos = set(int(e) for e in (cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
+    eos = tuple(int(e) for e in (cfg.eos_token_ids if eos_token_ids is None else eos_token_ids))
     it: Iterator = iter(prompts)
     if limit is not None:
-        import itertools
         it = itertools.islice(it, limit)
     if cache_size is None:
         pending = list(it)
@@ -215,19 +164,12 @@ def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], 
         cache_size = min(-(-(longest + max_new_tokens + 1) // 64) * 64, cfg.max_position_embeddings)
         it = iter(pending)
     S = cache_size
-    acc = Acceptance(temperature=float(temperature))
-    B = batch_size
+    taken: List[Tuple[str, List[int]]] = []  # (id, prompt ids) in the order generate_batch reads them
 
-    bar = None
-    if progress:
-        from tqdm import tqdm
-        bar = tqdm(total=target_tokens, initial=total, unit="tok", desc="distill", dynamic_ncols=True,
-                   mininterval=5.0, file=sys.stderr)
-
-    def next_prompt():
-        if target_tokens is not None and total >= target_tokens:
-            return None
+    def source() -> Iterator[List[int]]:
         for pid, ids in it:
+            if target_tokens is not None and total >= target_tokens:
+                return
             if pid in done:
                 continue
             ids = [int(t) for t in ids]
@@ -236,51 +178,29 @@ def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], 
             if len(ids) + max_new_tokens > S:
                 raise ValueError(f"prompt {pid}: {len(ids)} tokens + {max_new_tokens} new do not fit "
                                  f"in the cache of {S} slots")
-            return pid, ids
-        return None
+            taken.append((pid, ids))
+            yield ids
 
-    state = _empty_state(cfg, B, S, seed)
-    rows: List[Optional[dict]] = [None] * B
+    bar = tqdm(total=target_tokens, initial=total, unit="tok", desc="distill", dynamic_ncols=True,
+               mininterval=5.0, file=sys.stderr) if progress else None
     written = new_tokens = 0
-
-    def fill(b):
-        nonlocal state
-        nxt = next_prompt()
-        if nxt is None:
-            rows[b] = None
-            state = _reset_row_fn()(state, jax.numpy.int32(b))
-            return
-        pid, ids = nxt
-        rows[b] = {"id": pid, "prompt_ids": ids, "response_ids": []}
-        state = insert_row(state, _prefill_one(cfg, params, ids, S), b)
-
     t0 = time.perf_counter()
+    answers = generate_batch(cfg, params, source(), batch_size=batch_size, max_new_tokens=max_new_tokens,
+                             acceptance=Acceptance(temperature=float(temperature)), seed=seed, eos_token_ids=eos,
+                             cache_size=S, progress=False)
     with open(path, "a", encoding="utf-8") as f:
-        for b in range(B):
-            fill(b)
-        while any(r is not None for r in rows):
-            out, state = step(cfg, None, PLAIN_TREE, acc, params, None, state)
-            toks = np.asarray(out.tokens[:, 0])
-            active = 0
-            for b, r in enumerate(rows):
-                if r is None:
-                    continue
-                tok = int(toks[b])
-                r["response_ids"].append(tok)
-                active += 1
-                finish = "eos" if tok in eos else ("length" if len(r["response_ids"]) >= max_new_tokens else None)
-                if finish is None:
-                    continue
-                r["finish"] = finish
-                f.write(json.dumps(r, separators=(",", ":")) + "\n")
-                f.flush()
-                done[r["id"]] = r
-                written += 1
-                fill(b)
-            total += active
-            new_tokens += active
+        for i, res in answers:
+            pid, ids = taken[i]
+            rec = {"id": pid, "prompt_ids": ids, "response_ids": res.tokens,
+                   "finish": "eos" if res.stop_reason == "eos" else "length"}
+            f.write(json.dumps(rec, separators=(",", ":")) + "\n")
+            f.flush()
+            done[pid] = rec
+            written += 1
+            total += len(res.tokens)
+            new_tokens += len(res.tokens)
             if bar is not None:
-                bar.update(active)
+                bar.update(len(res.tokens))
                 bar.set_postfix(samples=len(done), tok_s=f"{new_tokens / (time.perf_counter() - t0):.1f}",
                                 refresh=False)
     if bar is not None:
@@ -290,16 +210,11 @@ def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], 
             "tokens_per_s": new_tokens / secs if secs > 0 else 0.0}
 
 
-# --------------------------------------------------------------------------------------------
-# the full pipeline
-
-
 def tokenized_prompts(tokenizer, pool: Sequence[Tuple[str, str]], seed: int, max_prompt_tokens: int,
                       skip_ids: Iterable[str] = ()) -> Iterator[Tuple[str, List[int]]]:
     """Shuffle `pool` with `seed` (numpy permutation) and yield (id, chat-templated ids), skipping
     prompts longer than `max_prompt_tokens` or empty. Ids in `skip_ids` are yielded with an empty
     list (already done; not tokenized) so that they still count towards a limit."""
-    from ..loading import apply_chat_template
     skip = set(skip_ids)
     order = np.random.default_rng(seed).permutation(len(pool))
     for i in order:
@@ -334,7 +249,6 @@ def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None
       EvalSetError: `prompts` names an evaluation set.
       ValueError: ``out`` holds a meta.json made with different settings.
     """
-    from ..loading import load_model
 
     prompts_given = prompts is not None
     prompts = os.path.abspath(prompts or default_prompts_path())
@@ -365,40 +279,3 @@ def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None
     return generate_samples(lm.cfg, lm.params, it, out, max_new_tokens=max_new_tokens,
                             batch_size=batch_size, temperature=temperature, seed=seed,
                             target_tokens=target_tokens, limit=limit, cache_size=S, progress=progress)
-
-
-def main(argv: Optional[Sequence[str]] = None) -> None:
-    from ..cli_help import HelpFormatter
-
-    p = argparse.ArgumentParser(prog="python -m medusa_jax.train.distill", description=__doc__.split("\n")[0],
-                                formatter_class=HelpFormatter)
-    p.add_argument("--out", required=True,
-                   help="output directory (samples.jsonl, meta.json); an interrupted run resumes there")
-    p.add_argument("--model", default=None, help="backbone: HF directory or GGUF (default: SmolLM2 GGUF)")
-    p.add_argument("--prompts", default=None,
-                   help="JSONL with a 'prompt' field (default: the permissive pool); never an evaluation set")
-    p.add_argument("--target-tokens", type=int, default=None,
-                   help="stop taking new prompts once samples.jsonl holds this many response tokens "
-                        "(default: answer the whole pool)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="response tokens per prompt at most")
-    p.add_argument("--batch-size", type=int, default=128,
-                   help="prompts decoded together (continuous batching); on a 2-core CPU 128 made 320 tokens/s "
-                        "where 32 made 210 and 16 made 170")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy answers; > 0: sampled")
-    p.add_argument("--seed", type=int, default=0, help="seed of the pool's shuffle and of sampling")
-    p.add_argument("--limit", type=int, default=None,
-                   help="only the first N prompts of the shuffled pool (default: all)")
-    p.add_argument("--max-prompt-tokens", type=int, default=256,
-                   help="skip prompts longer than this many tokens after the chat template")
-    a = p.parse_args(argv)
-    try:
-        res = distill(a.out, model=a.model, prompts=a.prompts, target_tokens=a.target_tokens,
-                      max_new_tokens=a.max_new_tokens, batch_size=a.batch_size, temperature=a.temperature,
-                      seed=a.seed, limit=a.limit, max_prompt_tokens=a.max_prompt_tokens)
-    except (EvalSetError, FileNotFoundError, ValueError) as e:
-        sys.exit(f"error: {e}")
-    print(json.dumps(res), flush=True)
-
-
-if __name__ == "__main__":
-    main()

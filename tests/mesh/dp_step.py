@@ -33,25 +33,26 @@ def one_step(mode: str, mesh=None) -> dict:
     import jax.numpy as jnp
 
     from medusa_jax import sharding
-    from medusa_jax.config import MedusaConfig, TrainConfig
-    from medusa_jax.hydra import token_embeddings
+    from medusa_jax.heads.config import MedusaConfig
+    from medusa_jax.heads.hydra import token_embeddings
     from medusa_jax.models.llama import lm_head_matrix
     from medusa_jax.train import data as D
-    from medusa_jax.train import trainer as T
+    from medusa_jax.train import hidden, optim, steps, trainer
+    from medusa_jax.train.config import TrainConfig
 
     tc = TrainConfig.from_yaml(CONFIG, OVERRIDES + (f"mode={mode}",))
-    bb = T.build_backbone(tc)
+    bb = hidden.build_backbone(tc)
     cfg, K = bb.cfg, tc.num_heads
     hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=K,
                         num_layers=tc.num_layers, shared_lm_head=True)
     lm = jnp.asarray(lm_head_matrix(cfg, bb.params))
-    heads = T.initial_heads(tc, hcfg, cfg, lm)
+    heads = trainer.initial_heads(tc, hcfg, cfg, lm)
     # non-zero blocks, so that the step's gradients reach every head param
     heads = {k: v + 0.05 * jax.random.normal(jax.random.PRNGKey(i), v.shape) for i, (k, v) in enumerate(sorted(heads.items()))}
     rng = np.random.default_rng(0)
     if mode == "frozen":
         N = 16
-        opt = T.make_optimizer(tc, tc.learning_rate, tc.steps)
+        opt = optim.make_optimizer(tc, tc.learning_rate, tc.steps)
         params, state = heads, opt.init(heads)
         batch = {"hidden": rng.normal(size=(N, cfg.hidden_size)).astype(np.float32),
                  "labels": rng.integers(0, cfg.vocab_size, size=(K, N)).astype(np.int32),
@@ -59,22 +60,22 @@ def one_step(mode: str, mesh=None) -> dict:
                  "path_tokens": rng.integers(0, cfg.vocab_size, size=(K, N)).astype(np.int32)}
         emb = jnp.asarray(token_embeddings(bb.params))
         params, state = sharding.shard_params((params, state), mesh)
-        lm, emb = T.place_projections(lm, emb, mesh)
-        step = T.make_frozen_step(hcfg, tc, opt)
-        params, state, st = step(params, state, lm, emb, T.place_frozen_batch(batch, mesh))
+        lm, emb = steps.place_projections(lm, emb, mesh)
+        step = steps.make_frozen_step(hcfg, tc, opt)
+        params, state, st = step(params, state, lm, emb, steps.place_frozen_batch(batch, mesh))
     else:
-        opts = {"heads": T.make_optimizer(tc, tc.learning_rate, tc.steps),
-                "backbone": T.make_optimizer(tc, tc.learning_rate, tc.steps)}
+        opts = {"heads": optim.make_optimizer(tc, tc.learning_rate, tc.steps),
+                "backbone": optim.make_optimizer(tc, tc.learning_rate, tc.steps)}
         params = {"heads": heads, "backbone": bb.params}
         state = {k: opts[k].init(params[k]) for k in opts}
         tokens = rng.integers(0, cfg.vocab_size, size=(8, 32)).astype(np.int32)
         mask = np.ones_like(tokens, bool)
         mask[:, :4] = False
         params, state = sharding.shard_params((params, state), mesh)
-        step = T.make_joint_step(cfg, hcfg, tc, opts, True)
-        params, state, st = step(params, state, None, *T.place_joint_batch(
+        step = steps.make_joint_step(cfg, hcfg, tc, opts, True)
+        params, state, st = step(params, state, None, *steps.place_joint_batch(
             tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask), mesh))
-    return {"loss": float(np.asarray(st["loss"])), "params": T.to_host(params)}
+    return {"loss": float(np.asarray(st["loss"])), "params": steps.to_host(params)}
 
 
 def flat(tree, prefix: str = "") -> dict:

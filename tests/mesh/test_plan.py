@@ -1,4 +1,4 @@
-"""`python -m medusa_jax.plan`: per-device memory of the compiled decoding step on a device mesh.
+"""`medusa-plan`: per-device memory of the compiled decoding step on a device mesh.
 
 Every figure of the inputs is checked against an independent count made here from the config by
 hand (Megatron split: q/k/v/gate/up by output column on 'model', o/down by input row, embedding
@@ -14,7 +14,8 @@ import sys
 import jax
 import pytest
 
-from medusa_jax import plan as planmod
+from medusa_jax.cli import plan
+from medusa_jax.evals import memory
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,13 +67,13 @@ def heads_per_device(depth: int, model: int, itemsize: int) -> int:
 
 @pytest.fixture(scope="module")
 def plan_2x4(config_dir, eight_devices):
-    return planmod.plan(str(config_dir), mesh="2x4", dtype="bfloat16", max_len=S, batch=B, medusa_heads=4,
+    return memory.plan(str(config_dir), mesh="2x4", dtype="bfloat16", max_len=S, batch=B, medusa_heads=4,
                         tree_nodes=TREE)
 
 
 def test_sharded_inputs_match_a_count_by_hand(plan_2x4):
     r = plan_2x4
-    tree = planmod.plan_tree(4, TREE)
+    tree = memory.plan_tree(4, TREE)
     assert (r["tree_nodes"], r["tree_depth"], r["heads_used"]) == (TREE, tree.max_depth, tree.max_depth)
     assert r["params_bytes"] == params_per_device(4, 2)
     assert r["params_global_bytes"] == params_per_device(1, 2)
@@ -92,7 +93,7 @@ def test_sharded_inputs_match_a_count_by_hand(plan_2x4):
 
 
 def test_one_device_holds_everything(config_dir, plan_2x4):
-    r = planmod.plan(str(config_dir), mesh="1x1", dtype="bfloat16", max_len=S, batch=B, medusa_heads=4,
+    r = memory.plan(str(config_dir), mesh="1x1", dtype="bfloat16", max_len=S, batch=B, medusa_heads=4,
                      tree_nodes=TREE)
     assert r["params_bytes"] == r["params_global_bytes"] == params_per_device(1, 2)
     assert r["kv_cache_bytes"] == kv_per_device(1, 1, B, 2) == 8 * plan_2x4["kv_cache_bytes"]
@@ -102,7 +103,7 @@ def test_one_device_holds_everything(config_dir, plan_2x4):
 
 def test_rows_that_do_not_divide_the_data_axis_are_replicated_and_plain_decoding_has_no_heads(config_dir,
                                                                                              eight_devices):
-    r = planmod.plan(HF, mesh="2x4", dtype="float32", max_len=S, batch=3, medusa_heads=0)
+    r = memory.plan(HF, mesh="2x4", dtype="float32", max_len=S, batch=3, medusa_heads=0)
     assert r["kv_cache_bytes"] == kv_per_device(2, 4, 3, 4) == 2 * L * 3 * S * 1 * DH * 4
     assert r["params_bytes"] == params_per_device(4, 4)
     assert (r["heads_bytes"], r["tree_nodes"], r["tree_depth"], r["medusa_heads"]) == (0, 1, 0, 0)
@@ -111,43 +112,43 @@ def test_rows_that_do_not_divide_the_data_axis_are_replicated_and_plain_decoding
 
 def test_model_axis_must_divide_the_heads(config_dir):
     with pytest.raises(ValueError, match=r"model axis of 3 does not divide.*8 query heads, 4 KV heads.*1, 2, 4"):
-        planmod.plan(str(config_dir), mesh="1x3", max_len=S, batch=B, tree_nodes=TREE)
+        memory.plan(str(config_dir), mesh="1x3", max_len=S, batch=B, tree_nodes=TREE)
 
 
 def test_too_few_devices_is_a_clear_error(config_dir, eight_devices):
     n = len(jax.devices())
     with pytest.raises(ValueError, match=rf"needs {4 * n} devices, but JAX sees {n}"):
-        planmod.plan(str(config_dir), mesh=f"{n}x4", max_len=S, batch=B, tree_nodes=TREE)
+        memory.plan(str(config_dir), mesh=f"{n}x4", max_len=S, batch=B, tree_nodes=TREE)
 
 
 def test_bad_sizes_are_refused(config_dir):
     with pytest.raises(ValueError, match=r"--max-len 4096 must be in \[16, 512\]"):
-        planmod.plan(str(config_dir), max_len=4096, tree_nodes=TREE)
+        memory.plan(str(config_dir), max_len=4096, tree_nodes=TREE)
     with pytest.raises(ValueError, match="--batch must be >= 1"):
-        planmod.plan(str(config_dir), max_len=S, batch=0)
+        memory.plan(str(config_dir), max_len=S, batch=0)
     with pytest.raises(ValueError, match="dtype must be one of"):
-        planmod.plan(str(config_dir), max_len=S, dtype="int8")
+        memory.plan(str(config_dir), max_len=S, dtype="int8")
 
 
 def test_default_trees():
-    full = planmod.plan_tree(4)
+    full = memory.plan_tree(4)
     assert (full.size, full.max_depth) == (64, 4)  # the whole mc_sim_7b_63 tree
-    one = planmod.plan_tree(1)
+    one = memory.plan_tree(1)
     assert (one.size, one.max_depth) == (11, 1)  # its ten depth-1 nodes
-    assert planmod.plan_tree(2, 8).size == 8
-    big = planmod.plan_tree(5, 100)  # beyond mc_sim_7b_63: the greedy tree on stand-in accuracies
+    assert memory.plan_tree(2, 8).size == 8
+    big = memory.plan_tree(5, 100)  # beyond mc_sim_7b_63: the greedy tree on stand-in accuracies
     assert big.size == 100 and big.max_depth <= 5
-    assert planmod.plan_tree(0).size == 1
+    assert memory.plan_tree(0).size == 1
     with pytest.raises(ValueError, match="needs Medusa heads"):
-        planmod.plan_tree(0, 5)
+        memory.plan_tree(0, 5)
     with pytest.raises(ValueError, match="exceeds the 11 nodes"):
-        planmod.plan_tree(1, 12)
+        memory.plan_tree(1, 12)
 
 
 def test_cli_json_matches_the_library(config_dir, plan_2x4, capsys):
     argv = ["--config", str(config_dir), "--mesh", "2x4", "--dtype", "float32", "--max-len", str(S),
             "--batch", str(B), "--tree-nodes", str(TREE), "--json"]
-    assert planmod.main(argv) == 0
+    assert plan.main(argv) == 0
     r = json.loads(capsys.readouterr().out)
     for key in ("params_bytes", "heads_bytes", "kv_cache_bytes", "temp_bytes", "total_bytes", "argument_bytes"):
         assert isinstance(r[key], int), key
@@ -160,7 +161,7 @@ def test_cli_json_matches_the_library(config_dir, plan_2x4, capsys):
 
 
 def test_cli_table(config_dir, plan_2x4, capsys, eight_devices):
-    assert planmod.main(["--config", str(config_dir), "--mesh", "2x4", "--max-len", str(S), "--batch", str(B),
+    assert plan.main(["--config", str(config_dir), "--mesh", "2x4", "--max-len", str(S), "--batch", str(B),
                          "--tree-nodes", str(TREE)]) == 0
     out = capsys.readouterr().out
     assert "2x4 mesh (8 cpu devices), bfloat16, batch 4, max-len 128, tree 16 nodes" in out
@@ -175,31 +176,31 @@ def test_cli_table(config_dir, plan_2x4, capsys, eight_devices):
     (["--config", "llama-2-70b", "--mesh", "1x16"], "Model-axis sizes that work: 1, 2, 4, 8"),
 ])
 def test_cli_errors_exit_2(argv, message, capsys):
-    assert planmod.main(argv) == 2
+    assert plan.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err
 
 
 def test_presets_are_the_published_configs():
-    from medusa_jax.config import ModelConfig
+    from medusa_jax.models.config import ModelConfig
 
-    c70 = ModelConfig.from_hf_dict(planmod.PRESETS["llama-2-70b"])
+    c70 = ModelConfig.from_hf_dict(memory.PRESETS["llama-2-70b"])
     assert (c70.hidden_size, c70.intermediate_size, c70.num_layers, c70.num_heads, c70.num_kv_heads) == (
         8192, 28672, 80, 64, 8)
-    c7 = ModelConfig.from_hf_dict(planmod.PRESETS["llama-2-7b"])
+    c7 = ModelConfig.from_hf_dict(memory.PRESETS["llama-2-7b"])
     assert (c7.hidden_size, c7.intermediate_size, c7.num_layers, c7.num_kv_heads, c7.vocab_size,
             c7.max_position_embeddings, c7.head_dim) == (4096, 11008, 32, 32, 32000, 4096, 128)
-    c13 = ModelConfig.from_hf_dict(planmod.PRESETS["llama-2-13b"])
+    c13 = ModelConfig.from_hf_dict(memory.PRESETS["llama-2-13b"])
     assert (c13.hidden_size, c13.intermediate_size, c13.num_layers, c13.num_heads) == (5120, 13824, 40, 40)
 
 
 def test_help_explains_every_flag(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "100")
     with pytest.raises(SystemExit) as e:
-        planmod.main(["--help"])
+        plan.main(["--help"])
     assert e.value.code == 0
     text = capsys.readouterr().out
-    assert text.startswith("usage: python -m medusa_jax.plan [-h]")
+    assert text.startswith("usage: medusa-plan [-h]")
     for flag in ("--config", "--mesh", "--dtype", "--max-len", "--batch", "--medusa-heads", "--tree-nodes",
                  "--acceptance", "--json"):
         assert flag in text.split("options:", 1)[1]
@@ -208,19 +209,19 @@ def test_help_explains_every_flag(capsys, monkeypatch):
 
 def test_ensure_host_devices(monkeypatch):
     monkeypatch.delenv("XLA_FLAGS", raising=False)
-    assert planmod.ensure_host_devices(8)
+    assert plan.ensure_host_devices(8)
     assert os.environ["XLA_FLAGS"] == "--xla_force_host_platform_device_count=8"
     monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_foo=1")
-    assert planmod.ensure_host_devices(4)
+    assert plan.ensure_host_devices(4)
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
-    assert not planmod.ensure_host_devices(16)  # a count already set is left alone
+    assert not plan.ensure_host_devices(16)  # a count already set is left alone
     assert os.environ["XLA_FLAGS"] == "--xla_cpu_foo=1 --xla_force_host_platform_device_count=4"
 
 
 def test_module_simulates_its_devices_in_a_fresh_process(config_dir, plan_2x4):
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     env["JAX_PLATFORMS"] = "cpu"
-    proc = subprocess.run([sys.executable, "-m", "medusa_jax.plan", "--config", str(config_dir), "--mesh", "2x4",
+    proc = subprocess.run([sys.executable, "-m", "medusa_jax.cli.plan", "--config", str(config_dir), "--mesh", "2x4",
                            "--max-len", str(S), "--batch", str(B), "--tree-nodes", str(TREE), "--json"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from medusa_jax import check
-from medusa_jax.generate import generate
-from medusa_jax.loading import apply_chat_template
+from medusa_jax.chat import apply_chat_template
+from medusa_jax.decoding.generate import generate
+from medusa_jax.evals import lossless
 
 pytestmark = pytest.mark.real_model
 
@@ -19,15 +19,15 @@ def test_real_model_on_a_mesh(smollm2, capsys):
     MLP and vocabulary split 3 ways) and 2x1 give one device's greedy output (near-tie rule);
     decode.py --mesh 1x3 prints one device's text; --mesh 1x8 is refused, naming the sizes that work."""
     import decode
-    from medusa_jax import runtime, sharding
+    from medusa_jax import resolve, sharding
 
-    heads, tree, _ = runtime.resolve_heads(smollm2, None)
+    heads, tree, _ = resolve.resolve_heads(smollm2, None)
     ids = apply_chat_template(smollm2.tokenizer, PROMPTS[1])
     ref = generate(smollm2.cfg, smollm2.params, ids, max_new_tokens=40, heads=heads, tree=tree, progress=False)
     for shape in ((1, 3), (2, 1)):
-        model = runtime.place_on_mesh(smollm2, sharding.make_mesh(*shape))
+        model = sharding.place_on_mesh(smollm2, sharding.make_mesh(*shape))
         out = generate(model.cfg, model.params, ids, max_new_tokens=40, heads=heads, tree=tree, progress=False)
-        c = check.compare(smollm2.cfg, smollm2.params, ids, ref.tokens, out.tokens)
+        c = lossless.compare(smollm2.cfg, smollm2.params, ids, ref.tokens, out.tokens)
         assert c.identical or c.near_tie, (shape, c)
     texts = []
     for mesh in ([], ["--mesh", "1x3"]):

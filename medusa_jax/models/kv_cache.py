@@ -1,13 +1,13 @@
 """The KV cache: an explicit pytree that goes into and comes out of every forward call.
 
 Layout: ``k, v: [L, B, KVH, S, Dh]`` in the compute dtype, ``tokens: [B, S] int32`` (the token
-whose K/V sit in each slot: prompt lookup drafts from it, `medusa_jax.lookup`), ``lengths: [B] int32``. (DESIGN.md
-first had ``[L, B, S, KVH, Dh]``; with the slots next to the head dimension, a layer's keys and
+whose K/V sit in each slot: prompt lookup drafts from it, `medusa_jax.decoding.lookup`), ``lengths: [B] int32``. (The starting
+design had ``[L, B, S, KVH, Dh]``; with the slots next to the head dimension, a layer's keys and
 values are the ``[B, KVH, S, Dh]`` operands attention's products read, with no transposed copy of
 the cache per layer and step: that copy was ~10% of a plain decoding step on this project's CPU at
 256 slots, and grew with the cache; docs/performance.md.)
 Row ``b`` holds valid entries at cache indices ``[0, lengths[b])``; index equals token position,
-which Medusa's in-place compaction (`medusa_jax.verify`) keeps true after every step.
+which Medusa's in-place compaction (`medusa_jax.decoding.step`) keeps true after every step.
 """
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from .config import ModelConfig
+from medusa_jax.models.config import ModelConfig
 
 
 @flax.struct.dataclass
@@ -56,7 +56,7 @@ def grow_cache(cache: KVCache, size: int) -> KVCache:
     """The same cache with `size` slots per row (new slots are zeros; lengths unchanged).
 
     Decoding starts with a cache just big enough for the prompt and grows it in power-of-two
-    steps (`medusa_jax.generate.generate_device`), because attention reads every slot of the
+    steps (`medusa_jax.decoding.generate.generate_device`), because attention reads every slot of the
     cache each step: on this project's 2-core CPU a 1,024-slot cache made a step ~25% slower than a
     256-slot one (docs/design-notes.md).
     Raises ValueError if `size` is smaller than the current size.

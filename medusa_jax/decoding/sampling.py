@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import kernels
+from medusa_jax import kernels
 
 SEED_LIMIT = 2 ** 31
 """Seeds are in [0, SEED_LIMIT)."""

@@ -19,24 +19,28 @@ nodes that have children ("expanded" nodes). Their static lists are ``expand_nod
 node i's index into the flat vector ``[root, expanded node 0's top-k, expanded node 1's top-k, ...]``
 (``1 + slot(parent) * topk + rank``), the per-parent counterpart of ``tree_indices``.
 
-A tree may also carry prompt-lookup settings (`with_lookup`, `medusa_jax.lookup`): a step then
+A tree may also carry prompt-lookup settings (`with_lookup`, `medusa_jax.decoding.lookup`): a step then
 verifies a chain copied from the context instead of the heads' tree whenever the context's last
 n-gram occurred before. Tree files keep them under ``"prompt_lookup"``.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import json
 import os
 import random
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
+import jax
 import numpy as np
+import yaml
 
-from .lookup import PromptLookup
+from medusa_jax.decoding.lookup import PromptLookup
 
 Path = tuple[int, ...]
+
 
 # Official 63-node sparse tree for Vicuna-7B (FasterDecoding/Medusa medusa/model/medusa_choices.py),
 # listed roughly by estimated acceptance probability.
@@ -49,7 +53,7 @@ MC_SIM_7B_63: tuple[Path, ...] = tuple(tuple(p) for p in [
     [1, 5], [1, 0, 1], [0, 2, 1], [9, 0], [0, 6, 0], [0, 0, 0, 1], [1, 6], [0, 7, 0]])
 
 
-def _prefix_closed_head(paths: Sequence[Path], num_choices: int) -> tuple[Path, ...]:
+def prefix_closed_head(paths: Sequence[Path], num_choices: int) -> tuple[Path, ...]:
     """First ``num_choices`` paths of a priority list whose parent is already taken."""
     out: list[Path] = []
     for p in paths:
@@ -65,7 +69,7 @@ def _prefix_closed_head(paths: Sequence[Path], num_choices: int) -> tuple[Path, 
 PRESETS: dict[str, tuple[Path, ...]] = {
     "mc_sim_7b_63": MC_SIM_7B_63,
     **{f"chain{n}": tuple((0,) * d for d in range(1, n + 1)) for n in range(1, 6)},
-    **{f"small_{n}": _prefix_closed_head(MC_SIM_7B_63, n - 1) for n in (4, 8, 16, 32)},
+    **{f"small_{n}": prefix_closed_head(MC_SIM_7B_63, n - 1) for n in (4, 8, 16, 32)},
 }
 
 
@@ -158,6 +162,16 @@ class TreeBuffers:
                 f"topk={self.topk}{extra})")
 
 
+def check_depth(depth: int, num_heads: int, what: str = "tree") -> None:
+    """Raise ValueError when a tree (or path) of `depth` needs more than the `num_heads` heads there
+    are: the package's one depth check, called by the tools before the model loads, by the
+    generation entry points and by the step."""
+    if depth > num_heads:
+        raise ValueError(f"{what} has depth {depth} but the heads have only {num_heads}; use a shallower tree (a "
+                         f"preset such as chain{max(num_heads, 1)}, truncate_tree, or a medusa_choices file) or "
+                         "more heads")
+
+
 def _normalise(medusa_choices: Iterable[Any], topk: int, num_heads: int | None) -> tuple[Path, ...]:
     if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 1:
         raise ValueError(f"topk must be a positive integer, got {topk!r}")
@@ -182,9 +196,8 @@ def _normalise(medusa_choices: Iterable[Any], topk: int, num_heads: int | None) 
             if r < 0 or r >= topk:
                 raise ValueError(f"path {path} has rank {r} outside [0, topk={topk}); "
                                  "use ranks below topk or raise topk")
-        if num_heads is not None and len(path) > num_heads:
-            raise ValueError(f"path {path} has depth {len(path)} but only num_heads={num_heads} "
-                             "heads exist; drop deeper nodes (truncate_tree) or use more heads")
+        if num_heads is not None:
+            check_depth(len(path), num_heads, what=f"path {path}")
         paths.append(path)
     seen: set[Path] = set()
     for p in paths:
@@ -255,7 +268,6 @@ def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
 def _load_choices_file(path: str) -> tuple[Any, int | None, Any]:
     with open(path) as f:
         if path.endswith((".yaml", ".yml")):
-            import yaml
             data = yaml.safe_load(f)
         else:
             data = json.load(f)
@@ -439,7 +451,7 @@ def greedy_tree_search(head_accuracies: Any, num_nodes: int, topk: int = 10) -> 
 
 
 def with_lookup(tree: TreeBuffers, lookup: PromptLookup | Mapping[str, int] | None) -> TreeBuffers:
-    """`tree` with prompt-lookup drafting (`medusa_jax.lookup`): `lookup` a `PromptLookup`, a dict
+    """`tree` with prompt-lookup drafting (`medusa_jax.decoding.lookup`): `lookup` a `PromptLookup`, a dict
     of its fields, or None (none). Raises ValueError for invalid settings or unknown keys."""
     if isinstance(lookup, Mapping):
         unknown = set(lookup) - set(PromptLookup._fields)
@@ -449,3 +461,61 @@ def with_lookup(tree: TreeBuffers, lookup: PromptLookup | Mapping[str, int] | No
     if lookup is not None:
         lookup = PromptLookup(*(int(x) for x in lookup)).check()
     return replace(tree, lookup=lookup)
+
+
+@functools.lru_cache(maxsize=None)
+def chain_tree(num_tokens: int):
+    """The tree a prompt-lookup draft is verified on: a chain of `num_tokens` nodes below the root
+    (`build_tree` of ``(0,), (0, 0), ...`` with topk 1), cached."""
+    return build_tree([(0,) * d for d in range(1, num_tokens + 1)], topk=1)
+
+
+class TreeArrays(NamedTuple):
+    """A tree's verification buffers as arrays, named as `TreeBuffers`' fields (which the
+    verification functions also accept): a step that picks its tree per call (prompt lookup) selects
+    them with ``jnp.where``, so the one forward it runs needs no conditional around it.
+
+    ancestor_mask [T, T] bool, depth [T] int32, parents [T] int32, retrieve_indices [P, D+1] int32,
+    valid [P, D+1] bool, earlier [T, T] float32 (`earlier_siblings`).
+    """
+    ancestor_mask: jax.Array
+    depth: jax.Array
+    parents: jax.Array
+    retrieve_indices: jax.Array
+    valid: jax.Array
+    earlier: jax.Array
+
+
+def padded_arrays(tree: TreeBuffers, size: int, paths: int, depth: int) -> TreeArrays:
+    """`tree`'s buffers padded to `size` nodes, `paths` root-to-leaf paths and `depth` (static,
+    numpy). A padding node is a lone root (parent -1, depth 0, sees only itself and the cache): it
+    is verified but on no path, so it is never accepted; padding paths are invalid past the root."""
+    T, P, D = tree.size, tree.num_paths, tree.max_depth
+    if size < T or paths < P or depth < D:
+        raise ValueError(f"cannot pad a tree of {T} nodes, {P} paths, depth {D} to {size}, {paths}, {depth}")
+    mask = np.eye(size, dtype=bool)
+    mask[:T, :T] = tree.ancestor_mask
+    parents = np.full(size, -1, np.int32)
+    parents[:T] = tree.parents
+    retrieve = np.zeros((paths, depth + 1), np.int32)
+    retrieve[:P, :D + 1] = tree.retrieve_indices
+    valid = np.zeros((paths, depth + 1), bool)
+    valid[:, 0] = True
+    valid[:P, :D + 1] = tree.valid
+    earlier = np.zeros((size, size), np.float32)
+    earlier[:T, :T] = earlier_siblings(tree)
+    return TreeArrays(mask, np.pad(tree.depth, (0, size - T)), parents, retrieve, valid, earlier)
+
+
+def earlier_siblings(tree):
+    """[T, T] float32 (static): entry (i, j) = 1 when node j is a sibling of node i tried before it
+    (same parent, smaller node index, i.e. a better rank: nodes are sorted by (depth, ranks)).
+    A `TreeArrays` carries it as ``earlier``."""
+    if isinstance(tree, TreeArrays):
+        return tree.earlier
+    par = np.asarray(tree.parents)
+    idx = np.arange(len(par))
+    return ((par[:, None] == par[None, :]) & (idx[None, :] < idx[:, None]) & (par[:, None] >= 0)).astype(np.float32)
+
+
+PLAIN_TREE: TreeBuffers = build_tree([], topk=1)

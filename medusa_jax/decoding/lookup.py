@@ -3,7 +3,7 @@ the context's last n-gram (Saxena 2023, "Prompt Lookup Decoding"; the PLD baseli
 Xia et al. 2024). Summaries, answers about a document, translations and code edits repeat long
 spans of their context, which the heads (trained on what the model tends to say next) do not know.
 
-A tree that carries a `PromptLookup` (`medusa_jax.tree.with_lookup`) makes each decoding step
+A tree that carries a `PromptLookup` (`medusa_jax.decoding.tree.with_lookup`) makes each decoding step
 choose its draft: when the context's last n-gram (ending with the step's root token) occurred
 before, the step verifies the ``num_tokens`` tokens that followed it, as a chain; otherwise the
 heads' tree. Verification is the same as for the heads' candidates, so greedy output stays
@@ -13,7 +13,6 @@ step, over the token ids the KV cache keeps (`KVCache.tokens`).
 """
 from __future__ import annotations
 
-import functools
 from typing import NamedTuple, Tuple
 
 import jax
@@ -83,12 +82,3 @@ def ngram_draft(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
     over = idx - L
     idx = jnp.where(over > 0, idx - period * ((over + period - 1) // period), idx)
     return jnp.take_along_axis(ctx, jnp.clip(idx, 0, S - 1), axis=1), found
-
-
-@functools.lru_cache(maxsize=None)
-def chain_tree(num_tokens: int):
-    """The tree a prompt-lookup draft is verified on: a chain of `num_tokens` nodes below the root
-    (`medusa_jax.tree.build_tree` of ``(0,), (0, 0), ...`` with topk 1), cached."""
-    from .tree import build_tree
-
-    return build_tree([(0,) * d for d in range(1, num_tokens + 1)], topk=1)

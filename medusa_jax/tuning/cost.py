@@ -1,6 +1,6 @@
 """Measured cost of a Medusa step on the current device: c(T) and the per-step overhead breakdown.
 
-The hardware-aware tree choice (`medusa_jax.tune`) needs the wall-clock cost of one Medusa step
+The hardware-aware tree choice (`medusa_jax.cli.tune`) needs the wall-clock cost of one Medusa step
 with a T-node tree relative to one plain decoding step, ``c(T) = t_step(T) / t_step(plain)``.
 Steps are timed on the device, many per call (a `lax.fori_loop` of `medusa_step`, no host sync in
 between), on a real prefilled prompt; the best of a few repeats is kept, as usual for
@@ -14,18 +14,25 @@ from typing import Dict, Iterable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
+from tqdm import tqdm
 
-from . import kernels
-from .config import MedusaConfig, ModelConfig
-from .generate import PLAIN_TREE, _aot, start_state
-from .heads import prepare_heads
-from .models.llama import LlamaModel, decoding_params, lm_head_matrix
-from .tree import TreeBuffers
-from .verify import Acceptance, DecodeState, draft_tokens, head_topk, medusa_step
+from medusa_jax import kernels
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.compile import aot
+from medusa_jax.decoding.draft import draft_tokens
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.state import DecodeState
+from medusa_jax.decoding.step import medusa_step
+from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import prepare_heads
+from medusa_jax.heads.topk import head_topk
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.llama import LlamaModel, decoding_params, lm_head_matrix
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
-def _run_steps(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, n: int,
+def run_steps(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, n: int,
                params, head_params, state: DecodeState) -> DecodeState:
     """`n` Medusa (or plain, with `PLAIN_TREE`) greedy steps in one on-device loop."""
     def body(_, st):
@@ -51,7 +58,7 @@ def _run_forwards(cfg: ModelConfig, tree: TreeBuffers, n: int, params, state: De
 def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, tree: Optional[TreeBuffers], n: int, params,
                head_params, state: DecodeState) -> jax.Array:
     """`n` head proposals alone (blocks, vocabulary projection, top-k); with `tree` the whole draft
-    (`verify.draft_tokens`: hydra heads run depth by depth on it)."""
+    (`decoding.draft.draft_tokens`: hydra heads run depth by depth on it)."""
     lm = lm_head_matrix(cfg, params)
     root = kernels.argmax(state.logits)
 
@@ -64,7 +71,7 @@ def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, tree: Opti
     return jax.lax.fori_loop(0, n, body, jnp.int32(0))
 
 
-def _timed_call(fn, args: tuple, n: int):
+def timed_call(fn, args: tuple, n: int):
     """A function of no arguments that calls ``fn(*args)`` once (`n` steps) and returns seconds per
     step, so that timings of several functions can be interleaved (`step_costs`)."""
     def call() -> float:
@@ -74,14 +81,14 @@ def _timed_call(fn, args: tuple, n: int):
     return call
 
 
-def _best(call, repeats: int) -> float:
+def best_time(call, repeats: int) -> float:
     """Seconds per step: best of `repeats` timed calls after one untimed warm-up call."""
     call()
     return min(call() for _ in range(repeats))
 
 
-def _prepared(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers):
-    """`heads` as decoding runs them with `tree` (`heads.prepare_heads` to its depth), or (None, None)."""
+def prepared_heads(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers):
+    """`heads` as decoding runs them with `tree` (`heads.medusa.prepare_heads` to its depth), or (None, None)."""
     if heads is None:
         return None, None
     return prepare_heads(heads[0], heads[1], lm_head_matrix(cfg, params), depth=max(tree.max_depth, 1))
@@ -95,35 +102,35 @@ def _step_call(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dic
     if need > state.cache.size:
         raise ValueError(f"timing {steps} steps of a {tree.size}-node tree needs {need} cache slots, "
                          f"the state has {state.cache.size}")
-    heads_cfg, head_params = _prepared(cfg, params, heads, tree) if tree.size > 1 else (None, None)
+    heads_cfg, head_params = prepared_heads(cfg, params, heads, tree) if tree.size > 1 else (None, None)
     args = (params, head_params, state)
-    return _timed_call(_aot(_run_steps, (cfg, heads_cfg, tree, steps), args), args, steps)
+    return timed_call(aot(run_steps, (cfg, heads_cfg, tree, steps), args), args, steps)
 
 
 def step_seconds(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
                  state: DecodeState, steps: int = 16, repeats: int = 3) -> float:
     """Seconds per greedy step with `tree` (`PLAIN_TREE` and heads None for a plain step), the
-    heads prepared for it as decoding prepares them (`heads.prepare_heads`): the best of `repeats`
+    heads prepared for it as decoding prepares them (`heads.medusa.prepare_heads`): the best of `repeats`
     timed calls of `steps` steps after one untimed call.
 
     The cache of `state` must hold ``steps * (tree.max_depth + 1) + tree.size`` more tokens.
     Raises ValueError when it does not.
     """
-    return _best(_step_call(cfg, params, heads, tree, state, steps), repeats)
+    return best_time(_step_call(cfg, params, heads, tree, state, steps), repeats)
 
 
 def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], depth: int, state: DecodeState,
                   steps: int = 16, repeats: int = 3, tree: Optional[TreeBuffers] = None) -> float:
     """Seconds per proposal of the first `depth` heads alone (blocks, vocabulary projection, top-k
-    at ``state.hidden`` [B, D]), with `heads` as given: pass them through `heads.prepare_heads`
+    at ``state.hidden`` [B, D]), with `heads` as given: pass them through `heads.medusa.prepare_heads`
     first to time them as decoding runs them (`overhead_breakdown` does). With `tree`, the whole
-    draft on that tree instead (`verify.draft_tokens`; needed for hydra heads, whose work depends
+    draft on that tree instead (`decoding.draft.draft_tokens`; needed for hydra heads, whose work depends
     on the tree). Raises ValueError for hydra heads without a tree."""
     heads_cfg, head_params = heads
     if tree is None and heads_cfg.head_type == "hydra":
         raise ValueError("timing hydra heads needs the tree they draft on: pass tree=")
     args = (params, head_params, state)
-    return _best(_timed_call(_aot(_run_heads, (cfg, heads_cfg, depth, tree, steps), args), args, steps), repeats)
+    return best_time(timed_call(aot(_run_heads, (cfg, heads_cfg, depth, tree, steps), args), args, steps), repeats)
 
 
 def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees: Iterable[TreeBuffers],
@@ -144,7 +151,6 @@ def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees
       {"plain_s": mean seconds per plain step, "plain_seconds": {T: the plain timing beside tree T},
       "seconds": {T: s}, "cost": {T: seconds[T] / plain_seconds[T]}} (T = tree size).
     """
-    from tqdm import tqdm
 
     params = decoding_params(params)
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
@@ -157,7 +163,7 @@ def step_costs(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], trees
         T = tree.size
         plains[T], seconds[T] = min(p for p, _ in pairs), min(s for _, s in pairs)
         cost[T] = seconds[T] / plains[T]
-    plain_s = float(sum(plains.values()) / len(plains)) if plains else _best(plain, repeats)
+    plain_s = float(sum(plains.values()) / len(plains)) if plains else best_time(plain, repeats)
     return {"plain_s": plain_s, "plain_seconds": plains, "seconds": seconds, "cost": cost}
 
 
@@ -166,15 +172,15 @@ def overhead_breakdown(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict
                        cache_size: int = 1024) -> Dict[str, float]:
     """Milliseconds per step of: a plain step, the T-node tree forward alone, the heads' proposal
     alone (blocks + vocabulary projection + top-k, the heads prepared for `tree` as decoding
-    prepares them: `heads.prepare_heads`; hydra heads: their whole draft on `tree`), and the whole
+    prepares them: `heads.medusa.prepare_heads`; hydra heads: their whole draft on `tree`), and the whole
     Medusa step; ``rest`` is the
     whole step minus forward and heads (candidate placement, posterior, cache compaction, loop)."""
     params = decoding_params(params)
     state = start_state(cfg, params, [list(prompt_ids)], cache_size)
-    heads = _prepared(cfg, params, heads, tree)
+    heads = prepared_heads(cfg, params, heads, tree)
     plain = step_seconds(cfg, params, None, PLAIN_TREE, state, steps, repeats)
     fwd_args = (params, state)
-    fwd = _best(_timed_call(_aot(_run_forwards, (cfg, tree, steps), fwd_args), fwd_args, steps), repeats)
+    fwd = best_time(timed_call(aot(_run_forwards, (cfg, tree, steps), fwd_args), fwd_args, steps), repeats)
     hd = heads_seconds(cfg, params, heads, tree.max_depth, state, steps, repeats,
                        tree=tree if heads[0].head_type == "hydra" else None)
     full = step_seconds(cfg, params, heads, tree, state, steps, repeats)

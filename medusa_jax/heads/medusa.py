@@ -27,7 +27,7 @@ Params (fixed layout; `medusa_jax.convert.medusa_format` and the trainer depend 
                                  may propose at decoding time (see `proposal_projection`)
 
 Hydra heads (``cfg.head_type == "hydra"``, Ankner et al. 2024) have these params plus the path
-params of `medusa_jax.hydra` (their first block also reads the path's token embeddings); the
+params of `medusa_jax.heads.hydra` (their first block also reads the path's token embeddings); the
 functions here handle both types.
 
 Decoding reads the heads through `prepare_heads` (once, at load time): only the heads the tree
@@ -47,9 +47,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .config import MedusaConfig, ModelConfig
-from . import hydra, kernels
-from .hydra import check_path_params, init_path_params, num_path_params, path_key_head
+from medusa_jax import kernels
+from medusa_jax.heads import hydra
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.hydra import check_path_params, init_path_params, num_path_params, path_key_head
+from medusa_jax.models.config import ModelConfig
 
 
 class HeadsMismatchError(ValueError):
@@ -169,7 +171,7 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
     Returns:
       {"blocks_kernel" [K, L, D, D], "blocks_bias" [K, L, D], and "lm_head" [K, D, V] when not
       shared}: pass as ``{"params": params}`` to `MedusaHeads.apply`. Hydra heads
-      (``cfg.head_type == "hydra"``) also get their zero path params (`hydra.init_path_params`),
+      (``cfg.head_type == "hydra"``) also get their zero path params (`heads.hydra.init_path_params`),
       which keep the same starting logits.
     Raises:
       ValueError: not shared and base_lm_head is None.
@@ -233,7 +235,7 @@ DRAFT_DTYPE = jnp.bfloat16
 
 def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
                   depth: Optional[int] = None, draft_dtype=DRAFT_DTYPE) -> Tuple[MedusaConfig, dict]:
-    """Heads made ready for decoding once, at load time, so that the jitted step (`verify.head_topk`)
+    """Heads made ready for decoding once, at load time, so that the jitted step (`heads.topk.head_topk`)
     slices and gathers no big weight, whatever the head file's layout.
 
     Inside jit, taking the first `depth` heads of a stacked [K, D, V] projection is a copy of
@@ -252,7 +254,7 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
        output does not depend on it), on 2 MB pages (`kernels.on_huge_pages`). Own lm_heads get
        ``"proposal_lm_head"`` [depth, D, N]; the own lm_heads [depth, D, V], which decoding then
        never reads, are dropped.
-    4. Hydra heads get their matrices in decoding layout (`hydra.decoding_layout`: one
+    4. Hydra heads get their matrices in decoding layout (`heads.hydra.decoding_layout`: one
        ``[out, in]`` matrix per product in `draft_dtype`, streamed whole, instead of slices of the
        stacked params copied every step).
     Already prepared params pass through (cut further when `depth` is smaller).
@@ -267,7 +269,7 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
         default `DRAFT_DTYPE`). Greedy output does not depend on it; tokens per step barely does.
     Returns:
       (cfg with num_heads = depth and medusa_choices cut to that depth, shared_lm_head set by step 2;
-      params as jax arrays). For decoding (`verify.head_topk`, `generate`); the full-vocabulary
+      params as jax arrays). For decoding (`heads.topk.head_topk`, `generate`); the full-vocabulary
       logits of `MedusaHeads` and `medusa_format.save_heads` need the params as loaded.
     Raises:
       ValueError: depth outside [1, cfg.num_heads]; a shared-lm_head proposal vocabulary without

@@ -11,7 +11,7 @@ position, the rank of the true token among the head's proposals (`path_ranks`), 
 - the exact accepted length of any tree at every position (`tree_accepted`), where Medusa Sec.
   3.3.1 multiplies per-head accuracies as if the heads erred independently;
 - decoding itself, step by step (`Replay`), with prompt lookup choosing its draft from the
-  context as `medusa_jax.lookup.ngram_draft` does: the tokens per step of the shipped decoding,
+  context as `medusa_jax.decoding.lookup.ngram_draft` does: the tokens per step of the shipped decoding,
   not only of the heads;
 - trees grown node by node for the fewest decoding steps (`search_tree`).
 
@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .lookup import PromptLookup
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.heads.topk import head_topk
+from medusa_jax.train.data import plain_positions, position_batches
 
 Path = Tuple[int, ...]
 
@@ -42,14 +44,13 @@ def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=
       base_lm_head: [V, D] the backbone's lm_head (shared-lm_head heads project through it).
       pos: `train.data.Positions` of the chats (hidden [P, D], labels and valid [K, P], path tokens).
       topk: proposals per head.
-      embeddings: hydra heads: [V, D] the backbone's input embeddings (`hydra.token_embeddings`).
+      embeddings: hydra heads: [V, D] the backbone's input embeddings (`heads.hydra.token_embeddings`).
       batch: positions per call.
     Returns:
       [P, K] int8: entry [t, k] is r when token t+k+2 is head k's rank-r proposal (0 = its top-1),
       and `topk` when it is not among the `topk` proposals or has no label (past the answer).
     Raises ValueError when hydra heads lack embeddings.
     """
-    from .train.data import plain_positions, position_batches
 
     if heads_cfg.head_type == "hydra" and embeddings is None:
         raise ValueError("hydra heads read token embeddings: pass embeddings [V, D]")
@@ -64,7 +65,6 @@ def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _ranks(heads_cfg, topk: int, head_params, lm, emb, batch) -> jax.Array:
     """[N, K] int8 ranks of one batch of positions (`path_ranks`)."""
-    from .verify import head_topk
 
     tokens = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
                        path_tokens=batch["path_tokens"], embeddings=emb)                  # [K, N, topk]
@@ -134,7 +134,7 @@ def tree_accepted(ranks: np.ndarray, choices: Iterable[Sequence[int]], topk: Opt
 
 def lookup_draft(context: np.ndarray, lookup: PromptLookup) -> Optional[np.ndarray]:
     """The prompt-lookup draft after `context` (its last token is the step's root), exactly as
-    `lookup.ngram_draft` computes it on the device: the `num_tokens` tokens after the latest
+    `decoding.lookup.ngram_draft` computes it on the device: the `num_tokens` tokens after the latest
     earlier occurrence of the longest n-gram that occurred (continued periodically past the end);
     None when none did."""
     ctx = np.asarray(context)
@@ -161,13 +161,13 @@ class Replay:
     Each answer (a run of the loss mask) is decoded from the token before it: a step whose last
     accepted token is t emits its root t+1 and the draft's accepted tokens, and the next step
     starts after them. The draft is the heads' tree, or with `lookup` the prompt-lookup chain when
-    the context up to the root repeats an earlier n-gram (as decoding chooses, `lookup.ngram_draft`);
+    the context up to the root repeats an earlier n-gram (as decoding chooses, `decoding.lookup.ngram_draft`);
     what a copy accepts does not depend on the tree, so it is found once, here.
 
     Args:
       chats: (token ids [L], loss mask [L] bool) pairs, the answers' tokens masked True.
       sources: [P, 2] int (chat index, t) of the positions a tree's acceptance is given at
-        (`train.trainer.position_sources`); positions not listed accept nothing from the heads.
+        (`train.hidden.position_sources`); positions not listed accept nothing from the heads.
       lookup: prompt-lookup settings, or None for the heads alone.
     """
 
@@ -243,7 +243,7 @@ def search_tree(ranks: np.ndarray, num_nodes: int, topk: int = 10, decoding: Opt
       decoding: a `Replay` of the chats the positions come from, or None.
     Returns:
       paths in the order added, so every prefix of the tuple is the tree this search gives at that
-      size (fewer than `num_nodes - 1` when fewer paths ever occur); pass them to `tree.build_tree`.
+      size (fewer than `num_nodes - 1` when fewer paths ever occur); pass them to `decoding.tree.build_tree`.
     Raises ValueError when num_nodes < 1.
     """
     if num_nodes < 1:

@@ -1,8 +1,8 @@
 """Memory plan of one decoding step on a device mesh, from the compiled step, with nothing allocated.
 
-``python -m medusa_jax.plan --config llama-2-7b --mesh 1x8 --dtype bfloat16 --max-len 4096 --batch 8``
+``medusa-plan --config llama-2-7b --mesh 1x8 --dtype bfloat16 --max-len 4096 --batch 8``
 
-The decoding step (`medusa_jax.generate.step`, the jitted `medusa_jax.verify.medusa_step`) is
+The decoding step (`medusa_jax.decoding.step.step`, the jitted `medusa_jax.decoding.step.medusa_step`) is
 lowered and compiled by XLA for abstract inputs (`jax.ShapeDtypeStruct` with their
 `NamedSharding`), exactly as decoding lays them out on a ``DATAxMODEL`` mesh
 (`medusa_jax.sharding`: Megatron-style on 'model', rows on 'data'):
@@ -10,7 +10,7 @@ lowered and compiled by XLA for abstract inputs (`jax.ShapeDtypeStruct` with the
 - backbone params: the shapes of ``LlamaModel(cfg).init`` (`jax.eval_shape`), every leaf in
   ``--dtype`` (as ``load_model(dtype=...)`` stores them), placed by `sharding.spec_for`;
 - Medusa heads: ``MedusaHeads`` with one residual block each and the backbone's shared lm_head,
-  readied for the tree as decoding readies them (`heads.prepare_heads`: only the first
+  readied for the tree as decoding readies them (`heads.medusa.prepare_heads`: only the first
   tree-depth heads are kept), in ``--dtype``;
 - KV cache: k, v ``[L, B, KVH, S, Dh]`` in ``--dtype``, B on 'data' and KVH on 'model'
   (`sharding.cache_spec`), lengths ``[B]`` int32 and token ids ``[B, S]`` int32 (counted with the
@@ -22,7 +22,7 @@ The figures are per device, in bytes: what one device holds of each input (its s
 ``NamedSharding.shard_shape``), XLA's temporaries (``compiled.memory_analysis()``) and the step's
 outputs that do not reuse a donated input. ``total = params + heads + KV cache + state +
 unaliased outputs + temporaries`` is the step's peak. XLA's own argument size is reported beside
-the sum of the inputs' shards as a cross-check. Prefill (chunks of `generate.PREFILL_CHUNK` tokens)
+the sum of the inputs' shards as a cross-check. Prefill (chunks of `decoding.prefill.PREFILL_CHUNK` tokens)
 is not planned; its temporaries scale with the chunk, not the tree.
 
 Devices: compiling for a mesh needs its data x model devices. `main` asks the CPU platform for
@@ -36,20 +36,34 @@ of temporaries, float32: 0.17 GiB); the result's ``notes`` say so. A GPU or TPU 
 such copies.
 
 The default tree (``--tree-nodes``, T tokens with the root): the first T - 1 nodes of the
-official ``mc_sim_7b_63`` tree (FasterDecoding/Medusa, `tree.MC_SIM_7B_63`, acceptance order) of
+official ``mc_sim_7b_63`` tree (FasterDecoding/Medusa, `decoding.tree.MC_SIM_7B_63`, acceptance order) of
 depth <= K; 64 by default (the whole tree when K >= 4). A larger T than that tree holds is the
-greedy tree (`tree.greedy_tree_search`, Medusa Sec. 3.3.1) on a stand-in accuracy table
-(`STAND_IN_ACCURACY`). With K = 0 the step is plain decoding (`generate.PLAIN_TREE`, T = 1).
+greedy tree (`decoding.tree.greedy_tree_search`, Medusa Sec. 3.3.1) on a stand-in accuracy table
+(`STAND_IN_ACCURACY`). With K = 0 the step is plain decoding (`decoding.tree.PLAIN_TREE`, T = 1).
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
-import sys
 import time
 from typing import Any, Dict, Mapping, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+
+from medusa_jax import sharding
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.state import DecodeState
+from medusa_jax.decoding.step import step
+from medusa_jax.decoding.tree import MC_SIM_7B_63, PLAIN_TREE, build_tree, greedy_tree_search, prefix_closed_head
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import MedusaHeads, prepare_heads
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.kv_cache import KVCache
+from medusa_jax.models.llama import LlamaModel
 
 #: Hugging Face ``config.json`` values of the preset models (the published configs).
 #: vicuna-7b is lmsys/vicuna-7b-v1.5 (Llama 2 based; v1.3, the base of the official Medusa heads,
@@ -82,18 +96,25 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "torch_dtype": "float16"},
 }
 
+
 DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
+
+
 ACCEPTANCES: Tuple[str, ...] = ("greedy", "exact", "typical")
+
+
 #: Tree tokens (root included) of the default tree: the whole ``mc_sim_7b_63`` tree.
 DEFAULT_TREE_NODES = 64
+
+
 #: Candidates per head of the planned trees (the official trees' top-k).
 TREE_TOPK = 10
+
+
 #: Stand-in rank accuracies for trees larger than ``mc_sim_7b_63``: head k's rank-r token is taken
 #: to be right with probability ``STAND_IN_ACCURACY ** (k + 1) / (r + 1)``. Only the tree's shape
 #: matters to memory; this gives bushy shallow levels and thin deep ones, as calibrated trees have.
 STAND_IN_ACCURACY = 0.7
-
-_HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
 
 
 def load_hf_config(spec: str) -> Tuple[Dict[str, Any], str]:
@@ -132,15 +153,12 @@ def plan_tree(num_heads: int, tree_nodes: Optional[int] = None):
         up to `DEFAULT_TREE_NODES` nodes of ``mc_sim_7b_63`` of depth <= K (fewer when K is small:
         the official tree has 10 nodes at depth 1).
     Returns:
-      `tree.TreeBuffers` of depth <= K and exactly T tokens when T was given.
+      `decoding.tree.TreeBuffers` of depth <= K and exactly T tokens when T was given.
     Raises:
       ValueError: K < 0, T < 2 with heads, T > 1 without heads, or T more than a tree of depth K
         with top-10 heads can hold.
     """
-    import numpy as np
 
-    from .generate import PLAIN_TREE
-    from .tree import MC_SIM_7B_63, _prefix_closed_head, build_tree, greedy_tree_search
 
     if num_heads < 0:
         raise ValueError(f"--medusa-heads must be >= 0 (0: plain decoding), got {num_heads}")
@@ -153,7 +171,7 @@ def plan_tree(num_heads: int, tree_nodes: Optional[int] = None):
     if n < 2:
         raise ValueError(f"--tree-nodes must be >= 2 with Medusa heads (the root and at least one candidate), got "
                          f"{n}; for the root alone plan plain decoding with --medusa-heads 0")
-    choices = _prefix_closed_head([p for p in MC_SIM_7B_63 if len(p) <= num_heads], n - 1)
+    choices = prefix_closed_head([p for p in MC_SIM_7B_63 if len(p) <= num_heads], n - 1)
     if len(choices) < n - 1 and tree_nodes is not None:
         acc = np.array([[STAND_IN_ACCURACY ** (k + 1) / (r + 1) for r in range(TREE_TOPK)]
                         for k in range(num_heads)])
@@ -164,22 +182,8 @@ def plan_tree(num_heads: int, tree_nodes: Optional[int] = None):
     return build_tree(choices, topk=TREE_TOPK, num_heads=num_heads)
 
 
-def ensure_host_devices(count: int) -> bool:
-    """Ask JAX's CPU platform for `count` simulated devices, unless ``XLA_FLAGS`` already sets a
-    count: appends ``--xla_force_host_platform_device_count=<count>`` to ``os.environ["XLA_FLAGS"]``.
-    JAX reads the flag when its backend starts (the first ``jax.devices()`` or computation), not
-    at import, so call this before anything touches the backend; afterwards it has no effect.
-    Other platforms (GPU, TPU) ignore it. Returns True when the flag was added."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _HOST_DEVICES_FLAG in flags:
-        return False
-    os.environ["XLA_FLAGS"] = (flags + " " if flags else "") + f"{_HOST_DEVICES_FLAG}={int(count)}"
-    return True
-
-
 def _mesh_devices(need: int) -> list:
     """The default devices, or the CPU's when the default platform has fewer than `need`."""
-    import jax
 
     devs = jax.devices()
     if len(devs) < need and devs[0].platform != "cpu":
@@ -196,8 +200,6 @@ def shard_bytes(tree) -> int:
     """Bytes one device holds of every `jax.ShapeDtypeStruct` leaf of `tree` (its shard: the
     sharding's ``shard_shape`` of the leaf's shape, times the itemsize; the whole leaf without a
     sharding). Returns an int (0 for an empty tree)."""
-    import jax
-    import numpy as np
 
     total = 0
     for leaf in jax.tree_util.tree_leaves(tree):
@@ -209,14 +211,11 @@ def shard_bytes(tree) -> int:
 def tree_bytes(tree) -> int:
     """Bytes of every array leaf of `tree`, whole (no sharding): e.g. the weights a plain decoding
     step streams (`tune`'s roofline). Returns an int (0 for an empty tree)."""
-    import jax
-    import numpy as np
 
     return int(sum(math.prod(x.shape) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)))
 
 
 def _acceptance(name: str):
-    from .verify import Acceptance
 
     if name not in ACCEPTANCES:
         raise ValueError(f"acceptance must be one of {', '.join(ACCEPTANCES)}, got {name!r}")
@@ -263,17 +262,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
         heads (naming the sizes that work), fewer devices than the mesh needs, a dtype outside
         `DTYPES`, batch < 1, max_len outside [T, max_position_embeddings], or a bad tree size.
     """
-    import jax
-    import jax.numpy as jnp
-    from jax.sharding import NamedSharding
 
-    from . import sharding
-    from .config import MedusaConfig, ModelConfig
-    from .generate import step
-    from .heads import MedusaHeads, prepare_heads
-    from .kv_cache import KVCache
-    from .models.llama import LlamaModel
-    from .verify import DecodeState
 
     if isinstance(hf_config_or_preset, Mapping):
         hf, label = dict(hf_config_or_preset), "config dict"
@@ -321,7 +310,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
                                                                   method=MedusaHeads.head_states)["params"], hidden)
         prepared = {}
 
-        def ready(p):  # decoding keeps the first tree-depth heads only (`generate._decoding_setup`)
+        def ready(p):  # decoding keeps the first tree-depth heads only (`generate.decoding_setup`)
             c, out = prepare_heads(full_cfg, p, None, depth=tree.max_depth)
             prepared["cfg"] = c
             return out
@@ -400,56 +389,3 @@ def format_plan(r: Mapping[str, Any]) -> str:
                  f"{inputs:,} bytes; whole backbone {r['params_global_bytes'] / _GIB:.2f} GiB")
     lines.extend(f"note: {n}" for n in r.get("notes", ()))
     return "\n".join(lines)
-
-
-def main(argv=None) -> int:
-    """The command line (see the module docstring). Returns 0, or 2 after an ``error: ...`` line on
-    stderr for a bad config, mesh, size or too few devices."""
-    from .cli_help import HelpFormatter
-
-    p = argparse.ArgumentParser(
-        prog="python -m medusa_jax.plan", formatter_class=HelpFormatter,
-        description="Per-device memory of one Medusa decoding step on a DATAxMODEL device mesh, from XLA's "
-                    "compilation of the step on abstract inputs: nothing is allocated, and on a CPU the mesh's "
-                    "devices are simulated.")
-    p.add_argument("--config", required=True, metavar="CONFIG",
-                   help="a Hugging Face config.json, a directory holding one, or a preset: " + ", ".join(PRESETS))
-    p.add_argument("--mesh", default="1x1", metavar="DATAxMODEL",
-                   help="device mesh: DATA-way batch split times MODEL-way Megatron split (MODEL must divide the "
-                        "query and KV heads)")
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16",
-                   help="dtype of the params, Medusa heads, KV cache and activations (logits stay float32)")
-    p.add_argument("--max-len", type=int, default=4096, metavar="S",
-                   help="KV cache slots per row (prompt plus output), at most the model's context")
-    p.add_argument("--batch", type=int, default=8, metavar="B", help="rows decoded together")
-    p.add_argument("--medusa-heads", type=int, default=4, metavar="K",
-                   help="Medusa heads (one residual block each, sharing the backbone's lm_head); 0: plain decoding")
-    p.add_argument("--tree-nodes", type=int, default=None, metavar="T",
-                   help=f"tree tokens with the root; default: up to {DEFAULT_TREE_NODES}, the official mc_sim_7b_63 "
-                        "tree cut to depth K (larger T: a greedy tree on stand-in accuracies)")
-    p.add_argument("--acceptance", choices=ACCEPTANCES, default="greedy",
-                   help="acceptance rule of the step: greedy (temperature 0), or sampling with exact or typical "
-                        "acceptance (more temporaries)")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
-    args = p.parse_args(argv)
-
-    from .sharding import parse_mesh
-
-    try:
-        data, model = parse_mesh(args.mesh)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    ensure_host_devices(data * model)  # before anything starts JAX's backend
-    try:
-        result = plan(args.config, mesh=args.mesh, dtype=args.dtype, max_len=args.max_len, batch=args.batch,
-                      medusa_heads=args.medusa_heads, tree_nodes=args.tree_nodes, acceptance=args.acceptance)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    print(json.dumps(result) if args.json else format_plan(result))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,6 +1,6 @@
 """Side-by-side speed: plain greedy vs Medusa greedy (and optionally transformers' generate).
 
-``python -m medusa_jax.bench --prompts ../shared/data/Spec-Bench_question.jsonl --limit 120 --hf``
+``medusa-bench --prompts ../shared/data/Spec-Bench_question.jsonl --limit 120 --hf``
 
 For every prompt (first turn, chat template applied) the decoders run in the same process on the
 same prompt ids, interleaved (the order rotates from prompt to prompt), after an untimed warm-up of
@@ -20,7 +20,7 @@ What is measured (the same way for every decoder):
   holds n - 1 tokens. Compilation of ours is excluded; transformers has none.
 - **prefill seconds** of plain greedy and transformers, summed, are reported beside it.
 - **identical**: Medusa against plain greedy must match token for token (a difference is checked
-  for a float32 near-tie as in `medusa_jax.check`; any other one fails the run). transformers'
+  for a float32 near-tie as in `medusa_jax.cli.check`; any other one fails the run). transformers'
   output is compared with plain greedy too and counted (``hf_identical``); its first difference
   and our top-2 logit gap there are recorded, but do not fail the run.
 
@@ -54,11 +54,8 @@ mean accepted tokens per step.
 """
 from __future__ import annotations
 
-import argparse
-import importlib.util
-import json
+import importlib.metadata as md
 import os
-import sys
 import time
 from collections import defaultdict
 from typing import Callable, Dict, List, Optional, Sequence
@@ -66,18 +63,20 @@ from typing import Callable, Dict, List, Optional, Sequence
 import jax
 import numpy as np
 
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.generate import generate_batch, generate_device
+from medusa_jax.evals.lossless import compare
+
 
 def time_jit_generate(cfg, params, heads, tree, ids: List[int], max_new_tokens: int, eos, acceptance=None,
                       seed: int = 0, progress: bool = True) -> dict:
     """One fully on-device generation (`generate_device`; compilation never timed).
 
-    acceptance: a `verify.Acceptance` (default greedy); seed: the sampling seed; progress: a
+    acceptance: a `decoding.acceptance.Acceptance` (default greedy); seed: the sampling seed; progress: a
     progress bar for a long prefill.
     Returns {"tokens": list, "seconds": float (decode only: all new tokens), "prefill_s": float,
     "steps": int, "hist": list}.
     """
-    from .generate import generate_device
-    from .verify import Acceptance
 
     r = generate_device(cfg, params, [ids], max_new_tokens=max_new_tokens, heads=heads, tree=tree,
                         eos_token_ids=eos, acceptance=acceptance or Acceptance(), seed=seed, progress=progress)
@@ -94,8 +93,6 @@ def time_batch_generate(cfg, params, heads, tree, prompts: List[List[int]], batc
     Returns {"tokens": [list per prompt, input order], "seconds": float (wall, prefills included),
     "steps": [per prompt], "hist": list}.
     """
-    from .generate import generate_batch
-    from .verify import Acceptance
 
     gen = generate_batch(cfg, params, prompts, batch_size=batch_size, max_new_tokens=max_new_tokens, heads=heads,
                          tree=tree, acceptance=acceptance or Acceptance(), seed=seed, eos_token_ids=eos,
@@ -194,6 +191,8 @@ def rate(tokens: Sequence[int], seconds: Sequence[float]) -> float:
     if total_s <= 0:
         raise ValueError(f"total time {total_s} s: nothing was timed")
     return float(np.sum(tokens)) / total_s
+
+
 #: MT-bench's eight categories; in Spec-Bench they are one task, "multi-turn conversation".
 MT_BENCH_CATEGORIES = ("writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities")
 
@@ -275,14 +274,15 @@ def markdown_table(summary: Dict[str, dict]) -> str:
             line += f" {s['hf_tok_s']:.1f} | {s['plain_vs_hf']:.2f}x | {s['hf_identical']}/{s['prompts']} |"
         lines.append(line)
     return "\n".join(lines) + "\n"
+
+
 def batched(cfg, params, heads, tree, prompts: List[List[int]], reference: List[List[int]], rows: List[dict],
             batch_size: int, max_new_tokens: int, eos, acceptance: Dict[str, object], seed: int, greedy: bool) -> dict:
     """Plain and Medusa over all prompts at `batch_size` (`time_batch_generate`), against the batch-1
     runs in `rows`: throughput, prefill included on both sides (batch 1: the sum of each prompt's
     prefill and decode seconds), tokens per step, and with `greedy` every row compared with the
-    batch-1 plain greedy output `reference` (`check.compare`, near-tie rule). Each decoder first
+    batch-1 plain greedy output `reference` (`evals.lossless.compare`, near-tie rule). Each decoder first
     runs untimed on the first `batch_size` prompts."""
-    from .check import compare
 
     out: dict = {"batch_size": batch_size}
     for name, h, tr in (("plain", None, None), ("medusa", heads, tree)):
@@ -343,190 +343,9 @@ def plot(summary: Dict[str, dict], path: str) -> None:
 
 def run_conditions(torch_threads: Optional[int]) -> dict:
     """What the figures depend on besides the code: versions, cores, torch threads, load average."""
-    import importlib.metadata as md
 
     cond = {"jax": jax.__version__, "cpu_cores": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
             else os.cpu_count(), "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None}
     if torch_threads is not None:
         cond.update(torch=md.version("torch"), transformers=md.version("transformers"), torch_threads=torch_threads)
     return cond
-
-
-def main(argv=None) -> int:
-    from . import runtime
-    from .cli_help import HelpFormatter
-
-    p = argparse.ArgumentParser(prog="python -m medusa_jax.bench",
-                                description="Plain vs Medusa greedy speed, side by side (see module docs).",
-                                formatter_class=HelpFormatter)
-    p.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench JSONL (first turns are used)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
-    p.add_argument("--per-category", type=int, default=None,
-                   help="take N prompts of every category, evenly spaced, instead of --limit (Spec-Bench: its "
-                        "six tasks, MT-bench's questions counting as one)")
-    p.add_argument("--out", default="bench_out", help="directory for results.json, results.md, speed.png")
-    p.add_argument("--hf", action="store_true",
-                   help="also time transformers' greedy generate on the same weights (the peer; needs torch)")
-    p.add_argument("--torch-threads", type=int, default=1,
-                   help="torch intra-op threads for --hf (on 2 cores, 2 threads were no faster than 1 and "
-                        "stalled whenever another process took a core: see module docs)")
-    p.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2 GGUF)")
-    p.add_argument("--heads", default=None, help=runtime.heads_help())
-    p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
-    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
-    p.add_argument("--batch-size", default="1", metavar="N[,N...]",
-                   help="batch sizes > 1 (comma-separated): also decode all prompts N at a time (continuous batching, "
-                        "`generate_batch`), plain and Medusa, and report throughput (tokens/s, prefill included) "
-                        "against batch 1; greedy rows must equal plain greedy's batch-1 output (near-tie rule as in "
-                        "check)")
-    runtime.add_dtype_arg(p)
-    runtime.add_mesh_arg(p)
-    runtime.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
-                                                    "sampling against Medusa sampling (no comparison of outputs)")
-    runtime.add_lookup_arg(p)
-    args = p.parse_args(argv)
-    acc = runtime.acceptance_from_args(p, args)
-    try:
-        batch_sizes = [int(x) for x in args.batch_size.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--batch-size takes integers separated by commas, got {args.batch_size!r}")
-    if not batch_sizes or min(batch_sizes) < 1:
-        p.error(f"--batch-size sizes must be >= 1, got {args.batch_size!r}")
-    batch_sizes = sorted(set(n for n in batch_sizes if n > 1))
-    if args.limit is not None and args.limit < 1:
-        p.error(f"--limit must be >= 1, got {args.limit}")
-    if args.per_category is not None and args.per_category < 1:
-        p.error(f"--per-category must be >= 1, got {args.per_category}")
-    if args.max_new_tokens < 1:
-        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.hf and acc.mode != "greedy":
-        p.error("--hf times transformers' greedy generate: use it at --temperature 0")
-    greedy = acc.mode == "greedy"
-    if args.torch_threads < 1:
-        p.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
-    if args.hf and importlib.util.find_spec("torch") is None:
-        p.error("--hf needs torch, which comes with the test extra: pip install -e '.[test]'")
-
-    from tqdm import tqdm
-
-    from .check import Comparison, compare, load_first_turns
-    from .sampling import prompt_seed
-    from .loading import apply_chat_template, load_model
-
-    try:  # before the slow load
-        records = load_first_turns(args.prompts, None if args.per_category else args.limit)
-    except ValueError as e:
-        p.error(f"--prompts {e}")
-    records = spec_bench_groups(records)
-    if args.per_category:
-        records = per_category(records, args.per_category)
-    if not records:
-        p.error(f"--prompts {args.prompts}: no prompts in the file")
-    from . import sharding
-
-    try:  # paths, heads, tree and mesh before the slow model load
-        runtime.preflight(args.model, args.heads, args.tree)
-        mesh = sharding.mesh_from_arg(args.mesh)
-        runtime.enable_compilation_cache()
-        model = runtime.place_on_mesh(load_model(args.model, dtype=jax.numpy.dtype(args.dtype)), mesh)
-    except (OSError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    cfg, params = model.cfg, model.params
-    heads, tree, note = runtime.resolve_heads(model, args.heads, args.tree, zero_heads=4,
-                                              prompt_lookup=args.prompt_lookup)
-    if tree is None:  # neither heads nor prompt lookup: nothing to compare with plain decoding
-        print(f"error: {note}", file=sys.stderr)
-        return 2
-    if note:
-        print(f"note: {note}", file=sys.stderr)
-    hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None
-    eos = cfg.eos_token_ids
-    prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
-    plain_acc = acc._replace(method="exact")  # a plain step has no candidates: only the temperature and top-p act
-    decoders = {"plain": lambda ids, seed: time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos,
-                                                             plain_acc, seed),
-                "medusa": lambda ids, seed: time_jit_generate(cfg, params, heads, tree, ids, args.max_new_tokens, eos,
-                                                              acc, seed)}
-    if hf_model is not None:
-        decoders["hf"] = lambda ids, seed: time_hf_generate(hf_model, ids, args.max_new_tokens, eos)
-    for run in decoders.values():  # untimed warm-up, full budget (ours: compiles every shape of this prompt)
-        run(prompts[0], args.seed)
-    conditions = run_conditions(args.torch_threads if hf_model is not None else None)
-    conditions.update(dtype=args.dtype, mesh=sharding.describe(mesh))
-    names = list(decoders)
-    rows, plain_outputs = [], []
-    for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="bench", unit="prompt")):
-        k = i % len(names)  # rotate the order so that no decoder always runs first or last
-        res = {name: decoders[name](ids, prompt_seed(args.seed, i)) for name in names[k:] + names[:k]}
-        plain, med = res["plain"], res["medusa"]
-        c = compare(cfg, params, ids, plain["tokens"], med["tokens"]) if greedy else Comparison(identical=False)
-        row = {**rec, "prompt_tokens": len(ids), "new_tokens": len(plain["tokens"]), "plain_s": plain["seconds"],
-               "plain_prefill_s": plain["prefill_s"], "medusa_new_tokens": len(med["tokens"]),
-               "medusa_prefill_s": med["prefill_s"], "medusa_s": med["seconds"], "medusa_steps": med["steps"],
-               "hist": med["hist"], "identical": c.identical, "near_tie": c.near_tie, "first_diff": c.first_diff,
-               "gap": c.gap}
-        plain_outputs.append(plain["tokens"])
-        if "hf" in res:
-            hf = res["hf"]
-            h = compare(cfg, params, ids, plain["tokens"], hf["tokens"])
-            row.update(hf_tokens=len(hf["tokens"]), hf_decode_tokens=hf["decode_tokens"], hf_s=hf["seconds"],
-                       hf_prefill_s=hf["prefill_s"], hf_identical=h.identical, hf_first_diff=h.first_diff,
-                       hf_gap=h.gap)
-        rows.append(row)
-    batches = [batched(cfg, params, heads, tree, prompts, plain_outputs, rows, n, args.max_new_tokens, eos,
-                       {"plain": plain_acc, "medusa": acc}, args.seed, greedy) for n in batch_sizes]
-    conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
-    summary = summarize(rows, tree.max_accepted)
-    predicted = runtime.predicted_tokens_per_step(tree, runtime.heads_calibration(args.heads))
-    overall = summary.get("overall", summary.get("all"))
-    tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
-                + (f"{predicted[0]:.3f} ({predicted[1]})" if predicted else "n/a (heads not tuned)")
-                + f"; tree of {tree.size} tokens"
-                + (f", prompt lookup {tree.lookup_settings}" if tree.lookup else ", no prompt lookup")
-                + "; acceptance per depth "
-                + " ".join(f"{a:.3f}" for a in overall["acceptance_per_depth"]))
-    timing_line = ("tokens/s: decode only, total tokens emitted after the prompt's forward pass / total seconds "
-                   f"after it (prefill excluded for every decoder); prefill over {overall['prompts']} prompts: "
-                   f"plain {overall['plain_prefill_s']:.2f} s")
-    if hf_model is not None:
-        timing_line += (f", transformers {overall['hf_prefill_s']:.2f} s; transformers with "
-                        f"{args.torch_threads} torch thread(s), {conditions['cpu_cores']} cores")
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "results.json"), "w") as f:
-        json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
-                   "tree": [list(c) for c in tree.medusa_choices],
-                   "prompt_lookup": tree.lookup_settings,
-                   "predicted_tokens_per_step": predicted and predicted[0],
-                   "predicted_basis": predicted and predicted[1], "conditions": conditions, "rows": rows}, f, indent=1)
-    table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
-    if not greedy:
-        table += (f"sampling at temperature {acc.temperature}, top-p {acc.top_p}: plain sampling against Medusa with "
-                  f"{acc.mode} acceptance (outputs are not compared)\n")
-    if batches:
-        table += "\n" + batch_table(batches)
-    with open(os.path.join(args.out, "results.md"), "w") as f:
-        f.write(table)
-    plot(summary, os.path.join(args.out, "speed.png"))
-    print(table)
-    bugs = sum(1 for r in rows if not r["identical"] and not r["near_tie"]) if greedy else 0
-    if greedy:
-        print(f"identical {sum(r['identical'] for r in rows)}/{len(rows)}, near-ties "
-              f"{sum(r['near_tie'] for r in rows)}, other differences {bugs}")
-    for batch in batches if greedy else []:
-        for name in ("plain", "medusa"):
-            b = batch[name]
-            bugs += b["other_differences"]
-            print(f"batch {batch['batch_size']} {name}: identical to plain greedy at batch 1 {b['identical']}/{len(rows)}, "
-                  f"near-ties {b['near_ties']}, other differences {b['other_differences']}")
-    if hf_model is not None:
-        diffs = [f"{r['id']} at token {r['hf_first_diff']} (top-2 gap "
-                 + ("n/a: one stopped earlier" if r["hf_gap"] is None else f"{r['hf_gap']:.2g}") + ")"
-                 for r in rows if not r["hf_identical"]]
-        print(f"transformers identical to plain greedy {len(rows) - len(diffs)}/{len(rows)}"
-              + (": differs on " + ", ".join(diffs) if diffs else ""))
-    return 1 if bugs else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,0 +1,250 @@
+"""Side-by-side speed: plain greedy vs Medusa greedy (and optionally transformers' generate).
+
+``medusa-bench --prompts ../shared/data/Spec-Bench_question.jsonl --limit 120 --hf``
+
+For every prompt (first turn, chat template applied) the decoders run in the same process on the
+same prompt ids, interleaved (the order rotates from prompt to prompt), after an untimed warm-up of
+every decoder on the first prompt with the full token budget: plain greedy and Medusa greedy both
+as one fully jitted on-device loop (`generate_device`; no host sync per step, compilation never
+timed), and with ``--hf`` transformers' greedy ``generate`` on the same weights (float32, its
+default attention, torch limited to ``--torch-threads`` intra-op threads). Every decoder gets the
+same ``--max-new-tokens`` and the same EOS ids, and only generated tokens count.
+
+What is measured (the same way for every decoder):
+
+- **decode tokens/s** = total tokens emitted after the prompt's forward pass / total seconds from
+  the end of that forward pass to the last token, summed over the prompts. Prefill is excluded on
+  both sides: ours picks the first new token from the prefill's logits inside the decode loop, so
+  all n new tokens fall in its decode window; transformers' ``generate`` picks the first new token
+  in its prefill step, so its window (from the first streamed token to the return of ``generate``)
+  holds n - 1 tokens. Compilation of ours is excluded; transformers has none.
+- **prefill seconds** of plain greedy and transformers, summed, are reported beside it.
+- **identical**: Medusa against plain greedy must match token for token (a difference is checked
+  for a float32 near-tie as in `medusa_jax.cli.check`; any other one fails the run). transformers'
+  output is compared with plain greedy too and counted (``hf_identical``); its first difference
+  and our top-2 logit gap there are recorded, but do not fail the run.
+
+Why one torch thread by default: on a 2-core machine, torch's own default (one intra-op thread per
+core) gives transformers no decode speed for this 135M model at batch 1, and whenever another
+process takes a core, its OpenMP threads wait on each other at every operation and a ``generate``
+call drops several-fold. Measured 2026-11-29 on a 2-core AMD EPYC VM (MT-bench, one prompt per
+category, 64 new tokens, 24 interleaved calls each, every call tagged with the CPU time other
+processes used meanwhile): on calls with the machine otherwise idle, 24.4 tok/s with 1 thread and
+24.3 with 2; on calls during which another process used one core, 23-25 tok/s with 1 thread and
+1.3-8 with 2 (5 idle calls each; our plain greedy: 62 idle, 38-51 loaded). A run in which some calls overlap other
+work therefore understates transformers and overstates plain / transformers; the 2.29x of an
+earlier run, which did not reproduce (docs/performance.md), fits that.
+
+Sampling (``--temperature > 0``): plain sampling against Medusa sampling (``--acceptance exact``,
+the default, or ``typical``), prompt i with seed ``--seed + i``; outputs are not compared (the two
+draw different random numbers), and the figures are tokens/s and tokens per step.
+
+Batches (``--batch-size 4,16``): after the batch-1 runs, plain and Medusa each decode all prompts
+through `generate_batch` (continuous batching) at every listed size, after an untimed warm-up on
+the first prompts. Throughput there is total new tokens / total wall seconds with prefills
+included (at batch 1: each prompt's prefill plus decode seconds), and greedy rows must equal plain
+greedy's batch-1 output (near-tie rule as in check; any other difference fails the run).
+
+Reported per category and overall: tokens/s of each decoder, the speedups (Medusa / plain, plain /
+transformers), tokens per step and the acceptance rate per depth (the fraction of steps that
+accepted at least d candidates). Writes ``results.json`` (with the run's conditions: torch threads,
+versions, load average before and after), ``results.md`` and ``speed.png`` to --out. Speed figures
+follow Spec-Bench (Xia et al. 2024): wall-clock speedup over the same model's greedy decoding, and
+mean accepted tokens per step.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import sys
+
+from medusa_jax.evals.speed import (
+    batch_table,
+    batched,
+    load_hf_peer,
+    markdown_table,
+    per_category,
+    plot,
+    run_conditions,
+    spec_bench_groups,
+    summarize,
+    time_hf_generate,
+    time_jit_generate,
+)
+
+
+def main(argv=None) -> int:
+    from medusa_jax import resolve, sharding
+    from medusa_jax.cli import common
+    from medusa_jax.cli.common import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="medusa-bench",
+                                description="Plain vs Medusa greedy speed, side by side (see module docs).",
+                                formatter_class=HelpFormatter)
+    p.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench JSONL (first turns are used)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
+    p.add_argument("--per-category", type=int, default=None,
+                   help="take N prompts of every category, evenly spaced, instead of --limit (Spec-Bench: its "
+                        "six tasks, MT-bench's questions counting as one)")
+    p.add_argument("--out", default="bench_out", help="directory for results.json, results.md, speed.png")
+    p.add_argument("--hf", action="store_true",
+                   help="also time transformers' greedy generate on the same weights (the peer; needs torch)")
+    p.add_argument("--torch-threads", type=int, default=1,
+                   help="torch intra-op threads for --hf (on 2 cores, 2 threads were no faster than 1 and "
+                        "stalled whenever another process took a core: see module docs)")
+    p.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2 GGUF)")
+    p.add_argument("--heads", default=None, help=common.heads_help())
+    p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
+    p.add_argument("--batch-size", default="1", metavar="N[,N...]",
+                   help="batch sizes > 1 (comma-separated): also decode all prompts N at a time (continuous batching, "
+                        "`generate_batch`), plain and Medusa, and report throughput (tokens/s, prefill included) "
+                        "against batch 1; greedy rows must equal plain greedy's batch-1 output (near-tie rule as in "
+                        "check)")
+    common.add_dtype_arg(p)
+    common.add_mesh_arg(p)
+    common.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
+                                                    "sampling against Medusa sampling (no comparison of outputs)")
+    common.add_lookup_arg(p)
+    args = p.parse_args(argv)
+    acc = common.acceptance_from_args(p, args)
+    try:
+        batch_sizes = [int(x) for x in args.batch_size.split(",") if x.strip()]
+    except ValueError:
+        p.error(f"--batch-size takes integers separated by commas, got {args.batch_size!r}")
+    if not batch_sizes or min(batch_sizes) < 1:
+        p.error(f"--batch-size sizes must be >= 1, got {args.batch_size!r}")
+    batch_sizes = sorted(set(n for n in batch_sizes if n > 1))
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.per_category is not None and args.per_category < 1:
+        p.error(f"--per-category must be >= 1, got {args.per_category}")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.hf and acc.mode != "greedy":
+        p.error("--hf times transformers' greedy generate: use it at --temperature 0")
+    greedy = acc.mode == "greedy"
+    if args.torch_threads < 1:
+        p.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
+    if args.hf and importlib.util.find_spec("torch") is None:
+        p.error("--hf needs torch, which comes with the test extra: pip install -e '.[test]'")
+
+    from tqdm import tqdm
+
+    from medusa_jax.chat import apply_chat_template, load_first_turns
+    from medusa_jax.decoding.sampling import prompt_seed
+    from medusa_jax.evals.lossless import Comparison, compare
+
+    try:  # before the slow load
+        records = load_first_turns(args.prompts, None if args.per_category else args.limit)
+    except ValueError as e:
+        p.error(f"--prompts {e}")
+    records = spec_bench_groups(records)
+    if args.per_category:
+        records = per_category(records, args.per_category)
+    if not records:
+        p.error(f"--prompts {args.prompts}: no prompts in the file")
+
+    try:  # paths, heads, tree and mesh are checked before the slow model load
+        model, heads, tree, note, mesh = common.setup_decoding(args)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    cfg, params = model.cfg, model.params
+    if tree is None:  # neither heads nor prompt lookup: nothing to compare with plain decoding
+        print(f"error: {note}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None
+    eos = cfg.eos_token_ids
+    prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
+    plain_acc = acc._replace(method="exact")  # a plain step has no candidates: only the temperature and top-p act
+    decoders = {"plain": lambda ids, seed: time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos,
+                                                             plain_acc, seed),
+                "medusa": lambda ids, seed: time_jit_generate(cfg, params, heads, tree, ids, args.max_new_tokens, eos,
+                                                              acc, seed)}
+    if hf_model is not None:
+        decoders["hf"] = lambda ids, seed: time_hf_generate(hf_model, ids, args.max_new_tokens, eos)
+    for run in decoders.values():  # untimed warm-up, full budget (ours: compiles every shape of this prompt)
+        run(prompts[0], args.seed)
+    conditions = run_conditions(args.torch_threads if hf_model is not None else None)
+    conditions.update(dtype=args.dtype, mesh=sharding.describe(mesh))
+    names = list(decoders)
+    rows, plain_outputs = [], []
+    for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="bench", unit="prompt")):
+        k = i % len(names)  # rotate the order so that no decoder always runs first or last
+        res = {name: decoders[name](ids, prompt_seed(args.seed, i)) for name in names[k:] + names[:k]}
+        plain, med = res["plain"], res["medusa"]
+        c = compare(cfg, params, ids, plain["tokens"], med["tokens"]) if greedy else Comparison(identical=False)
+        row = {**rec, "prompt_tokens": len(ids), "new_tokens": len(plain["tokens"]), "plain_s": plain["seconds"],
+               "plain_prefill_s": plain["prefill_s"], "medusa_new_tokens": len(med["tokens"]),
+               "medusa_prefill_s": med["prefill_s"], "medusa_s": med["seconds"], "medusa_steps": med["steps"],
+               "hist": med["hist"], "identical": c.identical, "near_tie": c.near_tie, "first_diff": c.first_diff,
+               "gap": c.gap}
+        plain_outputs.append(plain["tokens"])
+        if "hf" in res:
+            hf = res["hf"]
+            h = compare(cfg, params, ids, plain["tokens"], hf["tokens"])
+            row.update(hf_tokens=len(hf["tokens"]), hf_decode_tokens=hf["decode_tokens"], hf_s=hf["seconds"],
+                       hf_prefill_s=hf["prefill_s"], hf_identical=h.identical, hf_first_diff=h.first_diff,
+                       hf_gap=h.gap)
+        rows.append(row)
+    batches = [batched(cfg, params, heads, tree, prompts, plain_outputs, rows, n, args.max_new_tokens, eos,
+                       {"plain": plain_acc, "medusa": acc}, args.seed, greedy) for n in batch_sizes]
+    conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
+    summary = summarize(rows, tree.max_accepted)
+    predicted = resolve.predicted_tokens_per_step(tree, resolve.heads_calibration(args.heads))
+    overall = summary.get("overall", summary.get("all"))
+    tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
+                + (f"{predicted[0]:.3f} ({predicted[1]})" if predicted else "n/a (heads not tuned)")
+                + f"; tree of {tree.size} tokens"
+                + (f", prompt lookup {tree.lookup_settings}" if tree.lookup else ", no prompt lookup")
+                + "; acceptance per depth "
+                + " ".join(f"{a:.3f}" for a in overall["acceptance_per_depth"]))
+    timing_line = ("tokens/s: decode only, total tokens emitted after the prompt's forward pass / total seconds "
+                   f"after it (prefill excluded for every decoder); prefill over {overall['prompts']} prompts: "
+                   f"plain {overall['plain_prefill_s']:.2f} s")
+    if hf_model is not None:
+        timing_line += (f", transformers {overall['hf_prefill_s']:.2f} s; transformers with "
+                        f"{args.torch_threads} torch thread(s), {conditions['cpu_cores']} cores")
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "results.json"), "w") as f:
+        json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
+                   "tree": [list(c) for c in tree.medusa_choices],
+                   "prompt_lookup": tree.lookup_settings,
+                   "predicted_tokens_per_step": predicted and predicted[0],
+                   "predicted_basis": predicted and predicted[1], "conditions": conditions, "rows": rows}, f, indent=1)
+    table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
+    if not greedy:
+        table += (f"sampling at temperature {acc.temperature}, top-p {acc.top_p}: plain sampling against Medusa with "
+                  f"{acc.mode} acceptance (outputs are not compared)\n")
+    if batches:
+        table += "\n" + batch_table(batches)
+    with open(os.path.join(args.out, "results.md"), "w") as f:
+        f.write(table)
+    plot(summary, os.path.join(args.out, "speed.png"))
+    print(table)
+    bugs = sum(1 for r in rows if not r["identical"] and not r["near_tie"]) if greedy else 0
+    if greedy:
+        print(f"identical {sum(r['identical'] for r in rows)}/{len(rows)}, near-ties "
+              f"{sum(r['near_tie'] for r in rows)}, other differences {bugs}")
+    for batch in batches if greedy else []:
+        for name in ("plain", "medusa"):
+            b = batch[name]
+            bugs += b["other_differences"]
+            print(f"batch {batch['batch_size']} {name}: identical to plain greedy at batch 1 {b['identical']}/{len(rows)}, "
+                  f"near-ties {b['near_ties']}, other differences {b['other_differences']}")
+    if hf_model is not None:
+        diffs = [f"{r['id']} at token {r['hf_first_diff']} (top-2 gap "
+                 + ("n/a: one stopped earlier" if r["hf_gap"] is None else f"{r['hf_gap']:.2g}") + ")"
+                 for r in rows if not r["hf_identical"]]
+        print(f"transformers identical to plain greedy {len(rows) - len(diffs)}/{len(rows)}"
+              + (": differs on " + ", ".join(diffs) if diffs else ""))
+    return 1 if bugs else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,126 @@
+"""Lossless check: Medusa greedy output against plain greedy output on a prompt set.
+
+``medusa-check --prompts ../shared/data/FastChat_mt_bench_question.jsonl``
+
+For every prompt (first turn), both decoders run greedily on the same weights. Outputs must be
+identical token for token. Where they differ, the first differing position is examined on the
+plain path: if its top-2 logit gap is below ``--tie-gap`` (`TIE_GAPS`: 1e-4 in float32) the
+difference is a near-tie (the tree forward sums in another order) and is counted as such; any
+other difference is a bug and makes the command exit with status 1.
+
+With ``--temperature > 0`` it samples instead (``--acceptance exact``, the default, or ``typical``)
+and reports Medusa's tokens per step; sampled answers are not compared with anything (plain and
+Medusa sampling draw different random numbers; tests/test_exact_sampling.py checks that exact
+acceptance keeps the distribution).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+
+from medusa_jax.chat import load_first_turns
+from medusa_jax.evals.lossless import TIE_GAPS, compare, decode_one
+
+
+def main(argv=None) -> int:
+    from medusa_jax.cli import common
+    from medusa_jax.cli.common import HelpFormatter
+
+    p = argparse.ArgumentParser(prog="medusa-check", description=__doc__.split("\n\n")[0],
+                                formatter_class=HelpFormatter)
+    p.add_argument("--prompts", required=True, help="JSONL with MT-bench style 'turns' or a 'prompt' field")
+    p.add_argument("--model", default=None, help="HF directory or GGUF file (default: SmolLM2 GGUF)")
+    p.add_argument("--heads", default=None,
+                   help=common.heads_help())
+    p.add_argument("--num-heads", type=int, default=4, help="head count for --heads zero")
+    p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
+    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
+    p.add_argument("--tie-gap", type=float, default=None,
+                   help="top-2 logit gap below which a difference is a near-tie; default by --dtype: "
+                        + ", ".join(f"{k} {v:g}" for k, v in TIE_GAPS.items()))
+    common.add_dtype_arg(p)
+    p.add_argument("--out", default=None, help="also write per-prompt results as JSON to this file")
+    common.add_acceptance_args(p, temperature_help="0: the lossless check (Medusa greedy against plain greedy); "
+                                                    "> 0: Medusa sampling's tokens/step, no comparison")
+    common.add_lookup_arg(p)
+    args = p.parse_args(argv)
+    acc = common.acceptance_from_args(p, args)
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+
+    from tqdm import tqdm
+
+    from medusa_jax.chat import apply_chat_template
+
+    try:  # paths, heads and tree are checked before the slow model load
+        records = load_first_turns(args.prompts, args.limit)
+        model, heads, tree, note, _ = common.setup_decoding(args, zero_heads=args.num_heads)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if tree is None:  # neither heads nor prompt lookup: nothing to compare with plain decoding
+        print(f"error: {note}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    if acc.mode != "greedy":
+        return sampled(model, heads, tree, records, acc, args)
+    rows, steps, new_tokens = [], 0, 0
+    for rec in tqdm(records, desc="prompts", unit="prompt"):
+        ids = apply_chat_template(model.tokenizer, rec["prompt"])
+        plain, _ = decode_one(model, ids, args.max_new_tokens)
+        med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree)
+        c = compare(model.cfg, model.params, ids, plain, med, args.tie_gap)
+        steps += med_steps
+        new_tokens += len(med)
+        rows.append({**rec, **asdict(c), "new_tokens": len(med), "steps": med_steps,
+                     "tokens_per_step": len(med) / max(med_steps, 1)})
+    identical = sum(r["identical"] for r in rows)
+    ties = sum(r["near_tie"] for r in rows)
+    bugs = len(rows) - identical - ties
+    summary = {"prompts": len(rows), "identical": identical, "near_ties": ties, "other_differences": bugs,
+               "mean_tokens_per_step": new_tokens / max(steps, 1), "tree_size": tree.size,
+               "prompt_lookup": tree.lookup_settings, "max_new_tokens": args.max_new_tokens}
+    print(json.dumps(summary))
+    for r in rows:
+        if not r["identical"]:
+            print(json.dumps({k: r[k] for k in ("id", "first_diff", "gap", "near_tie")}))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    return 1 if bugs else 0
+
+
+def sampled(model, heads, tree, records, acc, args) -> int:
+    """``--temperature > 0``: Medusa sampling on every prompt (prompt i with `decoding.sampling.prompt_seed`);
+    prints the summary with the mean tokens per step. Returns 0."""
+    from tqdm import tqdm
+
+    from medusa_jax.chat import apply_chat_template
+    from medusa_jax.decoding.sampling import prompt_seed
+
+    rows, steps, new_tokens = [], 0, 0
+    for i, rec in enumerate(tqdm(records, desc="prompts", unit="prompt")):
+        ids = apply_chat_template(model.tokenizer, rec["prompt"])
+        med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree, acc, prompt_seed(args.seed, i))
+        steps += med_steps
+        new_tokens += len(med)
+        rows.append({**rec, "new_tokens": len(med), "steps": med_steps, "tokens_per_step": len(med) / max(med_steps, 1)})
+    summary = {"prompts": len(rows), "acceptance": acc.mode, "temperature": acc.temperature, "top_p": acc.top_p,
+               "mean_tokens_per_step": new_tokens / max(steps, 1), "new_tokens": new_tokens, "steps": steps,
+               "tree_size": tree.size, "prompt_lookup": tree.lookup_settings,
+               "max_new_tokens": args.max_new_tokens}
+    print(json.dumps(summary))
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"summary": summary, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,263 @@
+"""What every decoding command shares: the --help formatter, the flags (--heads, --tree, --dtype,
+--mesh, sampling, prompt lookup), the early checks of paths, and one setup (model, mesh, heads,
+tree) for decode, check, bench and tune."""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from typing import Any, NamedTuple, Optional, Tuple
+
+import jax.numpy as jnp
+
+from medusa_jax import sharding
+from medusa_jax.convert.load import LoadedModel, check_model_path, load_model
+from medusa_jax.convert.medusa_format import read_heads_config
+from medusa_jax.decoding.tree import TreeBuffers, check_depth, get_tree
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.resolve import DEFAULT_PROMPT_LOOKUP, heads_location, resolve_heads
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """`argparse.ArgumentDefaultsHelpFormatter` that appends ``(default: X)`` only when the help text
+    does not mention a default itself and X is a real value (not None, not an empty list, not the
+    off state of a ``store_true`` / ``store_false`` flag)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if ("default" in text.lower() or default is None or default is argparse.SUPPRESS
+                or default == [] or (action.nargs == 0 and isinstance(default, bool)
+                                     and not isinstance(action, argparse.BooleanOptionalAction))):
+            return text
+        return super()._get_help_string(action)
+
+
+def add_lookup_arg(p) -> None:
+    """The ``--prompt-lookup K`` flag of decode.py, check and bench (`tree_lookup`)."""
+    def tokens(text: str) -> int:
+        import argparse
+
+        try:
+            k = int(text)
+        except ValueError:
+            k = -1
+        if k < 0:
+            raise argparse.ArgumentTypeError(f"takes the tokens copied per draft, an integer >= 0 (0 = off), "
+                                             f"got {text!r}")
+        return k
+
+    p.add_argument("--prompt-lookup", type=tokens, default=None, metavar="K",
+                   help="prompt lookup: when the context's last 3- or 2-gram occurred before, verify the K tokens "
+                        "that followed it instead of the heads' tree (lossless, like the heads' candidates; fast "
+                        "on summaries, translations, answers about a document); 0 = off; default: the tree "
+                        f"file's setting, else K={DEFAULT_PROMPT_LOOKUP.num_tokens}")
+
+
+def heads_help(zero: bool = True) -> str:
+    """The --heads help of the tools; `zero`: the tool also takes 'zero' (fresh heads)."""
+    return ("a heads directory (ours, the official Medusa format or vLLM's); 'medusa1' for the shipped Medusa-1 "
+            "heads; " + ("'zero' for fresh zero-initialised heads; " if zero else "")
+            + "default: the heads shipped for the default model")
+
+
+def enable_compilation_cache(path: Optional[str] = None) -> None:
+    """Persist XLA compilations across runs (``~/.cache/medusa_jax/xla`` by default), so a second
+    `decode.py` run starts faster. Set MEDUSA_JAX_NO_CACHE=1 to disable."""
+    if os.environ.get("MEDUSA_JAX_NO_CACHE"):
+        return
+    import jax
+
+    path = path or os.path.join(os.path.expanduser("~"), ".cache", "medusa_jax", "xla")
+    try:
+        os.makedirs(path, exist_ok=True)
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    except Exception:  # an unwritable home or an older jax: run without the cache
+        pass
+
+
+class TextStreamer:
+    """Prints generated text as token chunks arrive, detokenizing incrementally (a character
+    split across tokens is held back until complete)."""
+
+    def __init__(self, tokenizer, enabled: bool = True, stream=None):
+        self.tokenizer = tokenizer
+        self.enabled = enabled
+        self.stream = stream or sys.stdout
+        self.tokens: list = []
+        self.printed = 0
+
+    def push(self, chunk) -> None:
+        if not self.enabled:
+            return
+        self.tokens.extend(chunk)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return
+        self.stream.write(text[self.printed:])
+        self.stream.flush()
+        self.printed = len(text)
+
+    def end(self) -> None:
+        if self.enabled:
+            text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+            self.stream.write(text[self.printed:] + "\n")
+            self.stream.flush()
+
+
+def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=None, use_medusa: bool = True,
+              zero_heads: int = 4) -> Optional[TreeBuffers]:
+    """Check the command-line inputs that name files before anything slow runs (the model load
+    takes seconds), so that a typo fails at once.
+
+    Checks: the model path exists and is an HF directory (config.json) or a GGUF file, or, with
+    none, that the default model is installed; the heads path holds a known weight file and a
+    readable config; the tree is a preset, a readable medusa_choices file or a list of paths, and
+    is not deeper than the heads when the heads' config states their count (ours always does).
+    Returns:
+      the parsed tree (`TreeBuffers`), or None when `tree_spec` is None or Medusa is off; pass it on
+      to `resolve.resolve_heads` so that the tree is parsed once.
+    Raises:
+      FileNotFoundError: a missing model, heads or tree file, or the default model not installed
+        (the message says how to install it).
+      ValueError: a malformed tree, heads config (`HeadsFormatError`), or a file that is neither
+        GGUF nor an HF directory; a tree deeper than the heads.
+    """
+    try:
+        check_model_path(model_path)
+    except (FileNotFoundError, ValueError) as e:
+        if model_path is None:  # the default model: its message says how to install it
+            raise
+        raise type(e)(f"--model {e}") from e
+    if not use_medusa:
+        return None
+    heads_path = heads_location(heads_path)
+    num_heads = None
+    if heads_path == "zero":
+        num_heads = zero_heads
+    elif heads_path is not None:
+        raw = read_heads_config(heads_path)
+        if "medusa_choices" in raw or "shared_lm_head" in raw:  # our format states the true count
+            num_heads = raw.get("medusa_num_heads")
+    if tree_spec is None:
+        return None
+    tree = get_tree(tree_spec, topk=None, num_heads=None)
+    if num_heads is not None:
+        check_depth(tree.max_depth, int(num_heads), what="--tree")
+    return tree
+
+
+class Setup(NamedTuple):
+    """What a decoding command works with (`setup_decoding`).
+
+    model: the `LoadedModel` (on the mesh when one was asked for); heads: (MedusaConfig, params)
+    prepared for the tree, or None; tree: the `TreeBuffers` to decode with, or None (plain); note: a
+    line for the user when Medusa was asked for but no heads fit (or ""); mesh: the device mesh or
+    None.
+    """
+    model: LoadedModel
+    heads: Optional[Tuple[MedusaConfig, dict]]
+    tree: Optional[TreeBuffers]
+    note: str
+    mesh: Any
+
+
+def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progress: bool = True) -> Setup:
+    """The one setup of decode, check and bench, in this order: the paths and the tree checked
+    before anything slow (`preflight`, which parses the tree once), the mesh parsed, XLA's
+    compilation cache on (`enable_compilation_cache`), the model loaded in ``--dtype`` and placed on
+    ``--mesh``, and its heads and tree resolved once (`resolve.resolve_heads`: the heads prepared
+    for that tree, so decoding slices and gathers no weight).
+
+    Args:
+      args: the parsed flags: ``model``, ``heads``, ``tree``, ``dtype``, and where the command has
+        them ``mesh`` and ``prompt_lookup``.
+      use_medusa: False: plain decoding (no heads, no tree).
+      zero_heads: the head count of ``--heads zero``.
+      progress: progress bars (first-run model conversion).
+    Returns: a `Setup`.
+    Raises:
+      FileNotFoundError, ValueError: anything the user must fix (a path, the tree, the mesh, heads
+        made for another model); the message is one line that says what.
+    """
+    heads_arg = args.heads if use_medusa else None
+    tree = preflight(args.model, heads_arg, args.tree if use_medusa else None, use_medusa=use_medusa,
+                     zero_heads=zero_heads)
+    mesh = sharding.mesh_from_arg(getattr(args, "mesh", None))
+    enable_compilation_cache()
+    model = sharding.place_on_mesh(load_model(args.model, dtype=jnp.dtype(args.dtype), progress=progress), mesh)
+    heads, tree, note = resolve_heads(model, heads_arg, tree, use_medusa=use_medusa, zero_heads=zero_heads,
+                                      prompt_lookup=getattr(args, "prompt_lookup", None))
+    return Setup(model, heads, tree, note, mesh)
+
+
+def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (see --acceptance)") -> None:
+    """The sampling and acceptance flags of decode.py, check and bench (`acceptance_from_args`)."""
+    p.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
+    p.add_argument("--acceptance", choices=("greedy", "typical", "exact"), default=None,
+                   help="how Medusa accepts candidates: 'greedy' (temperature 0); 'exact': speculative sampling over "
+                        "the tree, the output follows the model's own distribution (lossless); 'typical': Medusa's "
+                        "typical acceptance, accepts more but changes the distribution; default: greedy at "
+                        "temperature 0, exact above")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (temperature > 0), in (0, 1]")
+    p.add_argument("--posterior-threshold", type=float, default=0.09,
+                   help="typical acceptance: hard probability threshold epsilon, in (0, 1]")
+    p.add_argument("--posterior-alpha", type=float, default=0.3,
+                   help="typical acceptance: entropy-scaled threshold factor delta (accept if "
+                        "p > min(threshold, alpha * exp(-entropy)))")
+    p.add_argument("--seed", type=int, default=0,
+                   help="PRNG seed for sampling, in [0, 2**31); prompt i of a prompt file uses (seed + i) mod "
+                        "2**31, so its answer does not depend on the batch it runs in")
+
+
+def acceptance_from_args(p, args):
+    """The `decoding.acceptance.Acceptance` of the flags from `add_acceptance_args`; sets ``args.acceptance`` to
+    the method that runs ("greedy" at temperature 0, "exact" by default above). Bad values exit
+    through ``p.error`` (status 2) with a one-line message."""
+    from medusa_jax.decoding.acceptance import Acceptance
+
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        p.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 < args.top_p <= 1:
+        p.error("--top-p must be in (0, 1]")
+    if not 0 < args.posterior_threshold <= 1:
+        p.error("--posterior-threshold must be in (0, 1]")
+    if not (math.isfinite(args.posterior_alpha) and args.posterior_alpha >= 0):
+        p.error(f"--posterior-alpha must be a finite number >= 0, got {args.posterior_alpha}")
+    if not 0 <= args.seed < 2 ** 31:
+        p.error("--seed must be in [0, 2**31)")
+    if args.acceptance is None:
+        args.acceptance = "greedy" if args.temperature == 0 else "exact"
+    elif args.acceptance == "greedy" and args.temperature > 0:
+        p.error(f"--acceptance greedy decodes at temperature 0, got --temperature {args.temperature}: use "
+                "--acceptance exact (the model's own distribution) or typical")
+    elif args.acceptance != "greedy" and args.temperature == 0:
+        p.error(f"--acceptance {args.acceptance} samples: give a --temperature > 0 (0 is greedy)")
+    return Acceptance(temperature=args.temperature, posterior_threshold=args.posterior_threshold,
+                      posterior_alpha=args.posterior_alpha, top_p=args.top_p,
+                      method="exact" if args.acceptance == "greedy" else args.acceptance)
+
+
+#: Compute dtypes the tools take (`--dtype`): the params, activations and KV cache are stored and
+#: computed in it; logits stay float32 (`models.llama.LlamaModel`).
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_dtype_arg(p) -> None:
+    """The --dtype flag of decode.py, check, bench and tune (pass ``jnp.dtype(args.dtype)`` to
+    `load_model`)."""
+    p.add_argument("--dtype", choices=DTYPES, default="float32",
+                   help="compute dtype: params, activations and the KV cache in it, logits in float32 (plain and "
+                        "Medusa share it, so greedy outputs stay identical); on a CPU bfloat16 and float16 are "
+                        "slower than float32 (no weight-streaming kernel for them)")
+
+
+def add_mesh_arg(p) -> None:
+    """The --mesh flag of decode.py, bench and train.py (`place_on_mesh`)."""
+    p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
+                   help="run on a device mesh, e.g. 2x4: the batch split 2 ways ('data'), attention heads, MLP and "
+                        "vocabulary 4 ways ('model', Megatron-style; the KV cache follows the heads); the model axis "
+                        "must divide the query and KV heads. Default: one device. On a CPU, simulate N devices with "
+                        "XLA_FLAGS=--xla_force_host_platform_device_count=N")

@@ -1,0 +1,187 @@
+"""Argument checks shared by every generation entry point (`check_generation_args`)."""
+from __future__ import annotations
+
+import operator
+from typing import Any, List, Optional, Sequence, Tuple
+
+import jax
+import numpy as np
+
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.tree import TreeBuffers, check_depth
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import check_heads_match
+from medusa_jax.models.config import ModelConfig
+
+
+class PromptTooLongError(ValueError):
+    """The prompt does not fit in the model's context (or the requested cache)."""
+
+
+_ONE_PROMPT = ("decodes one prompt: pass a list (or 1-D array) of token ids, or a [1, T] array; for "
+               "several prompts use generate_device(prompts=[[...], [...]])")
+
+
+_PROMPTS = ("takes a batch of prompts: a list of token-id lists (or a [B, T] array), e.g. "
+            "prompts=[[1, 2, 3], [4, 5]]; for one prompt pass [ids]")
+
+
+def as_int(x: Any, what: str) -> int:
+    """`x` as a Python int (int, numpy integer, 0-d integer array); ValueError naming `what` otherwise."""
+    if isinstance(x, (bool, np.bool_)):
+        raise ValueError(f"{what} must be an integer, got the bool {x!r}")
+    try:
+        return operator.index(x)
+    except TypeError:
+        raise ValueError(f"{what} must be an integer, got {type(x).__name__} {x!r}") from None
+
+
+def _token_ids(p: Any, caller: str, what: str) -> Optional[List[int]]:
+    """One prompt as a list of ints, or None when `p` is not a flat sequence of ids (nested)."""
+    if isinstance(p, str):
+        raise ValueError(f"{caller}() takes token ids, not text ({what} is a str): tokenize it first, "
+                         "e.g. medusa_jax.apply_chat_template(tokenizer, text)")
+    if isinstance(p, (np.ndarray, jax.Array)):
+        arr = np.asarray(p)
+        if arr.ndim != 1:
+            return None
+        if not np.issubdtype(arr.dtype, np.integer):
+            raise ValueError(f"{caller}(): {what} must hold integer token ids, got an array of {arr.dtype}")
+        return arr.astype(np.int64).tolist()
+    if not isinstance(p, Sequence):
+        raise ValueError(f"{caller}(): {what} must be a list or array of token ids, got {type(p).__name__}")
+    if any(isinstance(t, (Sequence, np.ndarray, jax.Array)) and not isinstance(t, str)
+           and np.ndim(t) > 0 for t in p):
+        return None
+    return [as_int(t, f"{what}[{i}] (a token id)") for i, t in enumerate(p)]
+
+
+def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch: bool,
+                          max_new_tokens: Optional[int] = None, cache_size: Optional[int] = None,
+                          heads: Any = None, tree: Any = None, eos_token_ids: Any = None,
+                          acceptance: Any = None, seed: Any = 0,
+                          check_decoding: bool = True) -> Tuple[List[List[int]], Tuple[int, ...]]:
+    """Validate the arguments of every generation entry point (`generate`, `generate_stream`,
+    `generate_device`, `start_state`) and normalise the prompts.
+
+    Args:
+      prompts: ``batch=False``: one prompt, a list / tuple / 1-D numpy or jax array of ints, or a
+        [1, T] array (or a list holding one list). ``batch=True``: a list of such prompts, or a
+        [B, T] integer array (each row a whole prompt). Every id must be in [0, cfg.vocab_size).
+      caller: the entry point's name, for messages.
+      max_new_tokens: an int >= 1 (None: not checked).
+      cache_size: None, or S slots with longest prompt < S <= ``cfg.max_position_embeddings``: a
+        larger cache would give positions the model was never trained on, so it is refused, not capped.
+      heads: None or (MedusaConfig, head params) fitting the backbone (`heads.medusa.check_heads_match`).
+      tree: a `TreeBuffers` no deeper than the heads; given exactly when heads are.
+      eos_token_ids: None (the config's), one id, or a sequence of ids in [0, vocab_size).
+      acceptance: None or an `Acceptance`; seed: an int.
+      check_decoding: False checks only prompts and cache_size (`start_state`).
+    Returns:
+      (prompts as lists of ints, eos ids tuple).
+    Raises:
+      ValueError: any argument of the wrong kind or out of range; the message says what it takes.
+      PromptTooLongError: a prompt with no room left in `cache_size`.
+      HeadsMismatchError: heads made for another backbone.
+    """
+    if batch:
+        if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
+            prompts = list(np.asarray(prompts))
+        if isinstance(prompts, (str, np.ndarray, jax.Array)) or not isinstance(prompts, Sequence):
+            raise ValueError(f"{caller}() {_PROMPTS}; got {type(prompts).__name__}"
+                             + (f" of shape {np.shape(prompts)}" if hasattr(prompts, "shape") else ""))
+        if len(prompts) == 0:
+            raise ValueError(f"no prompts given: {caller}() {_PROMPTS}")
+        if not any(isinstance(p, (Sequence, np.ndarray, jax.Array)) and not isinstance(p, str) for p in prompts):
+            raise ValueError(f"{caller}() {_PROMPTS}; got a flat sequence of {len(prompts)} ids")
+        out = []
+        for b, p in enumerate(prompts):
+            ids = _token_ids(p, caller, f"prompt {b}")
+            if ids is None:
+                raise ValueError(f"{caller}(): prompt {b} is not a flat list of token ids; {caller}() {_PROMPTS}")
+            out.append(ids)
+    else:
+        p = prompts
+        if isinstance(p, (np.ndarray, jax.Array)) and np.ndim(p) == 2 and np.shape(p)[0] == 1:
+            p = np.asarray(p)[0]
+        ids = _token_ids(p, caller, "the prompt")
+        if ids is None and isinstance(p, Sequence) and len(p) == 1:
+            ids = _token_ids(p[0], caller, "the prompt")
+        if ids is None:
+            got = (f"an array of shape {np.shape(p)}" if hasattr(p, "shape") else f"{len(p)} prompts")
+            raise ValueError(f"{caller}() {_ONE_PROMPT}; got {got}")
+        out = [ids]
+    V = cfg.vocab_size
+    for b, ids in enumerate(out):
+        if not ids:
+            raise ValueError("empty prompt: give at least one token (after the chat template)")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < V), None)
+        if bad is not None:
+            where = f" of prompt {b}" if batch else ""
+            raise ValueError(f"{caller}(): token id {ids[bad]} at position {bad}{where} is outside the model's "
+                             f"vocabulary [0, {V}); were the ids made by another model's tokenizer?")
+    ctx = cfg.max_position_embeddings
+    if cache_size is not None:
+        S = as_int(cache_size, "cache_size")
+        if not 1 <= S <= ctx:
+            raise ValueError(f"{caller}(): cache_size={S} is outside [1, {ctx}]: the model's context "
+                             f"(max_position_embeddings) is {ctx} positions, and no position beyond "
+                             f"{ctx - 1} is decoded. Pass cache_size <= {ctx}, or None to size the cache "
+                             "from the prompt and max_new_tokens")
+        longest = max(len(p) for p in out)
+        if longest >= S:
+            raise PromptTooLongError(f"a prompt has {longest} tokens but the cache holds {S}; "
+                                     "shorten the prompt or raise the cache size / context")
+    if not check_decoding:
+        return out, ()
+    if acceptance is not None:
+        if not isinstance(acceptance, Acceptance):
+            raise ValueError(f"{caller}(): acceptance takes a medusa_jax.decoding.acceptance.Acceptance(temperature=...), "
+                             f"got {type(acceptance).__name__}")
+        try:
+            acceptance.check()
+        except ValueError as e:
+            raise ValueError(f"{caller}(): {e}") from None
+    if isinstance(seed, (Sequence, np.ndarray)) and not isinstance(seed, str):
+        if not batch or len(seed) != len(out):
+            raise ValueError(f"{caller}(): seed takes an int" + (f" or one int per prompt ({len(out)})" if batch else "")
+                             + f", got a sequence of {len(seed)}")
+        for s in seed:
+            as_int(s, "each seed")
+    else:
+        as_int(seed, "seed")
+    if max_new_tokens is not None:
+        n = as_int(max_new_tokens, "max_new_tokens")
+        if n < 1:
+            raise ValueError(f"{caller}(): max_new_tokens must be >= 1 (the most new tokens to generate), got {n}")
+    if eos_token_ids is None:
+        eos = tuple(cfg.eos_token_ids)
+    elif isinstance(eos_token_ids, (int, np.integer)) and not isinstance(eos_token_ids, bool):
+        eos = (int(eos_token_ids),)
+    elif isinstance(eos_token_ids, (Sequence, np.ndarray, jax.Array)) and not isinstance(eos_token_ids, str):
+        eos = tuple(as_int(e, "each of eos_token_ids") for e in eos_token_ids)
+    else:
+        raise ValueError(f"{caller}(): eos_token_ids takes None, a token id or a list of token ids, "
+                         f"got {type(eos_token_ids).__name__}")
+    if any(not 0 <= e < V for e in eos):
+        raise ValueError(f"{caller}(): eos_token_ids {list(eos)} must be in the vocabulary [0, {V})")
+    if heads is not None:
+        if not (isinstance(heads, tuple) and len(heads) == 2 and isinstance(heads[0], MedusaConfig)):
+            raise ValueError(f"{caller}(): heads takes (MedusaConfig, head params), e.g. from "
+                             f"medusa_jax.load_heads(path), got {type(heads).__name__}")
+
+        check_heads_match(heads[0], cfg)
+        if tree is None:
+            raise ValueError(f"{caller}(): heads given without a tree; pass tree=medusa_jax.decoding.tree.get_tree(...) "
+                             "(or heads=None for plain decoding)")
+    if tree is not None:
+        if not isinstance(tree, TreeBuffers):
+            raise ValueError(f"{caller}(): tree takes a TreeBuffers (medusa_jax.decoding.tree.get_tree(spec)), "
+                             f"got {type(tree).__name__}")
+        if heads is None and (tree.max_depth > 0 or tree.lookup is None):
+            raise ValueError(f"{caller}(): a tree was given without heads; pass heads=(MedusaConfig, params) "
+                             "too, or tree=None for plain decoding (without heads, a tree may only be the trivial "
+                             "one with prompt lookup: medusa_jax.decoding.tree.with_lookup(get_tree([]), PromptLookup()))")
+        if heads is not None:
+            check_depth(tree.max_depth, heads[0].num_heads)
+    return out, eos

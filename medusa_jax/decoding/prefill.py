@@ -1,0 +1,212 @@
+"""Prefill: a batch of prompts into the KV cache, chunk by chunk, and the decoding state after it."""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from typing import Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm import tqdm
+
+from medusa_jax import sharding
+from medusa_jax.decoding.args import PromptTooLongError, check_generation_args
+from medusa_jax.decoding.compile import aot
+from medusa_jax.decoding.sampling import row_keys
+from medusa_jax.decoding.state import DecodeState, constrain_cache, constrain_state
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.kv_cache import KVCache, init_cache
+from medusa_jax.models.llama import LlamaModel, compute_dtype
+
+
+def bucket(n: int, smallest: int = 32) -> int:
+    """The power of two >= n (at least `smallest`): shape buckets keep recompilations few."""
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+def cache_size_for(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_size: int = 1) -> int:
+    """Slots S for a prompt and budget: room for the prompt, the output and one full tree,
+    rounded up to a power of two (>= 128), capped at the model's context (``max_position_embeddings``).
+
+    Raises PromptTooLongError when the prompt leaves no room for even one new token.
+    """
+    if prompt_len >= cfg.max_position_embeddings:
+        raise PromptTooLongError(
+            f"the prompt has {prompt_len} tokens but the model's context is {cfg.max_position_embeddings}; "
+            "shorten the prompt")
+    return int(min(bucket(prompt_len + max_new_tokens + tree_size, 128), cfg.max_position_embeddings))
+
+
+PREFILL_CHUNK = 256
+"""Tokens per prefill chunk (`prefill_plan`). On this project's 2-core CPU, 256 was faster than
+128 and 512 on a 1,958-token prompt (docs/performance.md, "Prefill")."""
+
+
+PREFILL_KV_BLOCK = 512
+"""Cache slots per attention block during prefill (`medusa_jax.models.llama.blockwise_attention`)."""
+
+
+PROGRESS_DELAY_S = 2.0
+"""A prefill of several chunks shows a progress bar on stderr once it has run this many seconds."""
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1), donate_argnames=("cache",))
+def prefill_chunk(cfg: ModelConfig, kv_block: Optional[int], params, tokens: jax.Array, lengths: jax.Array,
+                  cache: KVCache, last: jax.Array) -> Tuple[KVCache, jax.Array]:
+    """Jitted prefill of one chunk of a right-padded prompt batch (`start_state` drives it).
+
+    Chunk ``c`` holds prompt positions ``[c * T, (c + 1) * T)`` of every row; the chunks go in order
+    into one cache. Row ``b`` takes ``clip(lengths[b] - cache.lengths[b], 0, T)`` real tokens from the
+    chunk; the rest (padding, or a whole chunk past a shorter row's end) is written past the row's
+    length or dropped past the cache's end, and never read.
+
+    Args:
+      cfg: ModelConfig (static).
+      kv_block: static; attention reads the cache in blocks of this many slots, up to the chunk's end
+        only, when S is a larger multiple of it (`medusa_jax.models.llama.blockwise_attention`);
+        None: all S slots in one pass.
+      params: backbone params.
+      tokens: [B, T] int32, this chunk of the right-padded prompts.
+      lengths: [B] int32 whole prompt lengths (>= 1).
+      cache: `KVCache` holding the earlier chunks (lengths ``min(c * T, lengths)``; donated).
+      last: [B, D], carried from chunk to chunk (zeros for the first).
+    Returns:
+      (the cache with this chunk added, last [B, D]: the final hidden state of each row's last prompt
+      token once its chunk has run, else `last` unchanged).
+    """
+    B, T = tokens.shape
+    positions = cache.lengths[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+    num_new = jnp.clip(lengths - cache.lengths, 0, T)  # this chunk's real tokens per row
+    _, hidden, new_cache = LlamaModel(cfg).apply({"params": params}, tokens, positions, cache, num_new=num_new,
+                                                 compute_logits=False, kv_block=kv_block)
+    j = lengths - 1 - cache.lengths  # where the row's last prompt token is in this chunk, if here
+    here = (j >= 0) & (j < T)
+    last = jnp.where(here[:, None], hidden[jnp.arange(B), jnp.clip(j, 0, T - 1)].astype(last.dtype), last)
+    return constrain_cache(new_cache), sharding.constrain(last, sharding.batch_spec(2))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
+def prefill_logits(cfg: ModelConfig, params, last: jax.Array, cache: KVCache, key: jax.Array) -> DecodeState:
+    """Jitted: the decoding state after the last chunk (logits [B, V] float32 of the last prompt
+    tokens from their hidden states `last` [B, D]; `cache` donated; key [B, 2] uint32)."""
+    logits = LlamaModel(cfg).apply({"params": params}, last, method=LlamaModel.logits)
+    return constrain_state(DecodeState(logits=logits, hidden=last, cache=cache, key=key,
+                                       next_token=jnp.full((last.shape[0],), -1, jnp.int32)))
+
+
+@functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
+def prefill(cfg: ModelConfig, params, tokens: jax.Array, lengths: jax.Array, cache: KVCache,
+            key: jax.Array) -> DecodeState:
+    """Jitted prefill of a right-padded batch of prompts into an empty cache, the whole prompt in one
+    chunk (`start_state` feeds long prompts in chunks of `PREFILL_CHUNK` tokens instead).
+
+    Args:
+      cfg: ModelConfig (static).
+      params: backbone params.
+      tokens: [B, Tp] int32 prompt ids, right-padded (pad with any id).
+      lengths: [B] int32 true prompt lengths, 1 <= lengths <= Tp.
+      cache: an empty `KVCache` with S >= Tp slots (donated).
+      key: [B, 2] uint32 per-row PRNG keys for later sampling (`decoding.sampling.row_keys`).
+    Returns:
+      DecodeState with the last prompt position's logits [B, V] float32 and hidden state [B, D].
+    """
+    last = jnp.zeros((tokens.shape[0], cfg.hidden_size), jnp.float32)
+    cache, last = prefill_chunk(cfg, PREFILL_KV_BLOCK, params, tokens, lengths, cache, last)
+    return prefill_logits(cfg, params, last, cache, key)
+
+
+def prefill_plan(longest: int, chunk_size: int = PREFILL_CHUNK) -> Tuple[int, int]:
+    """How `start_state` splits a prompt batch: (tokens per chunk T, number of chunks).
+
+    A batch whose longest prompt has at most `chunk_size` tokens is one chunk of ``bucket(longest)``
+    tokens (>= 32); a longer one is ``ceil(longest / chunk_size)`` chunks of `chunk_size`, all run
+    by one compiled chunk function.
+    Raises ValueError for a chunk_size < 1.
+    """
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1 token, got {chunk_size}")
+    T = bucket(longest) if longest <= chunk_size else chunk_size
+    return T, -(-longest // T)
+
+
+def progress_bar(show: bool, total: int, desc: str, unit: str):
+    """A tqdm bar on stderr that appears once it has run `PROGRESS_DELAY_S` seconds and is erased
+    when closed; None when not `show`."""
+    if not show:
+        return None
+    return tqdm(total=total, desc=desc, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr)
+
+
+def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
+                seed: int = 0, dtype=None, timing: Optional[dict] = None, *,
+                chunk_size: int = PREFILL_CHUNK, kv_block: Optional[int] = PREFILL_KV_BLOCK,
+                progress: bool = True) -> DecodeState:
+    """Validate prompts, build the cache and prefill it, chunk by chunk (`prefill_plan`).
+
+    Args:
+      prompts: B lists of token ids (each non-empty and shorter than `cache_size`).
+      cache_size: S slots per row.
+      seed: an int (row b's key is PRNGKey(seed + b)) or one int per row (`decoding.sampling.row_keys`).
+      dtype: the cache's and the hidden states' dtype; None: the params' compute dtype
+        (`models.llama.compute_dtype`).
+      timing: if a dict, ``timing["prefill_s"]`` gets the prefill's seconds (compilation excluded).
+      chunk_size: tokens per chunk; any value gives the same state up to float32 round-off.
+      kv_block: cache slots per attention block (`prefill_chunk`); None: one pass over the cache.
+      progress: for a prefill of several chunks, a progress bar on stderr once it has run
+        `PROGRESS_DELAY_S` seconds; the host then follows the chunks one behind (a one-chunk
+        prefill never waits and shows nothing). False: silent.
+    Returns:
+      DecodeState: logits [B, V] float32 and final hidden state [B, D] of each row's last prompt
+      token, a cache of `cache_size` slots with ``lengths`` = the prompt lengths, per-row keys
+      [B, 2] from `seed`, ``next_token`` -1 (the first root is chosen from the logits).
+    Raises:
+      ValueError: an empty prompt, a malformed prompt list, an id outside the vocabulary, or a
+        cache_size beyond the model's context (`check_generation_args`); chunk_size < 1.
+      PromptTooLongError: a prompt with no room left.
+    """
+    prompts, _ = check_generation_args(cfg, prompts, caller="start_state", batch=True,
+                                       cache_size=cache_size, check_decoding=False)
+    longest = max(len(p) for p in prompts)
+    T, chunks = prefill_plan(longest, chunk_size)
+    B = len(prompts)
+    toks = np.zeros((B, T * chunks), np.int32)
+    for i, p in enumerate(prompts):
+        toks[i, :len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    dtype = compute_dtype(params) if dtype is None else dtype
+    cache = init_cache(cfg, B, cache_size, dtype)
+    last = jnp.zeros((B, cfg.hidden_size), dtype)
+    key = row_keys(seed, B)
+    mesh = sharding.mesh_of(params)
+    if mesh is not None:  # the cache follows the attention heads; the rows go on 'data'
+        spec = sharding.cache_spec()
+        cache = KVCache(k=sharding.put(cache.k, mesh, spec), v=sharding.put(cache.v, mesh, spec),
+                        lengths=sharding.put(cache.lengths, mesh, sharding.batch_spec(1)),
+                        tokens=sharding.put(cache.tokens, mesh, sharding.batch_spec(2)))
+        last = sharding.put(last, mesh, sharding.batch_spec(2))
+    run = aot(prefill_chunk, (cfg, kv_block), (params, jnp.asarray(toks[:, :T]), lengths, cache, last))
+    finish = aot(prefill_logits, (cfg,), (params, last, cache, key))
+    bar = progress_bar(progress and chunks > 1, chunks, "prefill", "chunk")
+    t0 = time.perf_counter()
+    running = None
+    for c in range(chunks):
+        cache, last = run(params, jnp.asarray(toks[:, c * T:(c + 1) * T]), lengths, cache, last)
+        if bar is not None:  # follow one chunk behind, so that the next one is already queued
+            if running is not None:
+                jax.block_until_ready(running)
+                bar.update(1)
+            running = last
+    state = finish(params, last, cache, key)
+    if timing is not None or bar is not None:
+        state = jax.block_until_ready(state)
+    if bar is not None:
+        bar.update(1)
+        bar.close()
+    if timing is not None:
+        timing["prefill_s"] = time.perf_counter() - t0
+    return state

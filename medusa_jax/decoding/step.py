@@ -1,0 +1,171 @@
+"""One static-shape Medusa step: candidates -> tree forward -> posterior -> accepted path -> KV compaction.
+
+Method: Cai et al., "Medusa" (ICML 2024), Sec. 2.1.2 (tree attention) and Sec. 2.3.1 (typical
+acceptance); reference implementation FasterDecoding/Medusa ``medusa/model/utils.py``
+(``generate_candidates``, ``tree_decoding``, ``evaluate_posterior``, ``update_inference_inputs``).
+Differences from the reference, all for speed: the heads run only on the last accepted position
+(not on every tree node), the posterior reads only the argmax (greedy) or the candidate's
+probability (typical) instead of copying full-vocabulary logits per path, and the accepted nodes'
+K/V are moved with one fixed-size gather/scatter. Everything here is jit-compatible with static
+shapes; the tree (`TreeBuffers`) is a static argument.
+
+Hydra heads (Ankner et al. 2024, "Hydra", Sec. 3; `medusa_jax.heads.hydra`) draft per parent instead of
+per head: head d runs on every depth-d node that has children, reading that node's own path
+(`hydra_candidates`). Verification is the same for both head types.
+
+Exact acceptance (``Acceptance(method="exact")``) is speculative sampling over the tree: Chen et al.
+2023 ("Accelerating Large Language Model Decoding with Speculative Sampling", Theorem 1) for one
+draft, extended to several deterministic candidates per node as in Miao et al. 2024 ("SpecInfer",
+Sec. 4.3, multi-step speculative sampling). A node's children are tried in rank order; the output
+is distributed exactly as plain sampling at the same temperature and top-p (`evaluate_posterior`).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior, residual_token
+from medusa_jax.decoding.draft import draft_tokens
+from medusa_jax.decoding.lookup import ngram_draft
+from medusa_jax.decoding.sampling import sample_logits, split_rows
+from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
+from medusa_jax.decoding.tree import TreeArrays, TreeBuffers, chain_tree, check_depth, padded_arrays
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.kv_cache import KVCache
+from medusa_jax.models.llama import LlamaModel
+
+
+def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_lengths: jax.Array) -> KVCache:
+    """Move the accepted nodes' K/V to consecutive slots.
+
+    The tree's K/V were written at slots ``start + node``; the accepted path's node j goes to slot
+    ``start + j``. All D+1 path entries move (a fixed-size gather/scatter); those past the accepted
+    length land beyond ``new_lengths`` and are never read. Node indices along a path are >= their
+    depth, and the gather happens before the scatter, so no entry is overwritten before it is read.
+
+    Args:
+      path_nodes: [B, D+1] int32 node indices of the chosen path (root first).
+      start: [B] int32 cache length before the tree forward.
+      new_lengths: [B] int32.
+    """
+    B, P1 = path_nodes.shape
+    rows = jnp.arange(B)[:, None]
+    src = start[:, None] + path_nodes
+    dst = start[:, None] + jnp.arange(P1, dtype=jnp.int32)[None, :]
+    k, v = (c.at[:, rows, :, dst].set(c[:, rows, :, src], mode="drop") for c in (cache.k, cache.v))
+    tokens = cache.tokens.at[rows, dst].set(cache.tokens[rows, src], mode="drop")
+    return KVCache(k=k, v=v, lengths=new_lengths, tokens=tokens)
+
+
+def _step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
+    """[B] int32, the root token `medusa_step` will decode from `state`: ``state.next_token`` when
+    an exact step drew it, else the argmax (or a sample with the step's own key) of ``state.logits``."""
+    k_root = split_rows(state.key, 4)[1]
+    return jnp.where(state.next_token >= 0, state.next_token,
+                     sample_logits(state.logits, k_root, acc.temperature, acc.top_p))
+
+
+def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
+                params, head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
+    """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
+
+    1. Root token: ``state.next_token`` when an exact step drew it, else the argmax (or a sample at
+       ``acc.temperature`` and ``acc.top_p``) of ``state.logits``.
+    2. Candidates (`draft_tokens`): Medusa heads: the first D heads' top-k at ``state.hidden`` placed
+       on the tree; hydra heads: depth by depth, each node's children from its own path.
+    3. One forward of the T tree tokens at positions ``length + depth`` with the ancestor mask.
+    4. Posterior (`evaluate_posterior`: greedy, typical or exact), best path, accepted length a.
+    5. Emits root + a candidates; the next logits/hidden are the last accepted node's; the path's
+       K/V are compacted; lengths advance by a + 1. Exact acceptance also draws the next root from
+       that node's residual distribution (`residual_token`) into ``next_token``.
+    Every row draws from its own key (``state.key`` [B, 2]), so rows are independent of each other.
+    With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
+    A tree with prompt-lookup settings (``tree.lookup``, `medusa_jax.decoding.lookup`) first searches the
+    context (``cache.tokens``) for its last n-gram; when at least half the rows find one, the step
+    verifies the copied chain (`decoding.lookup.ngram_draft`, on `decoding.tree.chain_tree`) instead of the heads'
+    tree, with the same acceptance rule: one forward of ``tree.step_size`` tokens whose mask,
+    positions and paths are both trees' buffers padded to one shape (`padded_arrays`) and chosen by
+    data, not by a conditional (which made XLA copy the KV cache every step); the heads run only on
+    the steps that use their tree.
+
+    Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
+    near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
+    """
+    key, _, k_accept, k_next = split_rows(state.key, 4)
+    root = _step_root(acc, state)
+    D = tree.max_depth
+    if D > 0:
+        if heads_cfg is None:
+            raise ValueError("a tree deeper than the root needs Medusa heads")
+        check_depth(D, heads_cfg.num_heads)
+
+    def heads_draft(_):
+        return (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
+                else root[:, None])
+
+    width = tree.max_accepted + 1
+    if tree.lookup is None:
+        return _verify_tree(cfg, tree, tree.size > D + 1, acc, params, state, heads_draft(None), key, k_accept,
+                            k_next, width)
+    # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
+    # by data (a lax.cond around the forward made XLA copy the KV cache every step)
+    chain = chain_tree(tree.lookup.num_tokens)
+    shape = (tree.step_size, max(tree.num_paths, chain.num_paths), tree.max_accepted)
+    copied, found = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)
+    use = 2 * jnp.sum(found.astype(jnp.int32)) >= found.shape[0]
+    B = root.shape[0]
+    # the heads run only on the steps that verify their tree (a conditional over small arrays)
+    by_heads = jax.lax.cond(use, lambda _: jnp.zeros((B, tree.size), jnp.int32), heads_draft, None)
+    pad = lambda t: jnp.pad(t, ((0, 0), (0, shape[0] - t.shape[1])))
+    tokens = jnp.where(use, pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
+    arrays = jax.tree_util.tree_map(lambda c, h: jnp.where(use, c, h), padded_arrays(chain, *shape),
+                                    padded_arrays(tree, *shape))
+    return _verify_tree(cfg, TreeArrays(*arrays), True, acc, params, state, tokens, key, k_accept, k_next, width)
+
+
+def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
+                 tree_tokens: jax.Array, key: jax.Array, k_accept: jax.Array, k_next: jax.Array,
+                 width: int) -> Tuple[StepOutput, DecodeState]:
+    """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers` or
+    `TreeArrays`; root first). compact (static): whether the accepted path's K/V must move (False
+    for a chain, whose accepted prefix is in place). The emitted tokens are padded to `width` columns."""
+    D = tree.retrieve_indices.shape[1] - 1
+    start = state.cache.lengths
+    positions = start[:, None] + jnp.asarray(tree.depth)[None, :]
+    logits, hidden, cache = LlamaModel(cfg).apply(
+        {"params": params}, tree_tokens, positions, state.cache, jnp.asarray(tree.ancestor_mask))
+    B = tree_tokens.shape[0]
+    next_token = jnp.full((B,), -1, jnp.int32)
+    if D > 0:
+        best, acc_len = evaluate_posterior(logits, tree_tokens, tree, acc, k_accept)
+        path_nodes = jnp.asarray(tree.retrieve_indices)[best]                 # [B, D+1]
+        last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
+        if compact:
+            cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
+        else:  # a chain: node j already sits at slot start + j, the accepted prefix is in place
+            cache = cache.replace(lengths=start + acc_len + 1)
+        tokens = jnp.take_along_axis(tree_tokens, path_nodes, axis=1)
+        if acc.mode == "exact":
+            next_token = residual_token(logits, tree_tokens, tree, acc, last, k_next)
+    else:
+        acc_len = jnp.zeros((B,), jnp.int32)
+        last = jnp.zeros((B,), jnp.int32)
+        tokens = tree_tokens
+    tokens = jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
+    rows = jnp.arange(B)
+    new_state = DecodeState(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache, key=key,
+                            next_token=next_token)
+    return StepOutput(tokens=tokens, num_tokens=acc_len + 1), new_state
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
+def step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance, params,
+         head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
+    """Jitted `medusa_step` (same arguments, the state donated); on a device mesh the output state
+    keeps the input state's layout (`state.constrain_state`)."""
+    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state)
+    return out, constrain_state(st)

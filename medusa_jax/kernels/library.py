@@ -1,0 +1,134 @@
+"""The CPU kernels' shared library: compiled on first use from ``stream_matmul.cc`` into the
+user's cache, loaded, registered with XLA as FFI targets, and what it says about this CPU
+(`status`, `read_bandwidth`). See the package docstring."""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional, Tuple
+
+import jax
+
+SOURCE = Path(__file__).with_name("stream_matmul.cc")
+
+
+FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+
+
+TARGETS = ("medusa_matmul_nt", "medusa_matmul_nt_bf16", "medusa_cache_attention", "medusa_argmax_rows")
+
+
+# Products with more rows than this go to XLA: the kernel's advantage is for decoding-sized M (it
+# keeps 4 rows' accumulators in registers and re-reads the weights from L1 for every 4 rows); on
+# this project's CPU a 32-node tree step was faster with XLA's product (docs/performance.md).
+MAX_ROWS = 16
+
+
+
+
+def cache_dir() -> Path:
+    """Where the compiled kernels live: ``$MEDUSA_JAX_CACHE`` or ``~/.cache/medusa_jax``."""
+    return Path(os.environ.get("MEDUSA_JAX_CACHE") or Path.home() / ".cache" / "medusa_jax")
+
+
+def cpu_supported() -> Tuple[bool, str]:
+    """(ok, reason): the kernels need x86-64 with AVX2 and FMA (read from /proc/cpuinfo)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return False, f"the kernels are x86-64 only (this CPU: {platform.machine()})"
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return False, "cannot read /proc/cpuinfo to check for AVX2 and FMA"
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    missing = [f for f in ("avx2", "fma") if f not in flags]
+    if missing:
+        return False, f"this CPU lacks {' and '.join(missing)}"
+    return True, ""
+
+
+@functools.lru_cache(maxsize=1)
+def _library_path() -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + jax.__version__.encode()).hexdigest()[:16]
+    return cache_dir() / f"stream_matmul-{key}.so"
+
+
+def build(verbose: bool = False) -> Path:
+    """Compile `stream_matmul.cc` (if not already built for this source, flags and jax version).
+
+    Returns the shared library's path. Raises RuntimeError (with the compiler's message) when the
+    compiler is missing or fails. The file is written to a temporary name and renamed, so
+    concurrent builds are safe.
+    """
+    out = _library_path()
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "c++")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp, "-lpthread"]
+    if verbose:
+        print(" ".join(cmd), file=sys.stderr)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    except FileNotFoundError:
+        os.unlink(tmp)
+        raise RuntimeError(f"no C++ compiler ({cxx!r} not found; set CXX)") from None
+    if proc.returncode != 0:
+        os.unlink(tmp)
+        raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+    os.chmod(tmp, 0o755)
+    os.replace(tmp, out)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def load_library() -> Tuple[Optional[ctypes.CDLL], str]:
+    """(library or None, why not): build, load and register the kernels once per process."""
+    if os.environ.get("MEDUSA_JAX_KERNELS", "1").strip().lower() in ("0", "false", "off", "xla"):
+        return None, "disabled by MEDUSA_JAX_KERNELS=0"
+    ok, why = cpu_supported()
+    if not ok:
+        return None, why
+    if not hasattr(jax, "ffi"):
+        return None, f"jax {jax.__version__} has no jax.ffi"
+    try:
+        lib = ctypes.cdll.LoadLibrary(str(build()))
+    except (RuntimeError, OSError) as e:
+        return None, f"could not build or load the kernels: {e}"
+    for name in TARGETS:
+        jax.ffi.register_ffi_target(name, jax.ffi.pycapsule(getattr(lib, name)), platform="cpu")
+    lib.medusa_read_bandwidth.restype = ctypes.c_double
+    lib.medusa_read_bandwidth.argtypes = [ctypes.c_int64, ctypes.c_int32, ctypes.c_int32]
+    return lib, ""
+
+
+def available() -> bool:
+    """True when the streaming kernels are built, loaded and registered for the CPU."""
+    return load_library()[0] is not None
+
+
+def status() -> str:
+    """One line for the user: which path few-row products take on the CPU, and why."""
+    lib, why = load_library()
+    if lib is not None:
+        return f"weight-streaming CPU kernels (AVX2+FMA, <= {MAX_ROWS} rows; {_library_path().name})"
+    return f"XLA's CPU products ({why})"
+
+
+def read_bandwidth(nbytes: int = 1 << 30, threads: int = 2, repeats: int = 3) -> float:
+    """This machine's read bandwidth in bytes/s: `threads` threads summing a `nbytes` buffer
+    (best of `repeats`). The roofline for a decoding step, which reads every weight once.
+
+    Raises RuntimeError when the kernels are unavailable (see `status`)."""
+    lib, why = load_library()
+    if lib is None:
+        raise RuntimeError(f"read_bandwidth needs the streaming kernels: {why}")
+    return float(lib.medusa_read_bandwidth(int(nbytes), int(threads), int(repeats)))

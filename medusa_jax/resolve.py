@@ -1,0 +1,193 @@
+"""Which heads and which tree to decode with: the shipped heads, a heads directory or fresh ones,
+the tree saved with them or asked for, prompt lookup, and what `medusa_jax.tuning` calibrated for them."""
+from __future__ import annotations
+
+import os
+from typing import Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+
+from medusa_jax import sharding
+from medusa_jax.convert.medusa_format import load_heads, read_heads_config
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.decoding.tree import PRESETS, TreeBuffers, expected_acceptance_length, get_tree, with_lookup
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.medusa import check_heads_match, init_heads, prepare_heads
+from medusa_jax.models.llama import compute_dtype, lm_head_matrix
+
+_ASSET_HEADS = os.path.join(os.path.dirname(__file__), "assets", "heads")
+
+
+#: Heads shipped for the default model (SmolLM2-135M-Instruct), inside the package.
+DEFAULT_HEADS_DIR = os.path.join(_ASSET_HEADS, "smollm2-135m-instruct")
+
+
+#: The other heads shipped for the default model, by the name `--heads` accepts: the paper's
+#: Medusa-1 heads (Cai et al. 2024, Sec. 2.2.1), kept beside the default (Hydra) heads.
+SHIPPED_HEADS = {"medusa1": os.path.join(_ASSET_HEADS, "smollm2-135m-instruct-medusa1")}
+
+
+#: Prompt lookup (`medusa_jax.decoding.lookup`) on the tools' trees unless asked otherwise: copies of 3
+#: tokens after a repeated 3- or 2-gram. On Spec-Bench with SmolLM2-135M it beat copies of 2, 4
+#: and 6 and 1-grams (docs/performance.md, "Prompt lookup").
+DEFAULT_PROMPT_LOOKUP = PromptLookup(num_tokens=3, max_ngram=3, min_ngram=2)
+
+
+def tree_lookup(tree: TreeBuffers, prompt_lookup: Optional[int] = None) -> TreeBuffers:
+    """`tree` with the prompt lookup asked for: None: the tree's own (a tree file's
+    ``prompt_lookup``), else `DEFAULT_PROMPT_LOOKUP`; 0: none; K > 0: copies of K tokens (n-grams
+    as the default's). Raises ValueError for K < 0."""
+    if prompt_lookup is None:
+        return tree if tree.lookup is not None else with_lookup(tree, DEFAULT_PROMPT_LOOKUP)
+    if prompt_lookup < 0:
+        raise ValueError(f"--prompt-lookup takes the tokens copied per draft (0 = off), got {prompt_lookup}")
+    return with_lookup(tree, DEFAULT_PROMPT_LOOKUP._replace(num_tokens=prompt_lookup) if prompt_lookup else None)
+
+
+#: Tree used when neither --tree nor the heads name one.
+DEFAULT_TREE = "small_16"
+
+
+def heads_location(heads_path: Optional[str]) -> Optional[str]:
+    """`heads_path` with a shipped heads name (`SHIPPED_HEADS`, e.g. "medusa1") replaced by its
+    directory; anything else (None, "zero", a path; an existing path of that name wins) unchanged."""
+    if heads_path in SHIPPED_HEADS and not os.path.exists(heads_path):
+        return SHIPPED_HEADS[heads_path]
+    return heads_path
+
+
+def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
+    """The Medusa tree: `spec` (preset name, JSON/YAML file, or paths) if given, else the tree saved
+    with the heads, else `DEFAULT_TREE` cut to the heads' depth.
+
+    Raises ValueError for an unknown preset, a malformed file, or a tree deeper than the heads.
+    """
+    if spec is not None:
+        return get_tree(spec, topk=None, num_heads=heads_cfg.num_heads)
+    if heads_cfg.medusa_choices:
+        return get_tree(heads_cfg.medusa_choices, topk=heads_cfg.topk, num_heads=heads_cfg.num_heads)
+    choices = [p for p in PRESETS[DEFAULT_TREE] if len(p) <= heads_cfg.num_heads]
+    return get_tree(choices, topk=heads_cfg.topk, num_heads=heads_cfg.num_heads)
+
+
+def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: bool = True,
+                  zero_heads: int = 4, prompt_lookup: Optional[int] = None
+                  ) -> Tuple[Optional[Tuple[MedusaConfig, dict]], Optional[TreeBuffers], str]:
+    """Heads and tree for a loaded model.
+
+    Args:
+      model: a `convert.load.LoadedModel`.
+      heads_path: a heads directory or file; a shipped heads name (`SHIPPED_HEADS`); "zero":
+        `zero_heads` fresh zero-initialised heads (they propose the base model's next-token
+        guesses; for lossless checks); None: the heads shipped for the default model, when `model`
+        is that model and they exist.
+      tree_spec: see `resolve_tree`.
+      use_medusa: False gives (None, None, "").
+      prompt_lookup: the tree's prompt lookup (`tree_lookup`): None: the tree file's, else
+        `DEFAULT_PROMPT_LOOKUP`; 0: off; K: copies of K tokens.
+    Returns:
+      ((MedusaConfig, params as jnp arrays) or None, TreeBuffers or None, a note for the user
+      when Medusa was asked for but no heads fit). Without heads the tree is the trivial one with
+      prompt lookup (lookup alone, which `generate` accepts without heads), or None when
+      ``prompt_lookup=0`` (plain decoding). The heads come prepared for
+      that tree (`heads.medusa.prepare_heads`): only its first ``tree.max_depth`` heads are kept, so a
+      deeper tree needs another call.
+    Raises:
+      FileNotFoundError / HeadsFormatError / HeadsMismatchError from `load_heads` for an explicit
+      path that is missing, corrupt or made for another backbone; ValueError for a bad tree.
+    """
+    if not use_medusa:
+        return None, None, ""
+
+    heads_path = heads_location(heads_path)
+
+    def without_heads(why: str):  # prompt lookup alone, unless it is off
+        alone = tree_lookup(get_tree([]), prompt_lookup)
+        if alone.lookup is None:
+            return None, None, why + "; decoding plainly"
+        return None, alone, why + "; decoding with prompt lookup only (no heads)"
+
+    if heads_path == "zero":
+
+        heads_cfg = MedusaConfig(hidden_size=model.cfg.hidden_size, vocab_size=model.cfg.vocab_size,
+                                 num_heads=zero_heads)
+        params = init_heads(heads_cfg, lm_head_matrix(model.cfg, model.params))
+    elif heads_path is None:
+        if not os.path.isdir(DEFAULT_HEADS_DIR):
+            return without_heads("no default Medusa heads are installed (pass --heads DIR)")
+        heads_cfg, params = load_heads(DEFAULT_HEADS_DIR)
+        try:
+            check_heads_match(heads_cfg, model.cfg)
+        except ValueError:
+            return without_heads("the shipped heads are for SmolLM2-135M-Instruct, not this model (train heads "
+                                 "with train.py and pass --heads DIR)")
+    else:
+        heads_cfg, params = load_heads(heads_path, model.cfg)
+
+    if getattr(model, "params", None) is not None:  # the heads compute in the backbone's dtype
+        dt = compute_dtype(model.params)
+        params = {k: (v.astype(dt) if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) else v)
+                  for k, v in params.items()}
+    tree = tree_lookup(resolve_tree(tree_spec, heads_cfg), prompt_lookup)
+    # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
+    need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
+    base = lm_head_matrix(model.cfg, model.params) if need_base else None
+    heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1))
+    # once, here, for a model on a device mesh (`place_on_mesh`): decoding would otherwise place them every call
+    params = sharding.shard_params(params, sharding.mesh_of(getattr(model, "params", None)))
+    return (heads_cfg, params), tree, ""
+
+
+def heads_calibration(heads_path: Optional[str]) -> Optional[dict]:
+    """The ``tree_search`` report that `medusa_jax.cli.tune` saved with the heads (calibrated
+    ``rank_accuracies`` [K][topk], measured costs, the chosen tree), or None when there is none.
+    `heads_path` None means the shipped heads; "zero" has none."""
+    if heads_path == "zero":
+        return None
+
+    try:
+        return read_heads_config(heads_location(heads_path) or DEFAULT_HEADS_DIR).get("tree_search")
+    except (OSError, ValueError):
+        return None
+
+
+def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) -> Optional[Tuple[float, str]]:
+    """The tokens per step `medusa_jax.cli.tune` predicts for `tree`, and on what basis, or None.
+
+    For the tree tune chose, with the prompt lookup it chose it with (or with none), the figure tune
+    replayed on the held-out chats (`medusa_jax.tuning.replay`; with or without that lookup); for another
+    tree, 1 + E[accepted] under the calibrated rank accuracies as if the heads erred independently
+    (Medusa Sec. 3.3.1), which ignores prompt lookup. None without a calibration."""
+
+    if not calibration or "rank_accuracies" not in calibration:
+        return None
+    lookup = tree.lookup_settings
+    chosen = {tuple(p) for p in calibration.get("medusa_choices") or []}
+    if calibration.get("predicted_by") == "replay" and chosen == set(tree.medusa_choices):
+        if lookup is None:
+            return calibration["predicted_tokens_per_step"], "replayed on the held-out chats, heads alone"
+        if lookup == calibration.get("prompt_lookup") and calibration.get("predicted_tokens_per_step_lookup"):
+            return calibration["predicted_tokens_per_step_lookup"], "replayed on the held-out chats, with prompt lookup"
+    try:
+        e = expected_acceptance_length(tree, calibration["rank_accuracies"])
+    except ValueError:
+        return None
+    return 1.0 + e, "rank accuracies, independent heads" + (", without prompt lookup" if lookup else "")
+
+
+def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
+    """A hint when `medusa_jax.cli.tune` measured, on this kind of device, that the heads' chosen tree is
+    slower than plain decoding (predicted speedup < 1); "" otherwise."""
+    if tree is None or not calibration:
+        return ""
+
+    if calibration.get("device") != str(jax.devices()[0].device_kind) or calibration.get("chosen_size") != tree.size:
+        return ""
+    if tree.lookup_settings != calibration.get("prompt_lookup"):
+        return ""  # chosen for another prompt-lookup setting
+    row = next((r for r in calibration.get("rows", []) if r.get("size") == tree.size), None)
+    if row is None or row.get("predicted_speedup", 1.0) >= 1.0:
+        return ""
+    return (f"on this device ({calibration['device']}) these heads' tree is predicted at "
+            f"{row['predicted_speedup']:.2f}x plain decoding (medusa-tune); --no-medusa is faster")
