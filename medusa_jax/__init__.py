@@ -1,4 +1,4 @@
-"""medusa_jax: Medusa decoding heads for Llama-family models (Llama, Mistral, Qwen2) in JAX/Flax.
+"""medusa_jax: Medusa decoding heads for Llama-family models (Llama, Mistral, Qwen2, Qwen3) in JAX/Flax.
 
 Public API (every step of decode.py and train.py)::
 

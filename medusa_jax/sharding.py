@@ -47,6 +47,7 @@ RULES: Tuple[Tuple[str, P], ...] = (
     (r"(q_proj|k_proj|v_proj)/bias$", P("model")),
     (r"(o_proj|down_proj)/kernel$", P("model", None)),                    # [in, D]: rows
     (r"(o_proj|down_proj)/kernel_t$", P(None, "model")),
+    (r"(q_norm|k_norm)/scale$", P(None)),                                 # Qwen3 [Dh]: replicated
     (r"lm_head/kernel$", P(None, "model")),                               # [D, V]
     (r"lm_head/kernel_t$", P("model", None)),                             # [V, D]
     (r"(^|/)blocks_kernel$", P(None, None, None, "model")),               # heads [K, L, D, D]

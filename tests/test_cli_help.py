@@ -6,8 +6,8 @@ import pytest
 
 
 def _mains():
-    import decode
-    import train
+    from medusa_jax.cli import decode
+    from medusa_jax.cli import train
     from medusa_jax.cli import bench, check, distill, plan, tune
     return {"python decode.py": decode.main, "train.py": train.main, "medusa-check": check.main, "medusa-bench": bench.main,
             "medusa-tune": tune.main, "medusa-plan": plan.main,

@@ -91,7 +91,7 @@ def test_hf_unknown_architecture(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2", "vocab_size": 10}))
     with pytest.raises(UnsupportedArchitectureError) as e:
         load_model(str(tmp_path))
-    assert all(a in str(e.value) for a in ("'gpt2'", "llama", "mistral", "qwen2"))
+    assert all(a in str(e.value) for a in ("'gpt2'", "llama", "mistral", "qwen2", "qwen3"))
 
 
 @pytest.mark.parametrize("defect, message", [
@@ -152,10 +152,11 @@ def _llama3_rope_freqs(cfg):
 
 
 def write_gguf(path, cfg, hf_tensors, qtype=None, arch=None, tamper=None, extra=None):
-    """Write a GGUF file as llama.cpp's convert_hf_to_gguf.py does for a Llama/Qwen2 model.
+    """Write a GGUF file as llama.cpp's convert_hf_to_gguf.py does for a Llama/Qwen2/Qwen3 model.
 
     llama: q/k rows (weights and biases) permuted per head, Llama-3 scaling as a rope_freqs
-    tensor; a sliding window as ``attention.sliding_window`` (+ ``sliding_window_pattern``). 1-D tensors stay F32; 2-D ones are F32, or quantized with `qtype` (e.g. Q8_0).
+    tensor; qwen2/qwen3: unpermuted; qwen3 (or any explicit head_dim other than hidden / heads):
+    ``attention.key_length`` / ``value_length``; tied embeddings: no output.weight; a sliding window as ``attention.sliding_window`` (+ ``sliding_window_pattern``). 1-D tensors stay F32; 2-D ones are F32, or quantized with `qtype` (e.g. Q8_0).
     `tamper(name, array) -> array | None` may alter or drop (None) a tensor, and `extra`
     ({gguf name: array}) adds tensors, for error tests.
     """
@@ -173,6 +174,9 @@ def write_gguf(path, cfg, hf_tensors, qtype=None, arch=None, tamper=None, extra=
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     w.add_rope_dimension_count(cfg.head_dim)
+    if arch == "qwen3" or cfg.head_dim != cfg.hidden_size // cfg.num_heads:  # the config's explicit head_dim
+        w.add_key_length(cfg.head_dim)
+        w.add_value_length(cfg.head_dim)
     w.add_file_type(gguf.LlamaFileType.ALL_F32 if qtype is None else gguf.LlamaFileType.MOSTLY_Q8_0)
     w.add_bos_token_id(cfg.bos_token_id)
     w.add_eos_token_id(cfg.eos_token_ids[0])
@@ -247,13 +251,14 @@ def test_gguf_quantized_within_tolerance(tmp_path, tiny_llama, qtype, param_tol,
     assert 0 < err < logit_tol
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3"])
 def test_transformers_loads_tiny_gguf_like_us(tmp_path, arch):
     """transformers' own GGUF loader (with its own q/k un-permutation) on our tiny file gives the
-    same logits as our model loaded from it."""
+    same logits as our model loaded from it. qwen3 (its q/k norms) with head_dim 128: transformers'
+    GGUF reader ignores ``qwen3.attention.key_length`` and takes Qwen3Config's default, 128."""
     import torch
     from transformers import AutoModelForCausalLM
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, **({"head_dim": 128} if arch == "qwen3" else {}))
     model, _ = random_hf_model(cfg, seed=8)
     path = write_gguf(tmp_path / "t.gguf", cfg, hf_state_dict(model))
     ref = AutoModelForCausalLM.from_pretrained(str(tmp_path), gguf_file="t.gguf", dtype=torch.float32,
@@ -285,7 +290,7 @@ def test_gguf_bad_tensors(tmp_path, tiny_llama):
 
 
 def test_gguf_unknown_architecture(tmp_path, tiny_llama):
-    with pytest.raises(UnsupportedArchitectureError, match="'gpt2'.*llama, mistral, qwen2"):
+    with pytest.raises(UnsupportedArchitectureError, match="'gpt2'.*llama, mistral, qwen2, qwen3"):
         load_gguf(_bad_gguf(tmp_path, tiny_llama, arch="gpt2"))
 
 

@@ -19,7 +19,8 @@ from scipy.stats import chi2
 from medusa_jax.decoding import acceptance
 from medusa_jax.decoding import step as step_module
 from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.decoding.generate import decoding_setup, generate, generate_device
+from medusa_jax.decoding.compile import clear_compiled
+from medusa_jax.decoding.generate import decoding_setup, generate, generate_batch, generate_device
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.sampling import filtered_logits
@@ -174,6 +175,49 @@ def test_exact_rows_do_not_depend_on_the_batch(model):
             one = generate(cfg, params, pr, max_new_tokens=12, heads=heads, tree=TREE_A, acceptance=acc,
                            seed=10 + b, progress=False)
             assert batch.tokens[b, :batch.count[b]].tolist() == one.tokens
+
+
+@pytest.mark.parametrize("method", ["exact", "typical"])
+def test_sampled_rows_with_prompt_lookup_do_not_depend_on_the_batch(model, method, monkeypatch):
+    """Issue 27: with prompt lookup on, each row chooses between the copied chain and the heads'
+    tree by itself, so prompt i's sampled answer (seed + i) is the same at batch 1, 2 and 4. (Before,
+    the whole batch verified the chain when half its rows found an n-gram: 1 row of 16 differed.)
+    A tiny vocabulary makes n-grams recur, so rows disagree about the chain on many steps."""
+    cfg, params, _ = model
+    heads = random_heads(cfg, params)
+    tree = TREES["A+lookup"]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, V, size=int(rng.integers(3, 9))).tolist() for _ in range(16)]
+    acc = Acceptance(temperature=1.0, method=method)
+
+    def answers(batch_size):
+        out = [None] * len(prompts)
+        for i, res in generate_batch(cfg, params, prompts, batch_size=batch_size, max_new_tokens=40, heads=heads,
+                                     tree=tree, acceptance=acc, seed=5, progress=False):
+            out[i] = res.tokens
+        return out
+
+    runs = {b: answers(b) for b in (1, 2, 4)}
+    for i in range(len(prompts)):
+        assert runs[2][i] == runs[1][i], f"prompt {i}: batch 2 differs from batch 1"
+        assert runs[4][i] == runs[1][i], f"prompt {i}: batch 4 differs from batch 1"
+    # the test can fail: with the former batch-wide choice (the chain for every row when half the
+    # rows found an n-gram) some row's answer changes with the batch
+    real = step_module.ngram_draft
+
+    def batch_wide(tokens, lengths, root, lookup):
+        draft, found = real(tokens, lengths, root, lookup)
+        return draft, jnp.broadcast_to(2 * jnp.sum(found.astype(jnp.int32)) >= found.shape[0], found.shape)
+
+    monkeypatch.setattr(step_module, "ngram_draft", batch_wide)
+    jax.clear_caches()
+    clear_compiled()
+    try:
+        assert answers(4) != runs[1], "the batch-wide choice gave the same answers: the test cannot fail"
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+        clear_compiled()
 
 
 def test_acceptance_settings_are_checked(model):

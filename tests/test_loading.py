@@ -10,7 +10,7 @@ import pytest
 from conftest import hf_state_dict, random_hf_model, tiny_config
 from test_convert import write_gguf
 
-import decode
+from medusa_jax.cli import decode
 from medusa_jax.cli import common
 from medusa_jax.convert import cache
 from medusa_jax.convert.load import load_model

@@ -181,7 +181,7 @@ def test_heads_and_tree_misuse(tiny):
 ])
 def test_mesh_flag_misuse(argv, message, capsys):
     """--mesh is checked before the model is loaded; too few devices names XLA_FLAGS on a CPU."""
-    import decode
+    from medusa_jax.cli import decode
     assert decode.main(argv + ["--prompt", "Hi"]) == 2
     err = capsys.readouterr().err
     assert message in err
@@ -190,7 +190,7 @@ def test_mesh_flag_misuse(argv, message, capsys):
 
 
 def test_train_mesh_and_distributed_misuse(capsys, monkeypatch):
-    import train
+    from medusa_jax.cli import train
     from medusa_jax import distributed
     for name in distributed.ENV.values():
         monkeypatch.delenv(name, raising=False)

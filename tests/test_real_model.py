@@ -76,7 +76,7 @@ def test_top2_gap_is_the_logit_gap(smollm2):
 
 
 def test_decode_cli_json(capsys):
-    import decode
+    from medusa_jax.cli import decode
     rc = decode.main(["--no-medusa", "--json", "--max-new-tokens", "32", "--prompt", "What is the capital of France?"])
     assert rc == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
@@ -87,7 +87,7 @@ def test_decode_cli_json(capsys):
 
 
 def test_decode_cli_rejects_empty_prompt(capsys):
-    import decode
+    from medusa_jax.cli import decode
     with pytest.raises(SystemExit) as e:
         decode.main(["--prompt", "   "])
     assert e.value.code == 2
@@ -98,7 +98,7 @@ def test_decode_cli_prompts_file_in_input_order(tmp_path, capsys):
     """--prompts-file: one JSON line per prompt in input order, greedy answers equal to decoding each
     prompt alone, 'turns' records use the first turn, and a prompt longer than the context gets an
     error line while the others are answered (exit status 1)."""
-    import decode
+    from medusa_jax.cli import decode
     f = tmp_path / "prompts.jsonl"
     recs = [{"question_id": 7, "turns": ["What is the capital of France?", "And of Spain?"]},
             {"prompt": "Name a prime number larger than 10."},
@@ -117,7 +117,7 @@ def test_decode_cli_prompts_file_in_input_order(tmp_path, capsys):
 
 
 def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
-    import decode
+    from medusa_jax.cli import decode
     rc = decode.main(["--json", "--max-new-tokens", "16", "--temperature", "0.7", "--prompt", "Hi!"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["acceptance"] == "exact" and out["new_tokens"] >= 1

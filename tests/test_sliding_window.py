@@ -43,6 +43,13 @@ LAYOUTS = {
                                   layer_types=[S, F, S]), (W, None, W)),  # the list wins
     "qwen2_legacy_attention_name": (hf_dict("qwen2", 3, use_sliding_window=True, sliding_window=W,
                                             layer_types=["attention", S, F]), (None, W, None)),
+    # Qwen3Config reads the window keys as Qwen2Config does
+    "qwen3_max_window_layers_1": (hf_dict("qwen3", 2, use_sliding_window=True, sliding_window=W,
+                                          max_window_layers=1), (None, W)),
+    "qwen3_window_off": (hf_dict("qwen3", 2, use_sliding_window=False, sliding_window=W,
+                                 max_window_layers=0), (None, None)),
+    "qwen3_layer_types": (hf_dict("qwen3", 3, use_sliding_window=True, sliding_window=W, max_window_layers=1,
+                                  layer_types=[S, "attention", S]), (W, None, W)),
     "mistral_window": (hf_dict("mistral", 2, sliding_window=W), (W, W)),
     "mistral_null_window": (hf_dict("mistral", 2, sliding_window=None), (None, None)),
     # MistralModel ignores layer_types (it only warns) and windows every layer
@@ -65,7 +72,7 @@ def layout(request):
 def test_layout_is_read_as_transformers_runs_it(layout):
     name, cfg, model, _, windows = layout
     assert cfg.layer_windows == windows, name
-    if cfg.arch == "qwen2":  # transformers' own per-layer reading
+    if cfg.arch in ("qwen2", "qwen3"):  # transformers' own per-layer reading
         assert tuple(layer.self_attn.sliding_window for layer in model.model.layers) == windows
 
 

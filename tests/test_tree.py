@@ -198,9 +198,9 @@ def test_get_tree_passthrough_and_heads():
     t = get_tree("chain3")
     assert get_tree(t) is t
     assert get_tree(t, topk=4).topk == 4
-    with pytest.raises(ValueError, match="num_heads=2"):
+    with pytest.raises(ValueError, match="the heads have only 2"):
         get_tree("chain3", num_heads=2)
-    with pytest.raises(ValueError, match="num_heads=2"):
+    with pytest.raises(ValueError, match="the heads have only 2"):
         get_tree(t, num_heads=2)
 
 
@@ -240,7 +240,7 @@ def test_expected_acceptance_chain():
     # hand tree on 3 heads: (0,)=.8 (1,)=.1 (0,0)=.48 (0,1)=.08 (1,0)=.06 (0,0,0)=.24
     assert expected_acceptance_length(HAND, acc) == pytest.approx(0.8 + 0.1 + 0.48 + 0.08 + 0.06 + 0.24)
     assert expected_acceptance_length([], acc) == 0.0
-    with pytest.raises(ValueError, match="num_heads=3"):
+    with pytest.raises(ValueError, match="the heads have only 3"):
         expected_acceptance_length(PRESETS["chain4"], acc)
     with pytest.raises(ValueError):
         expected_acceptance_length([(2,)], acc)

@@ -1,56 +1,11 @@
-"""Side-by-side speed: plain greedy vs Medusa greedy (and optionally transformers' generate).
+"""``medusa-bench``: plain greedy vs Medusa greedy speed, side by side (and optionally transformers'
+generate).
 
-``medusa-bench --prompts ../shared/data/Spec-Bench_question.jsonl --limit 120 --hf``
+``medusa-bench --prompts ../shared/data/Spec-Bench_question.jsonl --per-category 20 --hf``
 
-For every prompt (first turn, chat template applied) the decoders run in the same process on the
-same prompt ids, interleaved (the order rotates from prompt to prompt), after an untimed warm-up of
-every decoder on the first prompt with the full token budget: plain greedy and Medusa greedy both
-as one fully jitted on-device loop (`generate_device`; no host sync per step, compilation never
-timed), and with ``--hf`` transformers' greedy ``generate`` on the same weights (float32, its
-default attention, torch limited to ``--torch-threads`` intra-op threads). Every decoder gets the
-same ``--max-new-tokens`` and the same EOS ids, and only generated tokens count.
-
-What is measured (the same way for every decoder):
-
-- **decode tokens/s** = total tokens emitted after the prompt's forward pass / total seconds from
-  the end of that forward pass to the last token, summed over the prompts. Prefill is excluded on
-  both sides: ours picks the first new token from the prefill's logits inside the decode loop, so
-  all n new tokens fall in its decode window; transformers' ``generate`` picks the first new token
-  in its prefill step, so its window (from the first streamed token to the return of ``generate``)
-  holds n - 1 tokens. Compilation of ours is excluded; transformers has none.
-- **prefill seconds** of plain greedy and transformers, summed, are reported beside it.
-- **identical**: Medusa against plain greedy must match token for token (a difference is checked
-  for a float32 near-tie as in `medusa_jax.cli.check`; any other one fails the run). transformers'
-  output is compared with plain greedy too and counted (``hf_identical``); its first difference
-  and our top-2 logit gap there are recorded, but do not fail the run.
-
-Why one torch thread by default: on a 2-core machine, torch's own default (one intra-op thread per
-core) gives transformers no decode speed for this 135M model at batch 1, and whenever another
-process takes a core, its OpenMP threads wait on each other at every operation and a ``generate``
-call drops several-fold. Measured 2026-11-29 on a 2-core AMD EPYC VM (MT-bench, one prompt per
-category, 64 new tokens, 24 interleaved calls each, every call tagged with the CPU time other
-processes used meanwhile): on calls with the machine otherwise idle, 24.4 tok/s with 1 thread and
-24.3 with 2; on calls during which another process used one core, 23-25 tok/s with 1 thread and
-1.3-8 with 2 (5 idle calls each; our plain greedy: 62 idle, 38-51 loaded). A run in which some calls overlap other
-work therefore understates transformers and overstates plain / transformers; the 2.29x of an
-earlier run, which did not reproduce (docs/performance.md), fits that.
-
-Sampling (``--temperature > 0``): plain sampling against Medusa sampling (``--acceptance exact``,
-the default, or ``typical``), prompt i with seed ``--seed + i``; outputs are not compared (the two
-draw different random numbers), and the figures are tokens/s and tokens per step.
-
-Batches (``--batch-size 4,16``): after the batch-1 runs, plain and Medusa each decode all prompts
-through `generate_batch` (continuous batching) at every listed size, after an untimed warm-up on
-the first prompts. Throughput there is total new tokens / total wall seconds with prefills
-included (at batch 1: each prompt's prefill plus decode seconds), and greedy rows must equal plain
-greedy's batch-1 output (near-tie rule as in check; any other difference fails the run).
-
-Reported per category and overall: tokens/s of each decoder, the speedups (Medusa / plain, plain /
-transformers), tokens per step and the acceptance rate per depth (the fraction of steps that
-accepted at least d candidates). Writes ``results.json`` (with the run's conditions: torch threads,
-versions, load average before and after), ``results.md`` and ``speed.png`` to --out. Speed figures
-follow Spec-Bench (Xia et al. 2024): wall-clock speedup over the same model's greedy decoding, and
-mean accepted tokens per step.
+What is measured, and how, is `medusa_jax.evals.speed`'s docstring; this module parses the flags,
+runs the decoders prompt by prompt, interleaved, and writes ``results.json``, ``results.md`` and
+``speed.png`` to ``--out``.
 """
 from __future__ import annotations
 
@@ -81,7 +36,7 @@ def main(argv=None) -> int:
     from medusa_jax.cli.common import HelpFormatter
 
     p = argparse.ArgumentParser(prog="medusa-bench",
-                                description="Plain vs Medusa greedy speed, side by side (see module docs).",
+                                description="Plain vs Medusa greedy speed, side by side (what is measured: medusa_jax.evals.speed).",
                                 formatter_class=HelpFormatter)
     p.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench JSONL (first turns are used)")
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")

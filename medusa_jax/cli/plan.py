@@ -1,45 +1,11 @@
-"""Memory plan of one decoding step on a device mesh, from the compiled step, with nothing allocated.
+"""``medusa-plan``: the memory plan of one decoding step on a device mesh, from the compiled step,
+with nothing allocated (`medusa_jax.evals.memory`).
 
 ``medusa-plan --config llama-2-7b --mesh 1x8 --dtype bfloat16 --max-len 4096 --batch 8``
 
-The decoding step (`medusa_jax.decoding.step.step`, the jitted `medusa_jax.decoding.step.medusa_step`) is
-lowered and compiled by XLA for abstract inputs (`jax.ShapeDtypeStruct` with their
-`NamedSharding`), exactly as decoding lays them out on a ``DATAxMODEL`` mesh
-(`medusa_jax.sharding`: Megatron-style on 'model', rows on 'data'):
-
-- backbone params: the shapes of ``LlamaModel(cfg).init`` (`jax.eval_shape`), every leaf in
-  ``--dtype`` (as ``load_model(dtype=...)`` stores them), placed by `sharding.spec_for`;
-- Medusa heads: ``MedusaHeads`` with one residual block each and the backbone's shared lm_head,
-  readied for the tree as decoding readies them (`heads.medusa.prepare_heads`: only the first
-  tree-depth heads are kept), in ``--dtype``;
-- KV cache: k, v ``[L, B, KVH, S, Dh]`` in ``--dtype``, B on 'data' and KVH on 'model'
-  (`sharding.cache_spec`), lengths ``[B]`` int32 and token ids ``[B, S]`` int32 (counted with the
-  decode state);
-- decode state: logits ``[B, V]`` float32, hidden ``[B, D]``, per-row keys ``[B, 2]`` uint32 and
-  next_token ``[B]`` int32, rows on 'data'.
-
-The figures are per device, in bytes: what one device holds of each input (its shard,
-``NamedSharding.shard_shape``), XLA's temporaries (``compiled.memory_analysis()``) and the step's
-outputs that do not reuse a donated input. ``total = params + heads + KV cache + state +
-unaliased outputs + temporaries`` is the step's peak. XLA's own argument size is reported beside
-the sum of the inputs' shards as a cross-check. Prefill (chunks of `decoding.prefill.PREFILL_CHUNK` tokens)
-is not planned; its temporaries scale with the chunk, not the tree.
-
-Devices: compiling for a mesh needs its data x model devices. `main` asks the CPU platform for
-that many simulated devices (``XLA_FLAGS=--xla_force_host_platform_device_count``) before JAX
-starts, so the plan runs on any machine; on a machine whose default devices are too few, the
-CPU's are used. The figures are then those of XLA's CPU compiler: weights, KV cache and state are
-the same on any platform, temporaries are not. XLA:CPU has no native bfloat16 / float16 dots or
-scatters and converts their whole operands to float32, so a bfloat16 plan's temporaries hold about
-two bytes per weight and per cache entry more (llama-2-7b on 1x8, bfloat16, S 4096, B 8: 7.1 GiB
-of temporaries, float32: 0.17 GiB); the result's ``notes`` say so. A GPU or TPU compile makes no
-such copies.
-
-The default tree (``--tree-nodes``, T tokens with the root): the first T - 1 nodes of the
-official ``mc_sim_7b_63`` tree (FasterDecoding/Medusa, `decoding.tree.MC_SIM_7B_63`, acceptance order) of
-depth <= K; 64 by default (the whole tree when K >= 4). A larger T than that tree holds is the
-greedy tree (`decoding.tree.greedy_tree_search`, Medusa Sec. 3.3.1) on a stand-in accuracy table
-(`STAND_IN_ACCURACY`). With K = 0 the step is plain decoding (`decoding.tree.PLAIN_TREE`, T = 1).
+Compiling for a mesh needs its data x model devices: `main` asks the CPU platform for that many
+simulated devices (``XLA_FLAGS=--xla_force_host_platform_device_count``) before JAX starts its
+backend, so the plan runs on any machine.
 """
 from __future__ import annotations
 

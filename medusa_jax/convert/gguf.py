@@ -9,8 +9,11 @@ which checks that every tensor is mapped, present and of the right shape.
 llama.cpp's ``convert_hf_to_gguf.py`` permutes the rows of ``attn_q`` / ``attn_k`` (weights and
 biases) of ``llama``-architecture files so that its RoPE can rotate adjacent pairs; this module
 undoes that per head (query heads for q, KV heads for k), exactly as transformers'
-``LlamaTensorProcessor`` does. ``qwen2`` files are stored unpermuted (NeoX-style RoPE).
-Mistral models are written with architecture ``llama``.
+``LlamaTensorProcessor`` does. ``qwen2`` and ``qwen3`` files are stored unpermuted (NeoX-style
+RoPE); a ``qwen3`` file also holds each layer's ``attn_q_norm`` / ``attn_k_norm`` weights
+[head_dim] and its ``qwen3.attention.key_length`` (head_dim, which may differ from
+embedding_length / head_count). Mistral models are written with architecture ``llama``. Tied
+embeddings are a file without ``output.weight``.
 
 Llama-3.1 RoPE scaling is stored by llama.cpp as a ``rope_freqs.weight`` tensor of per-frequency
 divisors rather than as metadata; `load_gguf` recovers the equivalent `RopeScaling` and checks
@@ -44,6 +47,7 @@ _BLOCK = {
     "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",  # qwen3
 }
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 _MISSING = object()
@@ -177,7 +181,7 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
     Returns:
       (config, the file's own ``general.architecture``), the latter deciding the q/k permutation.
     Raises:
-      UnsupportedArchitectureError: architecture not llama/mistral/qwen2.
+      UnsupportedArchitectureError: architecture not llama/mistral/qwen2/qwen3.
       ConversionError: a required key is missing, partial rotary embeddings, an unsupported
         RoPE scaling type, or a sliding-window pattern that is not one bool per layer.
     A ``llama`` file with a sliding window is a Mistral model (llama.cpp writes Mistral as llama).
@@ -280,7 +284,7 @@ def _dequantize(tensor, source: str) -> np.ndarray:
 
 
 def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False) -> Tuple[ModelConfig, dict]:
-    """Load a Llama/Mistral/Qwen2 GGUF file into (ModelConfig, params of numpy arrays).
+    """Load a Llama/Mistral/Qwen2/Qwen3 GGUF file into (ModelConfig, params of numpy arrays).
 
     Args:
       path: a ``.gguf`` file (any quantization the ``gguf`` package can dequantize).
@@ -292,7 +296,7 @@ def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False) 
       ``tokenizer.ggml.eos_token_id`` (plus eot / eom ids when present).
     Raises:
       FileNotFoundError: no such file.
-      UnsupportedArchitectureError: ``general.architecture`` not llama/mistral/qwen2.
+      UnsupportedArchitectureError: ``general.architecture`` not llama/mistral/qwen2/qwen3.
       ConversionError: not a GGUF file, a truncated/corrupt one, a tensor type that cannot be
         dequantized, missing metadata, or an unmapped/missing/mis-shaped tensor.
     """

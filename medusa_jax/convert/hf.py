@@ -39,6 +39,11 @@ def expected_hf_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:
         if cfg.attention_bias:
             shapes.update({p + "self_attn.q_proj.bias": (q,), p + "self_attn.k_proj.bias": (kv,),
                            p + "self_attn.v_proj.bias": (kv,)})
+        if cfg.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (D,)
+        if cfg.qk_norm:  # Qwen3: one RMSNorm weight per head dimension, shared by the heads
+            shapes.update({p + "self_attn.q_norm.weight": (cfg.head_dim,),
+                           p + "self_attn.k_norm.weight": (cfg.head_dim,)})
     return shapes
 
 
@@ -66,6 +71,8 @@ def _target(name: str, cfg: ModelConfig):
             return (layer, "input_norm", "scale"), False
         if rest == "post_attention_layernorm.weight":
             return (layer, "post_attn_norm", "scale"), False
+        if rest in ("self_attn.q_norm.weight", "self_attn.k_norm.weight"):  # Qwen3
+            return (layer, "attn", rest.split(".")[1], "scale"), False
         mod, leaf = rest.rsplit(".", 1)
         if mod in _LAYER_MAP:
             return (layer, *_LAYER_MAP[mod], "kernel" if leaf == "weight" else "bias"), leaf == "weight"
@@ -153,14 +160,14 @@ def load_hf_config(path: str) -> ModelConfig:
 
 
 def load_hf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
-    """Load an HF Llama/Mistral/Qwen2 directory into (ModelConfig, params of numpy arrays).
+    """Load an HF Llama/Mistral/Qwen2/Qwen3 directory into (ModelConfig, params of numpy arrays).
 
     Args:
       path: a directory with config.json and model.safetensors (or a sharded index).
       dtype: numpy dtype of the params (float32 by default; bf16 tensors are upcast).
     Raises:
       FileNotFoundError: no such directory or no config.json.
-      UnsupportedArchitectureError: model_type not llama/mistral/qwen2.
+      UnsupportedArchitectureError: model_type not llama/mistral/qwen2/qwen3.
       ConversionError: no safetensors, a corrupt file, or an unmapped/missing/mis-shaped tensor.
     """
 

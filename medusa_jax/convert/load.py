@@ -249,7 +249,7 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
     Raises:
       FileNotFoundError: no such path, a directory without config.json, or (path None) the
         default model is not installed (`DefaultModelNotInstalledError`, with install hint).
-      UnsupportedArchitectureError: not a llama/mistral/qwen2 model.
+      UnsupportedArchitectureError: not a llama/mistral/qwen2/qwen3 model.
       ConversionError: a file that is neither GGUF nor an HF directory, a corrupt or truncated
         file, or an unmapped/missing/mis-shaped tensor.
     """

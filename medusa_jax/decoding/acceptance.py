@@ -1,23 +1,16 @@
-"""One static-shape Medusa step: candidates -> tree forward -> posterior -> accepted path -> KV compaction.
-
-Method: Cai et al., "Medusa" (ICML 2024), Sec. 2.1.2 (tree attention) and Sec. 2.3.1 (typical
-acceptance); reference implementation FasterDecoding/Medusa ``medusa/model/utils.py``
-(``generate_candidates``, ``tree_decoding``, ``evaluate_posterior``, ``update_inference_inputs``).
-Differences from the reference, all for speed: the heads run only on the last accepted position
-(not on every tree node), the posterior reads only the argmax (greedy) or the candidate's
-probability (typical) instead of copying full-vocabulary logits per path, and the accepted nodes'
-K/V are moved with one fixed-size gather/scatter. Everything here is jit-compatible with static
-shapes; the tree (`TreeBuffers`) is a static argument.
-
-Hydra heads (Ankner et al. 2024, "Hydra", Sec. 3; `medusa_jax.heads.hydra`) draft per parent instead of
-per head: head d runs on every depth-d node that has children, reading that node's own path
-(`hydra_candidates`). Verification is the same for both head types.
+"""How a step accepts candidates: `Acceptance` (the settings) and `evaluate_posterior` (the best
+path of the tree): greedy (a candidate equals its parent's argmax), typical (Cai et al., "Medusa",
+ICML 2024, Sec. 2.3.1) or exact.
 
 Exact acceptance (``Acceptance(method="exact")``) is speculative sampling over the tree: Chen et al.
 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling", Theorem 1) for one
 draft, extended to several deterministic candidates per node as in Miao et al. 2024 ("SpecInfer",
 Sec. 4.3, multi-step speculative sampling). A node's children are tried in rank order; the output
-is distributed exactly as plain sampling at the same temperature and top-p (`evaluate_posterior`).
+is distributed exactly as plain sampling at the same temperature and top-p.
+
+Every function takes a static tree (`TreeBuffers`) or per-row tree arrays (`tree.tree_rows`: with
+prompt lookup each row verifies its own tree), and reads the posterior from the nodes' logits
+without copying full-vocabulary logits per path.
 """
 from __future__ import annotations
 
@@ -29,7 +22,7 @@ import jax.numpy as jnp
 
 from medusa_jax import kernels
 from medusa_jax.decoding.sampling import categorical_rows, filtered_logits, uniform_rows
-from medusa_jax.decoding.tree import TreeBuffers, earlier_siblings
+from medusa_jax.decoding.tree import TreeBuffers, tree_rows
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
 
@@ -112,13 +105,14 @@ def exact_chosen(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers, a
       [B, T] bool, True where the node is its parent's first accepted child (the root: False).
     """
     B, T = tree_tokens.shape
+    rows = tree_rows(tree, B)
     logp = jax.nn.log_softmax(filtered_logits(logits, acc.temperature, acc.top_p), axis=-1)
-    parent = jnp.asarray(tree.parents).clip(0)
-    p = jnp.exp(logp[jnp.arange(B)[:, None], parent[None, :], tree_tokens])           # [B, T]
-    earlier = jnp.asarray(earlier_siblings(tree))
-    accepted = uniform_rows(key, T) < sibling_acceptance(p, p @ earlier.T)
-    beaten = (accepted.astype(jnp.float32) @ earlier.T) > 0
-    return accepted & ~beaten & (jnp.asarray(tree.parents) >= 0)[None, :]
+    parent = rows.parents.clip(0)                                                       # [B, T]
+    p = jnp.exp(logp[jnp.arange(B)[:, None], parent, tree_tokens])                      # [B, T]
+    before = lambda x: jnp.einsum("bij,bj->bi", rows.earlier, x)  # summed over each node's earlier siblings
+    accepted = uniform_rows(key, T) < sibling_acceptance(p, before(p))
+    beaten = before(accepted.astype(jnp.float32)) > 0
+    return accepted & ~beaten & (rows.parents >= 0)
 
 
 def residual_token(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers, acc: Acceptance,
@@ -136,7 +130,7 @@ def residual_token(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers,
     B = logits.shape[0]
     rows = jnp.arange(B)
     dist = filtered_logits(logits[rows, last], acc.temperature, acc.top_p)              # [B, V]
-    is_child = jnp.asarray(tree.parents)[None, :] == last[:, None]                       # [B, T]
+    is_child = tree_rows(tree, B).parents == last[:, None]                               # [B, T]
     # min-scatter: a token on a child node goes to -inf; +inf leaves every other entry as it is
     resid = dist.at[rows[:, None], tree_tokens].min(jnp.where(is_child, -jnp.inf, jnp.inf))
     # the children held all the mass only up to round-off (each should then have been accepted)
@@ -166,25 +160,31 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuff
     Raises:
       ValueError: exact acceptance without a key.
     """
-    retrieve = jnp.asarray(tree.retrieve_indices)        # [P, D+1]
-    valid = jnp.asarray(tree.valid)[:, 1:]                # [P, D]
-    parent, child = retrieve[:, :-1], retrieve[:, 1:]     # [P, D]
-    child_tok = tree_tokens[:, child]                     # [B, P, D]
+    B = tree_tokens.shape[0]
+    rows = tree_rows(tree, B)                             # each row's own tree (prompt lookup)
+    retrieve = rows.retrieve_indices                      # [B, P, D+1]
+    valid = rows.valid[:, :, 1:]                          # [B, P, D]
+    parent, child = retrieve[:, :, :-1], retrieve[:, :, 1:]  # [B, P, D]
+
+    def at_nodes(x, nodes):  # x [B, T] read at each row's node indices [B, P, D]
+        return jnp.take_along_axis(x, nodes.reshape(B, -1), axis=1).reshape(nodes.shape)
+
+    child_tok = at_nodes(tree_tokens, child)              # [B, P, D]
     score = jnp.zeros(child_tok.shape, jnp.float32)
     if acc.mode == "greedy":
         pred = kernels.argmax(logits)                      # [B, T]
-        match = (child_tok == pred[:, parent]) & valid
+        match = (child_tok == at_nodes(pred, parent)) & valid
     elif acc.mode == "exact":
         if key is None:
             raise ValueError("exact acceptance draws random numbers: pass key=[B, 2] per-row PRNG keys")
-        match = exact_chosen(logits, tree_tokens, tree, acc, key)[:, child] & valid
+        match = at_nodes(exact_chosen(logits, tree_tokens, rows, acc, key), child) & valid
     else:
         logp = jax.nn.log_softmax(logits / acc.temperature, axis=-1)                  # [B, T, V]
         entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)                             # [B, T]
         thresh = jnp.minimum(acc.posterior_threshold, acc.posterior_alpha * jnp.exp(-entropy))
         node_tok = jnp.take_along_axis(logp, tree_tokens[:, None, :], axis=2)        # [B, T(parent), T(node)]
-        cand_logp = node_tok[:, parent, child]                                        # [B, P, D]
-        match = (jnp.exp(cand_logp) > thresh[:, parent]) & valid
+        cand_logp = node_tok[jnp.arange(B)[:, None, None], parent, child]             # [B, P, D]
+        match = (jnp.exp(cand_logp) > at_nodes(thresh, parent)) & valid
         score = jnp.where(valid, cand_logp, 0.0)
     accepted = jnp.cumprod(match.astype(jnp.int32), axis=-1)                          # [B, P, D]
     acc_len = jnp.sum(accepted, axis=-1)                                              # [B, P]

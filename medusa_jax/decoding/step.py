@@ -32,7 +32,7 @@ from medusa_jax.decoding.draft import draft_tokens
 from medusa_jax.decoding.lookup import ngram_draft
 from medusa_jax.decoding.sampling import sample_logits, split_rows
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
-from medusa_jax.decoding.tree import TreeArrays, TreeBuffers, chain_tree, check_depth, padded_arrays
+from medusa_jax.decoding.tree import TreeArrays, TreeBuffers, chain_tree, check_depth, padded_arrays, tree_rows
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache
@@ -85,12 +85,14 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     Every row draws from its own key (``state.key`` [B, 2]), so rows are independent of each other.
     With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
     A tree with prompt-lookup settings (``tree.lookup``, `medusa_jax.decoding.lookup`) first searches the
-    context (``cache.tokens``) for its last n-gram; when at least half the rows find one, the step
-    verifies the copied chain (`decoding.lookup.ngram_draft`, on `decoding.tree.chain_tree`) instead of the heads'
-    tree, with the same acceptance rule: one forward of ``tree.step_size`` tokens whose mask,
-    positions and paths are both trees' buffers padded to one shape (`padded_arrays`) and chosen by
-    data, not by a conditional (which made XLA copy the KV cache every step); the heads run only on
-    the steps that use their tree.
+    context (``cache.tokens``) of every row for its last n-gram; a row that finds one verifies the
+    copied chain (`decoding.lookup.ngram_draft`, on `decoding.tree.chain_tree`) instead of the heads'
+    tree, with the same acceptance rule, each row choosing for itself (so that a row's draft, and the
+    random numbers its sampled answer consumes, never depend on the other rows of its batch): one
+    forward of ``tree.step_size`` tokens whose mask, positions and paths are, row by row, one of the
+    two trees' buffers padded to one shape (`padded_arrays`), chosen by data, not by a conditional
+    (which made XLA copy the KV cache every step); the heads run only on the steps where some row
+    uses their tree.
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
@@ -115,34 +117,35 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
     chain = chain_tree(tree.lookup.num_tokens)
     shape = (tree.step_size, max(tree.num_paths, chain.num_paths), tree.max_accepted)
-    copied, found = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)
-    use = 2 * jnp.sum(found.astype(jnp.int32)) >= found.shape[0]
+    copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     B = root.shape[0]
-    # the heads run only on the steps that verify their tree (a conditional over small arrays)
-    by_heads = jax.lax.cond(use, lambda _: jnp.zeros((B, tree.size), jnp.int32), heads_draft, None)
+    # the heads run only on the steps where some row verifies their tree (a conditional over small arrays)
+    by_heads = jax.lax.cond(jnp.all(use), lambda _: jnp.zeros((B, tree.size), jnp.int32), heads_draft, None)
     pad = lambda t: jnp.pad(t, ((0, 0), (0, shape[0] - t.shape[1])))
-    tokens = jnp.where(use, pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
-    arrays = jax.tree_util.tree_map(lambda c, h: jnp.where(use, c, h), padded_arrays(chain, *shape),
-                                    padded_arrays(tree, *shape))
+    tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
+    per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h[None])
+    arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), padded_arrays(tree, *shape))
     return _verify_tree(cfg, TreeArrays(*arrays), True, acc, params, state, tokens, key, k_accept, k_next, width)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
                  tree_tokens: jax.Array, key: jax.Array, k_accept: jax.Array, k_next: jax.Array,
                  width: int) -> Tuple[StepOutput, DecodeState]:
-    """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers` or
-    `TreeArrays`; root first). compact (static): whether the accepted path's K/V must move (False
-    for a chain, whose accepted prefix is in place). The emitted tokens are padded to `width` columns."""
-    D = tree.retrieve_indices.shape[1] - 1
-    start = state.cache.lengths
-    positions = start[:, None] + jnp.asarray(tree.depth)[None, :]
-    logits, hidden, cache = LlamaModel(cfg).apply(
-        {"params": params}, tree_tokens, positions, state.cache, jnp.asarray(tree.ancestor_mask))
+    """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers`, or
+    `TreeArrays` with a row axis: each row's own tree; root first). compact (static): whether the
+    accepted path's K/V must move (False for a chain, whose accepted prefix is in place). The
+    emitted tokens are padded to `width` columns."""
     B = tree_tokens.shape[0]
+    rows = tree_rows(tree, B)
+    D = rows.retrieve_indices.shape[2] - 1
+    start = state.cache.lengths
+    positions = start[:, None] + rows.depth
+    logits, hidden, cache = LlamaModel(cfg).apply(
+        {"params": params}, tree_tokens, positions, state.cache, rows.ancestor_mask)
     next_token = jnp.full((B,), -1, jnp.int32)
     if D > 0:
-        best, acc_len = evaluate_posterior(logits, tree_tokens, tree, acc, k_accept)
-        path_nodes = jnp.asarray(tree.retrieve_indices)[best]                 # [B, D+1]
+        best, acc_len = evaluate_posterior(logits, tree_tokens, rows, acc, k_accept)
+        path_nodes = jnp.take_along_axis(rows.retrieve_indices, best[:, None, None], axis=1)[:, 0]  # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
         if compact:
             cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
@@ -150,7 +153,7 @@ def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params,
             cache = cache.replace(lengths=start + acc_len + 1)
         tokens = jnp.take_along_axis(tree_tokens, path_nodes, axis=1)
         if acc.mode == "exact":
-            next_token = residual_token(logits, tree_tokens, tree, acc, last, k_next)
+            next_token = residual_token(logits, tree_tokens, rows, acc, last, k_next)
     else:
         acc_len = jnp.zeros((B,), jnp.int32)
         last = jnp.zeros((B,), jnp.int32)

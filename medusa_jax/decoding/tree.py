@@ -34,6 +34,7 @@ from dataclasses import dataclass, replace
 from typing import Any, Iterable, Mapping, NamedTuple, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import yaml
 
@@ -505,6 +506,18 @@ def padded_arrays(tree: TreeBuffers, size: int, paths: int, depth: int) -> TreeA
     earlier = np.zeros((size, size), np.float32)
     earlier[:T, :T] = earlier_siblings(tree)
     return TreeArrays(mask, np.pad(tree.depth, (0, size - T)), parents, retrieve, valid, earlier)
+
+
+def tree_rows(tree, batch: int) -> TreeArrays:
+    """`tree`'s verification buffers with a leading row axis, as jax arrays: ancestor_mask
+    [B, T, T], depth [B, T], parents [B, T], retrieve_indices [B, P, D+1], valid [B, P, D+1],
+    earlier [B, T, T]. A `TreeBuffers` (one static tree) is broadcast to every row; `TreeArrays`
+    that already have the row axis pass through: with prompt lookup each row verifies its own tree
+    (the copied chain or the heads' tree), so that a row's draft never depends on the other rows."""
+    if isinstance(tree, TreeArrays) and np.ndim(tree.parents) == 2:
+        return tree
+    arrays = (tree.ancestor_mask, tree.depth, tree.parents, tree.retrieve_indices, tree.valid, earlier_siblings(tree))
+    return TreeArrays(*(jnp.broadcast_to(jnp.asarray(a), (batch,) + tuple(np.shape(a))) for a in arrays))
 
 
 def earlier_siblings(tree):

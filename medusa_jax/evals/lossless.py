@@ -1,17 +1,9 @@
-"""Lossless check: Medusa greedy output against plain greedy output on a prompt set.
+"""Lossless output: Medusa greedy against plain greedy, token for token (the library half of
+``medusa-check``).
 
-``medusa-check --prompts ../shared/data/FastChat_mt_bench_question.jsonl``
-
-For every prompt (first turn), both decoders run greedily on the same weights. Outputs must be
-identical token for token. Where they differ, the first differing position is examined on the
-plain path: if its top-2 logit gap is below ``--tie-gap`` (`TIE_GAPS`: 1e-4 in float32) the
-difference is a near-tie (the tree forward sums in another order) and is counted as such; any
-other difference is a bug and makes the command exit with status 1.
-
-With ``--temperature > 0`` it samples instead (``--acceptance exact``, the default, or ``typical``)
-and reports Medusa's tokens per step; sampled answers are not compared with anything (plain and
-Medusa sampling draw different random numbers; tests/test_exact_sampling.py checks that exact
-acceptance keeps the distribution).
+Where two outputs differ, the first differing position is examined on the plain path: if its
+top-2 logit gap is below the compute dtype's near-tie threshold (`TIE_GAPS`: 1e-4 in float32) the
+difference is a near-tie (the tree forward sums in another order); any other difference is a bug.
 """
 from __future__ import annotations
 

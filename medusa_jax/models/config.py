@@ -1,8 +1,8 @@
 """Frozen, hashable configuration dataclasses.
 
-`ModelConfig` describes a Llama-family backbone (Llama, Mistral, Qwen2). It is hashable so it can
-be a static argument of jitted functions, and it is built from a Hugging Face ``config.json``
-(`ModelConfig.from_hf_dict`) or from GGUF metadata (`medusa_jax.convert.gguf`).
+`ModelConfig` describes a Llama-family backbone (Llama, Mistral, Qwen2, Qwen3). It is hashable so
+it can be a static argument of jitted functions, and it is built from a Hugging Face
+``config.json`` (`ModelConfig.from_hf_dict`) or from GGUF metadata (`medusa_jax.convert.gguf`).
 """
 from __future__ import annotations
 
@@ -11,7 +11,11 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
 #: Architectures the backbone implements, keyed by HF ``model_type``.
-SUPPORTED_ARCHITECTURES: Tuple[str, ...] = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHITECTURES: Tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3")
+
+#: ``head_dim`` of a Qwen3 config.json without the key (``Qwen3Config``'s default, not
+#: hidden_size // num_attention_heads as for the other families).
+QWEN3_DEFAULT_HEAD_DIM = 128
 
 
 #: Attention kinds a layer may have (``ModelConfig.layer_types``, transformers' names).
@@ -58,6 +62,10 @@ class ModelConfig:
 
     All sizes are element counts. ``head_dim`` defaults to hidden_size // num_heads.
     ``eos_token_ids`` holds every id that ends generation.
+
+    Per family (``arch``): qwen2 has q/k/v biases (``attention_bias``); qwen3 normalises each
+    query and key head with an RMSNorm of its own before RoPE (`qk_norm`), and with
+    ``attention_bias`` biases q/k/v and the output projection (`o_proj_bias`).
 
     Sliding-window attention (transformers' names): ``sliding_window`` is the window W in tokens
     (query at position p sees keys at p - W + 1 .. p); ``layer_types`` gives each layer's kind,
@@ -121,6 +129,21 @@ class ModelConfig:
         object.__setattr__(self, "layer_types", types)
 
     @property
+    def qk_norm(self) -> bool:
+        """Whether each attention layer applies an RMSNorm (weight [head_dim], eps
+        ``rms_norm_eps``) to every query head and every key head before RoPE (Qwen3's ``q_norm``
+        / ``k_norm``; params ``attn/q_norm/scale`` and ``attn/k_norm/scale``)."""
+        return self.arch == "qwen3"
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether the attention output projection has a bias: qwen3 with ``attention_bias``
+        (``Qwen3Attention`` gives o_proj ``bias=attention_bias``, as q/k/v). Qwen2 never has one.
+        A llama ``attention_bias`` gives q/k/v biases only (transformers' Llama also biases o_proj;
+        such a checkpoint is refused by the converter, which names the unmapped o_proj.bias)."""
+        return self.attention_bias and self.arch == "qwen3"
+
+    @property
     def layer_windows(self) -> Tuple[Optional[int], ...]:
         """Per layer, the sliding window in tokens (a query at position p sees keys at positions
         p - window + 1 .. p) or None for full causal attention; ``num_layers`` entries."""
@@ -133,7 +156,9 @@ class ModelConfig:
         """Build from a Hugging Face ``config.json`` dict.
 
         RoPE theta is read from ``rope_theta`` or, when that is missing or None, from
-        ``rope_parameters['rope_theta']`` (transformers >= 5). Raises
+        ``rope_parameters['rope_theta']`` (transformers >= 5). ``head_dim`` defaults to
+        hidden_size // num_attention_heads, except for qwen3 (`QWEN3_DEFAULT_HEAD_DIM`, as
+        ``Qwen3Config``). Raises
         `UnsupportedArchitectureError` for a ``model_type`` outside `SUPPORTED_ARCHITECTURES`,
         and ValueError for an unsupported RoPE scaling type or a sliding-window layout that
         transformers cannot run either (see `sliding_layout_from_hf`).
@@ -148,6 +173,9 @@ class ModelConfig:
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
         num_layers = int(cfg["num_hidden_layers"])
         window, layer_types = sliding_layout_from_hf(arch, cfg, num_layers, source)
+        head_dim = cfg.get("head_dim")
+        if head_dim is None:
+            head_dim = QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else 0
         return cls(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -156,7 +184,7 @@ class ModelConfig:
             num_layers=num_layers,
             num_heads=int(cfg["num_attention_heads"]),
             num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
-            head_dim=int(cfg.get("head_dim") or 0),
+            head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=rope_scaling_from_dict(scaling_dict),
@@ -190,7 +218,7 @@ class ModelConfig:
             "bos_token_id": self.bos_token_id,
             "eos_token_id": list(self.eos_token_ids) if len(self.eos_token_ids) != 1 else self.eos_token_ids[0],
         }
-        if self.arch == "llama":
+        if self.arch in ("llama", "qwen3"):
             d["attention_bias"] = self.attention_bias
         inexpressible = (self.arch == "llama" and self.sliding_window is not None) or (
             self.arch == "mistral" and self.layer_types is not None)
@@ -199,7 +227,7 @@ class ModelConfig:
                              f"(window {self.sliding_window}, layer_types {self.layer_types})")
         if self.arch == "mistral":
             d["sliding_window"] = self.sliding_window
-        if self.arch == "qwen2":
+        if self.arch in ("qwen2", "qwen3"):
             d["use_sliding_window"] = self.sliding_window is not None
             d["sliding_window"] = self.sliding_window
             d["max_window_layers"] = 0
@@ -225,9 +253,10 @@ def sliding_layout_from_hf(arch: str, cfg: Mapping[str, Any], num_layers: int,
     - llama: no window; ``LlamaModel`` ignores ``sliding_window`` and ``layer_types``.
     - mistral: ``sliding_window`` (4096 when the key is absent, as in ``MistralConfig``; null: no
       window) on every layer; ``layer_types`` is ignored, as ``MistralModel`` ignores it.
-    - qwen2: the window is ``sliding_window`` (default 4096) only when ``use_sliding_window`` is
-      true; ``layer_types`` (legacy "attention" read as "full_attention") or, without it, layers at
-      index >= ``max_window_layers`` (default 28) use it (``Qwen2Config.__post_init__``).
+    - qwen2, qwen3: the window is ``sliding_window`` (default 4096) only when
+      ``use_sliding_window`` is true; ``layer_types`` (legacy "attention" read as
+      "full_attention") or, without it, layers at index >= ``max_window_layers`` (default 28) use
+      it (``Qwen2Config.__post_init__``; ``Qwen3Config.__post_init__`` is the same).
 
     Raises ValueError (naming `source`) for what transformers cannot run either: a ``layer_types``
     list of the wrong length, a kind other than full_attention / sliding_attention, sliding layers
@@ -239,7 +268,7 @@ def sliding_layout_from_hf(arch: str, cfg: Mapping[str, Any], num_layers: int,
     if arch == "llama":
         return None, None
     window = cfg.get("sliding_window", 4096)
-    if arch == "qwen2" and not cfg.get("use_sliding_window", False):
+    if arch in ("qwen2", "qwen3") and not cfg.get("use_sliding_window", False):
         window = None
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         raise refuse(f"sliding_window must be a positive integer or null, got {window!r}")

@@ -1,12 +1,13 @@
-"""Flax Linen decoder for the Llama family: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2.
+"""Flax Linen decoder for the Llama family: Llama (incl. Llama-3 RoPE scaling), Mistral, Qwen2,
+Qwen3 (per-head RMSNorm of queries and keys before RoPE).
 
 Used pure-functionally (docs/design-notes.md, "Conventions")::
 
     logits, hidden, cache = LlamaModel(cfg).apply({"params": p}, tokens, positions, cache, mask)
 
-Reference: transformers' ``modeling_llama.py`` / ``modeling_mistral.py`` / ``modeling_qwen2.py``
-(RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU MLP). Parameter kernels are stored
-``[in, out]`` (the transpose of torch's ``nn.Linear.weight``).
+Reference: transformers' ``modeling_llama.py`` / ``modeling_mistral.py`` / ``modeling_qwen2.py`` /
+``modeling_qwen3.py`` (RMSNorm, rotate-half RoPE, grouped-query attention, SwiGLU MLP). Parameter
+kernels are stored ``[in, out]`` (the transpose of torch's ``nn.Linear.weight``).
 """
 from __future__ import annotations
 
@@ -115,7 +116,8 @@ def _fused_product(module: nn.Module, x: jax.Array, name: str, dtype) -> jax.Arr
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm (computed in float32, as transformers' LlamaRMSNorm). x: [..., D]."""
+    """RMSNorm over the last axis (computed in float32, as transformers' LlamaRMSNorm). x: [..., D];
+    param ``scale [D]``. Qwen3's q/k norms apply it to [B, T, heads, Dh] (each head alone)."""
     eps: float
     dtype: jnp.dtype = jnp.float32
 
@@ -264,7 +266,10 @@ class Attention(nn.Module):
         self.q_proj = dense(c.num_heads * c.head_dim, c.attention_bias)
         self.k_proj = dense(c.num_kv_heads * c.head_dim, c.attention_bias)
         self.v_proj = dense(c.num_kv_heads * c.head_dim, c.attention_bias)
-        self.o_proj = dense(c.hidden_size, False)
+        self.o_proj = dense(c.hidden_size, c.o_proj_bias)
+        if c.qk_norm:  # Qwen3: params q_norm/scale, k_norm/scale [Dh], shared by the heads
+            self.q_norm = RMSNorm(c.rms_norm_eps, self.dtype)
+            self.k_norm = RMSNorm(c.rms_norm_eps, self.dtype)
 
     def __call__(self, x, rope, mask, kv: Optional[Tuple[jax.Array, jax.Array]], lengths,
                  layer: int, kv_block: Optional[int] = None):
@@ -287,6 +292,8 @@ class Attention(nn.Module):
         q = q.reshape(B, T, c.num_heads, c.head_dim)
         k = k.reshape(B, T, c.num_kv_heads, c.head_dim)
         v = v.reshape(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm:  # per head, before RoPE (transformers' Qwen3Attention)
+            q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, rope)
         k = apply_rope(k, rope)
         if kv is not None:
@@ -346,7 +353,8 @@ class DecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Llama-family causal LM.
 
-    Parameters: ``embed/embedding [V, D]``, ``layers_{i}/...``, ``norm/scale [D]`` and, when the
+    Parameters: ``embed/embedding [V, D]``, ``layers_{i}/...`` (Qwen3 adds
+    ``layers_{i}/attn/q_norm/scale`` and ``k_norm/scale [Dh]``), ``norm/scale [D]`` and, when the
     embeddings are untied, ``lm_head/kernel [D, V]``.
 
     dtype: the compute dtype of activations, weights' products and the K/V written to the cache.

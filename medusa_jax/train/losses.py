@@ -150,7 +150,8 @@ def _shared_chunk(x, w, lab, ok, t, temperature):
         tlogp = jax.nn.log_softmax(jnp.einsum("kcd,dv->kcv", t.astype(w.dtype), w,
                                               preferred_element_type=jnp.float32) / temperature, axis=-1)
         p = jnp.exp(tlogp)
-        kl = jnp.sum(jnp.where(p > 0, p * (tlogp - (logits - lse[..., None])), 0.0), axis=-1)
+        # both sides' log-probabilities the same way, so that an identical teacher gives exactly 0
+        kl = kl_divergence(tlogp, jax.nn.log_softmax(logits, axis=-1))
         loss_sum = jnp.sum(kl * okf, axis=1)
         # d KL(p || softmax(z)) / d z = softmax(z) - p
         dx = jnp.einsum("kcv,dv->kcd", ((q - p) * okf[..., None]).astype(w.dtype), w,
@@ -253,6 +254,16 @@ def shared_head_loss(states: jax.Array, lm_head: jax.Array, labels: jax.Array, v
     return safe_mean(loss_sum, counts), counts, jax.lax.stop_gradient(correct)
 
 
+def kl_divergence(teacher_logp: jax.Array, student_logp: jax.Array) -> jax.Array:
+    """``KL(p || q) = sum_v p (log p - log q)`` over the last axis from log-probabilities [..., V]
+    float32 (``log_softmax`` of each side, computed the same way), clamped at 0: the divergence is
+    never negative, and round-off near 0 (two distributions equal up to the last bit) must not make
+    it so. Returns [...] float32."""
+    p = jnp.exp(teacher_logp)
+    kl = jnp.sum(jnp.where(p > 0, p * (teacher_logp - student_logp), 0.0), axis=-1)
+    return jnp.maximum(kl, 0.0)
+
+
 def heads_kl(logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array, valid: jax.Array,
              temperature: float = 1.0):
     """Per-head mean ``KL(softmax(teacher_logits / T) || softmax(logits))`` from full logits (the
@@ -268,9 +279,7 @@ def heads_kl(logits: jax.Array, teacher_logits: jax.Array, labels: jax.Array, va
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32) / temperature, axis=-1)
-    s = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    p = jnp.exp(t)
-    kl = jnp.sum(jnp.where(p > 0, p * (t - s), 0.0), axis=-1)
+    kl = kl_divergence(t, jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1))
     counts = jnp.sum(valid, axis=tuple(range(1, valid.ndim)), dtype=jnp.float32)
     loss = safe_mean(jnp.sum(jnp.where(valid, kl, 0.0), axis=tuple(range(1, kl.ndim))), counts)
     return loss, counts, jax.lax.stop_gradient(rank_counts(logits, labels, valid))
@@ -286,8 +295,7 @@ def kl_to_teacher_sums(student_logits: jax.Array, teacher_logits: jax.Array, val
       scalar float32 sum over valid positions of ``sum_v p_t (log p_t - log p_s)``.
     """
     t = jax.nn.log_softmax(jax.lax.stop_gradient(teacher_logits).astype(jnp.float32), axis=-1)
-    s = jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1)
-    kl = jnp.sum(jnp.exp(t) * (t - s), axis=-1)
+    kl = kl_divergence(t, jax.nn.log_softmax(student_logits.astype(jnp.float32), axis=-1))
     return jnp.sum(jnp.where(valid, kl, 0.0))
 
 

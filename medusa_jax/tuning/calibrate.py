@@ -47,7 +47,7 @@ def output_dir(heads: Optional[str], out: Optional[str], update_shipped: bool = 
         both `out` and `update_shipped` are given.
     """
 
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # medusa_jax/
     heads = resolve.heads_location(heads)
     # --update-shipped-heads writes to the shipped heads being tuned (--heads medusa1), else the default ones
     shipped = heads if heads in resolve.SHIPPED_HEADS.values() else resolve.DEFAULT_HEADS_DIR

@@ -18,7 +18,7 @@ def test_real_model_on_a_mesh(smollm2, capsys):
     """SmolLM2 (9 query / 3 KV heads) with the shipped heads on simulated CPU meshes: 1x3 (heads,
     MLP and vocabulary split 3 ways) and 2x1 give one device's greedy output (near-tie rule);
     decode.py --mesh 1x3 prints one device's text; --mesh 1x8 is refused, naming the sizes that work."""
-    import decode
+    from medusa_jax.cli import decode
     from medusa_jax import resolve, sharding
 
     heads, tree, _ = resolve.resolve_heads(smollm2, None)

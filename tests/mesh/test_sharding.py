@@ -147,6 +147,36 @@ def test_mesh_errors(model):
         generate(smol, sp, [1, 2, 3], max_new_tokens=2, progress=False)
 
 
+def test_qwen3_decoding_on_mesh_equals_one_device():
+    """A Qwen3 backbone (per-head q/k norms, head_dim 32 where hidden / heads is 8, tied
+    embeddings): the norms' [Dh] scales are replicated, the heads split on 'model', and plain and
+    Medusa decoding on a 2x4 mesh equal one device."""
+    cfg = ModelConfig(arch="qwen3", vocab_size=16, hidden_size=128, intermediate_size=128, num_layers=2,
+                      num_heads=16, num_kv_heads=8, head_dim=32, tie_word_embeddings=True,
+                      max_position_embeddings=1024, eos_token_ids=())
+    params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 4), jnp.int32))
+    keys = iter(jax.random.split(jax.random.PRNGKey(1), 64))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, a: jax.random.uniform(next(keys), a.shape, minval=0.5, maxval=1.5)
+        if path[-1].key == "scale" else (a * 3 if a.ndim == 2 else a), params["params"])
+    heads = random_heads(cfg, params, 3)
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(0, 16, size=n)] for n in (5, 9, 17, 3)]
+    sp = sharding.shard_params(params, sharding.make_mesh(2, 4))
+    attn = sp["layers_0"]["attn"]
+    assert attn["q_norm"]["scale"].sharding.is_fully_replicated and attn["k_norm"]["scale"].sharding.is_fully_replicated
+    assert attn["q_proj"]["kernel"].sharding.spec == P(None, "model")
+    assert attn["q_proj"]["kernel"].addressable_shards[0].data.shape == (128, 16 * 32 // 4)
+    for h in (None, heads):
+        ref = generate_device(cfg, params, prompts, max_new_tokens=60, heads=h, tree=TREE if h else None,
+                              progress=False)
+        out = generate_device(cfg, sp, prompts, max_new_tokens=60, heads=h, tree=TREE if h else None,
+                              progress=False)
+        for b, p in enumerate(prompts):
+            assert_same(cfg, params, p, ref.tokens[b, :ref.count[b]], out.tokens[b, :out.count[b]],
+                        f"qwen3 {'medusa' if h else 'plain'} row {b}")
+
+
 def _rel(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a) - np.asarray(b))) / max(float(np.max(np.abs(np.asarray(a)))), 1e-30))
 
