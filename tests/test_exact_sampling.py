@@ -16,7 +16,7 @@ import pytest
 from conftest import random_heads, tiny_decoding_model
 from scipy.stats import chi2
 
-from medusa_jax.decoding import acceptance
+from medusa_jax.decoding import acceptance, sampling
 from medusa_jax.decoding import step as step_module
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.compile import clear_compiled
@@ -92,7 +92,8 @@ def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
     """As `medusa_samples`, through a freshly traced `step.medusa_step` (so that a monkeypatched
     function is the one that runs)."""
     p, hcfg, hp, tr = decoding_setup(cfg, params, heads, tree)
-    state = start_state(cfg, p, [PROMPT] * N, 32, seed, progress=False)
+    state = start_state(cfg, p, [PROMPT] * N, 32, seed, progress=False, temperature=acc.temperature,
+                        top_p=acc.top_p)
     step = jax.jit(functools.partial(step_module.medusa_step, cfg, hcfg, tr, acc))
     out = [[] for _ in range(N)]
     while min(len(o) for o in out) < 3:
@@ -136,22 +137,25 @@ def test_patched_path_reproduces_generate_device(model):
                                   medusa_samples(cfg, params, heads, TREE_B, acc))
 
 
-def _no_renormalisation(p, prior):
-    return p
+_POSITION_UNIFORMS = sampling.position_uniforms  # the real one, for the broken variant below
 
 
-def _bonus_from_full_distribution(logits, tree_tokens, tree, acc, last, key):
-    """The next token from the last node's whole distribution: the rejected children not removed."""
-    from medusa_jax.decoding.sampling import categorical_rows
-    dist = filtered_logits(logits[jnp.arange(logits.shape[0]), last], acc.temperature, acc.top_p)
-    return categorical_rows(key, dist)
+def _one_uniform_for_every_position(keys, positions):
+    """Every position of a row chooses with the same uniform: the tokens are no longer independent."""
+    return _POSITION_UNIFORMS(keys, jnp.zeros_like(positions))
 
 
-@pytest.mark.parametrize("module,name,broken", [(acceptance, "sibling_acceptance", _no_renormalisation),
-                                                (step_module, "residual_token", _bonus_from_full_distribution)])
+def _candidates_against_the_argmax(logits, keys, positions, temperature, top_p, sampled=True, nucleus=True):
+    """Candidates accepted when they are their parent's argmax, not the token the uniform chooses."""
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+@pytest.mark.parametrize("module,name,broken", [
+    (sampling, "position_uniforms", _one_uniform_for_every_position),
+    (acceptance, "sample_tokens", _candidates_against_the_argmax)])
 def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken):
-    """No renormalisation after a rejected sibling, or a next token drawn without removing the
-    rejected candidates: each visibly changes the distribution, and the test must say so."""
+    """One uniform reused at every position, or candidates accepted as the argmax instead of the
+    uniform's choice: each visibly changes the distribution, and the test must say so."""
     cfg, params, logits = model
     acc = Acceptance(temperature=1.0)
     heads = random_heads(cfg, params)
@@ -159,6 +163,24 @@ def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken)
     monkeypatch.setattr(module, name, broken)  # where the step looks it up
     p = chi_square_p(patched_samples(cfg, params, heads, TREE_B, acc), expected)
     assert p < P_MIN, f"the broken variant ({name}) passed the test (p = {p:.2g})"
+
+
+@pytest.mark.parametrize("head_type,tree_name,top_p", [("medusa", "A", 1.0), ("medusa", "B", 0.9),
+                                                        ("hydra", "A+lookup", 1.0), ("medusa", "A+lookup", 0.8)])
+def test_exact_sampling_emits_plain_sampling_token_for_token(model, head_type, tree_name, top_p):
+    """The token at each position is chosen by that position's uniform (decoding.sampling), so exact
+    Medusa sampling emits exactly plain sampling's tokens for the same seed, whatever the tree
+    accepted, and candidates were accepted on the way."""
+    cfg, params, _ = model
+    heads = random_heads(cfg, params, head_type=head_type)
+    acc = Acceptance(temperature=1.0, top_p=top_p)
+    prompts = [PROMPT, [4, 4, 2, 6], [7], [1, 2, 3, 1, 2, 3, 1]]
+    plain = generate_device(cfg, params, prompts, max_new_tokens=24, acceptance=acc, seed=11, progress=False)
+    med = generate_device(cfg, params, prompts, max_new_tokens=24, heads=heads, tree=TREES[tree_name],
+                          acceptance=acc, seed=11, progress=False)
+    np.testing.assert_array_equal(med.tokens, plain.tokens)
+    np.testing.assert_array_equal(med.count, plain.count)
+    assert med.hist[1:].sum() > 0 and med.steps < plain.steps
 
 
 def test_exact_rows_do_not_depend_on_the_batch(model):
@@ -202,7 +224,7 @@ def test_sampled_rows_with_prompt_lookup_do_not_depend_on_the_batch(model, metho
         assert runs[2][i] == runs[1][i], f"prompt {i}: batch 2 differs from batch 1"
         assert runs[4][i] == runs[1][i], f"prompt {i}: batch 4 differs from batch 1"
     # the test can fail: with the former batch-wide choice (the chain for every row when half the
-    # rows found an n-gram) some row's answer changes with the batch
+    # rows found an n-gram) some row's typical answer changes with the batch
     real = step_module.ngram_draft
 
     def batch_wide(tokens, lengths, root, lookup):
@@ -213,7 +235,10 @@ def test_sampled_rows_with_prompt_lookup_do_not_depend_on_the_batch(model, metho
     jax.clear_caches()
     clear_compiled()
     try:
-        assert answers(4) != runs[1], "the batch-wide choice gave the same answers: the test cannot fail"
+        if method == "typical":
+            assert answers(4) != runs[1], "the batch-wide choice gave the same answers: the test cannot fail"
+        else:  # exact sampling is coupled to the positions' uniforms: no choice of draft changes its tokens
+            assert answers(4) == runs[1]
     finally:
         monkeypatch.undo()
         jax.clear_caches()
@@ -228,6 +253,6 @@ def test_acceptance_settings_are_checked(model):
         generate(cfg, params, PROMPT, max_new_tokens=2, acceptance=Acceptance(temperature=0.5, method="speculative"))
     with pytest.raises(ValueError, match="one int per prompt"):
         generate_device(cfg, params, [PROMPT, PROMPT], max_new_tokens=2, seed=[1, 2, 3])
-    with pytest.raises(ValueError, match="needs a key|per-row PRNG keys"):
+    with pytest.raises(ValueError, match="exact acceptance chooses each position.s token with the row.s key"):
         acceptance.evaluate_posterior(jnp.zeros((1, TREE_A.size, V)), jnp.zeros((1, TREE_A.size), jnp.int32), TREE_A,
                                   Acceptance(temperature=1.0))

@@ -2,11 +2,12 @@
 path of the tree): greedy (a candidate equals its parent's argmax), typical (Cai et al., "Medusa",
 ICML 2024, Sec. 2.3.1) or exact.
 
-Exact acceptance (``Acceptance(method="exact")``) is speculative sampling over the tree: Chen et al.
-2023 ("Accelerating Large Language Model Decoding with Speculative Sampling", Theorem 1) for one
-draft, extended to several deterministic candidates per node as in Miao et al. 2024 ("SpecInfer",
-Sec. 4.3, multi-step speculative sampling). A node's children are tried in rank order; the output
-is distributed exactly as plain sampling at the same temperature and top-p.
+Exact acceptance (``Acceptance(method="exact")``) accepts a candidate when it is the token that its
+position's uniform chooses from its parent's distribution (`decoding.sampling.sample_tokens`): the
+output is then token for token what plain sampling with the same seed emits, and so distributed
+exactly as the model's own sampling; each candidate is accepted with its own probability, as in
+speculative sampling with deterministic drafts (Chen et al. 2023, Alg. 2; several candidates per
+node: Miao et al. 2024, "SpecInfer", Sec. 4.3).
 
 Every function takes a static tree (`TreeBuffers`) or per-row tree arrays (`tree.tree_rows`: with
 prompt lookup each row verifies its own tree), and reads the posterior from the nodes' logits
@@ -21,8 +22,8 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax import kernels
-from medusa_jax.decoding.sampling import categorical_rows, filtered_logits, uniform_rows
-from medusa_jax.decoding.tree import TreeBuffers, tree_rows
+from medusa_jax.decoding.sampling import sample_tokens
+from medusa_jax.decoding.tree import tree_rows
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
 
@@ -30,11 +31,17 @@ ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
 class Acceptance(NamedTuple):
     """Static acceptance settings (a jit static argument).
 
+    A step reads each row's own temperature and top-p from the decoding state
+    (``DecodeState.temperature`` / ``top_p``, set from these fields by the entry points, per request
+    by the engine); here ``temperature > 0`` and ``top_p < 1`` only say that some row samples or uses a
+    nucleus, so that an all-greedy step compiles without sampling.
+
     temperature: 0 = greedy: every node's argmax decides, whatever `method` says. > 0: sampling from
       ``softmax(logits / temperature)`` restricted to the top-p nucleus.
     method: how a sampling step accepts candidates (`ACCEPTANCE_METHODS`):
-      "exact" (the default): speculative sampling over the tree; the output is distributed exactly as
-        plain sampling (lossless).
+      "exact" (the default): a candidate is accepted when it is the token its position's uniform
+        chooses (`decoding.sampling.sample_tokens`); the output equals plain sampling's with the same
+        seed, token for token (lossless).
       "typical": Medusa's typical acceptance (Sec. 2.3.1) with posterior_threshold (epsilon) and
         posterior_alpha (delta); accepts more, but changes the output distribution.
       "greedy": only with temperature 0 (sampling with greedy acceptance is an error).
@@ -69,84 +76,16 @@ class Acceptance(NamedTuple):
         return self
 
 
-def sibling_acceptance(p: jax.Array, prior: jax.Array) -> jax.Array:
-    """Probability of accepting a candidate after its earlier siblings were rejected.
-
-    Each rejection removes the rejected token from the parent's distribution and renormalises what
-    remains (the residual ``norm(max(0, p - q))`` of Chen et al. 2023, Alg. 2, with the point-mass
-    draft q of a deterministic candidate), so the candidate's chance is ``p / (1 - prior)``.
-
-    Args:
-      p: [B, T] float32, each node's token's probability under its parent's distribution.
-      prior: [B, T] float32, the summed probability of the node's earlier (better-ranked) siblings.
-    Returns:
-      [B, T] float32 in [0, 1].
-    """
-    return jnp.clip(p / jnp.maximum(1.0 - prior, 1e-30), 0.0, 1.0)
-
-
-def exact_chosen(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers, acc: Acceptance,
-                 key: jax.Array) -> jax.Array:
-    """Which nodes speculative sampling over the tree accepts.
-
-    Each node's children are tried in rank order: a child is accepted with probability
-    `sibling_acceptance` (its token's probability under the parent's distribution, renormalised over
-    the tokens not yet rejected), one uniform draw per node; the first accepted child is chosen and
-    its later siblings are not tried. Following the chosen children from the root gives the accepted
-    path (at most one chosen child per node). Method: Chen et al. 2023, Alg. 2 and Theorem 1;
-    several candidates per node as in Miao et al. 2024 (SpecInfer), Sec. 4.3.
-
-    Args:
-      logits: [B, T, V] float32 base logits at the tree nodes.
-      tree_tokens: [B, T] int32 candidate tokens.
-      acc: temperature > 0 and top_p define each node's distribution (`decoding.sampling.filtered_logits`).
-      key: [B, 2] uint32 per-row PRNG keys.
-    Returns:
-      [B, T] bool, True where the node is its parent's first accepted child (the root: False).
-    """
-    B, T = tree_tokens.shape
-    rows = tree_rows(tree, B)
-    logp = jax.nn.log_softmax(filtered_logits(logits, acc.temperature, acc.top_p), axis=-1)
-    parent = rows.parents.clip(0)                                                       # [B, T]
-    p = jnp.exp(logp[jnp.arange(B)[:, None], parent, tree_tokens])                      # [B, T]
-    before = lambda x: jnp.einsum("bij,bj->bi", rows.earlier, x)  # summed over each node's earlier siblings
-    accepted = uniform_rows(key, T) < sibling_acceptance(p, before(p))
-    beaten = before(accepted.astype(jnp.float32)) > 0
-    return accepted & ~beaten & (rows.parents >= 0)
-
-
-def residual_token(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers, acc: Acceptance,
-                   last: jax.Array, key: jax.Array) -> jax.Array:
-    """The token after an exact step's accepted path: a draw from the last accepted node's
-    distribution with its children's tokens removed (each was tried and rejected) and renormalised;
-    at a leaf, from the whole distribution (Chen et al. 2023, Alg. 2, last line).
-
-    Args:
-      logits: [B, T, V] float32; tree_tokens: [B, T] int32; last: [B] int32 the last accepted node;
-      key: [B, 2] uint32 per-row keys.
-    Returns:
-      [B] int32.
-    """
-    B = logits.shape[0]
-    rows = jnp.arange(B)
-    dist = filtered_logits(logits[rows, last], acc.temperature, acc.top_p)              # [B, V]
-    is_child = tree_rows(tree, B).parents == last[:, None]                               # [B, T]
-    # min-scatter: a token on a child node goes to -inf; +inf leaves every other entry as it is
-    resid = dist.at[rows[:, None], tree_tokens].min(jnp.where(is_child, -jnp.inf, jnp.inf))
-    # the children held all the mass only up to round-off (each should then have been accepted)
-    resid = jnp.where(jnp.isfinite(jnp.max(resid, axis=-1, keepdims=True)), resid, dist)
-    return categorical_rows(key, resid)
-
-
-def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuffers,
-                       acc: Acceptance, key: Optional[jax.Array] = None) -> Tuple[jax.Array, jax.Array]:
+def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acceptance,
+                       state=None, start: Optional[jax.Array] = None) -> Tuple[jax.Array, jax.Array]:
     """Choose the best path of the tree.
 
-    Greedy (``acc.mode == "greedy"``): a candidate is accepted when it equals the argmax of its
-    parent node's logits. Typical acceptance (Medusa Sec. 2.3.1): accepted when its probability
+    Greedy (a row at temperature 0, or ``acc.mode == "greedy"``): a candidate is accepted when it
+    equals the argmax of its parent node's logits. Exact: when it equals the token its position's
+    uniform chooses from the parent's tempered, nucleus-filtered distribution
+    (`decoding.sampling.sample_tokens`). Typical acceptance (Medusa Sec. 2.3.1): when its probability
     under ``softmax(parent_logits / temperature)`` exceeds
-    ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``. Exact: accepted when
-    `exact_chosen` chose it (speculative sampling; needs `key`).
+    ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``.
     A path's accepted length is its number of consecutive accepted candidates from the root.
     The longest wins; ties go to the highest sum of the accepted tokens' log-probabilities
     (typical), or to the first such path.
@@ -154,11 +93,15 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuff
     Args:
       logits: [B, T, V] float32 base logits at the tree nodes.
       tree_tokens: [B, T] int32 candidate tokens on the nodes.
-      key: [B, 2] uint32 per-row PRNG keys (exact acceptance only).
+      tree: a `TreeBuffers`, or `TreeArrays` with a row axis (`decoding.tree.tree_rows`).
+      state: the step's `DecodeState` (per-row keys, temperature, top_p); needed for exact
+        acceptance (typical reads its per-row temperature when given, else ``acc.temperature``).
+      start: [B] int32, the root's position (the cache length before the step); needed with `state`.
     Returns:
-      (best path index [B] int32 into ``tree.retrieve_indices``, accepted length [B] int32 in [0, D]).
+      (best path index [B] int32 into the row's ``retrieve_indices``, accepted length [B] int32 in
+      [0, D]).
     Raises:
-      ValueError: exact acceptance without a key.
+      ValueError: exact acceptance without `state` and `start`.
     """
     B = tree_tokens.shape[0]
     rows = tree_rows(tree, B)                             # each row's own tree (prompt lookup)
@@ -171,21 +114,29 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree: TreeBuff
 
     child_tok = at_nodes(tree_tokens, child)              # [B, P, D]
     score = jnp.zeros(child_tok.shape, jnp.float32)
-    if acc.mode == "greedy":
-        pred = kernels.argmax(logits)                      # [B, T]
-        match = (child_tok == at_nodes(pred, parent)) & valid
-    elif acc.mode == "exact":
-        if key is None:
-            raise ValueError("exact acceptance draws random numbers: pass key=[B, 2] per-row PRNG keys")
-        match = at_nodes(exact_chosen(logits, tree_tokens, rows, acc, key), child) & valid
-    else:
-        logp = jax.nn.log_softmax(logits / acc.temperature, axis=-1)                  # [B, T, V]
+    if acc.mode == "exact" and (state is None or start is None):
+        raise ValueError("exact acceptance chooses each position's token with the row's key: pass state= (the "
+                         "step's DecodeState, its per-row keys, temperature and top-p) and start= (the root's position)")
+    if acc.mode == "typical":  # each row's temperature (the state's, else the settings')
+        temp = state.temperature if state is not None else jnp.full((B,), acc.temperature, jnp.float32)
+        t = jnp.where(temp > 0, temp, 1.0)[:, None, None]
+        logp = jax.nn.log_softmax(logits / t, axis=-1)                                 # [B, T, V]
         entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)                             # [B, T]
         thresh = jnp.minimum(acc.posterior_threshold, acc.posterior_alpha * jnp.exp(-entropy))
         node_tok = jnp.take_along_axis(logp, tree_tokens[:, None, :], axis=2)        # [B, T(parent), T(node)]
         cand_logp = node_tok[jnp.arange(B)[:, None, None], parent, child]             # [B, P, D]
-        match = (jnp.exp(cand_logp) > at_nodes(thresh, parent)) & valid
+        typical = jnp.exp(cand_logp) > at_nodes(thresh, parent)
+        greedy = child_tok == at_nodes(kernels.argmax(logits), parent)
+        match = jnp.where((temp > 0)[:, None, None], typical, greedy) & valid
         score = jnp.where(valid, cand_logp, 0.0)
+    else:
+        # the token each node's children must be: chosen at the position after the node's own
+        if acc.mode == "greedy":
+            target = kernels.argmax(logits)                                           # [B, T]
+        else:
+            target = sample_tokens(logits, state.key, start[:, None] + rows.depth + 1, state.temperature,
+                                   state.top_p, nucleus=acc.top_p < 1.0)
+        match = (child_tok == at_nodes(target, parent)) & valid
     accepted = jnp.cumprod(match.astype(jnp.int32), axis=-1)                          # [B, P, D]
     acc_len = jnp.sum(accepted, axis=-1)                                              # [B, P]
     acc_score = jnp.sum(score * accepted, axis=-1)

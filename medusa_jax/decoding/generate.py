@@ -147,7 +147,8 @@ def _stream(cfg: ModelConfig, params, prompt: List[int], max_new_tokens: int, he
     """The generator behind `generate_stream`, on checked arguments."""
     result = GenerationResult()
     timing: dict = {}
-    state = start_state(cfg, params, [prompt], S, seed, timing=timing, progress=progress)
+    state = start_state(cfg, params, [prompt], S, seed, timing=timing, progress=progress,
+                        temperature=acceptance.temperature, top_p=acceptance.top_p)
     result.prefill_s = timing["prefill_s"]
     length = len(prompt)
     t_decode = 0.0
@@ -241,7 +242,8 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     s_max = cache_size or cache_size_for(cfg, longest, max_new_tokens, tr.step_size)
     S = min(bucket(longest + tr.step_size + 1, 128), s_max)
     timing: dict = {}
-    state = start_state(cfg, params, prompts, S, seed, timing=timing, progress=progress)
+    state = start_state(cfg, params, prompts, S, seed, timing=timing, progress=progress,
+                        temperature=acceptance.temperature, top_p=acceptance.top_p)
     B = len(prompts)
     carry = init_carry(state, max_new_tokens, tr.max_accepted)
     limits = jnp.asarray([max_new_tokens, B + 1], jnp.int32)
@@ -392,7 +394,8 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, source: It
     S = room(max(len(p) for p, _ in first))
     timing: dict = {}
     t = time.perf_counter()
-    state = start_state(cfg, params, [p for p, _ in first], S, [s for _, s in first], timing=timing, progress=False)
+    state = start_state(cfg, params, [p for p, _ in first], S, [s for _, s in first], timing=timing, progress=False,
+                        temperature=acceptance.temperature, top_p=acceptance.top_p)
     overhead += time.perf_counter() - t - timing["prefill_s"]
     t_begin = clock() - timing["prefill_s"]
     carry = init_carry(state, max_new_tokens, tr.max_accepted)
@@ -450,7 +453,8 @@ def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, source: It
                 carry = grow_carry(carry, S)
             timing = {}
             t = time.perf_counter()
-            row = start_state(cfg, params, [ids], S, [row_seed], timing=timing, progress=False)
+            row = start_state(cfg, params, [ids], S, [row_seed], timing=timing, progress=False,
+                              temperature=acceptance.temperature, top_p=acceptance.top_p)
             b_arr = jnp.int32(b)
             carry = aot(insert_row, (), (carry, row, b_arr))(carry, row, b_arr)
             jax.block_until_ready(carry.state.logits)

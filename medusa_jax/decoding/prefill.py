@@ -93,10 +93,12 @@ def prefill_chunk(cfg: ModelConfig, kv_block: Optional[int], params, tokens: jax
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
 def prefill_logits(cfg: ModelConfig, params, last: jax.Array, cache: KVCache, key: jax.Array) -> DecodeState:
     """Jitted: the decoding state after the last chunk (logits [B, V] float32 of the last prompt
-    tokens from their hidden states `last` [B, D]; `cache` donated; key [B, 2] uint32)."""
+    tokens from their hidden states `last` [B, D]; `cache` donated; key [B, 2] uint32; every row
+    greedy: temperature 0, top_p 1, which `start_state` sets as asked)."""
     logits = LlamaModel(cfg).apply({"params": params}, last, method=LlamaModel.logits)
+    B = last.shape[0]
     return constrain_state(DecodeState(logits=logits, hidden=last, cache=cache, key=key,
-                                       next_token=jnp.full((last.shape[0],), -1, jnp.int32)))
+                                       temperature=jnp.zeros((B,), jnp.float32), top_p=jnp.ones((B,), jnp.float32)))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
@@ -145,7 +147,7 @@ def progress_bar(show: bool, total: int, desc: str, unit: str):
 def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
                 seed: int = 0, dtype=None, timing: Optional[dict] = None, *,
                 chunk_size: int = PREFILL_CHUNK, kv_block: Optional[int] = PREFILL_KV_BLOCK,
-                progress: bool = True) -> DecodeState:
+                progress: bool = True, temperature=0.0, top_p=1.0) -> DecodeState:
     """Validate prompts, build the cache and prefill it, chunk by chunk (`prefill_plan`).
 
     Args:
@@ -160,10 +162,12 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
       progress: for a prefill of several chunks, a progress bar on stderr once it has run
         `PROGRESS_DELAY_S` seconds; the host then follows the chunks one behind (a one-chunk
         prefill never waits and shows nothing). False: silent.
+      temperature, top_p: each row's sampling settings (a float for every row, or one per row;
+        temperature 0: greedy).
     Returns:
       DecodeState: logits [B, V] float32 and final hidden state [B, D] of each row's last prompt
       token, a cache of `cache_size` slots with ``lengths`` = the prompt lengths, per-row keys
-      [B, 2] from `seed`, ``next_token`` -1 (the first root is chosen from the logits).
+      [B, 2] from `seed`, and the rows' temperature and top_p [B] float32.
     Raises:
       ValueError: an empty prompt, a malformed prompt list, an id outside the vocabulary, or a
         cache_size beyond the model's context (`check_generation_args`); chunk_size < 1.
@@ -202,6 +206,9 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
                 bar.update(1)
             running = last
     state = finish(params, last, cache, key)
+    rows = lambda x: sharding.put(x, mesh, sharding.batch_spec(1)) if mesh is not None else x
+    state = state.replace(temperature=rows(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))),
+                          top_p=rows(jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (B,))))
     if timing is not None or bar is not None:
         state = jax.block_until_ready(state)
     if bar is not None:

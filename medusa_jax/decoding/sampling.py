@@ -1,7 +1,19 @@
-"""Token choice from logits: greedy, temperature and nucleus (top-p) sampling, with per-row PRNG keys.
+"""Token choice from logits: greedy, or temperature and nucleus (top-p) sampling by the inverse CDF of
+one uniform per row and position.
 
-Every row of a batch draws with its own key (``[B, 2]`` uint32, `row_keys`), so a row's samples do
-not depend on which other rows share its batch.
+The uniform that chooses the token at absolute position t of a row is drawn from that row's key
+(``[B, 2]`` uint32, `row_keys`, from the request's seed) folded with t (`position_uniforms`), never
+from a key that advances step by step. So the token at every position is a fixed function of the
+seed and the tokens before it: a row's sampled answer does not depend on the other rows of its
+batch, on the tree that verified it, or on how many tokens each step accepted. Speculative decoding
+with this coupling is exact in the strongest sense: Medusa sampling emits token for token what plain
+sampling with the same seed emits (a candidate is accepted when it is the token that position's
+uniform chooses, which happens with the candidate's own probability: the acceptance rate of
+speculative sampling with a deterministic draft, Chen et al. 2023, Alg. 2), and the output follows
+the model's distribution exactly (tests/test_exact_sampling.py). Several candidates per node
+(siblings) accept together with their summed probability, as sequential rejection over the tree does
+(Miao et al. 2024, "SpecInfer", Sec. 4.3). The two-level search of `inverse_cdf` keeps the choice to
+one pass over the vocabulary.
 """
 from __future__ import annotations
 
@@ -15,6 +27,9 @@ from medusa_jax import kernels
 
 SEED_LIMIT = 2 ** 31
 """Seeds are in [0, SEED_LIMIT)."""
+
+#: Vocabulary entries per block of `inverse_cdf`'s two-level search.
+CDF_BLOCK = 256
 
 
 def prompt_seed(seed: int, i: int) -> int:
@@ -47,60 +62,101 @@ def row_keys(seeds: Union[int, Sequence[int]], batch: int) -> jax.Array:
     return jax.vmap(jax.random.PRNGKey)(jnp.asarray(row_seeds(seeds, batch), jnp.int32))
 
 
-def filtered_logits(logits: jax.Array, temperature: float, top_p: float = 1.0) -> jax.Array:
+def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = True) -> jax.Array:
     """The sampling distribution's logits: ``logits / temperature`` with every token outside the
     nucleus set to -inf.
 
     Args:
       logits: [..., V] float.
-      temperature: > 0 (static).
-      top_p: nucleus mass in (0, 1] (static); 1 keeps every token. The nucleus is the smallest set of
-        most likely tokens whose mass reaches top_p (Holtzman et al. 2020).
+      temperature: > 0: a float, or an array broadcastable to ``logits.shape[:-1]`` (per row).
+      top_p: nucleus mass in (0, 1], a float or an array like `temperature`; 1 keeps every token. The
+        nucleus is the smallest set of most likely tokens whose mass reaches top_p (Holtzman et al.
+        2020).
+      nucleus: static; False skips the nucleus (and its sort over the vocabulary) whatever top_p
+        says: for steps where every row has top_p = 1.
     Returns:
       [..., V] float32; ``softmax`` of it is the distribution a sample is drawn from.
     """
-    scaled = logits.astype(jnp.float32) / temperature
-    if top_p < 1.0:
+    scaled = logits.astype(jnp.float32) / jnp.expand_dims(jnp.asarray(temperature, jnp.float32), -1)
+    if nucleus and not (isinstance(top_p, (int, float)) and top_p >= 1.0):
         sorted_logits = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
         # keep tokens whose preceding mass is < top_p
-        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < top_p
+        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < jnp.expand_dims(jnp.asarray(top_p, jnp.float32), -1)
         cutoff = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
     return scaled
 
 
-def categorical_rows(keys: jax.Array, logits: jax.Array) -> jax.Array:
-    """One draw per row from ``softmax(logits)``: keys [B, 2] uint32 (one per row), logits [B, V]
-    -> [B] int32."""
-    return jax.vmap(lambda k, lg: jax.random.categorical(k, lg))(keys, logits).astype(jnp.int32)
-
-
-def uniform_rows(keys: jax.Array, n: int) -> jax.Array:
-    """[B, n] float32 uniforms in [0, 1), row b from ``keys[b]`` ([B, 2] uint32)."""
-    return jax.vmap(lambda k: jax.random.uniform(k, (n,)))(keys)
-
-
-def split_rows(keys: jax.Array, n: int) -> jax.Array:
-    """Each row's key split in n: [B, 2] -> [n, B, 2]."""
-    return jnp.swapaxes(jax.vmap(lambda k: jax.random.split(k, n))(keys), 0, 1)
-
-
-def sample_logits(logits: jax.Array, key: jax.Array, temperature: float, top_p: float = 1.0) -> jax.Array:
-    """Pick one token per row.
+def position_uniforms(keys: jax.Array, positions: jax.Array) -> jax.Array:
+    """One uniform in [0, 1) per row and position: ``uniform(fold_in(keys[b], positions[b, ...]))``.
 
     Args:
-      logits: [B, V] float32.
-      key: per-row PRNG keys [B, 2] uint32 (`row_keys`), or one key [2] for the whole batch
-        (ignored when temperature == 0).
-      temperature: 0 (a Python float, static) means greedy argmax; > 0 scales the logits.
-      top_p: nucleus sampling mass in (0, 1]; 1 disables it (`filtered_logits`).
+      keys: [B, 2] uint32, one key per row (`row_keys`).
+      positions: [B, ...] int32 absolute positions in the row's sequence.
     Returns:
-      [B] int32 token ids.
+      [B, ...] float32.
     """
-    if temperature <= 0.0:
-        return kernels.argmax(logits)
-    scaled = filtered_logits(logits, temperature, top_p)
-    if key.ndim == 2:
-        return categorical_rows(key, scaled)
-    return jax.random.categorical(key, scaled, axis=-1).astype(jnp.int32)
+    def row(key, pos):
+        flat = pos.reshape(-1)
+        u = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p)))(flat)
+        return u.reshape(pos.shape)
+
+    return jax.vmap(row)(keys, positions.astype(jnp.int32))
+
+
+def inverse_cdf(logits: jax.Array, u: jax.Array) -> jax.Array:
+    """The token a uniform chooses from ``softmax(logits)``: the first index whose cumulative
+    probability exceeds ``u`` (vocabulary order), by a two-level search (block sums, then one
+    block), so the work is one pass over the vocabulary. A token of probability 0 (-inf logit) is
+    never chosen.
+
+    Args:
+      logits: [..., V] float32 (-inf allowed, at least one finite).
+      u: [...] float32 in [0, 1).
+    Returns:
+      [...] int32.
+    """
+    V = logits.shape[-1]
+    nb = -(-V // CDF_BLOCK)
+    pad = nb * CDF_BLOCK - V
+    x = jnp.pad(logits.astype(jnp.float32), [(0, 0)] * (logits.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
+    p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))                     # unnormalised, [..., nb * block]
+    blocks = p.reshape(p.shape[:-1] + (nb, CDF_BLOCK))
+    sums = jnp.sum(blocks, axis=-1)                                          # [..., nb]
+    cum = jnp.cumsum(sums, axis=-1)
+    thr = u * cum[..., -1]
+    last_block = nb - 1 - jnp.argmax(jnp.flip(sums > 0, axis=-1), axis=-1)   # the last block with mass
+    k = jnp.minimum(jnp.sum(cum <= thr[..., None], axis=-1), last_block)
+    within = jnp.take_along_axis(blocks, k[..., None, None], axis=-2)[..., 0, :]  # [..., block]
+    before = jnp.where(k > 0, jnp.take_along_axis(cum, jnp.maximum(k - 1, 0)[..., None], axis=-1)[..., 0], 0.0)
+    inner = before[..., None] + jnp.cumsum(within, axis=-1)
+    last_inner = CDF_BLOCK - 1 - jnp.argmax(jnp.flip(within > 0, axis=-1), axis=-1)
+    j = jnp.minimum(jnp.sum(inner <= thr[..., None], axis=-1), last_inner)
+    return (k * CDF_BLOCK + j).astype(jnp.int32)
+
+
+def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
+                  top_p: jax.Array, sampled: bool = True, nucleus: bool = True) -> jax.Array:
+    """The token each row chooses at `positions` from `logits`: the argmax for a row whose temperature
+    is 0 (greedy), else the inverse CDF (`inverse_cdf`) of the tempered, nucleus-filtered
+    distribution (`filtered_logits`) at that position's uniform (`position_uniforms`).
+
+    Args:
+      logits: [B, ..., V] float32; keys: [B, 2] uint32; positions: [B, ...] int32, the absolute
+        position of the token being chosen.
+      temperature, top_p: [B] float32 per row.
+      sampled: static; False: every row is greedy (no uniform is drawn, nothing is sorted).
+      nucleus: static; False: no row uses top_p < 1.
+    Returns:
+      [B, ...] int32.
+    """
+    greedy = kernels.argmax(logits)
+    if not sampled:
+        return greedy
+    extra = (1,) * (logits.ndim - 2)
+    t = temperature.reshape(temperature.shape + extra)
+    top = top_p.reshape(top_p.shape + extra)
+    scaled = filtered_logits(logits, jnp.where(t > 0, t, 1.0), top, nucleus)
+    chosen = inverse_cdf(scaled, position_uniforms(keys, positions))
+    return jnp.where(t > 0, chosen, greedy)

@@ -18,16 +18,18 @@ class DecodeState:
     logits: [B, V] float32, base-model logits at the last accepted position (predict the next token).
     hidden: [B, D], final-norm hidden state there (the heads' input).
     cache: the KV cache; ``cache.lengths[b]`` = tokens of row b in the cache (prompt + emitted).
-    key: [B, 2] uint32, one PRNG key per row (`decoding.sampling.row_keys`).
-    next_token: [B] int32, the next step's root when it is already drawn (exact acceptance draws it
-      from the residual distribution of the last accepted node), -1 when it is still to be chosen
-      from ``logits``.
+    key: [B, 2] uint32, one PRNG key per row, from the row's seed (`decoding.sampling.row_keys`); it
+      never advances: the token at position t is chosen with the uniform of (key, t)
+      (`decoding.sampling.position_uniforms`).
+    temperature: [B] float32, the row's sampling temperature (0: greedy).
+    top_p: [B] float32, the row's nucleus mass in (0, 1].
     """
     logits: jax.Array
     hidden: jax.Array
     cache: KVCache
     key: jax.Array
-    next_token: jax.Array
+    temperature: jax.Array
+    top_p: jax.Array
 
 
 class StepOutput(NamedTuple):
@@ -53,4 +55,4 @@ def constrain_state(st: DecodeState) -> DecodeState:
     and can be fed back to it (no-op otherwise)."""
     rows = lambda x: sharding.constrain(x, sharding.batch_spec(x.ndim))
     return DecodeState(logits=rows(st.logits), hidden=rows(st.hidden), cache=constrain_cache(st.cache),
-                       key=rows(st.key), next_token=rows(st.next_token))
+                       key=rows(st.key), temperature=rows(st.temperature), top_p=rows(st.top_p))

@@ -27,10 +27,10 @@ from typing import Optional, Tuple
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior, residual_token
+from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
 from medusa_jax.decoding.draft import draft_tokens
 from medusa_jax.decoding.lookup import ngram_draft
-from medusa_jax.decoding.sampling import sample_logits, split_rows
+from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.tree import TreeArrays, TreeBuffers, chain_tree, check_depth, padded_arrays, tree_rows
 from medusa_jax.heads.config import MedusaConfig
@@ -61,28 +61,28 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
     return KVCache(k=k, v=v, lengths=new_lengths, tokens=tokens)
 
 
-def _step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
-    """[B] int32, the root token `medusa_step` will decode from `state`: ``state.next_token`` when
-    an exact step drew it, else the argmax (or a sample with the step's own key) of ``state.logits``."""
-    k_root = split_rows(state.key, 4)[1]
-    return jnp.where(state.next_token >= 0, state.next_token,
-                     sample_logits(state.logits, k_root, acc.temperature, acc.top_p))
+def step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
+    """[B] int32, the root token `medusa_step` decodes from `state`: each row's choice from
+    ``state.logits`` at its position ``cache.lengths`` (the argmax, or a sample by that position's
+    uniform: `decoding.sampling.sample_tokens`)."""
+    return sample_tokens(state.logits, state.key, state.cache.lengths, state.temperature, state.top_p,
+                         sampled=acc.mode != "greedy", nucleus=acc.top_p < 1.0)
 
 
 def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
                 params, head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
     """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
 
-    1. Root token: ``state.next_token`` when an exact step drew it, else the argmax (or a sample at
-       ``acc.temperature`` and ``acc.top_p``) of ``state.logits``.
+    1. Root token: the argmax, or a sample at the row's temperature and top-p, of ``state.logits``
+       (`step_root`).
     2. Candidates (`draft_tokens`): Medusa heads: the first D heads' top-k at ``state.hidden`` placed
        on the tree; hydra heads: depth by depth, each node's children from its own path.
     3. One forward of the T tree tokens at positions ``length + depth`` with the ancestor mask.
     4. Posterior (`evaluate_posterior`: greedy, typical or exact), best path, accepted length a.
     5. Emits root + a candidates; the next logits/hidden are the last accepted node's; the path's
-       K/V are compacted; lengths advance by a + 1. Exact acceptance also draws the next root from
-       that node's residual distribution (`residual_token`) into ``next_token``.
-    Every row draws from its own key (``state.key`` [B, 2]), so rows are independent of each other.
+       K/V are compacted; lengths advance by a + 1.
+    A row's token at position t is chosen by the uniform of its own key and t, so rows are
+    independent of each other, and exact acceptance emits what plain sampling would.
     With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
     A tree with prompt-lookup settings (``tree.lookup``, `medusa_jax.decoding.lookup`) first searches the
     context (``cache.tokens``) of every row for its last n-gram; a row that finds one verifies the
@@ -97,8 +97,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
-    key, _, k_accept, k_next = split_rows(state.key, 4)
-    root = _step_root(acc, state)
+    root = step_root(acc, state)
     D = tree.max_depth
     if D > 0:
         if heads_cfg is None:
@@ -111,8 +110,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
 
     width = tree.max_accepted + 1
     if tree.lookup is None:
-        return _verify_tree(cfg, tree, tree.size > D + 1, acc, params, state, heads_draft(None), key, k_accept,
-                            k_next, width)
+        return _verify_tree(cfg, tree, tree.size > D + 1, acc, params, state, heads_draft(None), width)
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
     chain = chain_tree(tree.lookup.num_tokens)
@@ -125,43 +123,38 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
     per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h[None])
     arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), padded_arrays(tree, *shape))
-    return _verify_tree(cfg, TreeArrays(*arrays), True, acc, params, state, tokens, key, k_accept, k_next, width)
+    return _verify_tree(cfg, TreeArrays(*arrays), True, acc, params, state, tokens, width)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
-                 tree_tokens: jax.Array, key: jax.Array, k_accept: jax.Array, k_next: jax.Array,
-                 width: int) -> Tuple[StepOutput, DecodeState]:
+                 tree_tokens: jax.Array, width: int) -> Tuple[StepOutput, DecodeState]:
     """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers`, or
     `TreeArrays` with a row axis: each row's own tree; root first). compact (static): whether the
     accepted path's K/V must move (False for a chain, whose accepted prefix is in place). The
     emitted tokens are padded to `width` columns."""
     B = tree_tokens.shape[0]
-    rows = tree_rows(tree, B)
-    D = rows.retrieve_indices.shape[2] - 1
+    tr = tree_rows(tree, B)
+    D = tr.retrieve_indices.shape[2] - 1
     start = state.cache.lengths
-    positions = start[:, None] + rows.depth
+    positions = start[:, None] + tr.depth
     logits, hidden, cache = LlamaModel(cfg).apply(
-        {"params": params}, tree_tokens, positions, state.cache, rows.ancestor_mask)
-    next_token = jnp.full((B,), -1, jnp.int32)
+        {"params": params}, tree_tokens, positions, state.cache, tr.ancestor_mask)
     if D > 0:
-        best, acc_len = evaluate_posterior(logits, tree_tokens, rows, acc, k_accept)
-        path_nodes = jnp.take_along_axis(rows.retrieve_indices, best[:, None, None], axis=1)[:, 0]  # [B, D+1]
+        best, acc_len = evaluate_posterior(logits, tree_tokens, tr, acc, state, start)
+        path_nodes = jnp.take_along_axis(tr.retrieve_indices, best[:, None, None], axis=1)[:, 0]  # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
         if compact:
             cache = compact_cache(cache, path_nodes, start, start + acc_len + 1)
         else:  # a chain: node j already sits at slot start + j, the accepted prefix is in place
             cache = cache.replace(lengths=start + acc_len + 1)
         tokens = jnp.take_along_axis(tree_tokens, path_nodes, axis=1)
-        if acc.mode == "exact":
-            next_token = residual_token(logits, tree_tokens, rows, acc, last, k_next)
     else:
         acc_len = jnp.zeros((B,), jnp.int32)
         last = jnp.zeros((B,), jnp.int32)
         tokens = tree_tokens
     tokens = jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
     rows = jnp.arange(B)
-    new_state = DecodeState(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache, key=key,
-                            next_token=next_token)
+    new_state = state.replace(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache)
     return StepOutput(tokens=tokens, num_tokens=acc_len + 1), new_state
 
 

@@ -477,14 +477,13 @@ class TreeArrays(NamedTuple):
     them with ``jnp.where``, so the one forward it runs needs no conditional around it.
 
     ancestor_mask [T, T] bool, depth [T] int32, parents [T] int32, retrieve_indices [P, D+1] int32,
-    valid [P, D+1] bool, earlier [T, T] float32 (`earlier_siblings`).
+    valid [P, D+1] bool.
     """
     ancestor_mask: jax.Array
     depth: jax.Array
     parents: jax.Array
     retrieve_indices: jax.Array
     valid: jax.Array
-    earlier: jax.Array
 
 
 def padded_arrays(tree: TreeBuffers, size: int, paths: int, depth: int) -> TreeArrays:
@@ -503,32 +502,19 @@ def padded_arrays(tree: TreeBuffers, size: int, paths: int, depth: int) -> TreeA
     valid = np.zeros((paths, depth + 1), bool)
     valid[:, 0] = True
     valid[:P, :D + 1] = tree.valid
-    earlier = np.zeros((size, size), np.float32)
-    earlier[:T, :T] = earlier_siblings(tree)
-    return TreeArrays(mask, np.pad(tree.depth, (0, size - T)), parents, retrieve, valid, earlier)
+    return TreeArrays(mask, np.pad(tree.depth, (0, size - T)), parents, retrieve, valid)
 
 
 def tree_rows(tree, batch: int) -> TreeArrays:
     """`tree`'s verification buffers with a leading row axis, as jax arrays: ancestor_mask
-    [B, T, T], depth [B, T], parents [B, T], retrieve_indices [B, P, D+1], valid [B, P, D+1],
-    earlier [B, T, T]. A `TreeBuffers` (one static tree) is broadcast to every row; `TreeArrays`
+    [B, T, T], depth [B, T], parents [B, T], retrieve_indices [B, P, D+1], valid [B, P, D+1]. A
+    `TreeBuffers` (one static tree) is broadcast to every row; `TreeArrays`
     that already have the row axis pass through: with prompt lookup each row verifies its own tree
     (the copied chain or the heads' tree), so that a row's draft never depends on the other rows."""
     if isinstance(tree, TreeArrays) and np.ndim(tree.parents) == 2:
         return tree
-    arrays = (tree.ancestor_mask, tree.depth, tree.parents, tree.retrieve_indices, tree.valid, earlier_siblings(tree))
+    arrays = (tree.ancestor_mask, tree.depth, tree.parents, tree.retrieve_indices, tree.valid)
     return TreeArrays(*(jnp.broadcast_to(jnp.asarray(a), (batch,) + tuple(np.shape(a))) for a in arrays))
-
-
-def earlier_siblings(tree):
-    """[T, T] float32 (static): entry (i, j) = 1 when node j is a sibling of node i tried before it
-    (same parent, smaller node index, i.e. a better rank: nodes are sorted by (depth, ranks)).
-    A `TreeArrays` carries it as ``earlier``."""
-    if isinstance(tree, TreeArrays):
-        return tree.earlier
-    par = np.asarray(tree.parents)
-    idx = np.arange(len(par))
-    return ((par[:, None] == par[None, :]) & (idx[None, :] < idx[:, None]) & (par[:, None] >= 0)).astype(np.float32)
 
 
 PLAIN_TREE: TreeBuffers = build_tree([], topk=1)
