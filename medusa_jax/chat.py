@@ -3,11 +3,51 @@ an assistant's turn, and prompt files (their first turns)."""
 from __future__ import annotations
 
 import json
-from typing import List, Optional
+from typing import List, Optional, Sequence
 
 #: End-of-turn markers of common chat templates; when a tokenizer's chat template uses one, its
 #: id is added to the EOS ids so generation stops at the end of the assistant's turn.
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
+
+
+#: The roles a chat message may have.
+ROLES = ("system", "user", "assistant")
+
+
+def check_messages(messages: Sequence[dict]) -> List[dict]:
+    """``[{"role", "content"}, ...]`` as plain dicts, checked: a non-empty list of messages whose
+    role is one of `ROLES` and whose content is a string (an assistant's may be empty), the last
+    one the user's. Raises ValueError naming the message and the field (``messages[2].role``)."""
+    if not isinstance(messages, (list, tuple)) or not messages:
+        raise ValueError("messages: give a non-empty list of {'role', 'content'} messages")
+    out = []
+    for i, m in enumerate(messages):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise ValueError(f"{where}: expected an object with 'role' and 'content', got {type(m).__name__}")
+        role, content = m.get("role"), m.get("content")
+        if role not in ROLES:
+            raise ValueError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
+        if not isinstance(content, str):
+            raise ValueError(f"{where}.content: expected a string, got {type(content).__name__}")
+        if role != "assistant" and not content.strip():
+            raise ValueError(f"{where}.content: the {role} message is empty")
+        out.append({"role": role, "content": content})
+    if out[-1]["role"] != "user":
+        raise ValueError(f"messages[{len(out) - 1}].role: the last message must be the user's, got {out[-1]['role']!r}")
+    return out
+
+
+def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> List[int]:
+    """Token ids of a whole chat through the tokenizer's chat template (transformers'
+    ``apply_chat_template``); with `add_generation_prompt`, ready for the assistant's next answer.
+    Raises ValueError for a tokenizer without a chat template."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("the tokenizer has no chat template")
+    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
+        out = out["input_ids"]
+    return [int(t) for t in out]
 
 
 def apply_chat_template(tokenizer, prompt: str, system: Optional[str] = None) -> List[int]:
@@ -25,14 +65,23 @@ def apply_chat_template(tokenizer, prompt: str, system: Optional[str] = None) ->
     """
     if not isinstance(prompt, str) or not prompt.strip():
         raise ValueError("the prompt is empty; give some text to answer")
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError("the tokenizer has no chat template")
     messages = ([{"role": "system", "content": system}] if system is not None else [])
     messages.append({"role": "user", "content": prompt})
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
+    return render_chat(tokenizer, messages)
+
+
+def end_of_turn_ids(tokenizer) -> List[int]:
+    """Ids that end an assistant turn, in order: the tokenizer's EOS, then the chat template's
+    end-of-turn token (`END_OF_TURN_TOKENS`) when the template uses one that is in the vocabulary."""
+    ids = []
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    template = getattr(tokenizer, "chat_template", None) or ""
+    vocab = tokenizer.get_vocab()
+    for t in END_OF_TURN_TOKENS:
+        if t in template and t in vocab and int(vocab[t]) not in ids:
+            ids.append(int(vocab[t]))
+    return ids
 
 
 def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:

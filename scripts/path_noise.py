@@ -27,7 +27,7 @@ def trace(m, ids, heads, tree, n: int):
     """(tokens, {position: logits [V] float32 numpy}) of greedy decoding, step by step."""
     import medusa_jax as mj
     from medusa_jax.decoding.compile import aot
-    from medusa_jax.decoding.generate import decoding_setup
+    from medusa_jax.decoding.setup import decoding_setup
     from medusa_jax.decoding.prefill import cache_size_for, start_state
     from medusa_jax.decoding.step import step
 

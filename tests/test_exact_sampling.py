@@ -20,7 +20,8 @@ from medusa_jax.decoding import acceptance, sampling
 from medusa_jax.decoding import step as step_module
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.compile import clear_compiled
-from medusa_jax.decoding.generate import decoding_setup, generate, generate_batch, generate_device
+from medusa_jax.decoding.setup import decoding_setup
+from medusa_jax.decoding.generate import generate, generate_batch, generate_device
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.sampling import filtered_logits

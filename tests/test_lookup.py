@@ -206,7 +206,7 @@ def test_the_decoding_loop_never_copies_the_kv_cache(tiny, lookup):
     docs/design-notes.md). The compiled on-device loop must hold no cache-shaped copy."""
     import re
 
-    from medusa_jax.decoding.generate import decoding_setup
+    from medusa_jax.decoding.setup import decoding_setup
     from medusa_jax.decoding.loop import generate_jit, init_carry
 
     cfg, params, hcfg, hp = tiny

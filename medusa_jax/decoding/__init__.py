@@ -5,8 +5,14 @@ prefill, the on-device loop and the entry points (`generate`: `generate`, `gener
 take it from `medusa_jax` or `medusa_jax.decoding.generate`.)"""
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import PromptTooLongError
-from medusa_jax.decoding.generate import (BatchStats, DeviceResult, GenerationResult, generate_batch, generate_device,
-                                          generate_stream)
+from medusa_jax.decoding.generate import (
+                                          BatchStats,
+                                          DeviceResult,
+                                          GenerationResult,
+                                          generate_batch,
+                                          generate_device,
+                                          generate_stream,
+)
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.state import DecodeState, StepOutput

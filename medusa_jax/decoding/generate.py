@@ -9,7 +9,6 @@ an EOS token ends the output (the EOS is included), ``max_new_tokens`` caps it, 
 """
 from __future__ import annotations
 
-import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Generator, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
@@ -18,19 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax import sharding
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import as_int, check_generation_args
 from medusa_jax.decoding.compile import aot
-from medusa_jax.decoding.loop import generate_jit, grow_carry, init_carry, insert_row
+from medusa_jax.decoding.engine import Engine, Finished, Request, SamplingParams
+from medusa_jax.decoding.loop import generate_jit, grow_carry, init_carry
 from medusa_jax.decoding.prefill import bucket, cache_size_for, progress_bar, start_state
 from medusa_jax.decoding.sampling import prompt_seed, row_seeds
-from medusa_jax.decoding.step import step
-from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
+from medusa_jax.decoding.setup import decoding_setup
+from medusa_jax.decoding.tree import TreeBuffers
 from medusa_jax.heads.config import MedusaConfig
-from medusa_jax.heads.medusa import prepare_heads
 from medusa_jax.models.config import ModelConfig
-from medusa_jax.models.llama import decoding_params, lm_head_matrix
 
 
 @dataclass
@@ -68,34 +65,6 @@ def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
     return chunk, False
 
 
-def decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]):
-    """(params in decoding layout, heads_cfg or None, head params or None, the tree to run:
-    `PLAIN_TREE` without heads), from arguments that `check_generation_args` accepted.
-
-    The backbone's params go to decoding layout once (`models.llama.decoding_params`, cached per
-    params tree: the weight-streaming kernels' ``[out, in]`` layout when they are available).
-    Heads are readied for the tree once, here (`heads.medusa.prepare_heads`; heads from
-    `resolve.resolve_heads` pass through unchanged), so that heads straight from `load_heads` do
-    not slice or gather their weights in every step.
-
-    Params placed on a device mesh (`sharding.shard_params`) keep their layout (the CPU kernels do
-    not run on a mesh; XLA splits the products) and the heads are placed on the same mesh.
-    Raises ValueError when the mesh's model axis does not divide the attention heads."""
-
-    mesh = sharding.mesh_of(params)
-    if mesh is not None:
-        sharding.check_model_axis(cfg, mesh.shape["model"])
-    params = decoding_params(params)
-    if heads is None:  # plain decoding, or prompt lookup alone (the trivial tree with lookup settings)
-        return params, None, None, tree if tree is not None else PLAIN_TREE
-    heads_cfg, head_params = heads
-    if tree.max_depth > 0:
-
-        heads_cfg, head_params = prepare_heads(heads_cfg, head_params, lm_head_matrix(cfg, params),
-                                               depth=tree.max_depth)
-    if mesh is not None and sharding.mesh_of(head_params) != mesh:
-        head_params = sharding.shard_params(head_params, mesh)
-    return params, heads_cfg, head_params, tree
 
 
 def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_tokens: int = 256,
@@ -135,50 +104,42 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                                            max_new_tokens=max_new_tokens, cache_size=cache_size,
                                            heads=heads, tree=tree, eos_token_ids=eos_token_ids,
                                            acceptance=acceptance, seed=seed)
-    params, heads_cfg, head_params, full_tree = decoding_setup(cfg, params, heads, tree)
-    S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, full_tree.step_size)
-    return _stream(cfg, params, prompt, max_new_tokens, heads_cfg, head_params, full_tree, acceptance,
-                   seed, eos, S, progress)
+    step_size = tree.step_size if tree is not None else 1
+    S = cache_size or cache_size_for(cfg, len(prompt), max_new_tokens, step_size)
+    engine = Engine(cfg, params, heads=heads, tree=tree, max_batch=1, max_len=S, speculation="always",
+                    acceptance=acceptance.method if acceptance.mode != "greedy" else "exact",
+                    posterior_threshold=acceptance.posterior_threshold, posterior_alpha=acceptance.posterior_alpha,
+                    eos_token_ids=eos, progress=progress)
+    request = Request(prompt, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, int(seed)))
+    return _stream(engine, request)
 
 
-def _stream(cfg: ModelConfig, params, prompt: List[int], max_new_tokens: int, heads_cfg, head_params,
-            full_tree: TreeBuffers, acceptance: Acceptance, seed: int, eos: Tuple[int, ...], S: int,
-            progress: bool) -> Generator[List[int], None, GenerationResult]:
-    """The generator behind `generate_stream`, on checked arguments."""
+def _stream(engine: Engine, request: Request) -> Generator[List[int], None, GenerationResult]:
+    """The generator behind `generate_stream`: one request through the engine, in this thread."""
+    events: List[Tuple[str, object]] = []
+    engine.submit(request, on_event=lambda kind, payload: events.append((kind, payload)))
     result = GenerationResult()
-    timing: dict = {}
-    state = start_state(cfg, params, [prompt], S, seed, timing=timing, progress=progress,
-                        temperature=acceptance.temperature, top_p=acceptance.top_p)
-    result.prefill_s = timing["prefill_s"]
-    length = len(prompt)
-    t_decode = 0.0
-    compiled = {}
-    while len(result.tokens) < max_new_tokens:
-        if length >= S:
-            result.stop_reason = "cache_full"
-            break
-        tr = full_tree if length + full_tree.step_size <= S else PLAIN_TREE
-        if tr not in compiled:
-            compiled[tr] = aot(step, (cfg, heads_cfg, tr, acceptance), (params, head_params, state))
-        t1 = time.perf_counter()
-        out, state = compiled[tr](params, head_params, state)
-        toks, n = jax.device_get((out.tokens[0], out.num_tokens[0]))
-        chunk = [int(t) for t in toks[:int(n)]]
-        t_decode += time.perf_counter() - t1
-        length += int(n)
-        result.steps += 1
-        chunk, hit_eos = _cut_at_eos(chunk, eos)
-        chunk = chunk[:max_new_tokens - len(result.tokens)]
-        result.tokens_per_step.append(len(chunk))
-        result.tokens.extend(chunk)
-        yield chunk
-        if hit_eos and chunk and chunk[-1] in eos:
-            result.stop_reason = "eos"
-            break
-    else:
-        result.stop_reason = "max_new_tokens"
-    result.decode_s = t_decode
-    return result
+    while True:
+        engine.step()
+        for kind, payload in events:
+            if kind == "tokens":
+                result.tokens_per_step.append(len(payload))
+                yield payload
+            else:
+                return _result(payload)
+        events.clear()
+
+
+_STOP_REASONS = {"length": "max_new_tokens"}
+
+
+def _result(fin: Finished) -> GenerationResult:
+    """A `GenerationResult` of the engine's `Finished`."""
+    if fin.reason == "error":
+        raise RuntimeError(f"decoding failed: {fin.error}")
+    return GenerationResult(tokens=list(fin.tokens), steps=fin.steps, tokens_per_step=list(fin.step_tokens),
+                            prefill_s=fin.prefill_s, decode_s=fin.decode_s,
+                            stop_reason=_STOP_REASONS.get(fin.reason, fin.reason))
 
 
 def generate(cfg: ModelConfig, params, prompt: Sequence[int], *, on_tokens: Optional[Callable[[List[int]], None]] = None,
@@ -300,20 +261,15 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
                    max_new_tokens: int = 256, heads: Optional[Tuple[MedusaConfig, dict]] = None,
                    tree: Optional[TreeBuffers] = None, acceptance: Acceptance = Acceptance(),
                    seed: Union[int, Sequence[int]] = 0, eos_token_ids: Optional[Sequence[int]] = None,
-                   cache_size: Optional[int] = None,
+                   cache_size: Optional[int] = None, speculation: str = "always",
                    progress: bool = True) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
-    """Decode many prompts, `batch_size` rows at a time, refilling a row as soon as it finishes
-    (continuous batching), with the decoding loop on the device between refills.
+    """Decode many prompts, `batch_size` rows at a time, a finished row taking the next prompt
+    (continuous batching), through the step-level engine (`decoding.engine.Engine`).
 
-    Every row accepts its own number of tokens per step. The on-device loop (`generate_jit`) runs
-    until a row finishes while prompts may be waiting; the host then hands that row's answer to the
-    caller (the yield), takes the next prompt, prefills it into the row (the other rows wait for that
-    prefill) and starts the loop again. The cache starts just big enough and doubles when the tree no
-    longer fits, up to `cache_size`, as in `generate_device`; a row's output does not depend on the
-    batch it ran in (greedy: up to float32 round-off; sampling: prompt i always draws with
-    PRNGKey(seed + i)), except that near a full cache (`cache_size`, or the model's context, below
-    prompt + max_new_tokens + tree) the whole batch falls back to plain steps together, so a sampled
-    row's draws there can differ from its batch-1 run (its distribution does not).
+    Every row accepts its own number of tokens per step, and a row's answer does not depend on the
+    batch it ran in: greedy rows are plain greedy's (up to float32 round-off), sampled rows are plain
+    sampling's for prompt i's seed (`decoding.sampling`: each position's token is chosen by that
+    position's uniform).
 
     Args:
       prompts: N token-id lists (chat template applied), N >= 1: a list (or [N, T] array), checked
@@ -321,16 +277,18 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
         next prompt is taken only when a row is free and the previous answer has been yielded, so
         the caller may decide, from the answers so far, to end it (self-distillation's token
         target); each prompt is then checked as it is taken.
-      batch_size: rows decoded together (>= 1; at most N are used).
-      seed: an int (prompt i draws with PRNGKey((seed + i) mod 2**31), `decoding.sampling.prompt_seed`) or
-        one int per prompt (a list of prompts only).
-      cache_size: the largest cache; default `cache_size_for` the longest prompt of a list, the
-        model's context for lazily read prompts.
+      batch_size: rows decoded together (>= 1).
+      seed: an int (prompt i samples with seed (seed + i) mod 2**31, `decoding.sampling.prompt_seed`)
+        or one int per prompt (a list of prompts only).
+      cache_size: the most cache slots per row; default `cache_size_for` the longest prompt of a
+        list, the model's context for lazily read prompts.
+      speculation: "always" (the tree every step), "adaptive" (the engine chooses per step by
+        measured speed) or "off" (plain steps).
       others: as `generate_device`.
     Yields:
       (i, GenerationResult) as prompt i finishes (completion order, not input order); the result's
-      ``decode_s`` is the wall time the row spent in the batch, ``prefill_s`` its prefill's (a
-      shared batch prefill for the first rows), ``tokens_per_step`` is left empty.
+      ``decode_s`` is the compute time of the steps the row took part in, ``prefill_s`` its
+      prefill's.
     Returns (the generator's value): `BatchStats`.
     Raises: as `generate_device` (checked before the generator is returned; for lazily read prompts
       the prompt checks raise when the prompt is taken), and ValueError for batch_size < 1.
@@ -348,16 +306,18 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
                              "lazily give one int seed (prompt i draws with seed + i)")
         row_seeds(seed, 1)  # a seed out of range fails here, before anything runs
         source = _checked_prompts(cfg, iter(prompts), cache_size, seed)
+        s_max = cache_size or cfg.max_position_embeddings
     else:
         seeds = row_seeds(seed, len(checked))  # seeds out of range fail here, before anything runs
         source = iter(zip(checked, seeds))
-        batch_size = min(batch_size, len(checked))
-    s_max = cache_size or (cfg.max_position_embeddings if lazy else None)
-    params, heads_cfg, head_params, tr = decoding_setup(cfg, params, heads, tree)
-    if s_max is None:
-        s_max = cache_size_for(cfg, max(len(p) for p in checked), max_new_tokens, tr.step_size)
-    return _batch_loop(cfg, params, heads_cfg, head_params, tr, source, None if lazy else len(checked), s_max,
-                       batch_size, max_new_tokens, acceptance, eos, progress)
+        step_size = tree.step_size if tree is not None else 1
+        s_max = cache_size or cache_size_for(cfg, max(len(p) for p in checked), max_new_tokens, step_size)
+    engine = Engine(cfg, params, heads=heads, tree=tree, max_batch=int(batch_size), max_len=s_max,
+                    speculation=speculation, acceptance=acceptance.method if acceptance.mode != "greedy" else "exact",
+                    posterior_threshold=acceptance.posterior_threshold, posterior_alpha=acceptance.posterior_alpha,
+                    eos_token_ids=eos, progress=False)
+    return _batch_loop(engine, source, None if lazy else len(checked), batch_size, max_new_tokens, acceptance,
+                       progress)
 
 
 def _checked_prompts(cfg: ModelConfig, prompts: Iterator, cache_size: Optional[int],
@@ -372,96 +332,43 @@ def _checked_prompts(cfg: ModelConfig, prompts: Iterator, cache_size: Optional[i
         yield ids, prompt_seed(seed, i)
 
 
-def _batch_loop(cfg, params, heads_cfg, head_params, tr: TreeBuffers, source: Iterator[Tuple[List[int], int]],
-                total: Optional[int], s_max: int, batch_size: int, max_new_tokens: int, acceptance: Acceptance,
-                eos: Tuple[int, ...], progress: bool) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
-    """The generator behind `generate_batch`, on checked arguments: (ids, seed) of each prompt from
-    `source`, `total` of them when known."""
-    def room(n: int) -> int:  # the cache a prompt of n tokens needs for one tree step
-        return min(bucket(n + tr.step_size + 1, 128), s_max)
-
-    overhead = 0.0  # compilation seconds, left out of every timing
-
-    def clock() -> float:
-        return time.perf_counter() - overhead
-
-    first = list(itertools.islice(source, batch_size))
-    # more prompts may come (a lazy source is read one prompt at a time)
-    waiting = len(first) < total if total is not None else len(first) == batch_size
-    if not first:
-        return BatchStats(wall_s=0.0, steps=0, hist=np.zeros((tr.max_accepted + 1,), np.int32), cache_sizes=())
-    B = len(first)
-    S = room(max(len(p) for p, _ in first))
-    timing: dict = {}
-    t = time.perf_counter()
-    state = start_state(cfg, params, [p for p, _ in first], S, [s for _, s in first], timing=timing, progress=False,
-                        temperature=acceptance.temperature, top_p=acceptance.top_p)
-    overhead += time.perf_counter() - t - timing["prefill_s"]
-    t_begin = clock() - timing["prefill_s"]
-    carry = init_carry(state, max_new_tokens, tr.max_accepted)
-    rows: List[Optional[int]] = list(range(B))  # the prompt in each row; None: retired
-    started = [clock()] * B
-    prefill_s = [timing["prefill_s"]] * B
-    next_i = B  # the index of the next prompt
-    sizes = [S]
+def _batch_loop(engine: Engine, source: Iterator[Tuple[List[int], int]], total: Optional[int], batch_size: int,
+                max_new_tokens: int, acceptance: Acceptance,
+                progress: bool) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
+    """The generator behind `generate_batch`: keeps `batch_size` prompts of `source` ((ids, seed)
+    each, `total` of them when known) in the engine, the next one submitted once an answer is out."""
+    done: List[Tuple[int, Finished]] = []
+    in_flight = 0
+    next_i = 0
     bar = progress_bar(progress, total, "decode", "prompt")
-    steps = 0
-    tail = tr.max_accepted == 0  # plain steps only (plain decoding, or the tree no longer fits)
-    while any(r is not None for r in rows):
-        final = S >= s_max
-        static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos, tail)
-        done0 = sum(r is None for r in rows)  # at a segment's start only retired rows are done
-        limits = jnp.asarray([steps + max_new_tokens, done0 + 1 if waiting else B + 1], jnp.int32)
-        args = (params, head_params, carry, jnp.bool_(final), limits)
-        t = time.perf_counter()
-        fn = aot(generate_jit, static, args)
-        overhead += time.perf_counter() - t
-        carry = fn(*args)
-        done, count, steps, row_steps = jax.device_get((carry.done, carry.count, carry.steps, carry.row_steps))
-        steps = int(steps)
-        finished = [b for b in range(B) if rows[b] is not None and done[b]]
-        if not finished:
-            if final and not tail:  # the tree no longer fits in the largest cache: plain steps
-                tail = True
-                continue
-            if final:
-                raise RuntimeError("generate_batch: the decoding loop stopped with no row done")  # a bug
-            S = min(S * 2, s_max)
-            sizes.append(S)
-            carry = grow_carry(carry, S)
-            continue
-        out = jax.device_get(carry.out)
-        now = clock()
-        tail = tr.max_accepted == 0  # a finished row may leave room for the tree again
-        for b in finished:
-            toks = [int(x) for x in out[b, :count[b]]]
-            res = GenerationResult(tokens=toks, steps=int(row_steps[b]), prefill_s=prefill_s[b],
-                                   decode_s=now - started[b], stop_reason=_stop_reason(toks, eos, max_new_tokens))
-            i, rows[b] = rows[b], None
+    t0 = time.perf_counter()
+
+    def take() -> bool:
+        nonlocal in_flight, next_i
+        nxt = next(source, None)
+        if nxt is None:
+            return False
+        ids, row_seed = nxt
+        i = next_i
+        engine.submit(Request(ids, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, row_seed),
+                              request_id=str(i)),
+                      on_event=lambda kind, payload: done.append((i, payload)) if kind == "done" else None)
+        in_flight, next_i = in_flight + 1, next_i + 1
+        return True
+
+    while in_flight < batch_size and take():
+        pass
+    while in_flight:
+        engine.step()
+        while done:
+            i, fin = done.pop(0)
+            in_flight -= 1
             if bar is not None:
                 bar.update(1)
-            yield i, res  # before the next prompt is taken: the caller may end a lazy source
-            nxt = next(source, None) if waiting else None
-            if nxt is None:
-                waiting = False
-                continue
-            ids, row_seed = nxt
-            need = room(len(ids))
-            if need > S:
-                S = need
-                sizes.append(S)
-                carry = grow_carry(carry, S)
-            timing = {}
-            t = time.perf_counter()
-            row = start_state(cfg, params, [ids], S, [row_seed], timing=timing, progress=False,
-                              temperature=acceptance.temperature, top_p=acceptance.top_p)
-            b_arr = jnp.int32(b)
-            carry = aot(insert_row, (), (carry, row, b_arr))(carry, row, b_arr)
-            jax.block_until_ready(carry.state.logits)
-            overhead += time.perf_counter() - t - timing["prefill_s"]
-            rows[b], started[b], prefill_s[b], next_i = next_i, clock(), timing["prefill_s"], next_i + 1
-            waiting = total is None or next_i < total
+            yield i, _result(fin)  # before the next prompt is taken: the caller may end a lazy source
+            take()
     if bar is not None:
         bar.close()
-    hist = jax.device_get(carry.hist)
-    return BatchStats(wall_s=clock() - t_begin, steps=steps, hist=np.asarray(hist), cache_sizes=tuple(sizes))
+    st = engine.stats
+    return BatchStats(wall_s=time.perf_counter() - t0 - engine.compile_s, steps=st["steps"],
+                      hist=np.asarray(st["hist"], np.int64), cache_sizes=tuple(st["cache_sizes"]))

@@ -14,6 +14,7 @@ from tqdm import tqdm
 from medusa_jax import sharding
 from medusa_jax.decoding.args import PromptTooLongError, check_generation_args
 from medusa_jax.decoding.compile import aot
+from medusa_jax.decoding.prefix_cache import load_prefix
 from medusa_jax.decoding.sampling import row_keys
 from medusa_jax.decoding.state import DecodeState, constrain_cache, constrain_state
 from medusa_jax.models.config import ModelConfig
@@ -217,3 +218,91 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     if timing is not None:
         timing["prefill_s"] = time.perf_counter() - t0
     return state
+
+
+class PrefillJob:
+    """One prompt prefilled into a B = 1 cache a chunk at a time, so that a caller (the engine) can
+    run other rows' decoding steps between its chunks; optionally starting from a reused prefix
+    (`decoding.prefix_cache`).
+
+    Args:
+      cfg, params: the backbone (params in decoding layout).
+      prompt: the token ids.
+      cache_size: S slots (> len(prompt)).
+      seed, temperature, top_p: the row's sampling settings (`start_state`).
+      prefix: None, or (k, v [L, KVH, slots, Dh], tokens [slots] int32, n): the first n prompt
+        tokens' K/V, reused (n < len(prompt)).
+      chunk_size: tokens per chunk (the last chunk is the bucket of what remains).
+      progress: a progress bar on stderr (after `PROGRESS_DELAY_S`) for a prefill of several chunks.
+    Attributes: ``done`` (the state is ready), ``state`` (the B = 1 `DecodeState` once done),
+      ``seconds`` (the chunks' compute time, compilation excluded), ``compile_s``, ``reused`` (the
+      prompt tokens whose K/V came with `prefix`).
+    """
+
+    def __init__(self, cfg: ModelConfig, params, prompt: Sequence[int], cache_size: int, seed: int = 0,
+                 temperature: float = 0.0, top_p: float = 1.0, prefix=None, chunk_size: int = PREFILL_CHUNK,
+                 kv_block: Optional[int] = PREFILL_KV_BLOCK, progress: bool = False):
+        self.cfg, self.params, self.kv_block, self.chunk_size = cfg, params, kv_block, chunk_size
+        self.prompt = np.asarray(prompt, np.int32)
+        if not 0 < len(self.prompt) < cache_size:
+            raise PromptTooLongError(f"a prompt of {len(self.prompt)} tokens needs more than {cache_size} cache slots")
+        dtype = compute_dtype(params)
+        mesh = sharding.mesh_of(params)
+        cache = init_cache(cfg, 1, cache_size, dtype)
+        self.pos = 0
+        if prefix is not None:
+            k, v, tokens, n = prefix
+            cache = load_prefix(cache, k, v, tokens, jnp.int32(n))
+            self.pos = int(n)
+        self.last = jnp.zeros((1, cfg.hidden_size), dtype)
+        if mesh is not None:
+            spec = sharding.cache_spec()
+            cache = KVCache(k=sharding.put(cache.k, mesh, spec), v=sharding.put(cache.v, mesh, spec),
+                            lengths=sharding.put(cache.lengths, mesh, sharding.batch_spec(1)),
+                            tokens=sharding.put(cache.tokens, mesh, sharding.batch_spec(2)))
+            self.last = sharding.put(self.last, mesh, sharding.batch_spec(2))
+        self.cache, self.mesh = cache, mesh
+        self.key = row_keys(seed, 1)
+        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.lengths = jnp.asarray([len(self.prompt)], jnp.int32)
+        self.state: Optional[DecodeState] = None
+        self.seconds = self.compile_s = 0.0
+        self.reused = self.pos
+        chunks = -(-(len(self.prompt) - self.pos) // chunk_size)
+        self.bar = progress_bar(progress and chunks > 1, chunks, "prefill", "chunk")
+
+    @property
+    def done(self) -> bool:
+        return self.state is not None
+
+    def run_chunk(self) -> bool:
+        """Prefill the next chunk (and, after the last, compute the logits); True once done."""
+        if self.done:
+            return True
+        rest = len(self.prompt) - self.pos
+        T = self.chunk_size if rest > self.chunk_size else bucket(rest)
+        toks = np.zeros((1, T), np.int32)
+        chunk = self.prompt[self.pos:self.pos + T]
+        toks[0, :len(chunk)] = chunk
+        args = (self.params, jnp.asarray(toks), self.lengths, self.cache, self.last)
+        t0 = time.perf_counter()
+        run = aot(prefill_chunk, (self.cfg, self.kv_block), args)
+        finish = aot(prefill_logits, (self.cfg,), (self.params, self.last, self.cache, self.key))
+        self.compile_s += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self.cache, self.last = run(*args)
+        self.pos += len(chunk)
+        if self.pos >= len(self.prompt):
+            state = finish(self.params, self.last, self.cache, self.key)
+            rows = lambda x: sharding.put(x, self.mesh, sharding.batch_spec(1)) if self.mesh is not None else x
+            self.state = jax.block_until_ready(state.replace(
+                temperature=rows(jnp.full((1,), self.temperature, jnp.float32)),
+                top_p=rows(jnp.full((1,), self.top_p, jnp.float32))))
+        else:
+            jax.block_until_ready(self.last)
+        self.seconds += time.perf_counter() - t0
+        if self.bar is not None:
+            self.bar.update(1)
+            if self.done:
+                self.bar.close()
+        return self.done

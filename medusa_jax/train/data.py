@@ -15,10 +15,8 @@ from typing import Iterable, List, NamedTuple, Optional, Sequence, Tuple
 
 import numpy as np
 
+from medusa_jax.chat import end_of_turn_ids, render_chat
 from medusa_jax.train.distill import SAMPLES_FILE, check_not_eval_set, read_samples
-
-#: End-of-turn markers of common chat templates (ChatML, Llama 3, Phi 3, Gemma).
-END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 class Example(tuple):
@@ -47,27 +45,6 @@ class Example(tuple):
 
 # --------------------------------------------------------------------------------------------
 # chats
-
-
-def _render(tokenizer, messages, add_generation_prompt: bool) -> List[int]:
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt,
-                                        tokenize=True)
-    if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
-        out = out["input_ids"]
-    return [int(t) for t in out]
-
-
-def end_of_turn_ids(tokenizer) -> set:
-    """Ids that end an assistant turn: the tokenizer's EOS and the chat template's end-of-turn token."""
-    ids = set()
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(int(tokenizer.eos_token_id))
-    template = getattr(tokenizer, "chat_template", None) or ""
-    vocab = tokenizer.get_vocab()
-    for t in END_OF_TURN_TOKENS:
-        if t in template and t in vocab:
-            ids.add(int(vocab[t]))
-    return ids
 
 
 def chat_to_example(tokenizer, messages: Sequence[dict], id: Optional[str] = None) -> Example:
@@ -99,14 +76,14 @@ def chat_to_example(tokenizer, messages: Sequence[dict], id: Optional[str] = Non
             raise ValueError(f"each message needs a 'role' and a 'content' string, got {m!r}")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
-    full = _render(tokenizer, messages, add_generation_prompt=False)
+    full = render_chat(tokenizer, messages, add_generation_prompt=False)
     mask = np.zeros(len(full), bool)
-    eot = end_of_turn_ids(tokenizer)
+    eot = set(end_of_turn_ids(tokenizer))
 
     def prefix_len(msgs, gen):
         if not msgs:
             return 0
-        ids = _render(tokenizer, msgs, gen)
+        ids = render_chat(tokenizer, msgs, gen)
         if full[:len(ids)] != ids:
             raise ValueError("the chat template does not render a conversation's prefix as a prefix of "
                              "the whole; cannot locate the assistant turns")

@@ -1,0 +1,123 @@
+"""``medusa-chat``: a multi-turn chat on the step-level engine, in the terminal.
+
+Each answer streams as it is decoded (Medusa heads, prompt lookup), and the conversation keeps its
+KV cache from turn to turn (prefix reuse: only the new turn is prefilled). Commands: ``/reset``
+(forget the conversation), ``/system TEXT`` (a new system message; the conversation restarts),
+``/exit``; Ctrl-C stops the current answer and keeps the conversation. Tokens per second, tokens per
+step and the reused prompt tokens of each turn go to stderr. Standard input may be piped: one user
+turn per line (``printf 'Hi\\nAnd then?\\n' | medusa-chat``).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from medusa_jax.cli import common
+
+    p = argparse.ArgumentParser(prog="medusa-chat", description="Chat with the model, turn after turn, decoding "
+                                "with Medusa heads (greedy answers identical to plain greedy).",
+                                formatter_class=common.HelpFormatter, epilog="commands: /reset, /system TEXT, /exit; "
+                                "Ctrl-C stops the current answer")
+    common.add_model_args(p)
+    p.add_argument("--system", default=None, help="a system message for the conversation")
+    p.add_argument("--max-new-tokens", type=int, default=512, help="the most tokens of one answer")
+    p.add_argument("--prefix-cache-mb", type=int, default=512,
+                   help="memory for the conversation's KV cache between turns, in MiB (0: prefill every turn anew)")
+    common.add_dtype_arg(p)
+    common.add_acceptance_args(p)
+    common.add_lookup_arg(p)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    from medusa_jax.cli import common
+
+    p = build_parser()
+    args = p.parse_args(argv)
+    acc = common.acceptance_from_args(p, args)
+    if args.max_new_tokens < 1:
+        p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.prefix_cache_mb < 0:
+        p.error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+
+    from medusa_jax.chat import render_chat
+    from medusa_jax.decoding.engine import Engine, Request, SamplingParams
+
+    try:
+        model, heads, tree, note, _ = common.setup_decoding(args, use_medusa=not args.no_medusa)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    engine = Engine(model.cfg, model.params, heads=heads, tree=tree, max_batch=1, speculation="always",
+                    acceptance="exact" if acc.mode == "greedy" else acc.method,
+                    posterior_threshold=acc.posterior_threshold, posterior_alpha=acc.posterior_alpha,
+                    prefix_cache_bytes=args.prefix_cache_mb << 20).start()
+    interactive = sys.stdin.isatty()
+    system = args.system
+    messages: List[dict] = []
+    turn = 0
+    try:
+        while True:
+            try:
+                line = input("you> ") if interactive else sys.stdin.readline()
+            except EOFError:
+                break
+            if not interactive and line == "":
+                break
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                break
+            if text == "/reset":
+                messages = []
+                print("[the conversation is forgotten]", file=sys.stderr)
+                continue
+            if text.startswith("/system"):
+                system = text[len("/system"):].strip() or None
+                messages = []
+                print("[new system message; the conversation restarts]", file=sys.stderr)
+                continue
+            if text.startswith("/"):
+                print("commands: /reset, /system TEXT, /exit", file=sys.stderr)
+                continue
+            messages.append({"role": "user", "content": text})
+            prompt = render_chat(model.tokenizer, ([{"role": "system", "content": system}] if system else []) + messages)
+            request = Request(prompt, args.max_new_tokens, SamplingParams(acc.temperature, acc.top_p, args.seed + turn))
+            printer = common.TextStreamer(model.tokenizer)
+            try:
+                handle = engine.submit(request)
+            except ValueError as e:  # the conversation outgrew the context
+                print(f"error: {e}; /reset starts a new conversation", file=sys.stderr)
+                messages.pop()
+                continue
+            try:
+                for chunk in handle:
+                    printer.push(chunk)
+            except KeyboardInterrupt:
+                handle.cancel()
+                handle.result(timeout=60)
+                print("\n[stopped]", file=sys.stderr)
+            printer.end()
+            fin = handle.result(timeout=60)
+            answer = model.tokenizer.decode(fin.tokens, skip_special_tokens=True)
+            messages.append({"role": "assistant", "content": answer})
+            turn += 1
+            rate = len(fin.tokens) / fin.decode_s if fin.decode_s > 0 else 0.0
+            print(f"[{len(fin.tokens)} tokens, {rate:.1f} tok/s, {fin.tokens_per_step:.2f} tokens/step, "
+                  f"{fin.reused_tokens} of {fin.prompt_tokens} prompt tokens reused, first token after "
+                  f"{fin.first_token_s:.2f}s]", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("", file=sys.stderr)
+    finally:
+        engine.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

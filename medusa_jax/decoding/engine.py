@@ -1,0 +1,696 @@
+"""The step-level decoding engine: requests admitted into the rows of one batch as they come, each
+streaming the tokens it accepts, step by step; the one batching decoder of the project (the library's
+`generate_batch` and `generate_stream`, distillation, the chat and the server all run on it).
+
+One iteration (`Engine.step`):
+
+1. Requests that were submitted are checked and queued; cancelled ones leave at once (a running
+   request's row is freed).
+2. One prefill chunk of the request at the head of the queue (`prefill.PrefillJob`: a B = 1 cache,
+   256 tokens per chunk), started from the longest cached prefix of an earlier request when prefix
+   reuse is on (`prefix_cache`). With rows decoding, only one chunk runs per iteration, so no
+   running request waits more than about one chunk for its next step; with none, the whole prompt
+   runs. A finished prefill is copied into a free row (the batch grows in powers of two up to
+   ``max_batch``, its cache in powers of two up to ``max_len``).
+3. One decoding step of every live row (`step.medusa_step`, jitted per tree, batch, cache size and
+   sampling kind), with the tree chosen for this step (`TreeChooser`: plain, a smaller tree or the
+   full one, by expected tokens per second from the measured step times and acceptance); every
+   row's accepted tokens go to its request (a callback, or the handle's queue), cut at its stop ids
+   and token budget; finished rows are freed and their caches kept for prefix reuse.
+
+Exactness: greedy rows emit exactly plain greedy decoding's tokens whatever the tree, and sampled
+rows exactly plain sampling's for their seed (`decoding.sampling`: the token at each position is
+chosen by that position's uniform), so neither the load, nor the tree choice, nor the batch changes a
+request's answer (up to float32 round-off where a batch's products sum in another order).
+Requests run in one thread; `Engine.start` runs it in the background (the server), `Engine.run`
+in the caller's (the library).
+"""
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax import sharding
+from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
+from medusa_jax.decoding.args import PromptTooLongError
+from medusa_jax.decoding.compile import aot
+from medusa_jax.decoding.loop import put_row
+from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
+from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
+from medusa_jax.decoding.sampling import SEED_LIMIT
+from medusa_jax.decoding.setup import decoding_setup
+from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
+from medusa_jax.decoding.step import medusa_step
+from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers, tree_with_budget, with_lookup
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.kv_cache import KVCache, grow_cache, init_cache
+from medusa_jax.models.llama import compute_dtype
+
+#: What `Engine(speculation=...)` takes: choose the tree per step, always the full tree, or plain.
+SPECULATION = ("adaptive", "always", "off")
+#: Finish reasons of a request (`Finished.reason`).
+FINISH_REASONS = ("eos", "stop", "length", "cache_full", "cancelled", "error")
+
+
+class SamplingParams(NamedTuple):
+    """A request's sampling: temperature 0 = greedy; top_p in (0, 1]; seed in [0, 2**31) (the token at
+    each position is chosen by that position's uniform from the seed: `decoding.sampling`)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    """What a caller asks for.
+
+    prompt: token ids (chat template applied). max_new_tokens: the most tokens to emit (>= 1).
+    sampling: `SamplingParams`. stop_token_ids: ids that end the answer (included in it); None: the
+    model's EOS ids. request_id: any label (default: a counter).
+    """
+    prompt: Sequence[int]
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: Optional[Sequence[int]] = None
+    request_id: Optional[str] = None
+
+
+@dataclass
+class Finished:
+    """How a request ended. reason: one of `FINISH_REASONS`; tokens: every token emitted; steps:
+    decoding steps it took part in; prompt_tokens; reused_tokens: prompt tokens whose K/V came from
+    the prefix cache; prefill_s, first_token_s (from submission to the first token), decode_s
+    (the wall time of the steps it took part in, from the tree's choice to the tokens handed out,
+    compilation excluded); draft_tokens: the
+    candidates verified for it; accepted_per_depth: [D] int, the steps that accepted at least d+1
+    candidates (speculation stats); step_tokens: the tokens each step emitted; error: the message
+    when reason is "error"."""
+    reason: str
+    tokens: List[int] = field(default_factory=list)
+    steps: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    decode_s: float = 0.0
+    draft_tokens: int = 0
+    accepted_per_depth: List[int] = field(default_factory=list)
+    step_tokens: List[int] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens per decoding step (the bonus token included)."""
+        return len(self.tokens) / max(self.steps, 1)
+
+
+class RequestHandle:
+    """A submitted request: its events arrive on `events` (``("tokens", [ids])`` per step, then
+    ``("done", Finished)``), or go to the ``on_event`` callback given to `Engine.submit`.
+    Iterate it for the token lists; `result` waits for the end; `cancel` frees its row."""
+
+    def __init__(self, request: Request, on_event: Optional[Callable[[str, object], None]] = None):
+        self.request = request
+        self.events: "queue.Queue" = queue.Queue()
+        self._on_event = on_event
+        self.cancelled = threading.Event()
+        self.finished: Optional[Finished] = None
+        self._done = threading.Event()
+        self.submitted = time.perf_counter()
+
+    def _emit(self, kind: str, payload) -> None:
+        if kind == "done":
+            self.finished = payload
+        if self._on_event is not None:
+            self._on_event(kind, payload)
+        else:
+            self.events.put((kind, payload))
+        if kind == "done":
+            self._done.set()
+
+    def cancel(self) -> None:
+        """Stop the request: its row is freed at the engine's next iteration ("cancelled")."""
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        """The tokens of each step, until the request ends (handles without a callback only)."""
+        while True:
+            kind, payload = self.events.get()
+            if kind == "done":
+                return
+            yield payload
+
+    def result(self, timeout: Optional[float] = None) -> Finished:
+        """Wait for the end (the engine must be running: `Engine.start`, or `Engine.run` elsewhere).
+        Raises TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request.request_id} did not finish within {timeout} s")
+        return self.finished
+
+
+class _Row:
+    """A live row: its handle, the tokens so far, its stop ids and budget."""
+
+    def __init__(self, handle: RequestHandle, stop: Tuple[int, ...], job: PrefillJob):
+        self.handle = handle
+        self.request = handle.request
+        self.stop = set(stop)
+        self.tokens: List[int] = []
+        self.steps = 0
+        self.draft_tokens = 0
+        self.depth_hist: List[int] = []
+        self.prefill_s = job.seconds
+        self.reused = job.reused
+        self.first_token_at: Optional[float] = None
+        self.decode_s = 0.0
+        self.step_tokens: List[int] = []
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
+def engine_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance, params,
+                head_params, state: DecodeState, live: jax.Array) -> Tuple[StepOutput, DecodeState]:
+    """`medusa_step` over the batch, every row that is not `live` ([B] bool) left at length 0 (a
+    free row computes, but never grows out of its cache). The state is donated."""
+    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state)
+    lengths = jnp.where(live, st.cache.lengths, 0)
+    return out, constrain_state(st.replace(cache=st.cache.replace(lengths=lengths)))
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def insert_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
+    """`state` with row b replaced by the B = 1 `row` (same cache size; `loop.put_row`), donated."""
+    return constrain_state(put_row(state, row, b))
+
+
+@functools.partial(jax.jit, static_argnums=(2,))
+def regroup(state: DecodeState, index: jax.Array, size: int) -> DecodeState:
+    """A new batch whose row i is `state`'s row ``index[i]`` (-1: a free row, length 0), its cache
+    padded to `size` slots (>= the old size). index: [B'] int32."""
+    take = lambda x: jnp.take(x, jnp.maximum(index, 0), axis=0)
+    c = state.cache
+    cache = grow_cache(KVCache(k=jnp.take(c.k, jnp.maximum(index, 0), axis=1),
+                               v=jnp.take(c.v, jnp.maximum(index, 0), axis=1),
+                               lengths=jnp.where(index >= 0, take(c.lengths), 0), tokens=take(c.tokens)), size)
+    return constrain_state(DecodeState(logits=take(state.logits), hidden=take(state.hidden), cache=cache,
+                                       key=take(state.key), temperature=take(state.temperature),
+                                       top_p=take(state.top_p)))
+
+
+class TreeChooser:
+    """Which tree a step verifies, from measured step times and acceptance (`Engine`).
+
+    Per tree, the tokens a live row gains per step (a running mean, started from `priors`), and per
+    (tree, batch rows) the seconds of a step (a running mean, measured; a pair never measured is
+    tried first). A step takes the tree with the most expected tokens per second,
+    ``live rows * tokens per row-step / seconds per step``, and every `explore_every` steps the
+    least recently measured other tree once, so the means follow the load. Mode "always": the full
+    tree (the last); "off": plain (the first).
+    """
+
+    def __init__(self, trees: Sequence[TreeBuffers], mode: str = "adaptive", priors: Optional[Sequence[float]] = None,
+                 explore_every: int = 64, smoothing: float = 0.2):
+        if mode not in SPECULATION:
+            raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {mode!r}")
+        self.trees, self.mode = list(trees), mode
+        self.gain = list(priors) if priors is not None else [1.0] + [1.5] * (len(self.trees) - 1)
+        self.measured = [0] * len(self.trees)
+        self.seconds: Dict[Tuple[int, int], float] = {}
+        self.last_used: Dict[Tuple[int, int], int] = {}
+        self.explore_every, self.smoothing = explore_every, smoothing
+        self.steps = 0
+        self.chosen = [0] * len(self.trees)
+
+    def choose(self, rows: int, live: int) -> int:
+        """The index of the tree for a step of `rows` batch rows, `live` of them decoding."""
+        if self.mode == "off" or len(self.trees) == 1:
+            return 0
+        if self.mode == "always":
+            return len(self.trees) - 1
+        keys = [(i, rows) for i in range(len(self.trees))]
+        unmeasured = [k for k in keys if k not in self.seconds]
+        if unmeasured:
+            return unmeasured[0][0]
+        if self.steps and self.steps % self.explore_every == 0:
+            return min(keys, key=lambda k: self.last_used.get(k, -1))[0]
+        return max(range(len(self.trees)), key=lambda i: live * self.gain[i] / self.seconds[(i, rows)])
+
+    def update(self, index: int, rows: int, seconds: float, accepted_per_row: float) -> None:
+        """Record a step: its seconds and the mean tokens it gave a live row."""
+        a = self.smoothing
+        key = (index, rows)
+        self.seconds[key] = seconds if key not in self.seconds else (1 - a) * self.seconds[key] + a * seconds
+        # the first measurement replaces the prior
+        self.gain[index] = accepted_per_row if not self.measured[index] else (
+            (1 - a) * self.gain[index] + a * accepted_per_row)
+        self.measured[index] += 1
+        self.last_used[key] = self.steps
+        self.steps += 1
+        self.chosen[index] += 1
+
+
+def _pow2(n: int) -> int:
+    size = 1
+    while size < n:
+        size *= 2
+    return size
+
+
+class Engine:
+    """The step-level decoding engine (see the module docstring).
+
+    Args:
+      cfg, params: the backbone (`convert.load.load_model`; on a mesh, its params placed there).
+      heads: (MedusaConfig, params) or None (plain decoding, or prompt lookup alone with a tree
+        that carries lookup settings).
+      tree: the full tree (`resolve.resolve_heads` gives it prepared with its heads).
+      max_batch: the most rows decoded together (a power of two is best: the batch grows in them).
+      max_len: the most cache slots per row (prompt + answer + one tree); default the model's context.
+      speculation: "adaptive" (`TreeChooser`), "always" (the full tree) or "off" (plain steps).
+      acceptance: "exact" or "typical": how sampled rows accept candidates (greedy rows: greedy).
+      posterior_threshold, posterior_alpha: typical acceptance's epsilon and delta.
+      prefix_cache_bytes: the K/V kept for reuse across a conversation's turns (0: off).
+      eos_token_ids: the ids that end an answer by default (default: the config's).
+      prefill_chunk: tokens per prefill chunk.
+      priors: tokens per row-step expected of each tree before any is measured (plain, smaller,
+        full), e.g. from the heads' calibration.
+      progress: a progress bar on stderr for a long prefill that runs while no row decodes.
+    Raises:
+      ValueError: bad settings (max_batch < 1, an unknown speculation or acceptance).
+    """
+
+    def __init__(self, cfg: ModelConfig, params, *, heads: Optional[Tuple[MedusaConfig, dict]] = None,
+                 tree: Optional[TreeBuffers] = None, max_batch: int = 4, max_len: Optional[int] = None,
+                 speculation: str = "adaptive", acceptance: str = "exact", posterior_threshold: float = 0.09,
+                 posterior_alpha: float = 0.3, prefix_cache_bytes: int = 0,
+                 eos_token_ids: Optional[Sequence[int]] = None, prefill_chunk: int = PREFILL_CHUNK,
+                 priors: Optional[Sequence[float]] = None, progress: bool = False):
+        if max_batch < 1:
+            raise ValueError(f"max_batch must be >= 1, got {max_batch}")
+        if acceptance not in ACCEPTANCE_METHODS or acceptance == "greedy":
+            raise ValueError(f"acceptance must be 'exact' or 'typical' (greedy rows are greedy anyway), got {acceptance!r}")
+        self.cfg = cfg
+        self.params, self.heads_cfg, self.head_params, full = decoding_setup(cfg, params, heads, tree)
+        trees = [PLAIN_TREE]
+        if full is not PLAIN_TREE and speculation != "off":
+            if full.max_depth > 1 and speculation == "adaptive":
+                small = tree_with_budget(full, max(2, full.size // 2))
+                trees.append(with_lookup(small, full.lookup) if full.lookup is not None else small)
+            trees.append(full)
+        self.chooser = TreeChooser(trees, speculation if len(trees) > 1 else "off", priors=priors)
+        self.max_batch = int(max_batch)
+        self.max_len = int(min(max_len or cfg.max_position_embeddings, cfg.max_position_embeddings))
+        self.step_size = max(t.step_size for t in trees)
+        self.method = acceptance
+        self.threshold, self.alpha = posterior_threshold, posterior_alpha
+        self.prefix = PrefixCache(prefix_cache_bytes)
+        self.eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.prefill_chunk = prefill_chunk
+        self.progress = progress
+        self.compile_s = 0.0  # seconds spent compiling (left out of every timing)
+        self.state: Optional[DecodeState] = None
+        self.rows: List[Optional[_Row]] = []
+        self.lengths = np.zeros((0,), np.int64)
+        self.S = 0
+        self.inbox: "queue.Queue[RequestHandle]" = queue.Queue()
+        self.pending: List[RequestHandle] = []
+        self.job: Optional[Tuple[RequestHandle, PrefillJob]] = None
+        self._ids = itertools.count()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prefill_tokens": 0, "reused_tokens": 0,
+                      "requests": 0, "finished": {r: 0 for r in FINISH_REASONS}, "drafts": 0, "draft_tokens": 0,
+                      "accepted_tokens": 0, "accepted_per_pos": [0] * max(t.max_accepted for t in trees),
+                      "tree_choices": [0] * len(trees), "tree_sizes": [t.step_size for t in trees],
+                      "hist": [0] * (max(t.max_accepted for t in trees) + 1), "cache_sizes": []}
+        self.listeners: List[Callable[[str, dict], None]] = []
+
+    # ------------------------------------------------------------------ requests
+
+    def check(self, request: Request) -> Request:
+        """`request` with its id set, or ValueError saying what is wrong (an empty prompt, an id
+        outside the vocabulary, max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a seed
+        outside [0, 2**31)) and PromptTooLongError (a prompt that leaves no room for an answer)."""
+        p = [int(t) for t in request.prompt]
+        if not p:
+            raise ValueError("the prompt is empty: give at least one token")
+        bad = next((t for t in p if not 0 <= t < self.cfg.vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.cfg.vocab_size})")
+        if len(p) + 1 >= self.max_len:
+            raise PromptTooLongError(f"the prompt has {len(p)} tokens but the model's context is {self.max_len}; "
+                                     "shorten it")
+        if int(request.max_new_tokens) < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+        s = request.sampling
+        if not (math.isfinite(s.temperature) and s.temperature >= 0):
+            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
+        if not 0 < s.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+        if not 0 <= int(s.seed) < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**31), got {s.seed}")
+        rid = request.request_id if request.request_id is not None else str(next(self._ids))
+        return Request(prompt=p, max_new_tokens=int(request.max_new_tokens), sampling=s,
+                       stop_token_ids=request.stop_token_ids, request_id=rid)
+
+    def submit(self, request: Request, on_event: Optional[Callable[[str, object], None]] = None) -> RequestHandle:
+        """Queue a request (thread-safe); it starts at the engine's next iteration.
+
+        on_event: called from the engine's thread with ``("tokens", [ids])`` each step and
+        ``("done", Finished)`` at the end; without it the events go to the handle's queue.
+        Raises: as `check` (nothing is queued then).
+        """
+        handle = RequestHandle(self.check(request), on_event)
+        self.inbox.put(handle)
+        self._wake.set()
+        return handle
+
+    @property
+    def live(self) -> int:
+        return sum(r is not None for r in self.rows)
+
+    @property
+    def waiting(self) -> int:
+        """Requests submitted or queued that have no row yet."""
+        return self.inbox.qsize() + len(self.pending) + (self.job is not None)
+
+    def idle(self) -> bool:
+        return not self.live and not self.waiting
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> bool:
+        """One iteration (module docstring). Returns whether work remains."""
+        self._take_submissions()
+        self._drop_cancelled()
+        self._prefill(whole=not self.live)
+        if self.live:
+            self._decode()
+        return not self.idle()
+
+    def run(self, until: Optional[Callable[[], bool]] = None) -> None:
+        """Iterate in this thread until idle (or until `until()` is true)."""
+        while self.step():
+            if until is not None and until():
+                return
+
+    def start(self) -> "Engine":
+        """Run the loop in a background thread (the server); `stop` ends it."""
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._loop, name="medusa-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
+        """End the background loop; with `cancel`, every request still running or waiting ends
+        ("cancelled") first."""
+        if cancel:
+            self._take_submissions()
+            for h in self.pending + [r.handle for r in self.rows if r is not None] + (
+                    [self.job[0]] if self.job else []):
+                h.cancel()
+            self._wake.set()
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(timeout)
+            self._thread = None
+        if cancel:
+            self._drop_cancelled()
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                busy = self.step()
+            except Exception as e:  # a bug: end every request with the error, keep serving the next ones
+                self._fail_all(f"{type(e).__name__}: {e}")
+                busy = False
+            if not busy:
+                self._wake.wait(0.05)
+                self._wake.clear()
+
+    # ------------------------------------------------------------------ admission and prefill
+
+    def _take_submissions(self) -> None:
+        while True:
+            try:
+                h = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            self.pending.append(h)
+            self.stats["requests"] += 1
+
+    def _drop_cancelled(self) -> None:
+        for h in [h for h in self.pending if h.cancelled.is_set()]:
+            self.pending.remove(h)
+            self._finish_handle(h, Finished("cancelled", prompt_tokens=len(h.request.prompt)))
+        if self.job is not None and self.job[0].cancelled.is_set():
+            h, _ = self.job
+            self.job = None
+            self._finish_handle(h, Finished("cancelled", prompt_tokens=len(h.request.prompt)))
+        for b, r in enumerate(self.rows):
+            if r is not None and r.handle.cancelled.is_set():
+                self._retire(b, "cancelled")
+
+    def _prefill(self, whole: bool) -> None:
+        """One chunk of the prefill at the head of the queue, then its row; with `whole` (no row is
+        decoding) chunks run until a row is admitted."""
+        while True:
+            if self.job is None:
+                if not self.pending or self.live >= self.max_batch:
+                    return
+                h = self.pending.pop(0)
+                try:
+                    self.job = (h, self._start_job(h.request))
+                except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
+                    self._finish_handle(h, Finished("error", prompt_tokens=len(h.request.prompt),
+                                                    error=f"{type(e).__name__}: {e}"))
+                    continue
+            h, job = self.job
+            try:
+                compiled = job.compile_s
+                done = job.run_chunk()
+                self.compile_s += job.compile_s - compiled
+            except Exception as e:  # noqa: BLE001
+                self.job = None
+                self._finish_handle(h, Finished("error", prompt_tokens=len(h.request.prompt),
+                                                error=f"{type(e).__name__}: {e}"))
+                continue
+            if done:
+                self.job = None
+                self._admit(h, job)
+            if not whole or self.live:
+                return
+
+    def _start_job(self, request: Request) -> PrefillJob:
+        need = min(bucket(len(request.prompt) + self.step_size + 1, 128), self.max_len)
+        size = max(need, self.S)
+        prefix = None
+        n, entry = self.prefix.lookup(request.prompt) if self.prefix.enabled else (0, None)
+        if entry is not None and entry.k.shape[2] <= size:
+            toks = np.zeros((entry.k.shape[2],), np.int32)
+            toks[:len(entry.tokens)] = entry.tokens[:entry.k.shape[2]]
+            prefix = (entry.k, entry.v, jnp.asarray(toks), n)
+        s = request.sampling
+        return PrefillJob(self.cfg, self.params, request.prompt, size, seed=s.seed, temperature=s.temperature,
+                          top_p=s.top_p, prefix=prefix, chunk_size=self.prefill_chunk,
+                          progress=self.progress and not self.live)
+
+    def _admit(self, h: RequestHandle, job: PrefillJob) -> None:
+        """Copy a finished prefill into a free row (growing the batch or its cache as needed)."""
+        row_state = job.state
+        if row_state.cache.size > self.S:
+            self._regroup(len(self.rows), row_state.cache.size)
+        elif row_state.cache.size < self.S:
+            row_state = row_state.replace(cache=grow_cache(row_state.cache, self.S))
+        free = next((b for b, r in enumerate(self.rows) if r is None), None)
+        if free is None:
+            self._regroup(_pow2(len(self.rows) + 1), self.S)
+            free = next(b for b, r in enumerate(self.rows) if r is None)
+        args = (self.state, row_state, jnp.int32(free))
+        self.state = self._compiled(insert_row, (), args)(*args)
+        req = h.request
+        stop = tuple(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
+        self.rows[free] = _Row(h, stop, job)
+        self.lengths[free] = len(req.prompt)
+        self.stats["prefill_tokens"] += len(req.prompt) - job.reused
+        self.stats["reused_tokens"] += job.reused
+
+    def _regroup(self, rows: int, size: int) -> None:
+        """Re-lay the batch: `rows` rows (the live ones first, in order), caches of `size` slots."""
+        rows = min(max(rows, self.live, 1), self.max_batch)
+        live = [b for b, r in enumerate(self.rows) if r is not None]
+        index = np.full((rows,), -1, np.int32)
+        index[:len(live)] = live
+        if self.state is None:
+            self.state = self._empty_state(rows, size)
+        else:
+            self.state = regroup(self.state, jnp.asarray(index), size)
+        self.rows = [self.rows[b] for b in live] + [None] * (rows - len(live))
+        self.lengths = np.asarray([self.lengths[b] for b in live] + [0] * (rows - len(live)), np.int64)
+        if size != self.S:
+            self.stats["cache_sizes"].append(size)
+        self.S = size
+
+    def _empty_state(self, rows: int, size: int) -> DecodeState:
+        """A batch of free rows (length 0), on the params' mesh when they have one."""
+        dtype = compute_dtype(self.params)
+        state = DecodeState(logits=jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
+                            hidden=jnp.zeros((rows, self.cfg.hidden_size), dtype),
+                            cache=init_cache(self.cfg, rows, size, dtype), key=jnp.zeros((rows, 2), jnp.uint32),
+                            temperature=jnp.zeros((rows,), jnp.float32), top_p=jnp.ones((rows,), jnp.float32))
+        mesh = sharding.mesh_of(self.params)
+        if mesh is None:
+            return state
+        put = lambda x: sharding.put(x, mesh, sharding.batch_spec(x.ndim))  # noqa: E731
+        spec = sharding.cache_spec()
+        c = state.cache
+        cache = KVCache(k=sharding.put(c.k, mesh, spec), v=sharding.put(c.v, mesh, spec), lengths=put(c.lengths),
+                        tokens=put(c.tokens))
+        return DecodeState(logits=put(state.logits), hidden=put(state.hidden), cache=cache, key=put(state.key),
+                           temperature=put(state.temperature), top_p=put(state.top_p))
+
+    # ------------------------------------------------------------------ decoding
+
+    def _decode(self) -> None:
+        begin, compiled = time.perf_counter(), self.compile_s
+        live_rows = [b for b, r in enumerate(self.rows) if r is not None]
+        i = self.chooser.choose(len(self.rows), len(live_rows))
+        tree = self.chooser.trees[i]
+        longest = int(max(self.lengths[b] for b in live_rows))
+        if longest + tree.step_size > self.S and self.S < self.max_len:
+            self._regroup(len(self.rows), min(bucket(longest + tree.step_size + 1, 128), self.max_len))
+            live_rows = [b for b, r in enumerate(self.rows) if r is not None]
+        if longest + tree.step_size > self.S:  # at the largest cache: plain steps
+            i, tree = 0, self.chooser.trees[0]
+            for b in live_rows:
+                if self.lengths[b] + 1 > self.S:
+                    self._retire(b, "cache_full")
+            live_rows = [b for b, r in enumerate(self.rows) if r is not None]
+            if not live_rows:
+                return
+        sampled = [self.rows[b].request.sampling for b in live_rows]
+        temps = [s.temperature for s in sampled if s.temperature > 0]
+        acc = Acceptance(temperature=1.0 if temps else 0.0,
+                         top_p=min([s.top_p for s in sampled if s.temperature > 0] or [1.0]),
+                         method=self.method if temps else "exact", posterior_threshold=self.threshold,
+                         posterior_alpha=self.alpha)
+        live = np.zeros((len(self.rows),), bool)
+        live[live_rows] = True
+        args = (self.params, self.head_params, self.state, jnp.asarray(live))
+        fn = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc), args)
+        t0 = time.perf_counter()
+        out, self.state = fn(*args)
+        toks, n, lengths = jax.device_get((out.tokens, out.num_tokens, self.state.cache.lengths))
+        seconds = time.perf_counter() - t0
+        self.lengths = np.asarray(lengths, np.int64)
+        self.chooser.update(i, len(self.rows), seconds, float(np.mean(n[live_rows])))
+        st = self.stats
+        st["steps"] += 1
+        st["tree_choices"][i] += 1
+        now = time.perf_counter()
+        for b in live_rows:
+            st["hist"][int(n[b]) - 1] += 1
+            self._deliver(b, [int(t) for t in toks[b, :n[b]]], tree, now,
+                          wall=time.perf_counter() - begin - (self.compile_s - compiled))
+        self._shrink()
+
+    def _compiled(self, fn, static: tuple, args: tuple):
+        """`decoding.compile.aot`, its compilation time counted in `compile_s`."""
+        t = time.perf_counter()
+        out = aot(fn, static, args)
+        self.compile_s += time.perf_counter() - t
+        return out
+
+    def _deliver(self, b: int, chunk: List[int], tree: TreeBuffers, now: float, wall: float) -> None:
+        """Hand row b's accepted tokens to its request, cut at a stop id and the budget; retire it
+        when it is done. wall: the step's seconds so far (host work included, compilation not)."""
+        row = self.rows[b]
+        row.decode_s += wall
+        st = self.stats
+        st["row_steps"] += 1
+        row.steps += 1
+        accepted = len(chunk) - 1
+        if tree.max_accepted > 0:  # the speculation counters, named as vLLM's
+            st["drafts"] += 1
+            st["draft_tokens"] += tree.step_size - 1
+            st["accepted_tokens"] += accepted
+            row.draft_tokens += tree.step_size - 1
+            for d in range(accepted):
+                st["accepted_per_pos"][d] += 1
+            while len(row.depth_hist) < tree.max_accepted:
+                row.depth_hist.append(0)
+            for d in range(accepted):
+                row.depth_hist[d] += 1
+        reason = None
+        for j, t in enumerate(chunk):
+            if t in row.stop:
+                chunk, reason = chunk[:j + 1], "eos"
+                break
+        room = row.request.max_new_tokens - len(row.tokens)
+        if len(chunk) >= room and reason is None:
+            reason = "length"
+        chunk = chunk[:room]
+        if row.first_token_at is None and chunk:
+            row.first_token_at = now
+        row.tokens.extend(chunk)
+        row.step_tokens.append(len(chunk))
+        st["tokens"] += len(chunk)
+        if chunk:
+            row.handle._emit("tokens", chunk)
+        if reason is not None:
+            self._retire(b, reason)
+
+    def _retire(self, b: int, reason: str) -> None:
+        row = self.rows[b]
+        self.rows[b] = None
+        if self.prefix.enabled and reason in ("eos", "length", "cancelled", "stop"):
+            n = int(min(self.lengths[b], len(row.request.prompt) + len(row.tokens)))
+            if n > 0:
+                k, v = snapshot(self.state.cache, b, n)
+                ids = list(row.request.prompt) + row.tokens
+                self.prefix.add(ids[:n], k, v)
+        now = time.perf_counter()
+        first = row.first_token_at or now
+        self._finish_handle(row.handle, Finished(
+            reason, tokens=row.tokens, steps=row.steps, prompt_tokens=len(row.request.prompt),
+            reused_tokens=row.reused, prefill_s=row.prefill_s, first_token_s=first - row.handle.submitted,
+            decode_s=row.decode_s, draft_tokens=row.draft_tokens, accepted_per_depth=row.depth_hist,
+            step_tokens=row.step_tokens))
+        self.lengths[b] = 0
+
+    def _shrink(self) -> None:
+        """Fewer rows once most are free and nobody waits (a step costs what its rows cost)."""
+        rows = len(self.rows)
+        if rows > 1 and not self.waiting and self.live <= rows // 4:
+            self._regroup(_pow2(max(self.live, 1)), self.S)
+
+    def _finish_handle(self, h: RequestHandle, fin: Finished) -> None:
+        self.stats["finished"][fin.reason] += 1
+        h._emit("done", fin)
+        for listener in self.listeners:
+            listener("finished", {"reason": fin.reason, "request": h.request, "result": fin})
+
+    def _fail_all(self, message: str) -> None:
+        for b, r in enumerate(self.rows):
+            if r is not None:
+                self.rows[b] = None
+                self._finish_handle(r.handle, Finished("error", tokens=r.tokens, steps=r.steps,
+                                                       prompt_tokens=len(r.request.prompt), error=message))
+        if self.job is not None:
+            h, _ = self.job
+            self.job = None
+            self._finish_handle(h, Finished("error", prompt_tokens=len(h.request.prompt), error=message))
+        self.state, self.rows, self.lengths, self.S = None, [], np.zeros((0,), np.int64), 0

@@ -1,0 +1,161 @@
+"""The step-level engine: every request's answer equals its decoding alone (greedy: plain greedy's;
+sampled: plain sampling's for its seed), whatever the batch, the arrival times, the tree choice and
+prefix reuse; cancellation frees the row; errors stay with their request."""
+import threading
+
+import jax
+import numpy as np
+import pytest
+
+from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.args import PromptTooLongError
+from medusa_jax.decoding.engine import Engine, Request, SamplingParams, TreeChooser
+from medusa_jax.decoding.generate import generate
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.decoding.tree import build_tree, get_tree, with_lookup
+
+from conftest import random_heads, tiny_decoding_model
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+V = 64
+TREE = with_lookup(get_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)], topk=4), PromptLookup(num_tokens=3, max_ngram=3,
+                                                                               min_ngram=2))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = tiny_decoding_model(V)
+    cfg = cfg.replace(max_position_embeddings=1024)
+    heads = random_heads(cfg, params, num_heads=3)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, V, size=int(rng.integers(2, 60))).tolist() for _ in range(16)]
+    return cfg, params, heads, prompts
+
+
+def alone(cfg, params, prompt, n, heads=None, tree=None, acc=Acceptance(), seed=0):
+    return generate(cfg, params, prompt, max_new_tokens=n, heads=heads, tree=tree, acceptance=acc, seed=seed,
+                    progress=False).tokens
+
+
+def run_staggered(engine, requests, arrive_every=3):
+    """Submit the requests a few engine steps apart (arrivals while others decode); their answers."""
+    handles, pending = [], list(requests)
+    step = 0
+    while pending or not engine.idle():
+        if pending and step % arrive_every == 0:
+            handles.append(engine.submit(pending.pop(0)))
+        engine.step()
+        step += 1
+    return [list(h.finished.tokens) for h in handles], handles
+
+
+@pytest.mark.parametrize("max_batch", [1, 4, 16])
+@pytest.mark.parametrize("medusa", [False, True])
+def test_greedy_answers_equal_decoding_alone(tiny, max_batch, medusa):
+    cfg, params, heads, prompts = tiny
+    h, tree = (heads, TREE) if medusa else (None, None)
+    engine = Engine(cfg, params, heads=h, tree=tree, max_batch=max_batch, speculation="adaptive")
+    got, handles = run_staggered(engine, [Request(p, 24) for p in prompts])
+    for p, g in zip(prompts, got):
+        assert g == alone(cfg, params, p, 24), p
+    assert all(hd.finished.reason in ("eos", "length") for hd in handles)
+    if medusa:
+        assert engine.stats["accepted_tokens"] > 0 and len(engine.chooser.trees) == 3
+
+
+def test_sampled_rows_equal_the_same_request_alone(tiny):
+    """Rows with their own temperature, top-p and seed beside greedy rows: each equals its request
+    decoded alone (and, by the coupling of decoding.sampling, plain sampling with that seed)."""
+    cfg, params, heads, prompts = tiny
+    settings = [SamplingParams(0.0), SamplingParams(0.8, 1.0, 7), SamplingParams(1.0, 0.9, 3), SamplingParams(1.3, 1.0, 5)]
+    reqs = [Request(p, 20, settings[i % 4]) for i, p in enumerate(prompts[:8])]
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="adaptive")
+    got, _ = run_staggered(engine, reqs, arrive_every=2)
+    for r, g in zip(reqs, got):
+        s = r.sampling
+        acc = Acceptance(temperature=s.temperature, top_p=s.top_p)
+        assert g == alone(cfg, params, r.prompt, 20, heads, TREE, acc, s.seed)
+        assert g == alone(cfg, params, r.prompt, 20, acc=acc, seed=s.seed)  # plain sampling, same seed
+
+
+def test_prefix_reuse_gives_the_same_answers(tiny):
+    """Turn 2 begins with turn 1's prompt and answer: with reuse its K/V come from turn 1's cache
+    (most of the prompt is not prefilled again) and the answer is the same as without."""
+    cfg, params, heads, prompts = tiny
+    answers = {}
+    for budget in (0, 64 << 20):
+        engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=2, prefix_cache_bytes=budget)
+        first = engine.submit(Request(prompts[0] + prompts[1], 16))
+        engine.run()
+        turn2 = prompts[0] + prompts[1] + first.finished.tokens + prompts[2][:9]
+        second = engine.submit(Request(turn2, 16))
+        engine.run()
+        answers[budget] = (first.finished.tokens, second.finished.tokens, second.finished.reused_tokens)
+    assert answers[0][:2] == answers[64 << 20][:2]
+    assert answers[0][2] == 0
+    assert answers[64 << 20][2] >= len(prompts[0] + prompts[1]) + len(answers[0][0]) - 1
+    assert answers[0][1] == alone(cfg, params, prompts[0] + prompts[1] + answers[0][0] + prompts[2][:9], 16)
+
+
+def test_cancel_frees_the_row_and_the_others_finish(tiny):
+    cfg, params, heads, prompts = tiny
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=2)
+    handles = [engine.submit(Request(p, 40)) for p in prompts[:3]]
+    for _ in range(4):
+        engine.step()
+    handles[0].cancel()
+    engine.run()
+    assert handles[0].finished.reason == "cancelled"
+    for h, p in zip(handles[1:], prompts[1:3]):
+        assert h.finished.tokens == alone(cfg, params, p, 40)
+    assert engine.stats["finished"]["cancelled"] == 1 and engine.idle()
+
+
+def test_background_thread_serves_concurrent_submitters(tiny):
+    cfg, params, heads, prompts = tiny
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=4).start()
+    results = {}
+
+    def client(i):
+        h = engine.submit(Request(prompts[i], 12))
+        streamed = [t for chunk in h for t in chunk]
+        results[i] = (streamed, h.result(timeout=300).tokens)
+
+    try:
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+    finally:
+        engine.stop()
+    for i in range(8):
+        streamed, final = results[i]
+        assert streamed == final == alone(cfg, params, prompts[i], 12)
+
+
+def test_bad_requests_are_refused_and_errors_stay_with_their_request(tiny, monkeypatch):
+    cfg, params, heads, prompts = tiny
+    engine = Engine(cfg, params, max_batch=2, max_len=128)
+    for req, match in [(Request([], 4), "empty"), (Request([V + 3], 4), "outside the model's vocabulary"),
+                       (Request([1] * 200, 4), "context is 128"), (Request([1], 0), "max_new_tokens"),
+                       (Request([1], 4, SamplingParams(-1.0)), "temperature"),
+                       (Request([1], 4, SamplingParams(1.0, 0.0)), "top_p")]:
+        with pytest.raises((ValueError, PromptTooLongError), match=match):
+            engine.submit(req)
+    good = engine.submit(Request(prompts[0], 8))
+    engine.run()
+    assert good.finished.tokens == alone(cfg, params, prompts[0], 8)
+
+
+def test_chooser_takes_the_fastest_tree_per_batch():
+    trees = [build_tree([], topk=1), build_tree([(0,)], topk=1), build_tree([(0,), (0, 0)], topk=1)]
+    ch = TreeChooser(trees, "adaptive", explore_every=1000)
+    for secs, gain in [(1.0, 1.0), (1.2, 1.9), (1.3, 2.5)]:  # every tree is tried once first
+        ch.update(ch.choose(4, 4), 4, secs, gain)
+    assert ch.choose(4, 4) == 2  # 2.5 / 1.3 beats 1.9 / 1.2 and 1 / 1
+    for i, secs in enumerate([1.0, 3.0, 4.0]):  # at 16 rows the trees cost too much
+        ch.update(i, 16, secs, [1.0, 1.9, 2.5][i])
+    assert ch.choose(16, 16) == 0
+    assert TreeChooser(trees, "off").choose(4, 4) == 0 and TreeChooser(trees, "always").choose(4, 4) == 2
