@@ -125,6 +125,7 @@ class RequestHandle:
         self.events: "queue.Queue" = queue.Queue()
         self._on_event = on_event
         self.cancelled = threading.Event()
+        self.cancel_reason = "cancelled"
         self.finished: Optional[Finished] = None
         self._done = threading.Event()
         self.submitted = time.perf_counter()
@@ -139,8 +140,10 @@ class RequestHandle:
         if kind == "done":
             self._done.set()
 
-    def cancel(self) -> None:
-        """Stop the request: its row is freed at the engine's next iteration ("cancelled")."""
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the request: its row is freed at the engine's next iteration; it finishes with
+        `reason` ("cancelled", or "stop" for a caller that found a stop sequence in the text)."""
+        self.cancel_reason = reason
         self.cancelled.set()
 
     def __iter__(self) -> Iterator[List[int]]:
@@ -329,7 +332,8 @@ class Engine:
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
-        self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prefill_tokens": 0, "reused_tokens": 0,
+        self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prompt_tokens": 0, "prefill_tokens": 0,
+                      "reused_tokens": 0,
                       "requests": 0, "finished": {r: 0 for r in FINISH_REASONS}, "drafts": 0, "draft_tokens": 0,
                       "accepted_tokens": 0, "accepted_per_pos": [0] * max(t.max_accepted for t in trees),
                       "tree_choices": [0] * len(trees), "tree_sizes": [t.step_size for t in trees],
@@ -462,7 +466,7 @@ class Engine:
             self._finish_handle(h, Finished("cancelled", prompt_tokens=len(h.request.prompt)))
         for b, r in enumerate(self.rows):
             if r is not None and r.handle.cancelled.is_set():
-                self._retire(b, "cancelled")
+                self._retire(b, r.handle.cancel_reason)
 
     def _prefill(self, whole: bool) -> None:
         """One chunk of the prefill at the head of the queue, then its row; with `whole` (no row is
@@ -525,6 +529,7 @@ class Engine:
         stop = tuple(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
         self.rows[free] = _Row(h, stop, job)
         self.lengths[free] = len(req.prompt)
+        self.stats["prompt_tokens"] += len(req.prompt)
         self.stats["prefill_tokens"] += len(req.prompt) - job.reused
         self.stats["reused_tokens"] += job.reused
 

@@ -1,0 +1,129 @@
+"""``medusa-serve``: an OpenAI-compatible HTTP server with Medusa decoding.
+
+    medusa-serve --port 8000
+    curl http://127.0.0.1:8000/v1/chat/completions -H 'Content-Type: application/json' \\
+        -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi!"}]}'
+
+Endpoints: /v1/chat/completions, /v1/completions (streaming with ``"stream": true``), /v1/models,
+/health, /metrics (Prometheus). One engine decodes every request (`medusa_jax.decoding.engine`):
+requests share its rows (``--max-batch``), stream their tokens as steps accept them, reuse the
+KV cache of a conversation's earlier turns, and speculate as the load allows (``--speculation``).
+SIGTERM or Ctrl-C: the server stops taking requests, lets running ones finish for
+``--shutdown-grace`` seconds, ends the rest, and exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+from typing import List, Optional
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from medusa_jax.cli import common
+    from medusa_jax.decoding.engine import SPECULATION
+
+    p = argparse.ArgumentParser(prog="medusa-serve", description="Serve the model over an OpenAI-compatible HTTP "
+                                "API, decoding with Medusa heads.", formatter_class=common.HelpFormatter)
+    common.add_model_args(p)
+    p.add_argument("--served-model-name", default=None,
+                   help="the model id clients send in 'model' (default: the model file's name, lower case, "
+                        "without its extension and GGUF quantization suffix)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port")
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (the engine's rows)")
+    p.add_argument("--max-waiting", type=int, default=64,
+                   help="requests that may wait for a row; beyond it the server answers 429 with Retry-After")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="answer budget of a request without max_tokens (default: the rest of the context)")
+    p.add_argument("--prefix-cache-mb", type=int, default=1024,
+                   help="memory for reusing conversations' KV caches across turns, in MiB (0: off)")
+    p.add_argument("--speculation", choices=SPECULATION, default="adaptive",
+                   help="'adaptive': each step takes plain, a smaller or the full tree, whichever is measured "
+                        "fastest for the rows now decoding; 'always': the full tree; 'off': plain decoding")
+    p.add_argument("--acceptance", choices=("exact", "typical"), default="exact",
+                   help="how sampled requests accept candidates: 'exact' keeps the model's distribution (and "
+                        "gives plain sampling's tokens for a seed); 'typical' accepts more and changes it")
+    p.add_argument("--shutdown-grace", type=float, default=10.0,
+                   help="seconds running requests may take to finish after SIGTERM")
+    common.add_dtype_arg(p)
+    common.add_mesh_arg(p)
+    common.add_lookup_arg(p)
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
+                   help="uvicorn's log level")
+    return p
+
+
+def default_model_name(path: str) -> str:
+    """The model id to serve under by default: the file or directory name, lower case, without a
+    GGUF quantization suffix ("SmolLM2-135M-Instruct.Q4_1.gguf" -> "smollm2-135m-instruct")."""
+    stem = os.path.basename(path.rstrip("/"))
+    if stem.lower().endswith(".gguf"):
+        stem = stem[:-5]
+    return re.sub(r"[.-](q\d[a-z0-9_]*|f16|f32|bf16)$", "", stem.lower())
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = build_parser()
+    args = p.parse_args(argv)
+    for name in ("max_batch", "max_waiting"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 < args.port < 65536:
+        p.error(f"--port must be in [1, 65535], got {args.port}")
+    if args.max_tokens is not None and args.max_tokens < 1:
+        p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.prefix_cache_mb < 0:
+        p.error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+
+    import uvicorn
+
+    from medusa_jax import resolve
+    from medusa_jax.cli import common
+    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.serve import create_app
+
+    try:
+        model, heads, tree, note, _ = common.setup_decoding(args, use_medusa=not args.no_medusa)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if note:
+        print(f"note: {note}", file=sys.stderr)
+    priors = None
+    predicted = resolve.predicted_tokens_per_step(tree, resolve.heads_calibration(args.heads)) if heads else None
+    if predicted:
+        priors = [1.0, 1.0 + (predicted[0] - 1.0) / 2, predicted[0]]
+    engine = Engine(model.cfg, model.params, heads=heads, tree=tree, max_batch=args.max_batch,
+                    speculation=args.speculation, acceptance=args.acceptance,
+                    prefix_cache_bytes=args.prefix_cache_mb << 20, priors=priors)
+    if priors is not None and len(priors) != len(engine.chooser.trees):
+        engine.chooser.gain = [1.0] * len(engine.chooser.trees)
+    name = args.served_model_name or default_model_name(model.path)
+    app = create_app(engine, model.tokenizer, name, max_waiting=args.max_waiting, max_tokens_default=args.max_tokens)
+    print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, speculation "
+          f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens)", file=sys.stderr,
+          flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_grace)
+    _server_class()(config).run()
+    return 0
+
+
+def _server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """uvicorn's server, but a SIGTERM or Ctrl-C that shut it down gracefully ends the process with
+        status 0 (uvicorn re-raises the signal after the shutdown, which reports a kill)."""
+
+        def handle_exit(self, sig, frame) -> None:
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()
+
+    return Server
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,274 @@
+"""The HTTP face of the engine: an OpenAI-compatible ASGI app (FastAPI on Starlette; SSE streaming).
+
+Routes: ``POST /v1/chat/completions`` (messages through the model's chat template),
+``POST /v1/completions`` (raw prompt text), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(Prometheus, vLLM's metric names: `serve.metrics`).
+
+The engine runs in its own thread (`decoding.engine.Engine.start`); a request is submitted to it from
+the event loop, and its events come back through an asyncio queue fed with
+``loop.call_soon_threadsafe``, so the event loop never waits on JAX. What the server promises:
+a bad request gets a 4xx with OpenAI's error body naming the field, and nothing else changes; a full
+queue answers 429 with ``Retry-After``; a client that disconnects cancels its request, whose row is
+freed at the engine's next iteration; an error inside one request ends that request (an SSE error
+event when streaming), never the server or the other requests; at shutdown the server stops taking
+requests (503) and ends the engine's.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import time
+from typing import AsyncIterator, List, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from medusa_jax.chat import render_chat
+from medusa_jax.decoding.engine import Engine, SamplingParams
+from medusa_jax.decoding.engine import Request as EngineRequest
+from medusa_jax.serve import protocol
+from medusa_jax.serve.metrics import Metrics
+from medusa_jax.serve.protocol import RequestError
+
+
+class TextStream:
+    """Token ids in, text out, incrementally: the text of every token so far (special tokens
+    skipped), handed out as deltas; a character split across tokens is held back until complete,
+    and so is the tail that could still become a stop sequence. `feed` returns (delta, stopped)."""
+
+    def __init__(self, tokenizer, stop: List[str]):
+        self.tokenizer, self.stop = tokenizer, stop
+        self.tokens: List[int] = []
+        self.sent = 0
+        self.text = ""
+        self.hold = max((len(s) for s in stop), default=1) - 1
+
+    def feed(self, tokens: List[int], final: bool = False) -> tuple:
+        self.tokens.extend(tokens)
+        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        for s in self.stop:  # the earliest stop sequence ends the text
+            i = text.find(s, max(self.sent - len(s) + 1, 0))
+            if i >= 0:
+                self.text = text[:i]
+                delta, self.sent = self.text[self.sent:], len(self.text)
+                return delta, True
+        if not final and text.endswith("\ufffd"):
+            return "", False
+        end = len(text) if final else max(len(text) - self.hold, self.sent)
+        self.text = text
+        delta, self.sent = text[self.sent:end], max(end, self.sent)
+        return delta, False
+
+
+def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
+               max_tokens_default: Optional[int] = None) -> FastAPI:
+    """The ASGI app serving `engine` (started by the app's lifespan if it is not running).
+
+    Args:
+      engine: the engine (its ``max_len`` is the context a request may use).
+      tokenizer: the model's tokenizer (chat template, detokenization).
+      model_name: the id clients name in ``model`` (``/v1/models`` lists it).
+      max_waiting: requests that may wait for a row; one more is refused with 429.
+      max_tokens_default: the budget of a request without ``max_tokens`` (default: the rest of the
+        context).
+    """
+    context = engine.max_len
+    metrics = Metrics(engine, model_name)
+    state = {"shutting_down": False, "started": time.time()}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        try:
+            yield
+        finally:
+            state["shutting_down"] = True
+            await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+
+    app = FastAPI(title="medusa_jax", description="OpenAI-compatible server with Medusa decoding",
+                  lifespan=lifespan)
+    app.state.engine, app.state.metrics = engine, metrics
+
+    def error(status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+              code: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
+        return JSONResponse(protocol.error_body(message, type, param, code), status_code=status, headers=headers)
+
+    @app.exception_handler(RequestError)
+    async def request_error(_request: Request, e: RequestError):
+        return error(e.status, str(e), e.type, e.param, e.code)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_request: Request, e: StarletteHTTPException):
+        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
+        return error(e.status_code, str(e.detail), kind)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_request: Request, e: Exception):
+        return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
+
+    @app.get("/health")
+    async def health():
+        if state["shutting_down"]:
+            return error(503, "the server is shutting down", "server_error")
+        return {"status": "ok", "running": engine.live, "waiting": engine.waiting}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(state["started"]),
+                                            "owned_by": "medusa_jax", "max_model_len": context}]}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await generate(request, chat=True)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await generate(request, chat=False)
+
+    async def generate(request: Request, chat: bool):
+        if state["shutting_down"]:
+            return error(503, "the server is shutting down", "server_error")
+        try:
+            body = await request.json()
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
+            raise RequestError(f"the request body is not valid JSON ({e})") from None
+        gen = protocol.check_request(body, [model_name], context, chat)
+        try:
+            ids = render_chat(tokenizer, gen.messages) if chat else list(tokenizer.encode(gen.prompt))
+        except Exception as e:  # noqa: BLE001 - a template that refuses these messages
+            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
+        field = "messages" if chat else "prompt"
+        if len(ids) + 1 >= context:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {context}; shorten it",
+                               field, code="context_length_exceeded")
+        budget = context - len(ids) - 1
+        max_tokens = gen.max_tokens if gen.max_tokens is not None else min(max_tokens_default or budget, budget)
+        if max_tokens > budget:
+            raise RequestError(f"max_tokens {max_tokens} is too large: the prompt has {len(ids)} tokens and the "
+                               f"context is {context}, so at most {budget} new tokens fit",
+                               "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+                               code="context_length_exceeded")
+        if engine.waiting >= max_waiting:
+            return error(429, f"{engine.waiting} requests are waiting; try again shortly", "rate_limit_error",
+                         code="queue_full", headers={"Retry-After": "1"})
+        loop = asyncio.get_running_loop()
+        events: "asyncio.Queue" = asyncio.Queue()
+        sampling = SamplingParams(gen.temperature, gen.top_p, gen.seed)
+        try:
+            handle = engine.submit(EngineRequest(ids, max_tokens, sampling),
+                                   on_event=lambda kind, payload: loop.call_soon_threadsafe(
+                                       events.put_nowait, (kind, payload)))
+        except ValueError as e:
+            raise RequestError(str(e), field) from None
+        rid = protocol.new_id(chat)
+        t0 = time.perf_counter()
+        if gen.stream:
+            return StreamingResponse(stream(request, handle, events, gen, ids, rid, chat, t0),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        text = TextStream(tokenizer, gen.stop)
+        stopped, fin = False, None
+        try:
+            async for kind, payload in _events(request, events):
+                if kind == "tokens":
+                    _observe(t0, payload, handle)
+                    if not stopped:
+                        _, stopped = text.feed(payload)
+                        if stopped:
+                            handle.cancel("stop")
+                else:
+                    fin = payload
+        finally:
+            if fin is None:
+                handle.cancel()
+        if fin is None:  # the client went away
+            return Response(status_code=499)
+        if fin.reason == "error":
+            return error(500, f"the request failed: {fin.error}", "server_error")
+        if not stopped:
+            text.feed([], final=True)
+        metrics.observe_end(time.perf_counter() - t0)
+        reason = "stop" if stopped else protocol.finish_reason(fin.reason)
+        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin)
+
+    def _observe(t0: float, tokens: List[int], handle) -> None:
+        now = time.perf_counter()
+        last = getattr(handle, "_last_token_at", None)
+        if last is None:
+            metrics.observe_first_token(now - t0)
+            metrics.observe_tokens(0.0, len(tokens) - 1)
+        else:
+            metrics.observe_tokens(now - last, len(tokens))
+        handle._last_token_at = now
+
+    async def _events(request: Request, events: "asyncio.Queue") -> AsyncIterator[tuple]:
+        """The engine's events of one request until ("done", Finished); stops early (the caller
+        cancels) when the client disconnects."""
+        while True:
+            try:
+                kind, payload = await asyncio.wait_for(events.get(), timeout=1.0)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return
+                continue
+            yield kind, payload
+            if kind == "done":
+                return
+
+    async def stream(request: Request, handle, events: "asyncio.Queue", gen: protocol.Generation, ids: List[int],
+                     rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
+        created = int(time.time())
+        sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
+        text = TextStream(tokenizer, gen.stop)
+        stopped, fin = False, None
+        try:
+            if chat:
+                yield sse(protocol.chunk(rid, gen.model, chat, created, role=True, text=""))
+            async for kind, payload in _events(request, events):
+                if kind == "tokens":
+                    _observe(t0, payload, handle)
+                    if stopped:
+                        continue
+                    delta, stopped = text.feed(payload)
+                    if stopped:
+                        handle.cancel("stop")
+                    if delta:
+                        yield sse(protocol.chunk(rid, gen.model, chat, created, text=delta))
+                else:
+                    fin = payload
+            if fin is None:
+                return
+            if fin.reason == "error":
+                yield sse(protocol.error_body(f"the request failed: {fin.error}", "server_error"))
+                yield "data: [DONE]\n\n"
+                return
+            if fin.reason == "cancelled" and not stopped:  # ended by the server (shutdown)
+                yield sse(protocol.error_body("the server is shutting down; the answer was cut", "server_error",
+                                              code="server_shutdown"))
+                yield "data: [DONE]\n\n"
+                return
+            if not stopped:
+                delta, _ = text.feed([], final=True)
+                if delta:
+                    yield sse(protocol.chunk(rid, gen.model, chat, created, text=delta))
+            reason = "stop" if stopped else protocol.finish_reason(fin.reason)
+            yield sse(protocol.chunk(rid, gen.model, chat, created, reason=reason))
+            if gen.include_usage:
+                yield sse(protocol.chunk(rid, gen.model, chat, created,
+                                         usage_obj=protocol.usage(len(ids), len(fin.tokens)),
+                                         spec=protocol.speculation(fin)))
+            metrics.observe_end(time.perf_counter() - t0)
+            yield "data: [DONE]\n\n"
+        finally:
+            if fin is None:  # the client disconnected (or the server is cancelling this task)
+                handle.cancel()
+
+    return app
+

@@ -1,0 +1,250 @@
+"""The OpenAI-compatible server, as a real process on 127.0.0.1 talked to by the official `openai`
+client: greedy answers equal decode.py's; streamed chunks concatenate to the answer; 48 requests
+from 16 concurrent streaming clients each get their own answer; a client that disconnects frees its
+row; every bad request gets its 4xx and the server goes on; a conversation's second turn reuses the
+first's cache and answers as without; the README's serving examples run; SIGTERM exits 0."""
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+pytestmark = pytest.mark.real_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MODEL = "smollm2-135m-instruct"
+QUESTIONS = ["What is the capital of France?", "Name three primary colours.", "Count from one to ten.",
+             "What is 12 times 7?", "Give me a synonym for happy.", "Name a planet of the solar system.",
+             "Write a haiku about rain.", "What is the boiling point of water?"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(smollm2_path):
+    port = free_port()
+    bin_dir = os.path.dirname(sys.executable)
+    proc = subprocess.Popen([os.path.join(bin_dir, "medusa-serve"), "--port", str(port), "--max-batch", "16",
+                             "--max-waiting", "64", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 900
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"the server exited with {proc.returncode}: {proc.stdout.read()[-3000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("the server did not answer /health within 900 s")
+    yield url, proc
+    # SIGTERM while a stream runs: the server takes no new request, lets the stream finish with its
+    # final event, and exits 0
+    lines = []
+
+    def streaming():
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty."}],
+                "max_tokens": 48, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    t = threading.Thread(target=streaming)
+    t.start()
+    time.sleep(1.0)
+    proc.send_signal(signal.SIGTERM)
+    t.join(300)
+    assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
+    assert lines and lines[-1] == "data: [DONE]", lines[-3:]
+    assert '"finish_reason": "' in lines[-2], lines[-2]
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+    return OpenAI(base_url=server[0] + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def reference(smollm2):
+    """decode.py's greedy text for each question (its --prompts-file path, the same engine)."""
+    import medusa_jax as mj
+
+    heads, tree, _ = mj.resolve_heads(smollm2, None)
+    out = {}
+    for q in QUESTIONS:
+        ids = mj.apply_chat_template(smollm2.tokenizer, q)
+        r = mj.generate(smollm2.cfg, smollm2.params, ids, heads=heads, tree=tree, max_new_tokens=48, progress=False)
+        out[q] = smollm2.tokenizer.decode(r.tokens, skip_special_tokens=True)
+    return out
+
+
+def ask(client, q, stream=False, **kw):
+    msgs = [{"role": "user", "content": q}]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0, stream=stream, **kw)
+    if not stream:
+        return r.choices[0].message.content, r
+    return "".join(c.choices[0].delta.content or "" for c in r if c.choices), None
+
+
+def test_greedy_answers_equal_decode_py_streamed_or_not(client, reference, tmp_path):
+    decoded = subprocess.run([sys.executable, "decode.py", "--prompt", QUESTIONS[0], "--max-new-tokens", "48", "--json"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert decoded.returncode == 0, decoded.stderr[-2000:]
+    assert json.loads(decoded.stdout)["text"] == reference[QUESTIONS[0]]
+    for q in QUESTIONS[:3]:
+        text, r = ask(client, q)
+        assert text == reference[q]
+        assert r.usage.prompt_tokens > 0 and r.usage.completion_tokens > 0
+        spec = r.model_extra["speculation"]
+        assert spec["steps"] >= 1 and spec["tokens_per_step"] >= 1.0
+        assert ask(client, q, stream=True)[0] == text
+
+
+def test_48_requests_from_16_concurrent_streaming_clients(client, reference):
+    results, errors = {}, []
+
+    def worker(w):
+        try:
+            for k in range(3):
+                q = QUESTIONS[(w + k) % len(QUESTIONS)]
+                results[(w, k)] = (q, ask(client, q, stream=True)[0])
+        except Exception as e:  # noqa: BLE001
+            errors.append(repr(e))
+
+    t0 = time.time()
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(900)
+    assert not errors, errors
+    assert len(results) == 48 and time.time() - t0 < 900
+    for (w, k), (q, text) in results.items():
+        assert text == reference[q], (w, k, q)
+
+
+def test_a_client_that_disconnects_frees_its_row(client, server):
+    url = server[0]
+    before = cancelled(url)
+    others = []
+    t = threading.Thread(target=lambda: others.extend(ask(client, q)[0] for q in QUESTIONS[:2]))
+    t.start()
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a very long story about a dragon."}],
+            "max_tokens": 200, "temperature": 0, "stream": True}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=600) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                chunks += 1
+            if chunks >= 3:
+                break
+    t.join(600)
+    assert len(others) == 2
+    deadline = time.time() + 60
+    while cancelled(url) <= before and time.time() < deadline:
+        time.sleep(0.5)
+    assert cancelled(url) == before + 1
+    assert ask(client, QUESTIONS[3])[0]  # the row is free again
+    assert httpx.get(url + "/health").json()["running"] == 0
+
+
+def cancelled(url) -> float:
+    m = re.search(r'vllm:request_success_total\{finished_reason="cancelled"[^}]*\} (\S+)', httpx.get(url + "/metrics").text)
+    return float(m.group(1))
+
+
+BAD = [
+    ("not JSON", b"{nope", 400),
+    ("unknown model", {"model": "nope", "messages": [{"role": "user", "content": "x"}]}, 404),
+    ("empty messages", {"model": MODEL, "messages": []}, 400),
+    ("unknown role", {"model": MODEL, "messages": [{"role": "robot", "content": "x"}]}, 400),
+    ("content not a string", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400),
+    ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400),
+    ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400),
+    ("max_tokens a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400),
+    ("n > 1", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400),
+    ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
+    ("prompt beyond the context", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
+    ("temperature a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
+    ("completions without a prompt", {"model": MODEL}, 400),
+]
+
+
+@pytest.mark.parametrize("what,body,status", BAD, ids=[b[0] for b in BAD])
+def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body, status):
+    url = server[0]
+    path = "/v1/completions" if what.startswith("completions") else "/v1/chat/completions"
+    kw = {"content": body, "headers": {"Content-Type": "application/json"}} if isinstance(body, bytes) else {"json": body}
+    r = httpx.post(url + path, timeout=600, **kw)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["message"] and err["type"]
+    good = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0)
+    assert good.choices[0].message.content
+
+
+def test_second_turn_reuses_the_first_and_answers_as_without(client, smollm2):
+    import medusa_jax as mj
+    from medusa_jax.chat import render_chat
+
+    msgs = [{"role": "user", "content": "My favourite fruit is the mango. Describe it in one sentence."}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+    msgs += [{"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "Which fruit did I say was my favourite?"}]
+    second = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+    assert second.model_extra["speculation"]["prompt_tokens_reused"] > first.usage.prompt_tokens // 2
+    heads, tree, _ = mj.resolve_heads(smollm2, None)
+    ids = render_chat(smollm2.tokenizer, msgs)
+    alone = mj.generate(smollm2.cfg, smollm2.params, ids, heads=heads, tree=tree, max_new_tokens=40, progress=False)
+    assert second.choices[0].message.content == smollm2.tokenizer.decode(alone.tokens, skip_special_tokens=True)
+
+
+def test_completions_stop_sequences_and_models(client, server):
+    r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0,
+                                  stop=["."])
+    assert r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    metrics = httpx.get(server[0] + "/metrics").text
+    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds",
+                 "vllm:inter_token_latency_seconds", "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",
+                 "vllm:spec_decode_num_accepted_tokens", "vllm:spec_decode_num_accepted_tokens_per_pos",
+                 "vllm:prompt_tokens", "vllm:generation_tokens"):
+        assert name in metrics, name
+
+
+def readme_serving_blocks():
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        text = f.read()
+    return re.findall(r"^```sh\n(.*?)^```", text, flags=re.S | re.M), re.findall(r"^```py\n(.*?)^```", text,
+                                                                                flags=re.S | re.M)
+
+
+def test_readme_serving_examples_run_as_written(server):
+    port = server[0].rsplit(":", 1)[1]
+    shell, python = readme_serving_blocks()
+    assert shell and python
+    for block in shell:
+        out = subprocess.run(["bash", "-c", block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert json.loads(out.stdout)["choices"][0]["message"]["content"]
+    for block in python:
+        out = subprocess.run([sys.executable, "-c", block.replace("127.0.0.1:8000", f"127.0.0.1:{port}")],
+                             capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.strip()
