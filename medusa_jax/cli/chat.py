@@ -44,7 +44,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
 
     from medusa_jax.chat import render_chat
-    from medusa_jax.decoding.engine import Engine, Request, SamplingParams
+    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.decoding.requests import Request, SamplingParams
 
     try:
         model, heads, tree, note, _ = common.setup_decoding(args, use_medusa=not args.no_medusa)

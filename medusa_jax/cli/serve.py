@@ -22,7 +22,7 @@ from typing import List, Optional
 
 def build_parser() -> argparse.ArgumentParser:
     from medusa_jax.cli import common
-    from medusa_jax.decoding.engine import SPECULATION
+    from medusa_jax.decoding.chooser import SPECULATION
 
     p = argparse.ArgumentParser(prog="medusa-serve", description="Serve the model over an OpenAI-compatible HTTP "
                                 "API, decoding with Medusa heads.", formatter_class=common.HelpFormatter)

@@ -33,8 +33,7 @@ import math
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,10 +42,12 @@ import numpy as np
 from medusa_jax import sharding
 from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
 from medusa_jax.decoding.args import PromptTooLongError
+from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.loop import put_row
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
+from medusa_jax.decoding.requests import FINISH_REASONS, Finished, Request, RequestHandle
 from medusa_jax.decoding.sampling import SEED_LIMIT
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
@@ -56,110 +57,6 @@ from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, grow_cache, init_cache
 from medusa_jax.models.llama import compute_dtype
-
-#: What `Engine(speculation=...)` takes: choose the tree per step, always the full tree, or plain.
-SPECULATION = ("adaptive", "always", "off")
-#: Finish reasons of a request (`Finished.reason`).
-FINISH_REASONS = ("eos", "stop", "length", "cache_full", "cancelled", "error")
-
-
-class SamplingParams(NamedTuple):
-    """A request's sampling: temperature 0 = greedy; top_p in (0, 1]; seed in [0, 2**31) (the token at
-    each position is chosen by that position's uniform from the seed: `decoding.sampling`)."""
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-
-
-@dataclass
-class Request:
-    """What a caller asks for.
-
-    prompt: token ids (chat template applied). max_new_tokens: the most tokens to emit (>= 1).
-    sampling: `SamplingParams`. stop_token_ids: ids that end the answer (included in it); None: the
-    model's EOS ids. request_id: any label (default: a counter).
-    """
-    prompt: Sequence[int]
-    max_new_tokens: int = 256
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: Optional[Sequence[int]] = None
-    request_id: Optional[str] = None
-
-
-@dataclass
-class Finished:
-    """How a request ended. reason: one of `FINISH_REASONS`; tokens: every token emitted; steps:
-    decoding steps it took part in; prompt_tokens; reused_tokens: prompt tokens whose K/V came from
-    the prefix cache; prefill_s, first_token_s (from submission to the first token), decode_s
-    (the wall time of the steps it took part in, from the tree's choice to the tokens handed out,
-    compilation excluded); draft_tokens: the
-    candidates verified for it; accepted_per_depth: [D] int, the steps that accepted at least d+1
-    candidates (speculation stats); step_tokens: the tokens each step emitted; error: the message
-    when reason is "error"."""
-    reason: str
-    tokens: List[int] = field(default_factory=list)
-    steps: int = 0
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    prefill_s: float = 0.0
-    first_token_s: float = 0.0
-    decode_s: float = 0.0
-    draft_tokens: int = 0
-    accepted_per_depth: List[int] = field(default_factory=list)
-    step_tokens: List[int] = field(default_factory=list)
-    error: str = ""
-
-    @property
-    def tokens_per_step(self) -> float:
-        """Mean tokens per decoding step (the bonus token included)."""
-        return len(self.tokens) / max(self.steps, 1)
-
-
-class RequestHandle:
-    """A submitted request: its events arrive on `events` (``("tokens", [ids])`` per step, then
-    ``("done", Finished)``), or go to the ``on_event`` callback given to `Engine.submit`.
-    Iterate it for the token lists; `result` waits for the end; `cancel` frees its row."""
-
-    def __init__(self, request: Request, on_event: Optional[Callable[[str, object], None]] = None):
-        self.request = request
-        self.events: "queue.Queue" = queue.Queue()
-        self._on_event = on_event
-        self.cancelled = threading.Event()
-        self.cancel_reason = "cancelled"
-        self.finished: Optional[Finished] = None
-        self._done = threading.Event()
-        self.submitted = time.perf_counter()
-
-    def _emit(self, kind: str, payload) -> None:
-        if kind == "done":
-            self.finished = payload
-        if self._on_event is not None:
-            self._on_event(kind, payload)
-        else:
-            self.events.put((kind, payload))
-        if kind == "done":
-            self._done.set()
-
-    def cancel(self, reason: str = "cancelled") -> None:
-        """Stop the request: its row is freed at the engine's next iteration; it finishes with
-        `reason` ("cancelled", or "stop" for a caller that found a stop sequence in the text)."""
-        self.cancel_reason = reason
-        self.cancelled.set()
-
-    def __iter__(self) -> Iterator[List[int]]:
-        """The tokens of each step, until the request ends (handles without a callback only)."""
-        while True:
-            kind, payload = self.events.get()
-            if kind == "done":
-                return
-            yield payload
-
-    def result(self, timeout: Optional[float] = None) -> Finished:
-        """Wait for the end (the engine must be running: `Engine.start`, or `Engine.run` elsewhere).
-        Raises TimeoutError."""
-        if not self._done.wait(timeout):
-            raise TimeoutError(f"request {self.request.request_id} did not finish within {timeout} s")
-        return self.finished
 
 
 class _Row:
@@ -208,58 +105,6 @@ def regroup(state: DecodeState, index: jax.Array, size: int) -> DecodeState:
     return constrain_state(DecodeState(logits=take(state.logits), hidden=take(state.hidden), cache=cache,
                                        key=take(state.key), temperature=take(state.temperature),
                                        top_p=take(state.top_p)))
-
-
-class TreeChooser:
-    """Which tree a step verifies, from measured step times and acceptance (`Engine`).
-
-    Per tree, the tokens a live row gains per step (a running mean, started from `priors`), and per
-    (tree, batch rows) the seconds of a step (a running mean, measured; a pair never measured is
-    tried first). A step takes the tree with the most expected tokens per second,
-    ``live rows * tokens per row-step / seconds per step``, and every `explore_every` steps the
-    least recently measured other tree once, so the means follow the load. Mode "always": the full
-    tree (the last); "off": plain (the first).
-    """
-
-    def __init__(self, trees: Sequence[TreeBuffers], mode: str = "adaptive", priors: Optional[Sequence[float]] = None,
-                 explore_every: int = 64, smoothing: float = 0.2):
-        if mode not in SPECULATION:
-            raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {mode!r}")
-        self.trees, self.mode = list(trees), mode
-        self.gain = list(priors) if priors is not None else [1.0] + [1.5] * (len(self.trees) - 1)
-        self.measured = [0] * len(self.trees)
-        self.seconds: Dict[Tuple[int, int], float] = {}
-        self.last_used: Dict[Tuple[int, int], int] = {}
-        self.explore_every, self.smoothing = explore_every, smoothing
-        self.steps = 0
-        self.chosen = [0] * len(self.trees)
-
-    def choose(self, rows: int, live: int) -> int:
-        """The index of the tree for a step of `rows` batch rows, `live` of them decoding."""
-        if self.mode == "off" or len(self.trees) == 1:
-            return 0
-        if self.mode == "always":
-            return len(self.trees) - 1
-        keys = [(i, rows) for i in range(len(self.trees))]
-        unmeasured = [k for k in keys if k not in self.seconds]
-        if unmeasured:
-            return unmeasured[0][0]
-        if self.steps and self.steps % self.explore_every == 0:
-            return min(keys, key=lambda k: self.last_used.get(k, -1))[0]
-        return max(range(len(self.trees)), key=lambda i: live * self.gain[i] / self.seconds[(i, rows)])
-
-    def update(self, index: int, rows: int, seconds: float, accepted_per_row: float) -> None:
-        """Record a step: its seconds and the mean tokens it gave a live row."""
-        a = self.smoothing
-        key = (index, rows)
-        self.seconds[key] = seconds if key not in self.seconds else (1 - a) * self.seconds[key] + a * seconds
-        # the first measurement replaces the prior
-        self.gain[index] = accepted_per_row if not self.measured[index] else (
-            (1 - a) * self.gain[index] + a * accepted_per_row)
-        self.measured[index] += 1
-        self.last_used[key] = self.steps
-        self.steps += 1
-        self.chosen[index] += 1
 
 
 def _pow2(n: int) -> int:

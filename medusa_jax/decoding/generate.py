@@ -20,9 +20,10 @@ import numpy as np
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import as_int, check_generation_args
 from medusa_jax.decoding.compile import aot
-from medusa_jax.decoding.engine import Engine, Finished, Request, SamplingParams
+from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.loop import generate_jit, grow_carry, init_carry
 from medusa_jax.decoding.prefill import bucket, cache_size_for, progress_bar, start_state
+from medusa_jax.decoding.requests import Finished, Request, SamplingParams
 from medusa_jax.decoding.sampling import prompt_seed, row_seeds
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.tree import TreeBuffers

@@ -27,8 +27,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_jax.chat import render_chat
-from medusa_jax.decoding.engine import Engine, SamplingParams
-from medusa_jax.decoding.engine import Request as EngineRequest
+from medusa_jax.decoding.engine import Engine
+from medusa_jax.decoding.requests import Request as EngineRequest
+from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError

@@ -1,0 +1,113 @@
+"""What a caller of the engine hands it and gets back: `Request` (prompt, budget, `SamplingParams`,
+stop ids), the `RequestHandle` its events arrive on (token lists each step, then `Finished`), and
+how a request ends (`FINISH_REASONS`)."""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence
+
+SPECULATION = ("adaptive", "always", "off")
+#: Finish reasons of a request (`Finished.reason`).
+FINISH_REASONS = ("eos", "stop", "length", "cache_full", "cancelled", "error")
+
+
+class SamplingParams(NamedTuple):
+    """A request's sampling: temperature 0 = greedy; top_p in (0, 1]; seed in [0, 2**31) (the token at
+    each position is chosen by that position's uniform from the seed: `decoding.sampling`)."""
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    """What a caller asks for.
+
+    prompt: token ids (chat template applied). max_new_tokens: the most tokens to emit (>= 1).
+    sampling: `SamplingParams`. stop_token_ids: ids that end the answer (included in it); None: the
+    model's EOS ids. request_id: any label (default: a counter).
+    """
+    prompt: Sequence[int]
+    max_new_tokens: int = 256
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: Optional[Sequence[int]] = None
+    request_id: Optional[str] = None
+
+
+@dataclass
+class Finished:
+    """How a request ended. reason: one of `FINISH_REASONS`; tokens: every token emitted; steps:
+    decoding steps it took part in; prompt_tokens; reused_tokens: prompt tokens whose K/V came from
+    the prefix cache; prefill_s, first_token_s (from submission to the first token), decode_s
+    (the wall time of the steps it took part in, from the tree's choice to the tokens handed out,
+    compilation excluded); draft_tokens: the
+    candidates verified for it; accepted_per_depth: [D] int, the steps that accepted at least d+1
+    candidates (speculation stats); step_tokens: the tokens each step emitted; error: the message
+    when reason is "error"."""
+    reason: str
+    tokens: List[int] = field(default_factory=list)
+    steps: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+    prefill_s: float = 0.0
+    first_token_s: float = 0.0
+    decode_s: float = 0.0
+    draft_tokens: int = 0
+    accepted_per_depth: List[int] = field(default_factory=list)
+    step_tokens: List[int] = field(default_factory=list)
+    error: str = ""
+
+    @property
+    def tokens_per_step(self) -> float:
+        """Mean tokens per decoding step (the bonus token included)."""
+        return len(self.tokens) / max(self.steps, 1)
+
+
+class RequestHandle:
+    """A submitted request: its events arrive on `events` (``("tokens", [ids])`` per step, then
+    ``("done", Finished)``), or go to the ``on_event`` callback given to `Engine.submit`.
+    Iterate it for the token lists; `result` waits for the end; `cancel` frees its row."""
+
+    def __init__(self, request: Request, on_event: Optional[Callable[[str, object], None]] = None):
+        self.request = request
+        self.events: "queue.Queue" = queue.Queue()
+        self._on_event = on_event
+        self.cancelled = threading.Event()
+        self.cancel_reason = "cancelled"
+        self.finished: Optional[Finished] = None
+        self._done = threading.Event()
+        self.submitted = time.perf_counter()
+
+    def _emit(self, kind: str, payload) -> None:
+        if kind == "done":
+            self.finished = payload
+        if self._on_event is not None:
+            self._on_event(kind, payload)
+        else:
+            self.events.put((kind, payload))
+        if kind == "done":
+            self._done.set()
+
+    def cancel(self, reason: str = "cancelled") -> None:
+        """Stop the request: its row is freed at the engine's next iteration; it finishes with
+        `reason` ("cancelled", or "stop" for a caller that found a stop sequence in the text)."""
+        self.cancel_reason = reason
+        self.cancelled.set()
+
+    def __iter__(self) -> Iterator[List[int]]:
+        """The tokens of each step, until the request ends (handles without a callback only)."""
+        while True:
+            kind, payload = self.events.get()
+            if kind == "done":
+                return
+            yield payload
+
+    def result(self, timeout: Optional[float] = None) -> Finished:
+        """Wait for the end (the engine must be running: `Engine.start`, or `Engine.run` elsewhere).
+        Raises TimeoutError."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"request {self.request.request_id} did not finish within {timeout} s")
+        return self.finished
