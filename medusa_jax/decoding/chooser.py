@@ -1,7 +1,8 @@
 """Which tree a decoding step verifies, from measured step times and acceptance (`TreeChooser`)."""
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Tuple
+from collections import deque
+from typing import Deque, Dict, Optional, Sequence, Tuple
 
 from medusa_jax.decoding.tree import TreeBuffers
 
@@ -12,24 +13,28 @@ SPECULATION = ("adaptive", "always", "off")
 class TreeChooser:
     """Which tree a step verifies, from measured step times and acceptance (`Engine`).
 
-    Per tree, the tokens a live row gains per step (a running mean, started from `priors`), and per
-    (tree, batch rows) the seconds of a step (a running mean, measured; a pair never measured is
-    tried first). A step takes the tree with the most expected tokens per second,
-    ``live rows * tokens per row-step / seconds per step``, and every `explore_every` steps the
-    least recently measured other tree once, so the means follow the load. Mode "always": the full
+    Per tree, the tokens a live row gains per step (the mean of its first steps, then an
+    exponential mean with weight `smoothing`: acceptance varies from step to step and request to
+    request, so it needs a long memory; before any step, `priors`), and per (tree, batch rows) the
+    seconds of a step (the least of its last `window` measurements: interference only ever adds
+    time, and one slow first call must not rule a tree out; a pair never measured is tried first). A step takes the tree with the most expected tokens per second,
+    ``live rows * tokens per row-step / seconds per step``, and re-measures each other tree once it
+    has not run for `explore_every` steps times how much slower it was, so the means follow the load
+    at little cost. Mode "always": the full
     tree (the last); "off": plain (the first).
     """
 
     def __init__(self, trees: Sequence[TreeBuffers], mode: str = "adaptive", priors: Optional[Sequence[float]] = None,
-                 explore_every: int = 64, smoothing: float = 0.2):
+                 explore_every: int = 32, smoothing: float = 0.03, window: int = 8):
         if mode not in SPECULATION:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {mode!r}")
         self.trees, self.mode = list(trees), mode
         self.gain = list(priors) if priors is not None else [1.0] + [1.5] * (len(self.trees) - 1)
         self.measured = [0] * len(self.trees)
         self.seconds: Dict[Tuple[int, int], float] = {}
+        self.times: Dict[Tuple[int, int], Deque[float]] = {}
         self.last_used: Dict[Tuple[int, int], int] = {}
-        self.explore_every, self.smoothing = explore_every, smoothing
+        self.explore_every, self.smoothing, self.window = explore_every, smoothing, window
         self.steps = 0
         self.chosen = [0] * len(self.trees)
 
@@ -43,18 +48,23 @@ class TreeChooser:
         unmeasured = [k for k in keys if k not in self.seconds]
         if unmeasured:
             return unmeasured[0][0]
-        if self.steps and self.steps % self.explore_every == 0:
-            return min(keys, key=lambda k: self.last_used.get(k, -1))[0]
-        return max(range(len(self.trees)), key=lambda i: live * self.gain[i] / self.seconds[(i, rows)])
+        best = max(range(len(self.trees)), key=lambda i: live * self.gain[i] / self.seconds[(i, rows)])
+        # re-measure another tree now and then, the less often the slower it was (exploring a tree
+        # 6x slower than the best every 32 steps would cost ~15% of the time)
+        for i in range(len(self.trees)):
+            slower = self.seconds[(i, rows)] / self.seconds[(best, rows)]
+            if i != best and self.steps - self.last_used.get((i, rows), -1) > self.explore_every * max(1.0, slower):
+                return i
+        return best
 
     def update(self, index: int, rows: int, seconds: float, accepted_per_row: float) -> None:
         """Record a step: its seconds and the mean tokens it gave a live row."""
-        a = self.smoothing
         key = (index, rows)
-        self.seconds[key] = seconds if key not in self.seconds else (1 - a) * self.seconds[key] + a * seconds
-        # the first measurement replaces the prior
-        self.gain[index] = accepted_per_row if not self.measured[index] else (
-            (1 - a) * self.gain[index] + a * accepted_per_row)
+        times = self.times.setdefault(key, deque(maxlen=self.window))
+        times.append(seconds)
+        self.seconds[key] = min(times)
+        a = max(self.smoothing, 1.0 / (self.measured[index] + 1))  # the first measurement replaces the prior
+        self.gain[index] = (1 - a) * self.gain[index] + a * accepted_per_row
         self.measured[index] += 1
         self.last_used[key] = self.steps
         self.steps += 1

@@ -6,12 +6,13 @@ One iteration (`Engine.step`):
 
 1. Requests that were submitted are checked and queued; cancelled ones leave at once (a running
    request's row is freed).
-2. One prefill chunk of the request at the head of the queue (`prefill.PrefillJob`: a B = 1 cache,
-   256 tokens per chunk), started from the longest cached prefix of an earlier request when prefix
-   reuse is on (`prefix_cache`). With rows decoding, only one chunk runs per iteration, so no
-   running request waits more than about one chunk for its next step; with none, the whole prompt
-   runs. A finished prefill is copied into a free row (the batch grows in powers of two up to
-   ``max_batch``, its cache in powers of two up to ``max_len``).
+2. One prefill chunk (`prefill.PrefillJob`: a B = 1 cache) of the waiting request with the fewest
+   prompt tokens left, started from the longest cached prefix of an earlier request when prefix
+   reuse is on (`prefix_cache`). With rows decoding, one chunk of at most ``live_chunk`` tokens runs
+   per iteration, so no running request waits more than that chunk for its next step, and a short
+   request does not wait behind a long document; with none, chunks of ``prefill_chunk`` tokens run
+   until a row is admitted. A finished prefill is copied into a free row (the batch grows in powers
+   of two up to ``max_batch``, its cache in powers of two up to ``max_len``).
 3. One decoding step of every live row (`step.medusa_step`, jitted per tree, batch, cache size and
    sampling kind), with the tree chosen for this step (`TreeChooser`: plain, a smaller tree or the
    full one, by expected tokens per second from the measured step times and acceptance); every
@@ -133,6 +134,8 @@ class Engine:
       priors: tokens per row-step expected of each tree before any is measured (plain, smaller,
         full), e.g. from the heads' calibration.
       progress: a progress bar on stderr for a long prefill that runs while no row decodes.
+      live_chunk: tokens per prefill chunk while rows decode (a running request's next step waits
+        for at most one such chunk).
     Raises:
       ValueError: bad settings (max_batch < 1, an unknown speculation or acceptance).
     """
@@ -142,7 +145,7 @@ class Engine:
                  speculation: str = "adaptive", acceptance: str = "exact", posterior_threshold: float = 0.09,
                  posterior_alpha: float = 0.3, prefix_cache_bytes: int = 0,
                  eos_token_ids: Optional[Sequence[int]] = None, prefill_chunk: int = PREFILL_CHUNK,
-                 priors: Optional[Sequence[float]] = None, progress: bool = False):
+                 priors: Optional[Sequence[float]] = None, progress: bool = False, live_chunk: int = 32):
         if max_batch < 1:
             raise ValueError(f"max_batch must be >= 1, got {max_batch}")
         if acceptance not in ACCEPTANCE_METHODS or acceptance == "greedy":
@@ -163,7 +166,7 @@ class Engine:
         self.threshold, self.alpha = posterior_threshold, posterior_alpha
         self.prefix = PrefixCache(prefix_cache_bytes)
         self.eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk, self.live_chunk = prefill_chunk, live_chunk
         self.progress = progress
         self.compile_s = 0.0  # seconds spent compiling (left out of every timing)
         self.state: Optional[DecodeState] = None
@@ -172,7 +175,7 @@ class Engine:
         self.S = 0
         self.inbox: "queue.Queue[RequestHandle]" = queue.Queue()
         self.pending: List[RequestHandle] = []
-        self.job: Optional[Tuple[RequestHandle, PrefillJob]] = None
+        self.jobs: List[Tuple[RequestHandle, PrefillJob]] = []  # prefills under way
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._stop = threading.Event()
@@ -183,7 +186,6 @@ class Engine:
                       "accepted_tokens": 0, "accepted_per_pos": [0] * max(t.max_accepted for t in trees),
                       "tree_choices": [0] * len(trees), "tree_sizes": [t.step_size for t in trees],
                       "hist": [0] * (max(t.max_accepted for t in trees) + 1), "cache_sizes": []}
-        self.listeners: List[Callable[[str, dict], None]] = []
 
     # ------------------------------------------------------------------ requests
 
@@ -232,7 +234,7 @@ class Engine:
     @property
     def waiting(self) -> int:
         """Requests submitted or queued that have no row yet."""
-        return self.inbox.qsize() + len(self.pending) + (self.job is not None)
+        return self.inbox.qsize() + len(self.pending) + len(self.jobs)
 
     def idle(self) -> bool:
         return not self.live and not self.waiting
@@ -268,7 +270,7 @@ class Engine:
         if cancel:
             self._take_submissions()
             for h in self.pending + [r.handle for r in self.rows if r is not None] + (
-                    [self.job[0]] if self.job else []):
+                    [h for h, _ in self.jobs]):
                 h.cancel()
             self._wake.set()
         self._stop.set()
@@ -305,40 +307,41 @@ class Engine:
         for h in [h for h in self.pending if h.cancelled.is_set()]:
             self.pending.remove(h)
             self._finish_handle(h, Finished("cancelled", prompt_tokens=len(h.request.prompt)))
-        if self.job is not None and self.job[0].cancelled.is_set():
-            h, _ = self.job
-            self.job = None
+        for h, job in [j for j in self.jobs if j[0].cancelled.is_set()]:
+            self.jobs.remove((h, job))
             self._finish_handle(h, Finished("cancelled", prompt_tokens=len(h.request.prompt)))
         for b, r in enumerate(self.rows):
             if r is not None and r.handle.cancelled.is_set():
                 self._retire(b, r.handle.cancel_reason)
 
     def _prefill(self, whole: bool) -> None:
-        """One chunk of the prefill at the head of the queue, then its row; with `whole` (no row is
-        decoding) chunks run until a row is admitted."""
+        """One chunk of a prefill, then its row when it is done; with `whole` (no row is decoding)
+        chunks run until a row is admitted. Every waiting request that a free row could take starts
+        its prefill, and the one with the fewest tokens left goes first (a short request does not
+        wait behind a long document); while rows decode, chunks are `live_chunk` tokens, so that
+        their steps wait little."""
         while True:
-            if self.job is None:
-                if not self.pending or self.live >= self.max_batch:
-                    return
+            while self.pending and self.live + len(self.jobs) < self.max_batch:
                 h = self.pending.pop(0)
                 try:
-                    self.job = (h, self._start_job(h.request))
+                    self.jobs.append((h, self._start_job(h.request)))
                 except Exception as e:  # noqa: BLE001 - this request fails, the engine goes on
                     self._finish_handle(h, Finished("error", prompt_tokens=len(h.request.prompt),
                                                     error=f"{type(e).__name__}: {e}"))
-                    continue
-            h, job = self.job
+            if not self.jobs:
+                return
+            h, job = min(self.jobs, key=lambda j: j[1].remaining)
             try:
                 compiled = job.compile_s
-                done = job.run_chunk()
+                done = job.run_chunk(None if whole else self.live_chunk)
                 self.compile_s += job.compile_s - compiled
             except Exception as e:  # noqa: BLE001
-                self.job = None
+                self.jobs.remove((h, job))
                 self._finish_handle(h, Finished("error", prompt_tokens=len(h.request.prompt),
                                                 error=f"{type(e).__name__}: {e}"))
                 continue
             if done:
-                self.job = None
+                self.jobs.remove((h, job))
                 self._admit(h, job)
             if not whole or self.live:
                 return
@@ -441,6 +444,7 @@ class Engine:
         live[live_rows] = True
         args = (self.params, self.head_params, self.state, jnp.asarray(live))
         fn = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc), args)
+        jax.block_until_ready(self.state)  # admissions and regroups first: the step's time is its own
         t0 = time.perf_counter()
         out, self.state = fn(*args)
         toks, n, lengths = jax.device_get((out.tokens, out.num_tokens, self.state.cache.lengths))
@@ -530,8 +534,6 @@ class Engine:
     def _finish_handle(self, h: RequestHandle, fin: Finished) -> None:
         self.stats["finished"][fin.reason] += 1
         h._emit("done", fin)
-        for listener in self.listeners:
-            listener("finished", {"reason": fin.reason, "request": h.request, "result": fin})
 
     def _fail_all(self, message: str) -> None:
         for b, r in enumerate(self.rows):
@@ -539,8 +541,7 @@ class Engine:
                 self.rows[b] = None
                 self._finish_handle(r.handle, Finished("error", tokens=r.tokens, steps=r.steps,
                                                        prompt_tokens=len(r.request.prompt), error=message))
-        if self.job is not None:
-            h, _ = self.job
-            self.job = None
+        for h, _ in self.jobs:
             self._finish_handle(h, Finished("error", prompt_tokens=len(h.request.prompt), error=message))
+        self.jobs = []
         self.state, self.rows, self.lengths, self.S = None, [], np.zeros((0,), np.int64), 0

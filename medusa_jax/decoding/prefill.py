@@ -275,12 +275,19 @@ class PrefillJob:
     def done(self) -> bool:
         return self.state is not None
 
-    def run_chunk(self) -> bool:
-        """Prefill the next chunk (and, after the last, compute the logits); True once done."""
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens still to prefill."""
+        return len(self.prompt) - self.pos
+
+    def run_chunk(self, max_tokens: Optional[int] = None) -> bool:
+        """Prefill the next chunk (at most `max_tokens` tokens, default ``chunk_size``; and, after
+        the last, compute the logits); True once done."""
         if self.done:
             return True
         rest = len(self.prompt) - self.pos
-        T = self.chunk_size if rest > self.chunk_size else bucket(rest)
+        size = min(self.chunk_size, max_tokens or self.chunk_size)
+        T = size if rest > size else bucket(rest)
         toks = np.zeros((1, T), np.int32)
         chunk = self.prompt[self.pos:self.pos + T]
         toks[0, :len(chunk)] = chunk
