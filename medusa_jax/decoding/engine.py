@@ -17,7 +17,9 @@ One iteration (`Engine.step`):
    sampling kind), with the tree chosen for this step (`TreeChooser`: plain, a smaller tree or the
    full one, by expected tokens per second from the measured step times and acceptance); every
    row's accepted tokens go to its request (a callback, or the handle's queue), cut at its stop ids
-   and token budget; finished rows are freed and their caches kept for prefix reuse.
+   and token budget; finished rows are freed and their caches kept for prefix reuse. The step is
+   launched before the previous one is read back (`Engine._decode`: one step in flight), so the
+   host's work overlaps the device's.
 
 Exactness: greedy rows emit exactly plain greedy decoding's tokens whatever the tree, and sampled
 rows exactly plain sampling's for their seed (`decoding.sampling`: the token at each position is
@@ -28,36 +30,42 @@ in the caller's (the library).
 """
 from __future__ import annotations
 
-import functools
+import collections
 import itertools
 import math
 import queue
 import threading
 import time
-from typing import Callable, List, Optional, Sequence, Tuple
+from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax import sharding
 from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
 from medusa_jax.decoding.args import PromptTooLongError
+from medusa_jax.decoding.batch import empty_batch, engine_step, insert_row, regroup
 from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.compile import aot
-from medusa_jax.decoding.loop import put_row
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
 from medusa_jax.decoding.requests import FINISH_REASONS, Finished, Request, RequestHandle
 from medusa_jax.decoding.sampling import SEED_LIMIT
 from medusa_jax.decoding.setup import decoding_setup
-from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
-from medusa_jax.decoding.step import medusa_step
+from medusa_jax.decoding.state import DecodeState, StepOutput
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers, tree_with_budget, with_lookup
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
-from medusa_jax.models.kv_cache import KVCache, grow_cache, init_cache
-from medusa_jax.models.llama import compute_dtype
+from medusa_jax.models.kv_cache import grow_cache
+
+
+class _Flight(NamedTuple):
+    """A step dispatched and not yet read back: its output, its tree (index into the chooser's)
+    and the rows it ran for (the `_Row` objects: a row freed or replaced since is not read)."""
+    out: StepOutput
+    index: int
+    tree: TreeBuffers
+    rows: List[Optional["_Row"]]
 
 
 class _Row:
@@ -76,36 +84,6 @@ class _Row:
         self.first_token_at: Optional[float] = None
         self.decode_s = 0.0
         self.step_tokens: List[int] = []
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
-def engine_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance, params,
-                head_params, state: DecodeState, live: jax.Array) -> Tuple[StepOutput, DecodeState]:
-    """`medusa_step` over the batch, every row that is not `live` ([B] bool) left at length 0 (a
-    free row computes, but never grows out of its cache). The state is donated."""
-    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state)
-    lengths = jnp.where(live, st.cache.lengths, 0)
-    return out, constrain_state(st.replace(cache=st.cache.replace(lengths=lengths)))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def insert_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
-    """`state` with row b replaced by the B = 1 `row` (same cache size; `loop.put_row`), donated."""
-    return constrain_state(put_row(state, row, b))
-
-
-@functools.partial(jax.jit, static_argnums=(2,))
-def regroup(state: DecodeState, index: jax.Array, size: int) -> DecodeState:
-    """A new batch whose row i is `state`'s row ``index[i]`` (-1: a free row, length 0), its cache
-    padded to `size` slots (>= the old size). index: [B'] int32."""
-    take = lambda x: jnp.take(x, jnp.maximum(index, 0), axis=0)
-    c = state.cache
-    cache = grow_cache(KVCache(k=jnp.take(c.k, jnp.maximum(index, 0), axis=1),
-                               v=jnp.take(c.v, jnp.maximum(index, 0), axis=1),
-                               lengths=jnp.where(index >= 0, take(c.lengths), 0), tokens=take(c.tokens)), size)
-    return constrain_state(DecodeState(logits=take(state.logits), hidden=take(state.hidden), cache=cache,
-                                       key=take(state.key), temperature=take(state.temperature),
-                                       top_p=take(state.top_p)))
 
 
 def _pow2(n: int) -> int:
@@ -170,6 +148,10 @@ class Engine:
         self.progress = progress
         self.compile_s = 0.0  # seconds spent compiling (left out of every timing)
         self.state: Optional[DecodeState] = None
+        self._steps: dict = {}  # (tree index, rows, cache size, acceptance) -> compiled engine_step
+        self._live_masks: dict = {}  # live rows (a tuple of bools) -> the [B] mask on the device
+        self.flights: "collections.deque[_Flight]" = collections.deque()  # steps dispatched, not read back
+        self._mark = (0.0, 0.0)  # (time, compile_s) of the last read-back: a step's cost runs from there
         self.rows: List[Optional[_Row]] = []
         self.lengths = np.zeros((0,), np.int64)
         self.S = 0
@@ -382,50 +364,65 @@ class Engine:
         self.stats["reused_tokens"] += job.reused
 
     def _regroup(self, rows: int, size: int) -> None:
-        """Re-lay the batch: `rows` rows (the live ones first, in order), caches of `size` slots."""
+        """Re-lay the batch: `rows` rows (the live ones first, in order), caches of `size` slots
+        (after the steps in flight land)."""
+        self._drain()
         rows = min(max(rows, self.live, 1), self.max_batch)
         live = [b for b, r in enumerate(self.rows) if r is not None]
         index = np.full((rows,), -1, np.int32)
         index[:len(live)] = live
         if self.state is None:
-            self.state = self._empty_state(rows, size)
+            self.state = empty_batch(self.cfg, self.params, rows, size)
         else:
-            self.state = regroup(self.state, jnp.asarray(index), size)
+            args = (self.state, jnp.asarray(index))
+            self.state = self._compiled(regroup, (size,), args)(*args)
         self.rows = [self.rows[b] for b in live] + [None] * (rows - len(live))
         self.lengths = np.asarray([self.lengths[b] for b in live] + [0] * (rows - len(live)), np.int64)
         if size != self.S:
             self.stats["cache_sizes"].append(size)
         self.S = size
 
-    def _empty_state(self, rows: int, size: int) -> DecodeState:
-        """A batch of free rows (length 0), on the params' mesh when they have one."""
-        dtype = compute_dtype(self.params)
-        state = DecodeState(logits=jnp.zeros((rows, self.cfg.vocab_size), jnp.float32),
-                            hidden=jnp.zeros((rows, self.cfg.hidden_size), dtype),
-                            cache=init_cache(self.cfg, rows, size, dtype), key=jnp.zeros((rows, 2), jnp.uint32),
-                            temperature=jnp.zeros((rows,), jnp.float32), top_p=jnp.ones((rows,), jnp.float32))
-        mesh = sharding.mesh_of(self.params)
-        if mesh is None:
-            return state
-        put = lambda x: sharding.put(x, mesh, sharding.batch_spec(x.ndim))  # noqa: E731
-        spec = sharding.cache_spec()
-        c = state.cache
-        cache = KVCache(k=sharding.put(c.k, mesh, spec), v=sharding.put(c.v, mesh, spec), lengths=put(c.lengths),
-                        tokens=put(c.tokens))
-        return DecodeState(logits=put(state.logits), hidden=put(state.hidden), cache=cache, key=put(state.key),
-                           temperature=put(state.temperature), top_p=put(state.top_p))
-
     # ------------------------------------------------------------------ decoding
 
     def _decode(self) -> None:
-        begin, compiled = time.perf_counter(), self.compile_s
+        """Dispatch the next step, then read back the one before it: one step stays in flight, so
+        the host's work for step n (reading its tokens back, delivering them, choosing the next
+        tree) overlaps step n + 1 on the device, as in the on-device loop. The step after a row's
+        last one computes for nothing (its results for rows freed or replaced meanwhile are never
+        read); a step runs ahead only when every row has room in its cache for it whatever the step
+        in flight accepts, and structural changes (regroup) wait for the flight to land."""
+        if self.flights and not self._room_ahead():
+            self._drain()
+        if self.live:
+            self._dispatch()
+        if len(self.flights) > 1 or (self.flights and not self.live):
+            self._read_back()
+        self._shrink()
+
+    def _room_ahead(self) -> bool:
+        live_rows = [b for b, r in enumerate(self.rows) if r is not None]
+        if not live_rows:
+            return True
+        longest = int(max(self.lengths[b] for b in live_rows))
+        return longest + self.flights[-1].tree.step_size + self.step_size <= self.S
+
+    def _drain(self) -> None:
+        while self.flights:
+            self._read_back()
+
+    def _dispatch(self) -> None:
+        if not self.flights:
+            self._mark = (time.perf_counter(), self.compile_s)
         live_rows = [b for b, r in enumerate(self.rows) if r is not None]
         i = self.chooser.choose(len(self.rows), len(live_rows))
         tree = self.chooser.trees[i]
-        longest = int(max(self.lengths[b] for b in live_rows))
+        longest = int(max(self.lengths[b] for b in live_rows))  # exact here unless a step has room ahead
         if longest + tree.step_size > self.S and self.S < self.max_len:
-            self._regroup(len(self.rows), min(bucket(longest + tree.step_size + 1, 128), self.max_len))
+            # grown with room for two steps, so that the next one can run ahead again
+            self._regroup(len(self.rows), min(bucket(longest + 2 * self.step_size + 1, 128), self.max_len))
             live_rows = [b for b, r in enumerate(self.rows) if r is not None]
+            if not live_rows:
+                return
         if longest + tree.step_size > self.S:  # at the largest cache: plain steps
             i, tree = 0, self.chooser.trees[0]
             for b in live_rows:
@@ -440,26 +437,40 @@ class Engine:
                          top_p=min([s.top_p for s in sampled if s.temperature > 0] or [1.0]),
                          method=self.method if temps else "exact", posterior_threshold=self.threshold,
                          posterior_alpha=self.alpha)
-        live = np.zeros((len(self.rows),), bool)
-        live[live_rows] = True
-        args = (self.params, self.head_params, self.state, jnp.asarray(live))
-        fn = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc), args)
-        jax.block_until_ready(self.state)  # admissions and regroups first: the step's time is its own
-        t0 = time.perf_counter()
+        # per-step host work kept small (a plain step on this CPU is ~18 ms): the compiled step and
+        # the live mask are looked up by plain keys
+        mask = tuple(r is not None for r in self.rows)
+        if mask not in self._live_masks:
+            self._live_masks[mask] = jnp.asarray(np.asarray(mask, bool))
+        args = (self.params, self.head_params, self.state, self._live_masks[mask])
+        key = (i, len(self.rows), self.S, acc)
+        fn = self._steps.get(key)
+        if fn is None:
+            fn = self._steps[key] = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc), args)
         out, self.state = fn(*args)
-        toks, n, lengths = jax.device_get((out.tokens, out.num_tokens, self.state.cache.lengths))
-        seconds = time.perf_counter() - t0
-        self.lengths = np.asarray(lengths, np.int64)
-        self.chooser.update(i, len(self.rows), seconds, float(np.mean(n[live_rows])))
+        self.flights.append(_Flight(out, i, tree, list(self.rows)))
+
+    def _read_back(self) -> None:
+        """Wait for the oldest step in flight and hand its tokens to the rows it ran for (those that
+        are still the same requests); the time since the last read-back (compilation left out) is
+        the step's cost for the chooser and the rows' decode time."""
+        f = self.flights.popleft()
+        toks, n = jax.device_get((f.out.tokens, f.out.num_tokens))
+        now = time.perf_counter()
+        wall = now - self._mark[0] - (self.compile_s - self._mark[1])
+        self._mark = (now, self.compile_s)
+        rows = [b for b, r in enumerate(f.rows) if r is not None and self.rows[b] is r]
+        if not rows:
+            return
+        for b in rows:
+            self.lengths[b] += int(n[b])  # the step advanced each live row by its accepted tokens
+        self.chooser.update(f.index, len(f.rows), wall, float(np.mean(n[rows])))
         st = self.stats
         st["steps"] += 1
-        st["tree_choices"][i] += 1
-        now = time.perf_counter()
-        for b in live_rows:
+        st["tree_choices"][f.index] += 1
+        for b in rows:
             st["hist"][int(n[b]) - 1] += 1
-            self._deliver(b, [int(t) for t in toks[b, :n[b]]], tree, now,
-                          wall=time.perf_counter() - begin - (self.compile_s - compiled))
-        self._shrink()
+            self._deliver(b, [int(t) for t in toks[b, :n[b]]], f.tree, now, wall=wall)
 
     def _compiled(self, fn, static: tuple, args: tuple):
         """`decoding.compile.aot`, its compilation time counted in `compile_s`."""
@@ -529,6 +540,8 @@ class Engine:
         """Fewer rows once most are free and nobody waits (a step costs what its rows cost)."""
         rows = len(self.rows)
         if rows > 1 and not self.waiting and self.live <= rows // 4:
+            self._drain()
+        if rows > 1 and not self.waiting and self.live <= rows // 4:
             self._regroup(_pow2(max(self.live, 1)), self.S)
 
     def _finish_handle(self, h: RequestHandle, fin: Finished) -> None:
@@ -536,6 +549,7 @@ class Engine:
         h._emit("done", fin)
 
     def _fail_all(self, message: str) -> None:
+        self.flights.clear()
         for b, r in enumerate(self.rows):
             if r is not None:
                 self.rows[b] = None

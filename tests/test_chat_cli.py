@@ -1,0 +1,46 @@
+"""medusa-chat with piped standard input on the real model: two turns (the second refers to the
+first), `/reset`, and a third turn that asks the second question again. The printed answers are
+exactly those of `generate` on the rendered conversations, so the chat keeps turn 1 in turn 2's
+prompt and forgets it after `/reset`."""
+import os
+import subprocess
+import sys
+
+import pytest
+
+from medusa_jax.chat import render_chat
+from medusa_jax.decoding.generate import generate
+from medusa_jax.resolve import resolve_heads
+
+pytestmark = pytest.mark.real_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TURN1 = "Tell me about the Eiffel Tower in one sentence."
+TURN2 = "How tall is it?"
+N = 32
+
+
+def _answer(model, heads, tree, messages):
+    ids = render_chat(model.tokenizer, messages)
+    out = generate(model.cfg, model.params, ids, heads=heads, tree=tree, max_new_tokens=N, progress=False)
+    return model.tokenizer.decode(out.tokens, skip_special_tokens=True)
+
+
+def test_piped_chat_keeps_the_conversation_and_reset_forgets(smollm2):
+    heads, tree, _ = resolve_heads(smollm2, None)
+    a1 = _answer(smollm2, heads, tree, [{"role": "user", "content": TURN1}])
+    a2 = _answer(smollm2, heads, tree, [{"role": "user", "content": TURN1}, {"role": "assistant", "content": a1},
+                                        {"role": "user", "content": TURN2}])
+    a3 = _answer(smollm2, heads, tree, [{"role": "user", "content": TURN2}])
+    assert "Eiffel" in a2 and "Eiffel" not in a3, (a2, a3)  # "it" is the tower only with turn 1 before it
+
+    run = subprocess.run([sys.executable, "-m", "medusa_jax.cli.chat", "--max-new-tokens", str(N)],
+                         input=f"{TURN1}\n{TURN2}\n/reset\n{TURN2}\n/exit\n", capture_output=True, text=True,
+                         cwd=ROOT, timeout=600)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"{a1}\n{a2}\n{a3}\n"
+    assert "[the conversation is forgotten]" in run.stderr
+    stats = [line for line in run.stderr.splitlines() if "tokens/step" in line]
+    assert len(stats) == 3
+    reused = [int(line.split(" of ")[0].rsplit(", ", 1)[1]) for line in stats]
+    assert reused[0] == 0 and reused[1] > 0  # turn 2 starts from turn 1's KV cache
