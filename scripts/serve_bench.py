@@ -4,12 +4,17 @@ clients (the official `openai` package), bounded in time.
     .venv/bin/python scripts/serve_bench.py [--prompts 48] [--concurrency 1,4,16] [--speculation off,always,adaptive]
 
 For each speculation setting a server is started (``medusa-serve --speculation S --max-batch 16`` on a
-free port), warmed up (every concurrency once on a few prompts, untimed), then each concurrency
+free port), warmed up (untimed: by default every concurrency replays all the prompts once, so that
+each shape of step the replay meets is compiled; `--warmup short`: a few prompts), then each concurrency
 replays the prompts (greedy, ``--max-tokens`` each): N clients, each taking the next prompt when its
 stream ends. Reported per run: throughput (completion tokens / wall seconds, prefills included),
-time to first token and inter-token latency p50 / p99 (per token: the gap between two chunks over
-the chunk's tokens), the answers' agreement with the plain server's (greedy: identical), and the
-server's tokens per step. One JSON line per (speculation, concurrency); a ratios line at the end.
+decode throughput (the tokens after each request's first chunk / the seconds from its first chunk
+to its last, summed over requests: at concurrency 1 the decoding speed alone; a Medusa first chunk
+may carry more than one token, which overstates Medusa's figure by ~1-2% at 64 tokens), time to
+first token and inter-chunk latency p50 / p99 (the gap between two streamed chunks; a chunk carries
+the tokens one step accepted), the answers' agreement with the plain server's (greedy: identical),
+and the server's tokens per step. One JSON line per (speculation, concurrency); a ratios line at the
+end (throughput and decode throughput against speculation off).
 """
 from __future__ import annotations
 
@@ -64,6 +69,7 @@ def replay(url: str, prompts, concurrency: int, max_tokens: int, deadline_s: flo
     queue = list(enumerate(prompts))
     lock = threading.Lock()
     answers, ttft, itl, tokens = {}, [], [], 0
+    decode = [0, 0.0]  # tokens after the first chunk, seconds from the first chunk to the last
     end_at = time.perf_counter() + deadline_s
 
     def worker():
@@ -77,7 +83,8 @@ def replay(url: str, prompts, concurrency: int, max_tokens: int, deadline_s: flo
             stream = client.chat.completions.create(model="smollm2-135m-instruct", stream=True,
                                                     messages=[{"role": "user", "content": p}], max_tokens=max_tokens,
                                                     temperature=0, stream_options={"include_usage": True})
-            last, parts, n = None, [], 0
+            first = last = None
+            parts, n = [], 0
             for chunk in stream:
                 now = time.perf_counter()
                 if chunk.usage is not None:
@@ -87,12 +94,16 @@ def replay(url: str, prompts, concurrency: int, max_tokens: int, deadline_s: flo
                 parts.append(chunk.choices[0].delta.content)
                 if last is None:
                     ttft.append(now - t0)
+                    first = now
                 else:
                     itl.append(now - last)
                 last = now
             with lock:
                 answers[i] = "".join(parts)
                 tokens += n
+                if first is not None and last > first:
+                    decode[0] += n - 1
+                    decode[1] += last - first
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=worker) for _ in range(concurrency)]
@@ -103,6 +114,7 @@ def replay(url: str, prompts, concurrency: int, max_tokens: int, deadline_s: flo
     wall = time.perf_counter() - t0
     pct = lambda xs, q: round(float(np.percentile(xs, q)) * 1e3, 1) if xs else None  # noqa: E731
     return {"requests": len(answers), "tokens": tokens, "wall_s": round(wall, 2), "tok_s": round(tokens / wall, 2),
+            "decode_tok_s": round(decode[0] / decode[1], 2) if decode[1] else None,
             "ttft_p50_ms": pct(ttft, 50), "ttft_p99_ms": pct(ttft, 99), "itl_p50_ms": pct(itl, 50),
             "itl_p99_ms": pct(itl, 99), "answers": answers}
 
@@ -122,6 +134,9 @@ def main() -> int:
     p.add_argument("--speculation", default="off,always,adaptive")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--max-batch", type=int, default=16)
+    p.add_argument("--warmup", choices=("full", "short"), default="full",
+                   help="untimed replay before each timed one: every prompt (full: no compilation is timed) or a few "
+                        "(short: the first requests of new shapes compile inside the timings, as on a cold server)")
     p.add_argument("--deadline", type=float, default=1200.0, help="seconds one replay may take at most")
     args = p.parse_args()
     recs = per_category(spec_bench_groups(load_first_turns(SPEC_BENCH)), -(-args.prompts // 6))[:args.prompts]
@@ -131,8 +146,9 @@ def main() -> int:
     for spec in args.speculation.split(","):
         proc, url = start(spec, args.max_batch)
         try:
-            for c in levels:  # untimed warm-up: compiles the shapes of every batch size
-                replay(url, prompts[:max(c, 2)], c, args.max_tokens, args.deadline)
+            for c in levels:  # untimed warm-up: compiles the shapes (trees, rows, cache sizes) the replay meets
+                replay(url, prompts if args.warmup == "full" else prompts[:max(c, 2)], c, args.max_tokens,
+                       args.deadline)
             for c in levels:
                 r = replay(url, prompts, c, args.max_tokens, args.deadline)
                 results[(spec, c)] = r
@@ -149,7 +165,10 @@ def main() -> int:
         if off:
             for spec in ("always", "adaptive"):
                 if (spec, c) in results:
-                    ratios[f"{spec}/off@{c}"] = round(results[(spec, c)]["tok_s"] / off["tok_s"], 3)
+                    r = results[(spec, c)]
+                    ratios[f"{spec}/off@{c}"] = round(r["tok_s"] / off["tok_s"], 3)
+                    if r["decode_tok_s"] and off["decode_tok_s"]:
+                        ratios[f"{spec}/off@{c} decode"] = round(r["decode_tok_s"] / off["decode_tok_s"], 3)
     print(json.dumps({"ratios": ratios}), flush=True)
     return 0
 

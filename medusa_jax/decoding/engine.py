@@ -152,6 +152,7 @@ class Engine:
         self._live_masks: dict = {}  # live rows (a tuple of bools) -> the [B] mask on the device
         self.flights: "collections.deque[_Flight]" = collections.deque()  # steps dispatched, not read back
         self._mark = (0.0, 0.0)  # (time, compile_s) of the last read-back: a step's cost runs from there
+        self._clean = True  # only decoding steps ran since the mark (their interval is a step cost)
         self.rows: List[Optional[_Row]] = []
         self.lengths = np.zeros((0,), np.int64)
         self.S = 0
@@ -313,6 +314,7 @@ class Engine:
             if not self.jobs:
                 return
             h, job = min(self.jobs, key=lambda j: j[1].remaining)
+            self._clean = False
             try:
                 compiled = job.compile_s
                 done = job.run_chunk(None if whole else self.live_chunk)
@@ -385,17 +387,21 @@ class Engine:
     # ------------------------------------------------------------------ decoding
 
     def _decode(self) -> None:
-        """Dispatch the next step, then read back the one before it: one step stays in flight, so
-        the host's work for step n (reading its tokens back, delivering them, choosing the next
-        tree) overlaps step n + 1 on the device, as in the on-device loop. The step after a row's
-        last one computes for nothing (its results for rows freed or replaced meanwhile are never
-        read); a step runs ahead only when every row has room in its cache for it whatever the step
-        in flight accepts, and structural changes (regroup) wait for the flight to land."""
-        if self.flights and not self._room_ahead():
+        """Dispatch the next step, then read back the one before it: with nothing to prefill, one
+        step stays in flight, so the host's work for step n (reading its tokens back, delivering
+        them, choosing the next tree) overlaps step n + 1 on the device, as in the on-device loop.
+        The step after a row's last one computes for nothing (its results for rows freed or replaced
+        meanwhile are never read); a step runs ahead only when every row has room in its cache for
+        it whatever the step in flight accepts, and structural changes (regroup) wait for the
+        flight to land. While prefills are under way, each step is dispatched and read back alone
+        (after the row copies queued before it), so that its time is its own: the chooser's costs
+        must not include the prefill chunks between steps."""
+        ahead = not self.jobs and not self.pending
+        if self.flights and not (ahead and self._room_ahead()):
             self._drain()
         if self.live:
-            self._dispatch()
-        if len(self.flights) > 1 or (self.flights and not self.live):
+            self._dispatch(alone=not ahead)
+        if len(self.flights) > 1 or (self.flights and not (ahead and self.live)):
             self._read_back()
         self._shrink()
 
@@ -410,9 +416,7 @@ class Engine:
         while self.flights:
             self._read_back()
 
-    def _dispatch(self) -> None:
-        if not self.flights:
-            self._mark = (time.perf_counter(), self.compile_s)
+    def _dispatch(self, alone: bool) -> None:
         live_rows = [b for b, r in enumerate(self.rows) if r is not None]
         i = self.chooser.choose(len(self.rows), len(live_rows))
         tree = self.chooser.trees[i]
@@ -447,6 +451,10 @@ class Engine:
         fn = self._steps.get(key)
         if fn is None:
             fn = self._steps[key] = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc), args)
+        if alone:  # admissions and regroups first: the step's time is its own
+            jax.block_until_ready(self.state)
+        if alone or not self.flights:
+            self._mark, self._clean = (time.perf_counter(), self.compile_s), True
         out, self.state = fn(*args)
         self.flights.append(_Flight(out, i, tree, list(self.rows)))
 
@@ -458,13 +466,14 @@ class Engine:
         toks, n = jax.device_get((f.out.tokens, f.out.num_tokens))
         now = time.perf_counter()
         wall = now - self._mark[0] - (self.compile_s - self._mark[1])
-        self._mark = (now, self.compile_s)
+        clean, self._mark, self._clean = self._clean, (now, self.compile_s), True
         rows = [b for b, r in enumerate(f.rows) if r is not None and self.rows[b] is r]
         if not rows:
             return
         for b in rows:
             self.lengths[b] += int(n[b])  # the step advanced each live row by its accepted tokens
-        self.chooser.update(f.index, len(f.rows), wall, float(np.mean(n[rows])))
+        if clean:  # no prefill chunk or row copy ran since the last read-back
+            self.chooser.update(f.index, len(f.rows), wall, float(np.mean(n[rows])))
         st = self.stats
         st["steps"] += 1
         st["tree_choices"][f.index] += 1
