@@ -17,9 +17,9 @@ One iteration (`Engine.step`):
    sampling kind), with the tree chosen for this step (`TreeChooser`: plain, a smaller tree or the
    full one, by expected tokens per second from the measured step times and acceptance); every
    row's accepted tokens go to its request (a callback, or the handle's queue), cut at its stop ids
-   and token budget; finished rows are freed and their caches kept for prefix reuse. The step is
-   launched before the previous one is read back (`Engine._decode`: one step in flight), so the
-   host's work overlaps the device's.
+   and token budget; finished rows are freed and their caches kept for prefix reuse. With nothing
+   to prefill, the step after a plain step is launched before the plain step is read back
+   (`Engine._decode`), so the host's work overlaps the device's.
 
 Exactness: greedy rows emit exactly plain greedy decoding's tokens whatever the tree, and sampled
 rows exactly plain sampling's for their seed (`decoding.sampling`: the token at each position is
@@ -395,13 +395,17 @@ class Engine:
         it whatever the step in flight accepts, and structural changes (regroup) wait for the
         flight to land. While prefills are under way, each step is dispatched and read back alone
         (after the row copies queued before it), so that its time is its own: the chooser's costs
-        must not include the prefill chunks between steps."""
+        must not include the prefill chunks between steps. Only plain steps run ahead: on this
+        2-core CPU the host's work beside a tree step (which keeps both cores busy) slowed it by
+        more than the overlap saved (streamed Medusa 0.958 -> 0.943 of the on-device loop, plain
+        0.905 -> 0.945; docs/performance.md)."""
         ahead = not self.jobs and not self.pending
-        if self.flights and not (ahead and self._room_ahead()):
+        if self.flights and not (ahead and self._room_ahead() and self.flights[-1].tree.max_accepted == 0):
             self._drain()
         if self.live:
             self._dispatch(alone=not ahead)
-        if len(self.flights) > 1 or (self.flights and not (ahead and self.live)):
+        if len(self.flights) > 1 or (self.flights and not (ahead and self.live
+                                                           and self.flights[-1].tree.max_accepted == 0)):
             self._read_back()
         self._shrink()
 
