@@ -58,8 +58,8 @@ def speculation(args, model, heads, tree) -> None:
     for rows in [int(r) for r in args.rows.split(",")]:
         engines = {mode: Engine(model.cfg, model.params, heads=heads, tree=tree, max_batch=rows, speculation=mode)
                    for mode in ("off", "always", "adaptive")}
-        for e in engines.values():  # untimed warm-up: compiles the shapes of this row count
-            run_all(e, ids[:rows], args.max_new_tokens)
+        for e in engines.values():  # untimed warm-up: compiles the shapes (trees, cache sizes) the run meets
+            run_all(e, ids if args.warmup == "full" else ids[:rows], args.max_new_tokens)
         for e in engines.values():  # the chooser starts again from its priors
             e.chooser.__init__(e.chooser.trees, e.chooser.mode)
         out = {}
@@ -141,6 +141,9 @@ def main() -> int:
     p.add_argument("--prompts", type=int, default=40)
     p.add_argument("--rows", default="1,4,16")
     p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--warmup", choices=("full", "short"), default="full",
+                   help="speculation: an untimed run of every prompt first (full: no compilation is timed) or of "
+                        "one per row (short: new cache sizes compile inside the timings)")
     p.add_argument("--context", type=int, default=1500, help="multiturn: tokens before the third turn (about)")
     args = p.parse_args()
     model = mj.load_model()
