@@ -60,11 +60,10 @@ from medusa_jax.models.kv_cache import grow_cache
 
 
 class _Flight(NamedTuple):
-    """A step dispatched and not yet read back: its output, its tree (index into the chooser's)
-    and the rows it ran for (the `_Row` objects: a row freed or replaced since is not read)."""
+    """A step dispatched and not yet read back: its output, its tree (an index into the chooser's
+    trees) and the rows it ran for (the `_Row` objects: a row freed or replaced since is not read)."""
     out: StepOutput
     index: int
-    tree: TreeBuffers
     rows: List[Optional["_Row"]]
 
 
@@ -400,21 +399,23 @@ class Engine:
         more than the overlap saved (streamed Medusa 0.958 -> 0.943 of the on-device loop, plain
         0.905 -> 0.945; docs/performance.md)."""
         ahead = not self.jobs and not self.pending
-        if self.flights and not (ahead and self._room_ahead() and self.flights[-1].tree.max_accepted == 0):
+        if self.flights and not (ahead and self._plain_in_flight() and self._room_ahead()):
             self._drain()
         if self.live:
             self._dispatch(alone=not ahead)
-        if len(self.flights) > 1 or (self.flights and not (ahead and self.live
-                                                           and self.flights[-1].tree.max_accepted == 0)):
+        if len(self.flights) > 1 or (self.flights and not (ahead and self.live and self._plain_in_flight())):
             self._read_back()
         self._shrink()
+
+    def _plain_in_flight(self) -> bool:
+        return self.chooser.trees[self.flights[-1].index].max_accepted == 0
 
     def _room_ahead(self) -> bool:
         live_rows = [b for b, r in enumerate(self.rows) if r is not None]
         if not live_rows:
             return True
         longest = int(max(self.lengths[b] for b in live_rows))
-        return longest + self.flights[-1].tree.step_size + self.step_size <= self.S
+        return longest + self.chooser.trees[self.flights[-1].index].step_size + self.step_size <= self.S
 
     def _drain(self) -> None:
         while self.flights:
@@ -460,7 +461,7 @@ class Engine:
         if alone or not self.flights:
             self._mark, self._clean = (time.perf_counter(), self.compile_s), True
         out, self.state = fn(*args)
-        self.flights.append(_Flight(out, i, tree, list(self.rows)))
+        self.flights.append(_Flight(out, i, list(self.rows)))
 
     def _read_back(self) -> None:
         """Wait for the oldest step in flight and hand its tokens to the rows it ran for (those that
@@ -483,7 +484,7 @@ class Engine:
         st["tree_choices"][f.index] += 1
         for b in rows:
             st["hist"][int(n[b]) - 1] += 1
-            self._deliver(b, [int(t) for t in toks[b, :n[b]]], f.tree, now, wall=wall)
+            self._deliver(b, [int(t) for t in toks[b, :n[b]]], self.chooser.trees[f.index], now, wall=wall)
 
     def _compiled(self, fn, static: tuple, args: tuple):
         """`decoding.compile.aot`, its compilation time counted in `compile_s`."""
@@ -553,8 +554,7 @@ class Engine:
         """Fewer rows once most are free and nobody waits (a step costs what its rows cost)."""
         rows = len(self.rows)
         if rows > 1 and not self.waiting and self.live <= rows // 4:
-            self._drain()
-        if rows > 1 and not self.waiting and self.live <= rows // 4:
+            self._drain()  # the flight's rows may finish: the new size counts only those still live
             self._regroup(_pow2(max(self.live, 1)), self.S)
 
     def _finish_handle(self, h: RequestHandle, fin: Finished) -> None:
