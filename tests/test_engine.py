@@ -153,10 +153,13 @@ def test_bad_requests_are_refused_and_errors_stay_with_their_request(tiny, monke
 def test_chooser_takes_the_fastest_tree_per_batch():
     trees = [build_tree([], topk=1), build_tree([(0,)], topk=1), build_tree([(0,), (0, 0)], topk=1)]
     ch = TreeChooser(trees, "adaptive", explore_every=1000)
-    for secs, gain in [(1.0, 1.0), (1.2, 1.9), (1.3, 2.5)]:  # every tree is tried once first
-        ch.update(ch.choose(4, 4), 4, secs, gain)
+    # every tree is tried twice first, so that one slow first call (9 s here) does not rule tree 1 out
+    for want, secs, gain in [(0, 1.0, 1.0), (0, 1.0, 1.0), (1, 9.0, 1.9), (1, 1.2, 1.9), (2, 1.3, 2.5), (2, 1.4, 2.5)]:
+        assert ch.choose(4, 4) == want
+        ch.update(want, 4, secs, gain)
+    assert ch.seconds[(1, 4)] == 1.2 and ch.gain == [1.0, 1.9, 2.5]
     assert ch.choose(4, 4) == 2  # 2.5 / 1.3 beats 1.9 / 1.2 and 1 / 1
-    for i, secs in enumerate([1.0, 3.0, 4.0]):  # at 16 rows the trees cost too much
-        ch.update(i, 16, secs, [1.0, 1.9, 2.5][i])
-    assert ch.choose(16, 16) == 0
+    for i, secs in enumerate([1.0, 3.0, 4.0] * 2):  # at 16 rows the trees cost too much
+        ch.update(i % 3, 16, secs, [1.0, 1.9, 2.5][i % 3])
+    assert ch.choose(16, 16) == 0 and ch.choose(4, 4) == 2
     assert TreeChooser(trees, "off").choose(4, 4) == 0 and TreeChooser(trees, "always").choose(4, 4) == 2

@@ -17,7 +17,9 @@ class TreeChooser:
     exponential mean with weight `smoothing`: acceptance varies from step to step and request to
     request, so it needs a long memory; before any step, `priors`), and per (tree, batch rows) the
     seconds of a step (the least of its last `window` measurements: interference only ever adds
-    time, and one slow first call must not rule a tree out; a pair never measured is tried first). A step takes the tree with the most expected tokens per second,
+    time; a pair measured fewer than `min_measured` times is tried first, so that one slow call,
+    such as the first of a new executable, never rules a tree out for long). A step takes the tree
+    with the most expected tokens per second,
     ``live rows * tokens per row-step / seconds per step``, and re-measures each other tree once it
     has not run for `explore_every` steps times how much slower it was, so the means follow the load
     at little cost. Mode "always": the full
@@ -25,7 +27,7 @@ class TreeChooser:
     """
 
     def __init__(self, trees: Sequence[TreeBuffers], mode: str = "adaptive", priors: Optional[Sequence[float]] = None,
-                 explore_every: int = 32, smoothing: float = 0.03, window: int = 8):
+                 explore_every: int = 32, smoothing: float = 0.03, window: int = 8, min_measured: int = 2):
         if mode not in SPECULATION:
             raise ValueError(f"speculation must be one of {', '.join(SPECULATION)}, got {mode!r}")
         self.trees, self.mode = list(trees), mode
@@ -35,6 +37,7 @@ class TreeChooser:
         self.times: Dict[Tuple[int, int], Deque[float]] = {}
         self.last_used: Dict[Tuple[int, int], int] = {}
         self.explore_every, self.smoothing, self.window = explore_every, smoothing, window
+        self.min_measured = min_measured
         self.steps = 0
         self.chosen = [0] * len(self.trees)
 
@@ -45,7 +48,7 @@ class TreeChooser:
         if self.mode == "always":
             return len(self.trees) - 1
         keys = [(i, rows) for i in range(len(self.trees))]
-        unmeasured = [k for k in keys if k not in self.seconds]
+        unmeasured = [k for k in keys if len(self.times.get(k, ())) < self.min_measured]
         if unmeasured:
             return unmeasured[0][0]
         best = max(range(len(self.trees)), key=lambda i: live * self.gain[i] / self.seconds[(i, rows)])
