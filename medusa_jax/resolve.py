@@ -158,9 +158,10 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
     For the tree tune chose, with the prompt lookup it chose it with (or with none), the figure tune
     replayed on the held-out chats (`medusa_jax.tuning.replay`; with or without that lookup); for another
     tree, 1 + E[accepted] under the calibrated rank accuracies as if the heads erred independently
-    (Medusa Sec. 3.3.1), which ignores prompt lookup. None without a calibration."""
+    (Medusa Sec. 3.3.1), which ignores prompt lookup. None without a calibration, and for a tree
+    chosen per step (``tree.dynamic``: nothing predicts it yet)."""
 
-    if not calibration or "rank_accuracies" not in calibration:
+    if not calibration or "rank_accuracies" not in calibration or tree.dynamic is not None:
         return None
     lookup = tree.lookup_settings
     chosen = {tuple(p) for p in calibration.get("medusa_choices") or []}
@@ -179,7 +180,7 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
 def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
     """A hint when `medusa_jax.cli.tune` measured, on this kind of device, that the heads' chosen tree is
     slower than plain decoding (predicted speedup < 1); "" otherwise."""
-    if tree is None or not calibration:
+    if tree is None or not calibration or tree.dynamic is not None:
         return ""
 
     if calibration.get("device") != str(jax.devices()[0].device_kind) or calibration.get("chosen_size") != tree.size:

@@ -1,6 +1,7 @@
 """Exact (lossless) tree sampling: the first three emitted tokens of Medusa decoding with exact
 acceptance follow plain ancestral sampling's joint distribution, for several trees, temperatures
-0.7 and 1.0, top-p 0.9, both head types and with prompt lookup; broken variants fail the same test.
+0.7 and 1.0, top-p 0.9, both head types, with prompt lookup and with trees chosen per step (a dynamic
+tree: `decoding.dynamic`); broken variants fail the same test.
 
 The reference distribution is computed exactly (8 + 64 forwards of a V = 8 model), and the Medusa
 samples (one batch row each, per-row keys, fixed seeds: deterministic) are compared with it by a
@@ -16,7 +17,7 @@ import pytest
 from conftest import random_heads, tiny_decoding_model
 from scipy.stats import chi2
 
-from medusa_jax.decoding import acceptance, sampling
+from medusa_jax.decoding import acceptance, dynamic, sampling
 from medusa_jax.decoding import step as step_module
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.compile import clear_compiled
@@ -25,7 +26,7 @@ from medusa_jax.decoding.generate import generate, generate_batch, generate_devi
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.sampling import filtered_logits
-from medusa_jax.decoding.tree import build_tree, with_lookup
+from medusa_jax.decoding.tree import TreeArrays, build_tree, dynamic_tree, with_lookup
 from medusa_jax.models.llama import LlamaModel
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -39,8 +40,11 @@ P_MIN = 1e-3     # chi-square p-value below which the distributions differ
 TREE_A = build_tree([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1)], topk=3)
 TREE_B = build_tree([(0,), (1,), (2,), (3,), (0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (2, 0)], topk=4)
 # prompt lookup beside tree A: a root that occurred in the context gets the tokens after it as a chain
-TREES = {"A": TREE_A, "B": TREE_B, "A+lookup": with_lookup(TREE_A, PromptLookup(num_tokens=2, max_ngram=2,
-                                                                                 min_ngram=1))}
+LOOKUP = PromptLookup(num_tokens=2, max_ngram=2, min_ngram=1)
+# a tree of 8 nodes chosen per step from the heads' top 4 (depth 3; hydra heads expand 2 per depth)
+TREE_DYN = dynamic_tree(8, 3, topk=4, width=2)
+TREES = {"A": TREE_A, "B": TREE_B, "A+lookup": with_lookup(TREE_A, LOOKUP), "dyn": TREE_DYN,
+         "dyn+lookup": with_lookup(TREE_DYN, LOOKUP)}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +111,8 @@ def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
 
 CASES = [("medusa", "A", 0.7, 1.0), ("medusa", "B", 1.0, 1.0), ("medusa", "A", 1.0, 0.9),
          ("medusa", "B", 0.7, 0.9), ("hydra", "A", 1.0, 1.0), ("hydra", "B", 0.7, 0.9),
-         ("medusa", "A+lookup", 1.0, 1.0), ("hydra", "A+lookup", 0.7, 0.9)]
+         ("medusa", "A+lookup", 1.0, 1.0), ("hydra", "A+lookup", 0.7, 0.9), ("medusa", "dyn", 1.0, 1.0),
+         ("hydra", "dyn", 0.7, 0.9), ("hydra", "dyn+lookup", 1.0, 1.0)]
 
 
 @pytest.mark.parametrize("head_type,tree_name,temperature,top_p", CASES)
@@ -151,18 +156,32 @@ def _candidates_against_the_argmax(logits, keys, positions, temperature, top_p, 
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
-@pytest.mark.parametrize("module,name,broken", [
-    (sampling, "position_uniforms", _one_uniform_for_every_position),
-    (acceptance, "sample_tokens", _candidates_against_the_argmax)])
-def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken):
-    """One uniform reused at every position, or candidates accepted as the argmax instead of the
-    uniform's choice: each visibly changes the distribution, and the test must say so."""
+_SELECT_TREE = dynamic.select_tree
+
+
+def _every_earlier_node_visible(*args, **kwargs):
+    """A dynamic tree whose nodes attend to every earlier node, not only their ancestors."""
+    arrays, tokens = _SELECT_TREE(*args, **kwargs)
+    T = arrays.depth.shape[1]
+    return TreeArrays(jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), arrays.ancestor_mask.shape),
+                      *arrays[1:]), tokens
+
+
+@pytest.mark.parametrize("module,name,broken,tree", [
+    (sampling, "position_uniforms", _one_uniform_for_every_position, TREE_B),
+    (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_B),
+    (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_DYN),
+    (dynamic, "select_tree", _every_earlier_node_visible, TREE_DYN)])
+def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken, tree):
+    """One uniform reused at every position, candidates accepted as the argmax instead of the
+    uniform's choice, or a dynamic tree's mask that lets a node see its siblings: each visibly
+    changes the distribution, and the test must say so."""
     cfg, params, logits = model
     acc = Acceptance(temperature=1.0)
     heads = random_heads(cfg, params)
     expected = reference(logits, acc)
     monkeypatch.setattr(module, name, broken)  # where the step looks it up
-    p = chi_square_p(patched_samples(cfg, params, heads, TREE_B, acc), expected)
+    p = chi_square_p(patched_samples(cfg, params, heads, tree, acc), expected)
     assert p < P_MIN, f"the broken variant ({name}) passed the test (p = {p:.2g})"
 
 

@@ -9,13 +9,14 @@ from conftest import random_heads, tiny_decoding_model
 
 from medusa_jax.decoding.generate import generate
 from medusa_jax.decoding.lookup import PromptLookup, ngram_draft
-from medusa_jax.decoding.tree import build_tree, with_lookup
+from medusa_jax.decoding.tree import build_tree, dynamic_tree, with_lookup
 from medusa_jax.heads.hydra import token_embeddings
 from medusa_jax.heads.medusa import with_proposal_projection
 from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.train.hidden import Backbone, compute_positions, position_sources
 from medusa_jax.tuning.replay import (
     Replay,
+    dynamic_accepted,
     lookup_draft,
     path_ranks,
     rank_accuracies_of,
@@ -118,6 +119,31 @@ def test_replay_equals_greedy_decoding_of_the_models_own_answers(head_type):
             assert all(d.tokens == c[0][len(p):].tolist() for d, c, p in zip(decoded, chats, prompts))
             r = replay(chats, sources, accepted, lookup)
             assert r["steps"] == sum(d.steps for d in decoded) and r["tokens"] == 180
+
+
+@pytest.mark.parametrize("head_type", ["medusa", "hydra"])
+def test_dynamic_replay_equals_greedy_decoding_of_the_models_own_answers(head_type):
+    """The same claim for trees chosen per step: `dynamic_accepted` drafts the tree at every position
+    and the replay gives the steps greedy decoding with that dynamic tree takes."""
+    cfg, params = tiny_decoding_model()
+    hcfg, hp = random_heads(cfg, params, 3, head_type, scale=0.3)
+    lm = lm_head_matrix(cfg, params)
+    jhp = with_proposal_projection(hcfg, jax.tree_util.tree_map(jnp.asarray, hp), lm)
+    prompts = [[3, 9, 14, 2, 7, 3, 9, 14], list(range(1, 20)), [12, 40, 12, 40, 5]]
+    chats = []
+    for p in prompts:
+        answer = generate(cfg, params, p, max_new_tokens=60, eos_token_ids=()).tokens
+        chats.append((np.array(p + answer, np.int32), np.array([False] * len(p) + [True] * len(answer))))
+    pos = compute_positions(Backbone(cfg, params, "tiny"), chats, 3, 128, 512, progress=False)
+    sources = position_sources(chats, 3)
+    emb = token_embeddings(params) if head_type == "hydra" else None
+    for tree in (dynamic_tree(6, 3, 10, width=2), dynamic_tree(12, 2, 10, width=3)):
+        accepted = dynamic_accepted(hcfg, jhp, lm, pos, tree, emb, batch=16)
+        assert accepted.shape == (pos.num_positions,) and accepted.max() > 0
+        decoded = [generate(cfg, params, p, max_new_tokens=60, heads=(hcfg, hp), tree=tree, eos_token_ids=())
+                   for p in prompts]
+        r = replay(chats, sources, accepted)
+        assert r["steps"] == sum(d.steps for d in decoded) and r["tokens"] == 180
 
 
 def test_search_tree_for_decoding_steps():

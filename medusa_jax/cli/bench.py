@@ -51,7 +51,7 @@ def main(argv=None) -> int:
                         "stalled whenever another process took a core: see module docs)")
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: SmolLM2 GGUF)")
     p.add_argument("--heads", default=None, help=common.heads_help())
-    p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
+    p.add_argument("--tree", default=None, help=common.TREE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--batch-size", default="1", metavar="N[,N...]",
                    help="batch sizes > 1 (comma-separated): also decode all prompts N at a time (continuous batching, "
@@ -169,6 +169,7 @@ def main(argv=None) -> int:
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
                    "tree": [list(c) for c in tree.medusa_choices],
+                   "dynamic_tree": tree.dynamic and tree.dynamic._asdict(),
                    "prompt_lookup": tree.lookup_settings,
                    "predicted_tokens_per_step": predicted and predicted[0],
                    "predicted_basis": predicted and predicted[1], "conditions": conditions, "rows": rows}, f, indent=1)

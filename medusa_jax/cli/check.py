@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     p.add_argument("--heads", default=None,
                    help=common.heads_help())
     p.add_argument("--num-heads", type=int, default=4, help="head count for --heads zero")
-    p.add_argument("--tree", default=None, help="tree preset or file (default: the heads' tree)")
+    p.add_argument("--tree", default=None, help=common.TREE_HELP)
     p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--tie-gap", type=float, default=None,

@@ -143,10 +143,18 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
             num_heads = raw.get("medusa_num_heads")
     if tree_spec is None:
         return None
-    tree = get_tree(tree_spec, topk=None, num_heads=None)
+    dynamic = isinstance(tree_spec, str) and tree_spec.startswith("dynamic:")  # as deep as the heads
+    tree = get_tree(tree_spec, topk=None, num_heads=num_heads if dynamic else None)
     if num_heads is not None:
         check_depth(tree.max_depth, int(num_heads), what="--tree")
     return tree
+
+
+#: --tree's help, shared by the decoding commands.
+TREE_HELP = ("Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3), a JSON/YAML file of medusa_choices, or "
+             "dynamic:T[:W], a tree of T nodes (root included) chosen every step from the heads' proposals by "
+             "cumulative draft probability (hydra heads expand the W best nodes per depth, default 4); default: "
+             "the tree saved with the heads")
 
 
 class Setup(NamedTuple):
@@ -201,9 +209,7 @@ def add_model_args(p, zero: bool = True, no_medusa: bool = True) -> None:
     p.add_argument("--heads", default=None, help=heads_help(zero))
     if no_medusa:
         p.add_argument("--no-medusa", action="store_true", help="plain decoding, one token per step (the baseline)")
-    p.add_argument("--tree", default=None,
-                   help="Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3) or a JSON/YAML file of "
-                        "medusa_choices; default: the tree saved with the heads")
+    p.add_argument("--tree", default=None, help=TREE_HELP)
 
 
 def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (see --acceptance)") -> None:

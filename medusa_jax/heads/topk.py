@@ -14,9 +14,11 @@ from medusa_jax.heads.medusa import BLOCK_KEYS, MedusaHeads, proposal_projection
 
 
 def states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm_head: Optional[jax.Array],
-                 topk: int, first: int = 0) -> jax.Array:
+                topk: int, first: int = 0, logprobs: bool = False):
     """Top-k token ids from head states: [J, ..., D] states of heads first..first+J-1 -> [J, ..., topk]
-    int32, over the proposal vocabulary when the heads have one (module `heads`)."""
+    int32, over the proposal vocabulary when the heads have one (module `heads`). With `logprobs`,
+    also their log-probabilities [J, ..., topk] float32 under the head's softmax over that vocabulary
+    (the draft probabilities a dynamic tree ranks its nodes by: `decoding.dynamic`)."""
     J = states.shape[0]
     ids = None
     if "proposal_lm_head_t" in head_params:  # [N, D] shared proposal projection (heads.prepare_heads)
@@ -40,13 +42,18 @@ def states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm
         logits = kernels.matmul_nt(states, kernels.weight_for(proj.T, states.dtype))
     else:
         logits = jnp.einsum("k...d,kdv->k...v", states, proj[first:first + J].astype(states.dtype))
-    idx = jax.lax.top_k(logits.astype(jnp.float32), topk)[1].astype(jnp.int32)
-    return idx if ids is None else ids[idx]
+    logits = logits.astype(jnp.float32)
+    top, idx = jax.lax.top_k(logits, topk)
+    idx = idx.astype(jnp.int32)
+    tokens = idx if ids is None else ids[idx]
+    if not logprobs:
+        return tokens
+    return tokens, top - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
 
 
 def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_head: Optional[jax.Array],
               depth: int, topk: int, path_tokens: Optional[jax.Array] = None,
-              embeddings: Optional[jax.Array] = None) -> jax.Array:
+              embeddings: Optional[jax.Array] = None, logprobs: bool = False):
     """Top-k proposals of the first `depth` heads.
 
     Args:
@@ -62,9 +69,10 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
       (gathered here, every call, when absent).
       Params from `heads.medusa.prepare_heads` (with ``depth`` = this depth) make this slice- and
       gather-free; others work, at the cost of copying the first `depth` heads' weights per call.
+      logprobs: also return the tokens' log-probabilities (`states_topk`).
     Returns:
       [depth, N, topk] int32 token ids, best first; head k guesses the token k + 2 positions
-      after each hidden state's own token.
+      after each hidden state's own token. With `logprobs`: (ids, [depth, N, topk] float32).
     Raises:
       ValueError: hydra heads without path_tokens or embeddings.
     """
@@ -78,4 +86,4 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
         blocks = {k: head_params[k][:depth] for k in BLOCK_KEYS}
         states = MedusaHeads(heads_cfg.replace(num_heads=depth, shared_lm_head=True, proposal_vocab_size=0)).apply(
             {"params": blocks}, hidden, method=MedusaHeads.head_states)                  # [depth, N, D]
-    return states_topk(heads_cfg, head_params, states, base_lm_head, topk)
+    return states_topk(heads_cfg, head_params, states, base_lm_head, topk, logprobs=logprobs)

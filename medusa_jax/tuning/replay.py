@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax.decoding.dynamic import draft_tree
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.heads.topk import head_topk
 from medusa_jax.train.data import plain_positions, position_batches
@@ -70,6 +71,38 @@ def _ranks(heads_cfg, topk: int, head_params, lm, emb, batch) -> jax.Array:
                        path_tokens=batch["path_tokens"], embeddings=emb)                  # [K, N, topk]
     hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
     return jnp.where(hit.any(-1), jnp.argmax(hit, axis=-1), topk).T.astype(jnp.int8)
+
+
+def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings=None,
+                     batch: int = 512) -> np.ndarray:
+    """What a tree chosen per step (``tree.dynamic``, `decoding.dynamic`) accepts at every position,
+    exactly: the tree the heads draft there (its root the true token t+1, which greedy decoding of
+    the self-distilled answer emits) and the longest of its paths whose tokens are the answer's next
+    ones. Unlike a static tree's, this depends on the heads' whole proposal distributions, not only
+    on the true tokens' ranks, so the draft itself runs at each position.
+
+    Args: as `path_ranks`, and `tree` a dynamic tree (`decoding.tree.dynamic_tree`).
+    Returns: [P] int32 accepted candidates per position (feed `Replay.run`).
+    """
+    emb = None if embeddings is None else jnp.asarray(embeddings)
+    P = pos.num_positions
+    out = [np.asarray(_dynamic_batch(heads_cfg, tree, head_params, base_lm_head, emb, b))
+           for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch)]
+    return (np.concatenate(out) if out else np.zeros((0,), np.int32))[:P]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _dynamic_batch(heads_cfg, tree, head_params, lm, emb, batch) -> jax.Array:
+    """[N] int32 accepted candidates of one batch of positions (`dynamic_accepted`)."""
+    D = tree.max_depth
+    root = batch["path_tokens"][0]
+    arrays, tokens = draft_tree(heads_cfg, head_params, lm, emb, batch["hidden"], root, tree)
+    N, T = tokens.shape
+    on_path = jnp.take_along_axis(tokens[:, None, :], arrays.retrieve_indices.reshape(N, 1, -1), axis=2)
+    on_path = on_path.reshape(N, T, D + 1)[:, :, 1:]                                  # [N, T, D]
+    truth = batch["labels"][:D].T[:, None, :]                                        # [N, 1, D]
+    match = (on_path == truth) & arrays.valid[:, :, 1:] & batch["valid"][:D].T[:, None, :]
+    return jnp.max(jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=-1), axis=-1), axis=-1).astype(jnp.int32)
 
 
 def rank_accuracies_of(ranks: np.ndarray, valid: np.ndarray, topk: int) -> Tuple[np.ndarray, np.ndarray]:

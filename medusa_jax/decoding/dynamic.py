@@ -1,0 +1,168 @@
+"""A draft tree chosen per step at a fixed node budget (`decoding.tree.dynamic_tree`, ``"dynamic:T"``).
+
+Every step, the heads propose top-k tokens depth by depth and the T - 1 candidates with the highest
+cumulative draft log-probability (the sum of the head log-probabilities along the node's path)
+become the tree's nodes below the root. Scores fall along a path (each depth also costs
+`DEPTH_COST`, so a child always scores below its parent), hence the top T - 1 are ancestor-closed
+and the selection is a tree. Method: EAGLE-2 (Li et al. 2024, "EAGLE-2: Faster Inference of Language
+Models with Dynamic Draft Trees", Sec. 4: expand the best nodes, rerank all drafted nodes, keep the
+top T by draft confidence); here the confidence is the Medusa or Hydra heads' own probability.
+
+- Medusa heads (one top-k per head at the last accepted position): a depth-d node's children are
+  head d's top-k whatever the parent, so every one of the T - 1 best nodes of a depth may be
+  expanded at no cost; the selection is then exactly the best-first top T - 1 over all paths.
+- Hydra heads (children drafted from the parent's own path, Ankner et al. 2024, Sec. 3): head d runs
+  on the `width` W best depth-d nodes (a fixed width, so the shapes stay static), and the global
+  top T - 1 are kept among everything drafted.
+
+The shapes are static (T nodes, T paths: every node ends one, depth D); the tree itself is data: the
+ancestor mask [B, T, T], depths (positions), parents and paths are built on the device from the
+selected nodes' parent indices, row by row, and verified by the same `decoding.step` code as a static
+tree (as prompt lookup's per-row trees are). Verification is unchanged, so greedy output equals
+plain greedy; and since the tree depends only on the draft (the heads), never on the target's
+random numbers, exact acceptance stays exact.
+"""
+from __future__ import annotations
+
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.decoding.state import DecodeState
+from medusa_jax.decoding.tree import TreeArrays, TreeBuffers
+from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.heads.hydra import head_state, token_embeddings
+from medusa_jax.heads.topk import head_topk, states_topk
+from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.llama import lm_head_matrix
+
+#: Nats each depth costs on top of its head's log-probability: a child always scores strictly below
+#: its parent (a head may give a token probability 1.0 in float32), so the top T - 1 are
+#: ancestor-closed.
+DEPTH_COST = 1e-4
+
+
+def select_tree(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths: np.ndarray, root: jax.Array,
+                budget: int, max_depth: int) -> Tuple[TreeArrays, jax.Array]:
+    """The tree of the `budget` - 1 best drafted candidates below the root, row by row.
+
+    Args:
+      tokens: [B, C] int32 drafted candidates, listed depth by depth (every candidate after its parent).
+      scores: [B, C] float32 cumulative draft log-probabilities, strictly below the parent's.
+      parents: [B, C] int32 each candidate's parent, an index into the C candidates, or -1 (the root).
+      depths: [C] int32 (static, numpy) each candidate's depth (1..max_depth).
+      root: [B] int32 the root token.
+      budget: T (static), root included; C >= T - 1.
+      max_depth: D (static), the paths' length - 1.
+    Returns:
+      (TreeArrays with a row axis: ancestor_mask [B, T, T] bool, depth [B, T] int32, parents [B, T]
+      int32 (-1 for the root), retrieve_indices [B, T, D+1] int32 (node i's path root..i: every node
+      ends a path), valid [B, T, D+1] bool; the nodes' tokens [B, T] int32, root first). Nodes are
+      ordered by candidate index, hence by depth, so a node's index is at least its depth and a
+      parent comes before its children (`decoding.step.compact_cache` relies on both).
+    """
+    B, C = tokens.shape
+    T, D = budget, max_depth
+    rows = jnp.arange(B)[:, None]
+    sel = jnp.sort(jax.lax.top_k(scores, T - 1)[1], axis=1).astype(jnp.int32)          # [B, T-1] candidates
+    node_of = jnp.zeros((B, C), jnp.int32).at[rows, sel].set(jnp.arange(1, T, dtype=jnp.int32)[None])
+    par = jnp.take_along_axis(parents, sel, axis=1)                                       # [B, T-1]
+    par_node = jnp.where(par < 0, 0, jnp.take_along_axis(node_of, jnp.maximum(par, 0), axis=1))
+    parent = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), par_node], axis=1)        # [B, T]
+    depth = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), jnp.asarray(depths, jnp.int32)[sel]], axis=1)
+    node_tokens = jnp.concatenate([root[:, None], jnp.take_along_axis(tokens, sel, axis=1)], axis=1)
+    # each node's path root..node: walk up the parents D times, writing each ancestor at its depth
+    up = jnp.maximum(parent, 0)                                                           # the root's is itself
+    cur = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32)[None], (B, T))
+    paths = jnp.zeros((B, T, D + 1), jnp.int32)
+    for _ in range(D):
+        d = jnp.take_along_axis(depth, cur, axis=1)
+        paths = paths + jax.nn.one_hot(d, D + 1, dtype=jnp.int32) * cur[..., None]     # the root adds 0
+        cur = jnp.take_along_axis(up, cur, axis=1)
+    valid = jnp.arange(D + 1, dtype=jnp.int32)[None, None] <= depth[..., None]           # [B, T, D+1]
+    mask = jnp.any(jax.nn.one_hot(paths, T, dtype=jnp.bool_) & valid[..., None], axis=2)  # [B, T, T]
+    return TreeArrays(mask, depth, parent, paths, valid), node_tokens
+
+
+def dynamic_draft(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params, state: DecodeState,
+                  root: jax.Array, tree: TreeBuffers) -> Tuple[TreeArrays, jax.Array]:
+    """This step's tree and its tokens: `draft_tree` at ``state.hidden`` with the backbone's lm_head
+    and input embeddings (`params`, in decoding layout; head_params prepared for the depth)."""
+    emb = token_embeddings(params) if heads_cfg.head_type == "hydra" else None
+    return draft_tree(heads_cfg, head_params, lm_head_matrix(cfg, params), emb, state.hidden, root, tree)
+
+
+def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, embeddings, hidden: jax.Array,
+               root: jax.Array, tree: TreeBuffers) -> Tuple[TreeArrays, jax.Array]:
+    """A tree chosen from the heads' proposals (module docstring): the heads' top-``tree.topk`` per
+    expanded node, depth by depth to ``tree.max_depth``, then the best ``tree.size - 1``
+    (`select_tree`).
+
+    Args:
+      base_lm_head: [D, V] the backbone's lm_head (shared-lm_head heads project through it).
+      embeddings: hydra heads: [V, D] the backbone's input embeddings; else None.
+      hidden: [B, D] the backbone's hidden state at the last accepted position.
+      root: [B] int32 the root token (the next token after that position).
+      tree: a dynamic tree (``tree.dynamic`` set: `decoding.tree.dynamic_tree`).
+    Returns:
+      (TreeArrays with a row axis, tokens [B, T] int32), as `select_tree`.
+    Raises:
+      ValueError: hydra heads whose width drafts fewer than T - 1 candidates.
+    """
+    spec = tree.dynamic
+    T, D, k = spec.budget, tree.max_depth, tree.topk
+    B = root.shape[0]
+    lm = base_lm_head
+    hydra = heads_cfg.head_type == "hydra"
+    width = spec.width if hydra else T - 1
+    if spec.candidates(D, k, hydra) < T - 1:
+        raise ValueError(f"a dynamic tree of {T} nodes needs more candidates than hydra heads draft at depth {D}, "
+                         f"topk {k} and width {spec.width} ({spec.candidates(D, k, hydra)}); raise the width "
+                         f"(dynamic:{T}:W) or topk, or lower the budget")
+    if hydra:
+        h = hidden[:, None, :]
+    else:
+        ids, logp = head_topk(heads_cfg, head_params, hidden, lm, D, k, logprobs=True)  # [D, B, k]
+    score = jnp.zeros((B, 1), jnp.float32)              # the expanded nodes' scores, [B, n]
+    index = jnp.full((B, 1), -1, jnp.int32)             # their candidate indices (-1: the root)
+    path = root[:, None, None]                          # hydra: their paths' tokens [B, n, d+1]
+    toks, scores, parents, depths = [], [], [], []
+    offset = 0
+    for d in range(D):
+        n = score.shape[1]
+        if hydra:
+            states = head_state(heads_cfg, head_params, d, h, jnp.take(embeddings, path, axis=0))  # [B, n, D]
+            t, lp = (x[0] for x in states_topk(heads_cfg, head_params, states[None], lm, k, first=d, logprobs=True))
+        else:
+            t, lp = jnp.broadcast_to(ids[d][:, None], (B, n, k)), logp[d][:, None]
+        sc = (score[:, :, None] + lp - DEPTH_COST).reshape(B, n * k)
+        tok = t.reshape(B, n * k)
+        toks.append(tok)
+        scores.append(sc)
+        parents.append(jnp.repeat(index, k, axis=1))
+        depths.append(np.full(n * k, d + 1, np.int32))
+        if d + 1 < D:  # the next depth expands the `width` best of these, and never more than the tree
+            # can hold at this depth (T - 1 - d: a node needs its d ancestors), the only ones that could be kept
+            score, best = jax.lax.top_k(sc, min(width, n * k, T - 1 - d))
+            index = offset + best.astype(jnp.int32)
+            if hydra:
+                grown = jnp.concatenate([jnp.repeat(path, k, axis=1), tok[..., None]], axis=2)  # [B, n*k, d+2]
+                path = jnp.take_along_axis(grown, best[..., None], axis=1)
+        offset += n * k
+    return select_tree(jnp.concatenate(toks, axis=1), jnp.concatenate(scores, axis=1),
+                       jnp.concatenate(parents, axis=1), np.concatenate(depths), root, T, D)
+
+
+def pad_tree_rows(arrays: TreeArrays, size: int, paths: int, depth: int) -> TreeArrays:
+    """Per-row tree arrays (`select_tree`) padded to `size` nodes, `paths` paths and `depth` (as
+    `decoding.tree.padded_arrays` pads a static tree): a padding node is a lone root that sees only
+    itself, on no path; padding paths are invalid past the root."""
+    B, T = arrays.depth.shape
+    P, D1 = arrays.retrieve_indices.shape[1:]
+    mask = jnp.broadcast_to(jnp.eye(size, dtype=jnp.bool_), (B, size, size)).at[:, :T, :T].set(arrays.ancestor_mask)
+    pad = lambda x, n, value: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2), constant_values=value)  # noqa: E731
+    retrieve = jnp.pad(arrays.retrieve_indices, ((0, 0), (0, paths - P), (0, depth + 1 - D1)))
+    valid = jnp.pad(arrays.valid, ((0, 0), (0, paths - P), (0, depth + 1 - D1))).at[:, :, 0].set(True)
+    return TreeArrays(mask, pad(arrays.depth, size - T, 0), pad(arrays.parents, size - T, -1), retrieve, valid)

@@ -1,0 +1,113 @@
+"""Dynamic against static trees at equal node budgets (issue 30): tokens per step of greedy decoding on
+MT-bench first turns with the shipped heads, each tree size T verified both ways, and whether every
+answer equals plain greedy's.
+
+    .venv/bin/python scripts/dynamic_bench.py [--sizes 4,8,16,32,64] [--limit 80] [--max-new-tokens 128]
+        [--widths 4] [--prompt-lookup 0]
+
+- static T: the tree `tune` grows today (`tuning.replay.search_tree` over the heads' held-out
+  calibration chats, replaying decoding), its first T - 1 nodes: the best static tree of that size
+  tune knows how to build. The grown order is cached in ``--static-cache`` (it takes a few minutes).
+- dynamic T: ``dynamic:T:W`` (`decoding.dynamic`), chosen per step, for each width W in ``--widths``.
+Both without prompt lookup by default (the heads alone; ``--prompt-lookup K`` adds it to both).
+Prints one JSON line per (T, tree) and a table at the end. Tokens per step are those of greedy
+decoding, so they do not depend on the machine's load; the seconds do.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import medusa_jax as mj  # noqa: E402
+from medusa_jax import resolve  # noqa: E402
+from medusa_jax.chat import load_first_turns  # noqa: E402
+from medusa_jax.decoding.tree import build_tree, get_tree  # noqa: E402
+from medusa_jax.evals.lossless import decode_one  # noqa: E402
+
+MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "FastChat_mt_bench_question.jsonl")
+
+
+def grown_order(model, max_size: int, cache: str, lookup_tokens: int):
+    """`search_tree`'s node order for the shipped heads (as `medusa_jax.cli.tune` grows it), cached."""
+    key = f"{max_size}:{lookup_tokens}"
+    saved = json.load(open(cache)) if os.path.exists(cache) else {}
+    if key in saved:
+        return [tuple(p) for p in saved[key]]
+    import jax
+    import jax.numpy as jnp
+
+    from medusa_jax.convert.medusa_format import load_heads
+    from medusa_jax.heads.hydra import token_embeddings
+    from medusa_jax.heads.medusa import with_proposal_projection
+    from medusa_jax.models.llama import lm_head_matrix
+    from medusa_jax.tuning.calibrate import calibration_data
+    from medusa_jax.tuning.replay import Replay, path_ranks, search_tree
+
+    hcfg, hp = load_heads(resolve.DEFAULT_HEADS_DIR, model.cfg)
+    lm = lm_head_matrix(model.cfg, model.params)
+    _, _, chats, pos, sources = calibration_data(model, os.path.join(ROOT, "data", "distill", "smollm2"), 0.04, 0,
+                                                 hcfg.num_heads, 512, 0, True)
+    jhp = with_proposal_projection(hcfg, jax.tree_util.tree_map(jnp.asarray, hp), lm)
+    ranks = path_ranks(hcfg, jhp, lm, pos, hcfg.topk, embeddings=token_embeddings(model.params))
+    lookup = resolve.tree_lookup(build_tree([]), lookup_tokens).lookup
+    order = search_tree(ranks, max_size, hcfg.topk, Replay(chats, sources, lookup))
+    saved[key] = [list(p) for p in order]
+    with open(cache, "w") as f:
+        json.dump(saved, f)
+    return list(order)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="4,8,16,32,64", help="tree sizes T (nodes per step, root included)")
+    p.add_argument("--widths", default="4", help="hydra parents expanded per depth for the dynamic trees")
+    p.add_argument("--limit", type=int, default=80, help="MT-bench first turns (all 80 by default)")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--prompt-lookup", type=int, default=0, help="prompt lookup tokens on both trees (0: none)")
+    p.add_argument("--static-cache", default=os.path.join(ROOT, "data", "static_tree_order.json"),
+                   help="where the grown static tree order is kept between runs")
+    args = p.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    model = mj.load_model()
+    heads, _, _ = mj.resolve_heads(model, None, tree_spec=f"dynamic:{max(sizes)}", prompt_lookup=0)
+    hcfg = heads[0]
+    prompts = [mj.apply_chat_template(model.tokenizer, r["prompt"]) for r in load_first_turns(MT_BENCH)][:args.limit]
+    order = grown_order(model, max(sizes), args.static_cache, args.prompt_lookup)
+    t0 = time.perf_counter()
+    plain = [decode_one(model, ids, args.max_new_tokens)[0] for ids in prompts]
+    plain_s = time.perf_counter() - t0
+    print(json.dumps({"tree": "plain", "prompts": len(prompts), "seconds": round(plain_s, 1)}), flush=True)
+    rows = []
+    for T in sizes:
+        trees = {"static": build_tree(order[:T - 1], hcfg.topk)}
+        for w in (int(x) for x in args.widths.split(",")):
+            trees[f"dynamic W={w}"] = get_tree(f"dynamic:{T}:{w}", topk=hcfg.topk, num_heads=hcfg.num_heads)
+        for name, tree in trees.items():
+            tree = resolve.tree_lookup(tree, args.prompt_lookup)
+            t0 = time.perf_counter()
+            tokens = steps = same = 0
+            for ids, want in zip(prompts, plain):
+                got, n = decode_one(model, ids, args.max_new_tokens, heads=heads, tree=tree)
+                tokens, steps, same = tokens + len(got), steps + n, same + (got == want)
+            row = {"T": T, "tree": name, "tokens_per_step": round(tokens / steps, 3), "identical": same,
+                   "prompts": len(prompts), "seconds": round(time.perf_counter() - t0, 1),
+                   "depth": tree.max_depth}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    print("\n| T | " + " | ".join(dict.fromkeys(r["tree"] for r in rows)) + " |")
+    for T in sizes:
+        cells = [f"{r['tokens_per_step']:.3f} ({r['identical']}/{r['prompts']})" for r in rows if r["T"] == T]
+        static = next(r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] == "static")
+        best = max(r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] != "static")
+        print(f"| {T} | " + " | ".join(cells) + f" | dynamic/static {best / static:.3f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
