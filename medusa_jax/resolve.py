@@ -58,8 +58,9 @@ def heads_location(heads_path: Optional[str]) -> Optional[str]:
 
 
 def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
-    """The Medusa tree: `spec` (preset name, JSON/YAML file, or paths) if given, else the tree saved
-    with the heads, else `DEFAULT_TREE` cut to the heads' depth.
+    """The Medusa tree: `spec` (preset name, JSON/YAML file, ``dynamic:T[:W]`` or paths) if given, else
+    the tree saved with the heads, else `DEFAULT_TREE` cut to the heads' depth. (`resolve_heads`
+    passes the dynamic tree `medusa_jax.cli.tune` chose, when it chose one, as `spec`.)
 
     Raises ValueError for an unknown preset, a malformed file, or a tree deeper than the heads.
     """
@@ -129,6 +130,10 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
         dt = compute_dtype(model.params)
         params = {k: (v.astype(dt) if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) else v)
                   for k, v in params.items()}
+    if tree_spec is None and heads_path != "zero":  # the tree tune chose, when it chose one per step
+        saved = (heads_calibration(heads_path) or {}).get("dynamic_tree")
+        if saved:
+            tree_spec = f"dynamic:{int(saved['budget'])}:{int(saved['width'])}"
     tree = tree_lookup(resolve_tree(tree_spec, heads_cfg), prompt_lookup)
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
@@ -165,7 +170,8 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
         return None
     lookup = tree.lookup_settings
     chosen = {tuple(p) for p in calibration.get("medusa_choices") or []}
-    if calibration.get("predicted_by") == "replay" and chosen == set(tree.medusa_choices):
+    if (calibration.get("predicted_by") == "replay" and chosen == set(tree.medusa_choices)
+            and not calibration.get("dynamic_tree")):  # else the figures are the dynamic tree's
         if lookup is None:
             return calibration["predicted_tokens_per_step"], "replayed on the held-out chats, heads alone"
         if lookup == calibration.get("prompt_lookup") and calibration.get("predicted_tokens_per_step_lookup"):

@@ -203,10 +203,10 @@ def random_heads(cfg: ModelConfig, params, num_heads: int = 3, head_type: str = 
     return hcfg, {k: jax.random.normal(kk, a.shape) * scale for kk, (k, a) in zip(keys, sorted(hp.items()))}
 
 
-def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None):
+def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None, args=()):
     """`medusa-tune` end to end on a tiny tied-embedding HF model saved in
     ``tmp_path/model``, with 3 random heads (topk 5, `head_type`) saved in ``tmp_path/heads``
-    (`extra`: more config fields) and 40 synthetic chats (response ids < 64) in ``tmp_path/data``;
+    (`extra`: more config fields; `args`: more tune flags) and 40 synthetic chats (response ids < 64) in ``tmp_path/data``;
     the tuned heads go to ``tmp_path/tuned`` with a 64-token proposal vocabulary.
     Returns (the loaded backbone `LoadedModel`, tune's exit code)."""
     import json
@@ -238,5 +238,5 @@ def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra
     rc = tune.main(["--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--data",
                     str(tmp_path / "data"), "--val-fraction", "0.3", "--sizes", sizes, "--steps", "2", "--repeats",
                     "1", "--proposal-vocab", "64", "--cost-cache-sizes", "64,128", "--cost-prompt-len", "12",
-                    "--out", str(tmp_path / "tuned"), "--no-progress"])
+                    "--out", str(tmp_path / "tuned"), "--no-progress", *args])
     return lm, rc

@@ -22,9 +22,9 @@ from medusa_jax.decoding.state import DecodeState
 from medusa_jax.decoding.tree import (
     dynamic_tree,
     get_tree,
-    truncate_tree,
     tree_to_json,
     tree_with_budget,
+    truncate_tree,
     with_lookup,
 )
 from medusa_jax.heads.config import MedusaConfig

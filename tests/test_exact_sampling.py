@@ -21,12 +21,13 @@ from medusa_jax.decoding import acceptance, dynamic, sampling
 from medusa_jax.decoding import step as step_module
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.compile import clear_compiled
-from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.generate import generate, generate_batch, generate_device
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.sampling import filtered_logits
-from medusa_jax.decoding.tree import TreeArrays, build_tree, dynamic_tree, with_lookup
+from medusa_jax.decoding.setup import decoding_setup
+from medusa_jax.decoding.tree import build_tree, dynamic_tree, with_lookup
+from medusa_jax.decoding.tree_arrays import TreeArrays
 from medusa_jax.models.llama import LlamaModel
 
 jax.config.update("jax_default_matmul_precision", "highest")

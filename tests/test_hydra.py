@@ -368,3 +368,22 @@ def test_tune_and_decode_with_hydra_heads(tmp_path):
     base = generate(lm.cfg, lm.params, prompt, max_new_tokens=30, eos_token_ids=())
     med = generate(lm.cfg, lm.params, prompt, max_new_tokens=30, heads=heads, tree=tree, eos_token_ids=())
     assert med.tokens == base.tokens
+    # trees chosen per step were replayed and timed at every size too (dynamic:T:4, the default width)
+    drows = report["dynamic_rows"]
+    assert [r["size"] for r in drows] == [2, 4, 6] and all(r["dynamic"] == {"budget": r["size"], "width": 4}
+                                                              for r in drows)
+    for r in drows:
+        assert r["predicted_tokens_per_step"] >= 1 and r["predicted_speedup"] == pytest.approx(
+            r["predicted_tokens_per_step_lookup"] / r["cost"])
+    best = max(report["rows"] + drows, key=lambda r: (r["predicted_speedup"], -r["size"]))
+    if best["size"] == 1:  # no tree beats plain decoding: the best tree is kept anyway
+        best = max(report["rows"][1:] + drows, key=lambda r: r["predicted_speedup"])
+    assert report["chosen_size"] == best["size"] and report["dynamic_tree"] == best.get("dynamic")
+    # by default decoding uses the tree tune chose: here a dynamic one written into the report
+    config = json.load(open(tmp_path / "tuned" / "config.json"))
+    config["tree_search"]["dynamic_tree"] = {"budget": 6, "width": 2}
+    json.dump(config, open(tmp_path / "tuned" / "config.json", "w"))
+    heads, tree, _ = resolve_heads(lm, str(tmp_path / "tuned"))
+    assert tree.dynamic == (6, 2) and tree.size == 6 and tree.lookup is not None
+    med = generate(lm.cfg, lm.params, prompt, max_new_tokens=30, heads=heads, tree=tree, eos_token_ids=())
+    assert med.tokens == base.tokens

@@ -191,11 +191,12 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
 
     from medusa_jax.resolve import heads_calibration, predicted_tokens_per_step, resolve_heads
 
-    lm, rc = tiny_tune_run(tmp_path, extra={"metrics": {"note": "kept"}})
+    lm, rc = tiny_tune_run(tmp_path, extra={"metrics": {"note": "kept"}}, args=["--dynamic-width", "0"])
     assert rc == 0
     cfg2, p2 = load_heads(str(tmp_path / "tuned"), lm.cfg)
     raw = json.load(open(tmp_path / "tuned" / "config.json"))
     report = raw["tree_search"]
+    assert report["dynamic_rows"] == [] and report["dynamic_tree"] is None  # static trees only
     assert raw["metrics"] == {"note": "kept"}
     assert [r["size"] for r in report["rows"]] == [1, 2, 4]
     # c(T) timed at both cache sizes; the tree is chosen on their mean

@@ -39,20 +39,22 @@ from typing import List, Optional, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tqdm import tqdm
 
 from medusa_jax import kernels
-from medusa_jax.decoding.tree import build_tree
+from medusa_jax.decoding.tree import DEFAULT_DYNAMIC_WIDTH, build_tree, dynamic_tree
 from medusa_jax.tuning.calibrate import (
     DEFAULT_OUT,
     DEFAULT_SIZES,
     OutputDirError,
     calibration_data,
     choose_tree,
+    dynamic_rows,
     format_extras,
     output_dir,
     timing_prompt,
 )
-from medusa_jax.tuning.replay import Replay, path_ranks, rank_accuracies_of, search_tree
+from medusa_jax.tuning.replay import Replay, dynamic_accepted, path_ranks, rank_accuracies_of, search_tree
 
 
 def _table(rows: List[dict], best: dict) -> str:
@@ -105,11 +107,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--update-shipped-heads", action="store_true",
                    help="maintainers: write the tuned heads into the shipped heads directory inside the package "
                         "(medusa_jax/assets/heads/...), replacing them, in float16; not with --out")
+    p.add_argument("--dynamic-width", type=int, default=DEFAULT_DYNAMIC_WIDTH,
+                   help="also replay and time trees chosen per step (dynamic:T:W: the T best nodes of the heads' "
+                        "proposals each step, hydra heads expanding W per depth) at every size, and keep one when "
+                        "it is predicted faster than every static tree; 0: static trees only")
     p.add_argument("--dry-run", action="store_true", help="print the table, save nothing")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     common.add_lookup_arg(p)
     common.add_dtype_arg(p)
     args = p.parse_args(argv)
+    if args.dynamic_width < 0:
+        p.error(f"--dynamic-width must be >= 0, got {args.dynamic_width}")
     try:
         out_dir = None if args.dry_run else output_dir(args.heads, args.out, args.update_shipped_heads)
     except OutputDirError as e:
@@ -158,9 +166,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
     order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
+    dynamic = {}  # T -> the dynamic tree of T nodes, where the heads draft enough candidates for it
+    for T in sizes if args.dynamic_width else ():
+        tree = dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, args.dynamic_width)
+        if tree.dynamic.candidates(tree.max_depth, hcfg.topk, hcfg.head_type == "hydra") >= T - 1:
+            dynamic[T] = tree
     prompt = timing_prompt(val, args.cost_prompt_len)
     cache_sizes = sorted({int(s) for s in args.cost_cache_sizes.split(",")})
-    by_size = {}
+    by_size, dynamic_by_size = {}, {}
     # the roofline beside the timings (issue 13): the weights a plain step streams over its time,
     # against this machine's read bandwidth measured before each cache size's timings
     weight_bytes = tree_bytes(model.params)
@@ -169,6 +182,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         bandwidth[S] = kernels.read_bandwidth() if kernels.available() else None
         by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
                                 S, progress)
+        if dynamic:
+            dynamic_by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), list(dynamic.values()), prompt,
+                                            args.steps, args.repeats, S, progress)["cost"]
         gbs = weight_bytes / by_size[S]["plain_s"] / 1e9
         roof = f" = {gbs / (bandwidth[S] / 1e9):.2f} of the read bandwidth {bandwidth[S] / 1e9:.1f} GB/s" \
             if bandwidth[S] else ""
@@ -177,15 +193,29 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     costs = {"plain_s": float(np.mean([c["plain_s"] for c in by_size.values()])),
              "cost": {T: float(np.mean([c["cost"][T] for c in by_size.values()])) for T in by_size[cache_sizes[0]]["cost"]}}
     best, rows = choose_tree(ranks, costs["cost"], hcfg.topk, chats, sources, lookup, order)
+    drows = []
+    if dynamic:  # what each dynamic tree accepts at every held-out position, replayed exactly
+        emb = token_embeddings(model.params) if hcfg.head_type == "hydra" else None
+        accepted = {T: dynamic_accepted(hcfg, jhp, lm, pos, tree, emb)
+                    for T, tree in tqdm(dynamic.items(), desc="dynamic trees", unit="tree", disable=not progress)}
+        dyn_cost = {T: float(np.mean([c[T] for c in dynamic_by_size.values()])) for T in dynamic}
+        drows = dynamic_rows(accepted, dyn_cost, args.dynamic_width, chats, sources, lookup)
+        best_dynamic = max(drows, key=lambda r: (r["predicted_speedup"], -r["size"]))
+        if best_dynamic["predicted_speedup"] > best["predicted_speedup"]:
+            best = best_dynamic
     print(f"plain step {costs['plain_s'] * 1e3:.2f} ms on {jax.devices()[0].device_kind} (mean over caches of "
           f"{', '.join(map(str, cache_sizes))} slots, prompt {len(prompt)} tokens; products: {kernels.status()})")
     print(_table(rows, best))
+    if drows:
+        print("trees chosen per step (dynamic:T:W):\n" + _table(drows, best))
     if best["size"] == 1:
-        best = max(rows[1:], key=lambda r: r["predicted_speedup"])
+        best = max(rows[1:] + drows, key=lambda r: r["predicted_speedup"])
         print(f"note: on this device no tree beats plain decoding with these heads (best: {best['size']} tokens, "
               f"predicted {best['predicted_speedup']:.3f}x); that tree is the one kept with the heads, but "
               "decode.py --no-medusa is faster here", file=sys.stderr)
-    chosen_tree = build_tree([tuple(p) for p in best["medusa_choices"]], hcfg.topk)
+    # the static tree is kept either way (tools without dynamic trees read medusa_choices); its step's breakdown
+    static_best = best if "dynamic" not in best else max(rows, key=lambda r: (r["predicted_speedup"], -r["size"]))
+    chosen_tree = build_tree([tuple(p) for p in static_best["medusa_choices"]], hcfg.topk)
     breakdown = overhead_breakdown(model.cfg, model.params, (hcfg, jhp), chosen_tree, prompt, args.steps,
                                    args.repeats, cache_sizes[0])
     print("per step (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in breakdown.items() if k.endswith("_ms")))
@@ -199,15 +229,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "read_bandwidth_gbs_by_cache_size": {S: b and b / 1e9 for S, b in bandwidth.items()},
               "calibration_chats": len(chats), "calibration_positions": counts.tolist(),
               "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
-              "medusa_choices": best["medusa_choices"],
+              "medusa_choices": static_best["medusa_choices"], "dynamic_tree": best.get("dynamic"),
               "predicted_tokens_per_step": best["predicted_tokens_per_step"],
               "predicted_tokens_per_step_lookup": best.get("predicted_tokens_per_step_lookup"),
               "prompt_lookup": lookup._asdict() if lookup else None, "predicted_by": "replay",
               "step_breakdown_ms": breakdown,
-              "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows]}
+              "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows],
+              "dynamic_rows": drows, "dynamic_cost_by_cache_size": dynamic_by_size}
     extras = format_extras(read_heads_config(heads_dir))
     extras["tree_search"] = report
-    tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in best["medusa_choices"]))
+    tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in static_best["medusa_choices"]))
     # the shipped heads are kept in float16 (half the package size); tuned copies in float32
     save_heads(out_dir, tuned, hp, extra=extras, dtype=np.float16 if args.update_shipped_heads else np.float32)
     with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
@@ -215,7 +246,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 + _table(rows, best) + "\n")
     with_lookup = (f", {best['predicted_tokens_per_step_lookup']:.3f} with prompt lookup"
                    if "predicted_tokens_per_step_lookup" in best else "")
-    print(f"saved the {best['size']}-node tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step with the "
+    kind = f"dynamic:{best['size']}:{args.dynamic_width}" if "dynamic" in best else f"{best['size']}-node"
+    print(f"saved the {kind} tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step with the "
           f"heads alone{with_lookup}, speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
     if os.path.realpath(out_dir) != os.path.realpath(resolve.DEFAULT_HEADS_DIR):
         print(f"use them with: python decode.py --heads {out_dir}")

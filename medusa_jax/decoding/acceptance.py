@@ -9,7 +9,7 @@ exactly as the model's own sampling; each candidate is accepted with its own pro
 speculative sampling with deterministic drafts (Chen et al. 2023, Alg. 2; several candidates per
 node: Miao et al. 2024, "SpecInfer", Sec. 4.3).
 
-Every function takes a static tree (`TreeBuffers`) or per-row tree arrays (`tree.tree_rows`: with
+Every function takes a static tree (`TreeBuffers`) or per-row tree arrays (`tree_arrays.tree_rows`: with
 prompt lookup each row verifies its own tree), and reads the posterior from the nodes' logits
 without copying full-vocabulary logits per path.
 """
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from medusa_jax import kernels
 from medusa_jax.decoding.sampling import sample_tokens
-from medusa_jax.decoding.tree import tree_rows
+from medusa_jax.decoding.tree_arrays import tree_rows
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
 
@@ -93,7 +93,7 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acc
     Args:
       logits: [B, T, V] float32 base logits at the tree nodes.
       tree_tokens: [B, T] int32 candidate tokens on the nodes.
-      tree: a `TreeBuffers`, or `TreeArrays` with a row axis (`decoding.tree.tree_rows`).
+      tree: a `TreeBuffers`, or `TreeArrays` with a row axis (`decoding.tree_arrays.tree_rows`).
       state: the step's `DecodeState` (per-row keys, temperature, top_p); needed for exact
         acceptance (typical reads its per-row temperature when given, else ``acc.temperature``).
       start: [B] int32, the root's position (the cache length before the step); needed with `state`.

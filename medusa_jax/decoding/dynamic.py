@@ -31,7 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.state import DecodeState
-from medusa_jax.decoding.tree import TreeArrays, TreeBuffers
+from medusa_jax.decoding.tree import TreeBuffers
+from medusa_jax.decoding.tree_arrays import TreeArrays
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.hydra import head_state, token_embeddings
 from medusa_jax.heads.topk import head_topk, states_topk
@@ -153,16 +154,3 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
         offset += n * k
     return select_tree(jnp.concatenate(toks, axis=1), jnp.concatenate(scores, axis=1),
                        jnp.concatenate(parents, axis=1), np.concatenate(depths), root, T, D)
-
-
-def pad_tree_rows(arrays: TreeArrays, size: int, paths: int, depth: int) -> TreeArrays:
-    """Per-row tree arrays (`select_tree`) padded to `size` nodes, `paths` paths and `depth` (as
-    `decoding.tree.padded_arrays` pads a static tree): a padding node is a lone root that sees only
-    itself, on no path; padding paths are invalid past the root."""
-    B, T = arrays.depth.shape
-    P, D1 = arrays.retrieve_indices.shape[1:]
-    mask = jnp.broadcast_to(jnp.eye(size, dtype=jnp.bool_), (B, size, size)).at[:, :T, :T].set(arrays.ancestor_mask)
-    pad = lambda x, n, value: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2), constant_values=value)  # noqa: E731
-    retrieve = jnp.pad(arrays.retrieve_indices, ((0, 0), (0, paths - P), (0, depth + 1 - D1)))
-    valid = jnp.pad(arrays.valid, ((0, 0), (0, paths - P), (0, depth + 1 - D1))).at[:, :, 0].set(True)
-    return TreeArrays(mask, pad(arrays.depth, size - T, 0), pad(arrays.parents, size - T, -1), retrieve, valid)

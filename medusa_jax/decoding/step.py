@@ -29,11 +29,12 @@ import jax.numpy as jnp
 
 from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
 from medusa_jax.decoding.draft import draft_tokens
-from medusa_jax.decoding.dynamic import dynamic_draft, pad_tree_rows
+from medusa_jax.decoding.dynamic import dynamic_draft
 from medusa_jax.decoding.lookup import ngram_draft
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
-from medusa_jax.decoding.tree import TreeArrays, TreeBuffers, chain_tree, check_depth, padded_arrays, tree_rows
+from medusa_jax.decoding.tree import TreeBuffers, chain_tree, check_depth
+from medusa_jax.decoding.tree_arrays import TreeArrays, pad_tree_rows, padded_arrays, tree_rows
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache

@@ -108,7 +108,7 @@ def choose_tree(ranks: np.ndarray, cost: Dict[int, float], topk: int = 10, chats
         (`train.hidden.position_sources`): tokens per step are then those of decoding the answers
         step by step (`tuning.replay.replay`); without them, 1 + the mean accepted over the positions.
       lookup: with chats, also replay decoding with this prompt lookup, and choose on that. A step
-        then verifies max(T, k + 1) nodes (`decoding.tree.padded_arrays`), so it costs c(max(T, k + 1)),
+        then verifies max(T, k + 1) nodes (`decoding.tree_arrays.padded_arrays`), so it costs c(max(T, k + 1)),
         which `cost` must hold.
       order: the trees' paths in the order `tuning.replay.search_tree` adds them (each size's tree is a
         prefix); default: searched here, for the fewest decoding steps of the chats when given.
@@ -141,6 +141,35 @@ def choose_tree(ranks: np.ndarray, cost: Dict[int, float], topk: int = 10, chats
         rows.append({**row, "predicted_speedup": tps / row["cost"], "medusa_choices": [list(p) for p in choices]})
     best = max(rows, key=lambda r: (r["predicted_speedup"], -r["size"]))
     return best, rows
+
+
+def dynamic_rows(accepted: Dict[int, np.ndarray], cost: Dict[int, float], width: int, chats: Sequence,
+                 sources: np.ndarray, lookup: Optional[PromptLookup] = None) -> List[dict]:
+    """`choose_tree`'s rows for trees chosen per step (`decoding.dynamic`, ``dynamic:T:W``).
+
+    Args:
+      accepted: {T: [P] candidates the dynamic tree of T nodes accepts at each held-out position}
+        (`tuning.replay.dynamic_accepted`).
+      cost: {T: c(T)} of the dynamic trees (their draft's own work included); with `lookup`, also
+        at k + 1 nodes (a step verifies max(T, k + 1)).
+      width: the trees' width W. chats, sources, lookup: as `choose_tree`.
+    Returns:
+      rows as `choose_tree`'s, with ``"dynamic": {"budget": T, "width": W}`` instead of paths.
+    """
+    alone = Replay(chats, sources)
+    looked = Replay(chats, sources, lookup) if lookup is not None else None
+    rows = []
+    for T in sorted(accepted):
+        a = accepted[T]
+        tps = alone.tokens_per_step(a)
+        row = {"size": T, "dynamic": {"budget": T, "width": width},
+               "expected_accepted": float(a.mean()) if len(a) else 0.0, "predicted_tokens_per_step": tps,
+               "cost": float(cost[T])}
+        if looked is not None:
+            row["predicted_tokens_per_step_lookup"] = tps = looked.tokens_per_step(a)
+            row["cost"] = float(cost.get(max(T, lookup.num_tokens + 1), cost[T]))
+        rows.append({**row, "predicted_speedup": tps / row["cost"]})
+    return rows
 
 
 def calibration_data(model, data_dir: str, val_fraction: float, seed: int, num_heads: int, max_seq_len: int,
