@@ -11,7 +11,8 @@ import jax.numpy as jnp
 from medusa_jax import sharding
 from medusa_jax.convert.medusa_format import load_heads, read_heads_config
 from medusa_jax.decoding.lookup import PromptLookup
-from medusa_jax.decoding.tree import PRESETS, TreeBuffers, expected_acceptance_length, get_tree, with_lookup
+from medusa_jax.decoding.tree import PRESETS, TreeBuffers, dynamic_tree, get_tree, with_lookup
+from medusa_jax.decoding.tree_estimates import expected_acceptance_length
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import check_heads_match, init_heads, prepare_heads
 from medusa_jax.models.llama import compute_dtype, lm_head_matrix
@@ -72,6 +73,20 @@ def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
     return get_tree(choices, topk=heads_cfg.topk, num_heads=heads_cfg.num_heads)
 
 
+def with_confidence(tree: TreeBuffers, confidence, lookup_confidence=None) -> TreeBuffers:
+    """A dynamic tree scoring its nodes by the heads' measured `confidence` and prompt lookup's
+    `lookup_confidence` (``tree_search.confidence`` and ``lookup_confidence``, saved by
+    `medusa_jax.cli.tune`: `tuning.confidence`), where it has none of its own; other trees as they are."""
+    d = tree.dynamic
+    if d is None:
+        return tree
+    conf = d.confidence if d.confidence is not None else (confidence or None)
+    look = d.lookup_confidence if d.lookup_confidence is not None else (lookup_confidence or None)
+    if (conf, look) == (d.confidence, d.lookup_confidence):
+        return tree
+    return with_lookup(dynamic_tree(d.budget, tree.max_depth, tree.topk, d.width, conf, look), tree.lookup)
+
+
 def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: bool = True,
                   zero_heads: int = 4, prompt_lookup: Optional[int] = None
                   ) -> Tuple[Optional[Tuple[MedusaConfig, dict]], Optional[TreeBuffers], str]:
@@ -130,11 +145,12 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
         dt = compute_dtype(model.params)
         params = {k: (v.astype(dt) if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) else v)
                   for k, v in params.items()}
-    if tree_spec is None and heads_path != "zero":  # the tree tune chose, when it chose one per step
-        saved = (heads_calibration(heads_path) or {}).get("dynamic_tree")
-        if saved:
-            tree_spec = f"dynamic:{int(saved['budget'])}:{int(saved['width'])}"
-    tree = tree_lookup(resolve_tree(tree_spec, heads_cfg), prompt_lookup)
+    calibration = (heads_calibration(heads_path) or {}) if heads_path != "zero" else {}
+    if tree_spec is None and calibration.get("dynamic_tree"):  # the tree tune chose, when it chose one per step
+        saved = calibration["dynamic_tree"]
+        tree_spec = f"dynamic:{int(saved['budget'])}:{int(saved['width'])}"
+    tree = tree_lookup(with_confidence(resolve_tree(tree_spec, heads_cfg), calibration.get("confidence"),
+                                       calibration.get("lookup_confidence")), prompt_lookup)
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
     base = lm_head_matrix(model.cfg, model.params) if need_base else None

@@ -23,7 +23,8 @@ import numpy as np
 import medusa_jax as mj
 from medusa_jax import kernels, resolve
 from medusa_jax.convert.medusa_format import load_heads
-from medusa_jax.decoding.tree import build_tree, greedy_tree_search
+from medusa_jax.decoding.tree import build_tree
+from medusa_jax.decoding.tree_estimates import greedy_tree_search
 from medusa_jax.evals.memory import tree_bytes
 from medusa_jax.heads.medusa import with_proposal_projection
 from medusa_jax.models.llama import lm_head_matrix

@@ -207,3 +207,92 @@ def test_dynamic_tree_specs_files_and_errors(tmp_path):
     with pytest.raises(ValueError, match="budget"):
         (tmp_path / "bad.json").write_text('{"dynamic": {"width": 2}}')
         get_tree(str(tmp_path / "bad.json"))
+
+
+def test_fit_confidence_recovers_the_acceptance_rate_per_depth():
+    """Proposals whose true acceptance is exp(logprob) ** 2 at depth 0 and exp(logprob) at depth 1:
+    the fitted map gives those rates back (within sampling error), nondecreasing and <= 1."""
+    from medusa_jax.tuning.confidence import fit_confidence
+
+    rng = np.random.default_rng(0)
+    K, P, k = 2, 40000, 3
+    logprob = np.log(rng.uniform(0.02, 1.0, (K, P, k))).astype(np.float32)
+    truth = np.stack([np.exp(logprob[0]) ** 2, np.exp(logprob[1])])
+    hit = rng.uniform(size=(K, P, k)) < truth
+    valid = np.ones((K, P), bool)
+    valid[1, : P // 2] = False  # head 1 labelled on half the positions only
+    knots, values = fit_confidence(logprob, hit, valid, bins=16)
+    assert list(knots) == sorted(knots) and len(values) == K
+    for d, want in enumerate([lambda p: p ** 2, lambda p: p]):
+        v = np.asarray(values[d])
+        assert (np.diff(v) >= 0).all() and (v <= 0).all()
+        inner = [(x, y) for x, y in zip(knots, v) if np.log(0.05) < x < np.log(0.95)]
+        assert inner and all(abs(np.exp(y) - want(np.exp(x))) < 0.05 for x, y in inner), (d, inner)
+    with pytest.raises(ValueError, match="no labelled"):
+        fit_confidence(logprob, hit, np.zeros((K, P), bool))
+
+
+def test_confidence_scores_nodes_and_travels_with_the_tree(tiny, tmp_path):
+    """A confidence map replaces the heads' log-probabilities as node scores (a map that makes depth 2
+    worthless keeps the whole budget at depth 1); it survives tree files, budgets and depth cuts,
+    and `resolve.with_confidence` gives a dynamic tree the heads' saved map."""
+    from medusa_jax.decoding.dynamic import node_confidence
+    from medusa_jax.resolve import with_confidence
+
+    cfg, params = tiny
+    hcfg, hp = random_medusa(cfg, params)
+    knots = (-3.0, -1.0, 0.0)
+    conf = (knots, ((-3.0, -0.5, 0.0), (-30.0, -30.0, -30.0)))  # depth 2 and below: never accepted
+    tree = dynamic_tree(6, 3, topk=5, confidence=conf)
+    lp = jnp.asarray([-40.0, -2.0, -1.0, -0.5, 0.0])
+    assert np.allclose(node_confidence(tree.dynamic, 0, lp), [-3.0, -1.75, -0.5, -0.25, 0.0])
+    assert np.allclose(node_confidence(tree.dynamic, 3, lp), -30.0)  # past the rows: the last one
+    dparams, dhcfg, dhp, _ = decoding_setup(cfg, params, (hcfg, hp), tree)
+    hidden = jax.random.normal(jax.random.PRNGKey(5), (2, DM))
+    arrays, tokens = dynamic_draft(cfg, dhcfg, dhp, dparams, state_for(cfg, params, hidden),
+                                   jnp.asarray([3, 7], jnp.int32), tree)
+    assert np.asarray(arrays.depth).tolist() == [[0, 1, 1, 1, 1, 1]] * 2  # the top 5 of head 0 only
+    plain = dynamic_draft(cfg, dhcfg, dhp, dparams, state_for(cfg, params, hidden), jnp.asarray([3, 7], jnp.int32),
+                          dynamic_tree(6, 3, topk=5))[0]
+    assert np.asarray(plain.depth).max() > 1  # without the map the heads' own scores go deeper
+    path = tmp_path / "t.json"
+    tree_to_json(tree, path)
+    back = get_tree(str(path), num_heads=3)
+    assert back.dynamic == tree.dynamic and back == tree
+    assert tree_with_budget(tree, 4).dynamic.confidence == conf
+    assert truncate_tree(tree, 2).dynamic.confidence == conf
+    saved = {"knots": list(knots), "values": [list(v) for v in conf[1]]}
+    assert with_confidence(dynamic_tree(6, 3, topk=5), saved).dynamic.confidence == conf
+    assert with_confidence(tree, {"knots": [0.0, 1.0], "values": [[-1.0, 0.0]]}) is tree  # its own map stays
+    static = get_tree([(0,), (1,)])
+    assert with_confidence(static, saved) is static
+    with pytest.raises(ValueError, match="confidence"):
+        dynamic_tree(6, 3, confidence=((0.0, -1.0), ((-1.0, 0.0),)))  # knots not increasing
+    with pytest.raises(ValueError, match="confidence"):
+        dynamic_tree(6, 3, confidence=((-1.0, 0.0), ((-1.0, 0.5),)))  # a probability above 1
+
+
+def test_lookup_chain_competes_for_the_slots():
+    """Prompt lookup's copied chain joins the heads' candidates: under the heads' node with the same
+    first token when there is one (that node then scores the better estimate), beside them when not,
+    and not at all in a row whose n-gram did not occur."""
+    from medusa_jax.decoding.dynamic import add_lookup_chain
+
+    tokens = jnp.asarray([[10, 11, 12, 13]] * 3, jnp.int32)       # depth 1: 10, 11; depth 2 under 10: 12, 13
+    scores = jnp.asarray([[-0.1, -1.0, -0.3, -2.0]] * 3)
+    parents = jnp.asarray([[-1, -1, 0, 0]] * 3, jnp.int32)
+    depths = np.asarray([1, 1, 2, 2], np.int32)
+    copied = jnp.asarray([[11, 20, 21], [30, 31, 32], [10, 12, 14]], jnp.int32)
+    found = jnp.asarray([True, True, False])
+    cands = add_lookup_chain(tokens, scores, parents, depths, copied, found, (-0.5, -0.6, -0.7))
+    t, s, p, d = cands
+    assert d.tolist() == [1, 1, 2, 2, 1, 2, 3] and t.shape == (3, 7)
+    assert p[0].tolist() == [-1, -1, 0, 0, -1, 1, 5]                  # the chain goes on under the heads' 11
+    assert np.allclose(s[0, :4], [-0.1, -0.5, -0.3, -2.0]) and s[0, 4] < -1e29
+    assert np.allclose(s[0, 5:], [-0.6, -0.7])
+    assert p[1].tolist() == [-1, -1, 0, 0, -1, 4, 5] and np.allclose(s[1, 4:], [-0.5, -0.6, -0.7])  # beside
+    assert (s[2, 4:] < -1e29).all() and np.allclose(s[2, :4], scores[2])  # no match: no chain
+    arrays, toks = select_tree(*cands, jnp.asarray([1, 2, 3]), 5, 3)
+    assert toks[0].tolist() == [1, 10, 11, 12, 20] and arrays.parents[0].tolist() == [-1, 0, 0, 1, 2]
+    assert toks[1].tolist() == [2, 10, 12, 30, 31] and arrays.parents[1].tolist() == [-1, 0, 1, 0, 3]
+    assert toks[2].tolist() == [3, 10, 11, 12, 13]

@@ -163,3 +163,17 @@ def test_chooser_takes_the_fastest_tree_per_batch():
         ch.update(i % 3, 16, secs, [1.0, 1.9, 2.5][i % 3])
     assert ch.choose(16, 16) == 0 and ch.choose(4, 4) == 2
     assert TreeChooser(trees, "off").choose(4, 4) == 0 and TreeChooser(trees, "always").choose(4, 4) == 2
+
+
+def test_chooser_explores_only_compiled_trees():
+    trees = [build_tree([], topk=1), build_tree([(0,)], topk=1)]
+    ch = TreeChooser(trees, "adaptive", explore_every=4)
+    for i, secs in [(0, 1.0), (0, 1.0), (1, 3.0), (1, 3.0)]:  # plain wins: 1/1 against 1.5/3
+        ch.update(i, 16, secs, [1.0, 1.5][i])
+    picks = []
+    for _ in range(40):
+        picks.append(ch.choose(16, 16, ready=lambda i: i == 0))
+        ch.update(picks[-1], 16, 1.0, 1.0)
+    assert picks == [0] * 40  # tree 1's step is not compiled for these shapes: no re-measurement
+    explored = [ch.choose(16, 16, ready=lambda i: True) for _ in range(1)]
+    assert explored == [1]  # once it is, the overdue re-measurement runs

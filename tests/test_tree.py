@@ -8,14 +8,13 @@ from medusa_jax.decoding.tree import (
     PRESETS,
     TreeBuffers,
     build_tree,
-    expected_acceptance_length,
     get_tree,
-    greedy_tree_search,
     random_tree,
     tree_to_json,
     tree_with_budget,
     truncate_tree,
 )
+from medusa_jax.decoding.tree_estimates import expected_acceptance_length, greedy_tree_search
 
 HAND = [(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
 

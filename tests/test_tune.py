@@ -13,7 +13,8 @@ from medusa_jax.convert.medusa_format import HeadsFormatError, load_heads, save_
 from medusa_jax.decoding.generate import generate, generate_device
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
-from medusa_jax.decoding.tree import build_tree, greedy_tree_search, with_lookup
+from medusa_jax.decoding.tree import build_tree, with_lookup
+from medusa_jax.decoding.tree_estimates import greedy_tree_search
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import MedusaHeads, frequent_tokens, init_heads, with_proposal_projection
 from medusa_jax.heads.topk import head_topk

@@ -42,7 +42,7 @@ import numpy as np
 from tqdm import tqdm
 
 from medusa_jax import kernels
-from medusa_jax.decoding.tree import DEFAULT_DYNAMIC_WIDTH, build_tree, dynamic_tree
+from medusa_jax.decoding.tree import DEFAULT_DYNAMIC_WIDTH, build_tree, dynamic_tree, with_lookup
 from medusa_jax.tuning.calibrate import (
     DEFAULT_OUT,
     DEFAULT_SIZES,
@@ -54,7 +54,9 @@ from medusa_jax.tuning.calibrate import (
     output_dir,
     timing_prompt,
 )
-from medusa_jax.tuning.replay import Replay, dynamic_accepted, path_ranks, rank_accuracies_of, search_tree
+from medusa_jax.tuning.confidence import fit_confidence, fit_lookup_confidence, proposal_events
+from medusa_jax.tuning.replay import (Replay, dynamic_accepted, lookup_drafts, path_ranks, rank_accuracies_of,
+                                      search_tree)
 
 
 def _table(rows: List[dict], best: dict) -> str:
@@ -64,9 +66,9 @@ def _table(rows: List[dict], best: dict) -> str:
              "|---:|---:|---:|" + ("---:|" if lookup else "") + "---:|---:|"]
     for r in rows:
         mark = " **(chosen)**" if r is best else ""
-        with_lookup = f" {r.get('predicted_tokens_per_step_lookup', 1.0):.3f} |" if lookup else ""
+        lookup_cell = f" {r.get('predicted_tokens_per_step_lookup', 1.0):.3f} |" if lookup else ""
         lines.append(f"| {r['size']}{mark} | {r['expected_accepted']:.3f} | {r['predicted_tokens_per_step']:.3f} |"
-                     f"{with_lookup} {r['cost']:.3f} | {r['predicted_speedup']:.3f} |")
+                     f"{lookup_cell} {r['cost']:.3f} | {r['predicted_speedup']:.3f} |")
     return "\n".join(lines)
 
 
@@ -166,9 +168,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
     order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
-    dynamic = {}  # T -> the dynamic tree of T nodes, where the heads draft enough candidates for it
-    for T in sizes if args.dynamic_width else ():
-        tree = dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, args.dynamic_width)
+    dynamic, confidence, lookup_conf, drafts = {}, None, None, None  # T -> the dynamic tree of T nodes
+    if args.dynamic_width:  # how often the drafts are accepted, by their probability (tuning.confidence)
+        confidence = fit_confidence(*proposal_events(hcfg, jhp, lm, pos, hcfg.topk,
+                                                     embeddings=token_embeddings(model.params)))
+        if lookup is not None and lookup.num_tokens <= hcfg.num_heads:
+            drafts = lookup_drafts(chats, sources, lookup)
+            lookup_conf = fit_lookup_confidence(chats, sources, *drafts) if drafts[1].any() else None
+    for T in sizes if args.dynamic_width else ():  # where the heads draft enough candidates for it
+        tree = dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, args.dynamic_width, confidence, lookup_conf)
         if tree.dynamic.candidates(tree.max_depth, hcfg.topk, hcfg.head_type == "hydra") >= T - 1:
             dynamic[T] = tree
     prompt = timing_prompt(val, args.cost_prompt_len)
@@ -198,8 +206,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         emb = token_embeddings(model.params) if hcfg.head_type == "hydra" else None
         accepted = {T: dynamic_accepted(hcfg, jhp, lm, pos, tree, emb)
                     for T, tree in tqdm(dynamic.items(), desc="dynamic trees", unit="tree", disable=not progress)}
+        looked = None if drafts is None else {
+            T: dynamic_accepted(hcfg, jhp, lm, pos, with_lookup(tree, lookup), emb, lookup_drafts=drafts)
+            for T, tree in tqdm(dynamic.items(), desc="dynamic trees + lookup", unit="tree", disable=not progress)}
         dyn_cost = {T: float(np.mean([c[T] for c in dynamic_by_size.values()])) for T in dynamic}
-        drows = dynamic_rows(accepted, dyn_cost, args.dynamic_width, chats, sources, lookup)
+        drows = dynamic_rows(accepted, dyn_cost, args.dynamic_width, chats, sources, looked)
         best_dynamic = max(drows, key=lambda r: (r["predicted_speedup"], -r["size"]))
         if best_dynamic["predicted_speedup"] > best["predicted_speedup"]:
             best = best_dynamic
@@ -235,7 +246,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "prompt_lookup": lookup._asdict() if lookup else None, "predicted_by": "replay",
               "step_breakdown_ms": breakdown,
               "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows],
-              "dynamic_rows": drows, "dynamic_cost_by_cache_size": dynamic_by_size}
+              "dynamic_rows": drows, "dynamic_cost_by_cache_size": dynamic_by_size,
+              "confidence": confidence and {"knots": list(confidence[0]), "values": [list(v) for v in confidence[1]]},
+              "lookup_confidence": lookup_conf and list(lookup_conf)}
     extras = format_extras(read_heads_config(heads_dir))
     extras["tree_search"] = report
     tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in static_best["medusa_choices"]))
@@ -244,11 +257,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
         f.write(f"# Tree search ({report['device']}, plain step {report['plain_step_ms']:.2f} ms)\n\n"
                 + _table(rows, best) + "\n")
-    with_lookup = (f", {best['predicted_tokens_per_step_lookup']:.3f} with prompt lookup"
+    lookup_note = (f", {best['predicted_tokens_per_step_lookup']:.3f} with prompt lookup"
                    if "predicted_tokens_per_step_lookup" in best else "")
     kind = f"dynamic:{best['size']}:{args.dynamic_width}" if "dynamic" in best else f"{best['size']}-node"
     print(f"saved the {kind} tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step with the "
-          f"heads alone{with_lookup}, speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
+          f"heads alone{lookup_note}, speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
     if os.path.realpath(out_dir) != os.path.realpath(resolve.DEFAULT_HEADS_DIR):
         print(f"use them with: python decode.py --heads {out_dir}")
     return 0

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from collections import deque
-from typing import Deque, Dict, Optional, Sequence, Tuple
+from typing import Callable, Deque, Dict, Optional, Sequence, Tuple
 
 from medusa_jax.decoding.tree import TreeBuffers
 
@@ -21,8 +21,8 @@ class TreeChooser:
     such as the first of a new executable, never rules a tree out for long). A step takes the tree
     with the most expected tokens per second,
     ``live rows * tokens per row-step / seconds per step``, and re-measures each other tree once it
-    has not run for `explore_every` steps times how much slower it was, so the means follow the load
-    at little cost. Mode "always": the full
+    has not run for `explore_every` steps times how much slower it was (and its step is compiled for
+    the shapes at hand), so the means follow the load at little cost. Mode "always": the full
     tree (the last); "off": plain (the first).
     """
 
@@ -41,8 +41,11 @@ class TreeChooser:
         self.steps = 0
         self.chosen = [0] * len(self.trees)
 
-    def choose(self, rows: int, live: int) -> int:
-        """The index of the tree for a step of `rows` batch rows, `live` of them decoding."""
+    def choose(self, rows: int, live: int, ready: Optional[Callable[[int], bool]] = None) -> int:
+        """The index of the tree for a step of `rows` batch rows, `live` of them decoding. `ready(i)`:
+        whether tree i's step is compiled for the current shapes; a re-measurement waits for a shape
+        where it is (compiling a step and its slow first call, 2-3 s here, to refresh one estimate
+        stalled every row and cost more than the exploring was worth)."""
         if self.mode == "off" or len(self.trees) == 1:
             return 0
         if self.mode == "always":
@@ -56,7 +59,8 @@ class TreeChooser:
         # 6x slower than the best every 32 steps would cost ~15% of the time)
         for i in range(len(self.trees)):
             slower = self.seconds[(i, rows)] / self.seconds[(best, rows)]
-            if i != best and self.steps - self.last_used.get((i, rows), -1) > self.explore_every * max(1.0, slower):
+            if i != best and self.steps - self.last_used.get((i, rows), -1) > self.explore_every * max(1.0, slower) \
+                    and (ready is None or ready(i)):
                 return i
         return best
 

@@ -24,7 +24,7 @@ random numbers, exact acceptance stays exact.
 """
 from __future__ import annotations
 
-from typing import Tuple
+from typing import Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -43,6 +43,23 @@ from medusa_jax.models.llama import lm_head_matrix
 #: its parent (a head may give a token probability 1.0 in float32), so the top T - 1 are
 #: ancestor-closed.
 DEPTH_COST = 1e-4
+
+
+def node_confidence(spec, depth: int, logprob: jax.Array) -> jax.Array:
+    """A depth-`depth` node's score: the log-probability that it is accepted once its parent is.
+
+    Args:
+      spec: the tree's `decoding.tree.DynamicSpec`; without ``confidence`` the head's own
+        log-probability is the score, with it the measured map (`tuning.confidence`) for that depth.
+      depth: 0-based head index (static).
+      logprob: [...] float32 the head's log-probabilities of the nodes' tokens.
+    Returns: [...] float32 scores <= 0, nondecreasing in `logprob`.
+    """
+    if spec.confidence is None:
+        return logprob
+    knots, values = spec.confidence
+    row = values[min(depth, len(values) - 1)]
+    return jnp.interp(logprob, jnp.asarray(knots, jnp.float32), jnp.asarray(row, jnp.float32))
 
 
 def select_tree(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths: np.ndarray, root: jax.Array,
@@ -88,18 +105,22 @@ def select_tree(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths
 
 
 def dynamic_draft(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params, state: DecodeState,
-                  root: jax.Array, tree: TreeBuffers) -> Tuple[TreeArrays, jax.Array]:
+                  root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, jax.Array]] = None
+                  ) -> Tuple[TreeArrays, jax.Array]:
     """This step's tree and its tokens: `draft_tree` at ``state.hidden`` with the backbone's lm_head
     and input embeddings (`params`, in decoding layout; head_params prepared for the depth)."""
     emb = token_embeddings(params) if heads_cfg.head_type == "hydra" else None
-    return draft_tree(heads_cfg, head_params, lm_head_matrix(cfg, params), emb, state.hidden, root, tree)
+    return draft_tree(heads_cfg, head_params, lm_head_matrix(cfg, params), emb, state.hidden, root, tree,
+                      lookup_draft)
 
 
 def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, embeddings, hidden: jax.Array,
-               root: jax.Array, tree: TreeBuffers) -> Tuple[TreeArrays, jax.Array]:
+               root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, jax.Array]] = None
+               ) -> Tuple[TreeArrays, jax.Array]:
     """A tree chosen from the heads' proposals (module docstring): the heads' top-``tree.topk`` per
     expanded node, depth by depth to ``tree.max_depth``, then the best ``tree.size - 1``
-    (`select_tree`).
+    (`select_tree`); with `lookup_draft`, prompt lookup's copied chain competes for the same slots
+    (`add_lookup_chain`).
 
     Args:
       base_lm_head: [D, V] the backbone's lm_head (shared-lm_head heads project through it).
@@ -107,10 +128,25 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
       hidden: [B, D] the backbone's hidden state at the last accepted position.
       root: [B] int32 the root token (the next token after that position).
       tree: a dynamic tree (``tree.dynamic`` set: `decoding.tree.dynamic_tree`).
+      lookup_draft: (copied [B, k] int32, found [B] bool) from `decoding.lookup.ngram_draft`, or None.
     Returns:
-      (TreeArrays with a row axis, tokens [B, T] int32), as `select_tree`.
+      (TreeArrays with a row axis, tokens [B, T] int32), as `select_tree`, paths as deep as
+      ``tree.max_accepted``.
     Raises:
       ValueError: hydra heads whose width drafts fewer than T - 1 candidates.
+    """
+    cands = draft_candidates(heads_cfg, head_params, base_lm_head, embeddings, hidden, root, tree)
+    if lookup_draft is not None:
+        cands = add_lookup_chain(*cands, *lookup_draft, tree.dynamic.lookup_scores(lookup_draft[0].shape[1]))
+    return select_tree(*cands, root, tree.dynamic.budget, tree.max_accepted)
+
+
+def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, embeddings, hidden: jax.Array,
+                     root: jax.Array, tree: TreeBuffers) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
+    """Everything the heads draft for a dynamic tree, before the selection (`draft_tree`'s args).
+
+    Returns: (tokens [B, C] int32, scores [B, C] float32, parents [B, C] int32, depths [C] numpy
+    int32), as `select_tree` takes them.
     """
     spec = tree.dynamic
     T, D, k = spec.budget, tree.max_depth, tree.topk
@@ -138,7 +174,7 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
             t, lp = (x[0] for x in states_topk(heads_cfg, head_params, states[None], lm, k, first=d, logprobs=True))
         else:
             t, lp = jnp.broadcast_to(ids[d][:, None], (B, n, k)), logp[d][:, None]
-        sc = (score[:, :, None] + lp - DEPTH_COST).reshape(B, n * k)
+        sc = (score[:, :, None] + node_confidence(spec, d, lp) - DEPTH_COST).reshape(B, n * k)
         tok = t.reshape(B, n * k)
         toks.append(tok)
         scores.append(sc)
@@ -152,5 +188,44 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
                 grown = jnp.concatenate([jnp.repeat(path, k, axis=1), tok[..., None]], axis=2)  # [B, n*k, d+2]
                 path = jnp.take_along_axis(grown, best[..., None], axis=1)
         offset += n * k
-    return select_tree(jnp.concatenate(toks, axis=1), jnp.concatenate(scores, axis=1),
-                       jnp.concatenate(parents, axis=1), np.concatenate(depths), root, T, D)
+    return (jnp.concatenate(toks, axis=1), jnp.concatenate(scores, axis=1), jnp.concatenate(parents, axis=1),
+            np.concatenate(depths))
+
+
+def add_lookup_chain(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths: np.ndarray,
+                     copied: jax.Array, found: jax.Array, chain_scores: Sequence[float]
+                     ) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
+    """Prompt lookup's copied chain as candidates beside the heads' (issue: lookup as branches of
+    the same node budget): node j of the chain scores ``chain_scores[j]``, the measured
+    log-probability that the copied tokens 1..j+1 are all accepted, and competes with the heads'
+    nodes for the tree's slots; a row whose n-gram did not occur gets no chain (score -1e30, never
+    chosen while the heads draft enough). When the copied first token is also one of the heads'
+    depth-1 proposals, the chain continues under that node instead of beside it (no token twice
+    among siblings) and the node scores the better of the two estimates.
+
+    Args:
+      tokens, scores, parents, depths: the heads' candidates (`draft_candidates`), C of them.
+      copied: [B, k] int32, found: [B] bool (`decoding.lookup.ngram_draft`).
+      chain_scores: k cumulative log-probabilities, decreasing (`DynamicSpec.lookup_scores`).
+    Returns: C + k candidates, as the arguments (depths [C + k]).
+    """
+    B, C = tokens.shape
+    k = copied.shape[1]
+    first = np.flatnonzero(depths == 1)                                               # the root's children
+    same = tokens[:, first] == copied[:, :1]                                          # [B, n1]
+    shared = jnp.any(same, axis=1) & found
+    at = jnp.asarray(first, jnp.int32)[jnp.argmax(same, axis=1)]                      # [B] the shared node
+    chain = jnp.where(found[:, None], jnp.asarray(chain_scores, jnp.float32)[None], -1e30)  # [B, k]
+    rows = jnp.arange(B)
+    scores = scores.at[rows, at].set(jnp.where(shared, jnp.maximum(scores[rows, at], chain[:, 0]), scores[rows, at]))
+    own = [jnp.where(shared, -1e30, chain[:, 0])]                                     # the first copied node
+    parent = [jnp.full((B,), -1, jnp.int32)]
+    prev_score, prev_index = jnp.where(shared, scores[rows, at], chain[:, 0]), jnp.where(shared, at, C)
+    for j in range(1, k):  # below its parent, so that the chosen nodes stay ancestor-closed
+        sc = jnp.minimum(chain[:, j], prev_score - DEPTH_COST)
+        own.append(jnp.where(found, sc, -1e30))
+        parent.append(prev_index.astype(jnp.int32))
+        prev_score, prev_index = sc, jnp.full((B,), C + j, jnp.int32)
+    depth = np.arange(1, k + 1, dtype=np.int32)
+    return (jnp.concatenate([tokens, copied.astype(jnp.int32)], axis=1), jnp.concatenate([scores, jnp.stack(own, 1)], 1),
+            jnp.concatenate([parents, jnp.stack(parent, 1)], axis=1), np.concatenate([depths, depth]))

@@ -423,7 +423,9 @@ class Engine:
 
     def _dispatch(self, alone: bool) -> None:
         live_rows = [b for b, r in enumerate(self.rows) if r is not None]
-        i = self.chooser.choose(len(self.rows), len(live_rows))
+        acc = self._acceptance(live_rows)
+        i = self.chooser.choose(len(self.rows), len(live_rows),
+                                ready=lambda j: (j, len(self.rows), self.S, acc) in self._steps)
         tree = self.chooser.trees[i]
         longest = int(max(self.lengths[b] for b in live_rows))  # exact here unless a step has room ahead
         if longest + tree.step_size > self.S and self.S < self.max_len:
@@ -440,12 +442,7 @@ class Engine:
             live_rows = [b for b, r in enumerate(self.rows) if r is not None]
             if not live_rows:
                 return
-        sampled = [self.rows[b].request.sampling for b in live_rows]
-        temps = [s.temperature for s in sampled if s.temperature > 0]
-        acc = Acceptance(temperature=1.0 if temps else 0.0,
-                         top_p=min([s.top_p for s in sampled if s.temperature > 0] or [1.0]),
-                         method=self.method if temps else "exact", posterior_threshold=self.threshold,
-                         posterior_alpha=self.alpha)
+        acc = self._acceptance(live_rows)
         # per-step host work kept small (a plain step on this CPU is ~18 ms): the compiled step and
         # the live mask are looked up by plain keys
         mask = tuple(r is not None for r in self.rows)
@@ -462,6 +459,15 @@ class Engine:
             self._mark, self._clean = (time.perf_counter(), self.compile_s), True
         out, self.state = fn(*args)
         self.flights.append(_Flight(out, i, list(self.rows)))
+
+    def _acceptance(self, live_rows: List[int]) -> Acceptance:
+        """The acceptance rule of a step over these rows (greedy rows are greedy under any rule)."""
+        sampled = [self.rows[b].request.sampling for b in live_rows]
+        temps = [s.temperature for s in sampled if s.temperature > 0]
+        return Acceptance(temperature=1.0 if temps else 0.0,
+                          top_p=min([s.top_p for s in sampled if s.temperature > 0] or [1.0]),
+                          method=self.method if temps else "exact", posterior_threshold=self.threshold,
+                          posterior_alpha=self.alpha)
 
     def _read_back(self) -> None:
         """Wait for the oldest step in flight and hand its tokens to the rows it ran for (those that

@@ -34,7 +34,7 @@ from medusa_jax.decoding.lookup import ngram_draft
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.tree import TreeBuffers, chain_tree, check_depth
-from medusa_jax.decoding.tree_arrays import TreeArrays, pad_tree_rows, padded_arrays, tree_rows
+from medusa_jax.decoding.tree_arrays import TreeArrays, padded_arrays, tree_rows
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache
@@ -97,8 +97,9 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     uses their tree.
 
     A tree chosen per step (``tree.dynamic``, `medusa_jax.decoding.dynamic`) is drafted from the heads'
-    proposals each step and verified the same way, as per-row arrays (with prompt lookup, padded
-    to the union's shape like the static tree's).
+    proposals each step and verified the same way, as per-row arrays; with prompt lookup, the copied
+    chain is one more branch of it, competing with the heads' nodes for its T slots
+    (`decoding.dynamic.add_lookup_chain`), not a replacement for it.
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
@@ -118,36 +119,30 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
                       else root[:, None])
 
     width = tree.max_accepted + 1
+    # a chain's accepted prefix is already in place; with prompt lookup both trees may be chains (the
+    # copied one always is), and compacting them anyway made XLA copy the whole KV cache every step
+    compact = tree.dynamic is not None or tree.size > D + 1
     if tree.lookup is None:
         verified, tokens = heads_draft(None)
-        return _verify_tree(cfg, verified, tree.dynamic is not None or tree.size > D + 1, acc, params, state,
-                            tokens, width)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
+    copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
+    if tree.dynamic is not None:  # the copied chain competes with the heads' nodes for the T slots
+        verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, (copied, use))
+        return _verify_tree(cfg, verified, True, acc, params, state, tokens, width)
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
     chain = chain_tree(tree.lookup.num_tokens)
     shape = (tree.step_size, max(tree.num_paths, chain.num_paths), tree.max_accepted)
-    copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     B = root.shape[0]
     # the heads run only on the steps where some row verifies their tree (a conditional over small arrays)
-    if tree.dynamic is not None:  # each row's own tree, padded to the union's shape
-
-        def dynamic_padded(_):
-            rows, toks = heads_draft(None)
-            return pad_tree_rows(rows, *shape), toks
-
-        skipped = jax.eval_shape(dynamic_padded, None)
-        heads_rows, by_heads = jax.lax.cond(
-            jnp.all(use), lambda _: jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), skipped),
-            dynamic_padded, None)
-    else:
-        heads_rows = jax.tree_util.tree_map(lambda a: a[None], padded_arrays(tree, *shape))
-        by_heads = jax.lax.cond(jnp.all(use), lambda _: jnp.zeros((B, tree.size), jnp.int32),
-                                lambda _: heads_draft(None)[1], None)
+    heads_rows = jax.tree_util.tree_map(lambda a: a[None], padded_arrays(tree, *shape))
+    by_heads = jax.lax.cond(jnp.all(use), lambda _: jnp.zeros((B, tree.size), jnp.int32),
+                            lambda _: heads_draft(None)[1], None)
     pad = lambda t: jnp.pad(t, ((0, 0), (0, shape[0] - t.shape[1])))
     tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
     per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h)
     arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), heads_rows)
-    return _verify_tree(cfg, TreeArrays(*arrays), True, acc, params, state, tokens, width)
+    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,

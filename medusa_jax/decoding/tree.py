@@ -32,7 +32,6 @@ n-gram occurred before. Tree files keep them under ``"prompt_lookup"``.
 from __future__ import annotations
 
 import functools
-import heapq
 import json
 import os
 import random
@@ -85,9 +84,24 @@ class DynamicSpec(NamedTuple):
     width: W, the best nodes of a depth whose children are drafted (hydra heads run on W paths per
       depth; Medusa heads' children cost nothing, so for them every node of the best T - 1 may be
       expanded and W is ignored).
+    confidence: None (a node scores its head's log-probability), or ``(knots, values)``: knots [J]
+      increasing head log-probabilities and values [D'][J], per depth, the log-probability that a
+      node of that head log-probability is accepted once its parent is (`tuning.confidence`,
+      measured on held-out chats; interpolated linearly, depths past D' use the last row).
+    lookup_confidence: with prompt lookup, per depth the log-probability that a copied token is
+      accepted once the one before it is (None: `LOOKUP_CONFIDENCE`): the copied chain's nodes
+      compete with the heads' for the budget (`decoding.dynamic.add_lookup_chain`).
     """
     budget: int
     width: int
+    confidence: tuple[tuple[float, ...], tuple[tuple[float, ...], ...]] | None = None
+    lookup_confidence: tuple[float, ...] | None = None
+
+    def lookup_scores(self, num_tokens: int) -> tuple[float, ...]:
+        """The scores of prompt lookup's copied chain of `num_tokens` (`decoding.dynamic.add_lookup_chain`):
+        cumulative sums of `lookup_confidence` (or `LOOKUP_CONFIDENCE`), the last value repeated."""
+        per = self.lookup_confidence or LOOKUP_CONFIDENCE
+        return tuple(float(np.sum([per[min(j, len(per) - 1)] for j in range(i + 1)])) for i in range(num_tokens))
 
     def check(self, depth: int, topk: int) -> "DynamicSpec":
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer)) or self.budget < 2:
@@ -97,6 +111,15 @@ class DynamicSpec(NamedTuple):
             raise ValueError(f"a dynamic tree's width must be a positive integer, got {self.width!r}")
         if depth < 1:
             raise ValueError("a dynamic tree needs at least one head (depth >= 1)")
+        if self.lookup_confidence is not None and (not self.lookup_confidence or any(
+                not x <= 0 for x in self.lookup_confidence)):
+            raise ValueError("a dynamic tree's lookup_confidence must be log-probabilities <= 0, one per depth")
+        if self.confidence is not None:
+            knots, values = self.confidence
+            if len(knots) < 2 or any(b <= a for a, b in zip(knots, knots[1:])) or not values or any(
+                    len(v) != len(knots) or any(x > 0 for x in v) for v in values):
+                raise ValueError("a dynamic tree's confidence must be (knots, values): at least 2 increasing "
+                                 "log-probabilities and, per depth, as many log-probabilities <= 0")
         most = sum(topk ** d for d in range(1, depth + 1))
         if self.budget - 1 > most:
             raise ValueError(f"a dynamic tree of {self.budget} nodes has more nodes than depth {depth} and topk "
@@ -113,6 +136,11 @@ class DynamicSpec(NamedTuple):
             n = min(width, n * topk, self.budget - 1 - d)
         return total
 
+
+#: Per depth, the log-probability that prompt lookup's copied token is accepted once the one before it
+#: is, where a dynamic tree's spec does not say (`DynamicSpec.lookup_confidence`); measured on the
+#: shipped heads' held-out chats (docs/performance.md).
+LOOKUP_CONFIDENCE = (-0.7, -0.4, -0.3)
 
 #: Parents expanded per depth by a dynamic tree's hydra heads when the spec does not say.
 DEFAULT_DYNAMIC_WIDTH = 4
@@ -177,14 +205,19 @@ class TreeBuffers:
     @property
     def step_size(self) -> int:
         """The most tokens one step's forward runs: T, or the prompt-lookup chain's k + 1 when
-        longer (the cache room a step needs)."""
-        return max(self.size, self.lookup.num_tokens + 1) if self.lookup is not None else self.size
+        longer (the cache room a step needs); a dynamic tree's copied chain shares its T slots."""
+        if self.lookup is None or self.dynamic is not None:  # a dynamic tree's chain is inside its budget
+            return self.size
+        return max(self.size, self.lookup.num_tokens + 1)
 
     @property
     def max_accepted(self) -> int:
         """The most candidates one step can accept: D, or the prompt-lookup draft's k when longer
-        (a step emits at most max_accepted + 1 tokens)."""
-        return max(self.max_depth, self.lookup.num_tokens) if self.lookup is not None else self.max_depth
+        (at most T - 1 in a dynamic tree; a step emits at most max_accepted + 1 tokens)."""
+        if self.lookup is None:
+            return self.max_depth
+        return max(self.max_depth, min(self.lookup.num_tokens, self.size - 1) if self.dynamic is not None
+                   else self.lookup.num_tokens)
 
     @property
     def lookup_settings(self) -> dict | None:
@@ -220,7 +253,7 @@ def check_depth(depth: int, num_heads: int, what: str = "tree") -> None:
                          "more heads")
 
 
-def _normalise(medusa_choices: Iterable[Any], topk: int, num_heads: int | None) -> tuple[Path, ...]:
+def normalise_choices(medusa_choices: Iterable[Any], topk: int, num_heads: int | None) -> tuple[Path, ...]:
     if isinstance(topk, bool) or not isinstance(topk, (int, np.integer)) or topk < 1:
         raise ValueError(f"topk must be a positive integer, got {topk!r}")
     if num_heads is not None and (isinstance(num_heads, bool) or not isinstance(num_heads, (int, np.integer))
@@ -272,7 +305,7 @@ def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
     Raises: ValueError for a non-integer entry, an empty path, a rank outside ``[0, topk)``, a path
       deeper than ``num_heads``, a duplicate path, or a node whose parent path is missing.
     """
-    choices = _normalise(medusa_choices, topk, num_heads)
+    choices = normalise_choices(medusa_choices, topk, num_heads)
     t = len(choices) + 1
     index: dict[Path, int] = {(): 0}
     for i, p in enumerate(choices):
@@ -313,15 +346,35 @@ def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
                        _ro(retrieve), _ro(valid), _ro(node_paths), _ro(expand), _ro(offsets), _ro(parent_idx))
 
 
-def dynamic_tree(budget: int, depth: int, topk: int = 10, width: int = DEFAULT_DYNAMIC_WIDTH) -> TreeBuffers:
+def dynamic_tree(budget: int, depth: int, topk: int = 10, width: int = DEFAULT_DYNAMIC_WIDTH,
+                 confidence: Any = None, lookup_confidence: Sequence[float] | None = None) -> TreeBuffers:
     """A tree of `budget` nodes (root included) chosen per step from the first `depth` heads' top-`topk`
     proposals by cumulative draft probability (`medusa_jax.decoding.dynamic`; EAGLE-2, Li et al. 2024,
-    Sec. 4; for hydra heads `width` parents are expanded per depth). Its static buffers are the
-    chain of `depth` nodes (module docstring).
-    Raises: ValueError for a budget below 2, a width below 1, or more nodes than the heads draft."""
-    spec = DynamicSpec(budget, width).check(depth, topk)
+    Sec. 4; for hydra heads `width` parents are expanded per depth; `confidence`: `DynamicSpec`'s,
+    as a pair of sequences or a ``{"knots": [...], "values": [[...], ...]}`` dict). Its static
+    buffers are the chain of `depth` nodes (module docstring).
+    Raises: ValueError for a budget below 2, a width below 1, more nodes than the heads draft, or a
+      malformed confidence."""
+    if isinstance(confidence, Mapping):
+        confidence = (confidence.get("knots"), confidence.get("values"))
+    if confidence is not None:
+        try:
+            knots, values = confidence
+            confidence = (tuple(float(x) for x in knots), tuple(tuple(float(x) for x in v) for v in values))
+        except (TypeError, ValueError):
+            raise ValueError("a dynamic tree's confidence must be (knots, values) or {\"knots\": [...], "
+                             "\"values\": [[...], ...]}") from None
+    if lookup_confidence is not None:
+        lookup_confidence = tuple(float(x) for x in lookup_confidence)
+    spec = DynamicSpec(budget, width, confidence, lookup_confidence).check(depth, topk)
     chain = build_tree([(0,) * d for d in range(1, depth + 1)], topk)
-    return replace(chain, dynamic=DynamicSpec(int(spec.budget), int(spec.width)))
+    return replace(chain, dynamic=spec._replace(budget=int(spec.budget), width=int(spec.width)))
+
+
+def _resized(tree: TreeBuffers, budget: int, depth: int, topk: int | None = None) -> TreeBuffers:
+    """A dynamic tree's spec at another budget, depth or topk (its lookup settings not included)."""
+    d = tree.dynamic
+    return dynamic_tree(budget, depth, tree.topk if topk is None else topk, d.width, d.confidence, d.lookup_confidence)
 
 
 def _dynamic_from_name(name: str, topk: int | None, num_heads: int | None) -> TreeBuffers:
@@ -371,7 +424,8 @@ def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -
     path to a ``.json``/``.yaml``/``.yml`` file holding a list of paths or a dict with key
     ``medusa_choices`` (and optionally ``topk`` and ``prompt_lookup``, `with_lookup`), or a sequence
     of paths; or ``dynamic:T[:W]``, a tree of T nodes chosen per step (`dynamic_tree`, as deep as
-    `num_heads`), which a tree file gives as ``{"dynamic": {"budget": T, "width": W}}``. ``topk`` defaults to the file's ``topk``, else 10.
+    `num_heads`), which a tree file gives as ``{"dynamic": {"budget": T, "width": W}}`` (and optionally
+    ``"confidence"``: `dynamic_tree`). ``topk`` defaults to the file's ``topk``, else 10.
     Raises: ValueError for an unknown name (the message lists the presets) and every
       ``build_tree`` error.
     """
@@ -381,11 +435,11 @@ def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -
             depth = spec.max_depth if num_heads is None else min(spec.max_depth, num_heads)
             if (k, depth) == (spec.topk, spec.max_depth):
                 return spec
-            return with_lookup(dynamic_tree(spec.dynamic.budget, depth, k, spec.dynamic.width), spec.lookup)
+            return with_lookup(_resized(spec, spec.dynamic.budget, depth, k), spec.lookup)
         if topk is not None and topk != spec.topk:
             return with_lookup(build_tree(spec.medusa_choices, topk, num_heads), spec.lookup)
         if num_heads is not None:
-            _normalise(spec.medusa_choices, spec.topk, num_heads)
+            normalise_choices(spec.medusa_choices, spec.topk, num_heads)
         return spec
     if isinstance(spec, (str, os.PathLike)):
         name = os.fspath(spec)
@@ -400,7 +454,8 @@ def get_tree(spec: Any, topk: int | None = None, num_heads: int | None = None) -
                 if isinstance(choices, Mapping):  # {"budget": T, "width": W}
                     depth = num_heads if num_heads is not None else 4
                     tree = dynamic_tree(choices["budget"], min(depth, max(int(choices["budget"]) - 1, 1)), k,
-                                        choices.get("width", DEFAULT_DYNAMIC_WIDTH))
+                                        choices.get("width", DEFAULT_DYNAMIC_WIDTH), choices.get("confidence"),
+                                        choices.get("lookup_confidence"))
                     return with_lookup(tree, lookup)
                 return with_lookup(build_tree(choices, k, num_heads), lookup)
             except (TypeError, ValueError) as e:
@@ -420,10 +475,16 @@ def tree_to_json(tree: TreeBuffers | Sequence[Sequence[int]], path: str | os.Pat
     if isinstance(tree, TreeBuffers):
         choices, k, lookup = tree.medusa_choices, tree.topk, tree.lookup_settings
     else:
-        choices = _normalise(tree, topk or 10, None)
+        choices = normalise_choices(tree, topk or 10, None)
         k = topk or 10
     if isinstance(tree, TreeBuffers) and tree.dynamic is not None:
-        data = {"dynamic": {"budget": int(tree.dynamic.budget), "width": int(tree.dynamic.width)}, "topk": int(k)}
+        dyn = tree.dynamic
+        data = {"dynamic": {"budget": int(dyn.budget), "width": int(dyn.width)}, "topk": int(k)}
+        if dyn.confidence is not None:
+            data["dynamic"]["confidence"] = {"knots": list(dyn.confidence[0]),
+                                             "values": [list(v) for v in dyn.confidence[1]]}
+        if dyn.lookup_confidence is not None:
+            data["dynamic"]["lookup_confidence"] = list(dyn.lookup_confidence)
     else:
         data = {"medusa_choices": [list(p) for p in choices], "topk": int(k)}
     if lookup is not None:
@@ -470,7 +531,7 @@ def truncate_tree(tree: TreeBuffers, max_depth: int) -> TreeBuffers:
         return tree
     if tree.dynamic is not None and max_depth > 0:
         w = tree.dynamic.width
-        return dynamic_tree(min(tree.size, 1 + tree.topk * (1 + (max_depth - 1) * w)), max_depth, tree.topk, w)
+        return _resized(tree, min(tree.size, 1 + tree.topk * (1 + (max_depth - 1) * w)), max_depth)
     return build_tree([p for p in tree.medusa_choices if len(p) <= max_depth], tree.topk)
 
 
@@ -488,68 +549,8 @@ def tree_with_budget(tree: TreeBuffers, max_nodes: int) -> TreeBuffers:
     if tree.dynamic is not None:
         if max_nodes == 1:
             return build_tree([], tree.topk)
-        return dynamic_tree(max_nodes, min(tree.max_depth, max_nodes - 1), tree.topk, tree.dynamic.width)
+        return _resized(tree, max_nodes, min(tree.max_depth, max_nodes - 1))
     return build_tree(tree.medusa_choices[:max_nodes - 1], tree.topk)
-
-
-def _accuracies(head_accuracies: Any) -> np.ndarray:
-    acc = np.asarray(head_accuracies, dtype=np.float64)
-    if acc.ndim != 2:
-        raise ValueError(f"head_accuracies must be 2-D [num_heads, topk], got shape {acc.shape}")
-    if not np.all(np.isfinite(acc)) or acc.min(initial=0.0) < 0 or acc.max(initial=0.0) > 1:
-        raise ValueError("head_accuracies must be probabilities in [0, 1]")
-    return acc
-
-
-def expected_acceptance_length(choices: TreeBuffers | Iterable[Sequence[int]],
-                               head_accuracies: Any) -> float:
-    """Expected accepted Medusa tokens per step under independent heads (Medusa Sec. 3.3.1).
-
-    ``head_accuracies[k][r]`` = P(head k's rank-r token is right), shape [num_heads, topk'].
-    Returns ``sum over non-root nodes of prod_i acc[i][r_i]``; tokens per step is 1 + this.
-    Raises: ValueError if a path is deeper than the number of heads or a rank has no accuracy, or
-      the accuracies are not a 2-D array of probabilities.
-    """
-    acc = _accuracies(head_accuracies)
-    paths = choices.medusa_choices if isinstance(choices, TreeBuffers) else \
-        _normalise(choices, max(acc.shape[1], 1), acc.shape[0])
-    total = 0.0
-    for p in paths:
-        if len(p) > acc.shape[0] or max(p) >= acc.shape[1]:
-            raise ValueError(f"path {p} is outside head_accuracies of shape {acc.shape}")
-        total += float(np.prod([acc[i, r] for i, r in enumerate(p)]))
-    return total
-
-
-def greedy_tree_search(head_accuracies: Any, num_nodes: int, topk: int = 10) -> tuple[Path, ...]:
-    """Greedy tree construction (Medusa Sec. 3.3.1): repeatedly add the node of highest path
-    probability ``prod_i acc[i][r_i]`` whose parent is already in the tree.
-
-    ``num_nodes`` counts tree tokens, root included (``num_nodes - 1`` paths are returned; fewer
-    if the heads/ranks run out). Ranks are limited to ``min(topk, head_accuracies.shape[1])``;
-    ties go to the smaller (depth, ranks). The result is in insertion order, so every prefix of it
-    is the greedy tree of that size (prefix-closed); pass it to build_tree.
-    Raises: ValueError if ``num_nodes < 1`` or the accuracies are not 2-D probabilities.
-    """
-    acc = _accuracies(head_accuracies)
-    if num_nodes < 1:
-        raise ValueError(f"num_nodes must be >= 1 (the root), got {num_nodes}")
-    k = min(topk, acc.shape[1])
-    heap: list[tuple[float, int, Path]] = []
-
-    def push_children(path: Path, prob: float) -> None:
-        if len(path) < acc.shape[0]:
-            for r in range(k):
-                child = path + (r,)
-                heapq.heappush(heap, (-prob * acc[len(path), r], len(child), child))
-
-    out: list[Path] = []
-    push_children((), 1.0)
-    while heap and len(out) < num_nodes - 1:
-        neg, _, path = heapq.heappop(heap)
-        out.append(path)
-        push_children(path, -neg)
-    return tuple(out)
 
 
 def with_lookup(tree: TreeBuffers, lookup: PromptLookup | Mapping[str, int] | None) -> TreeBuffers:

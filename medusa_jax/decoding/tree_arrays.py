@@ -56,16 +56,3 @@ def tree_rows(tree, batch: int) -> TreeArrays:
         return tree
     arrays = (tree.ancestor_mask, tree.depth, tree.parents, tree.retrieve_indices, tree.valid)
     return TreeArrays(*(jnp.broadcast_to(jnp.asarray(a), (batch,) + tuple(np.shape(a))) for a in arrays))
-
-
-def pad_tree_rows(arrays: TreeArrays, size: int, paths: int, depth: int) -> TreeArrays:
-    """Per-row tree arrays (`select_tree`) padded to `size` nodes, `paths` paths and `depth` (as
-    `decoding.tree_arrays.padded_arrays` pads a static tree): a padding node is a lone root that sees only
-    itself, on no path; padding paths are invalid past the root."""
-    B, T = arrays.depth.shape
-    P, D1 = arrays.retrieve_indices.shape[1:]
-    mask = jnp.broadcast_to(jnp.eye(size, dtype=jnp.bool_), (B, size, size)).at[:, :T, :T].set(arrays.ancestor_mask)
-    pad = lambda x, n, value: jnp.pad(x, ((0, 0), (0, n)) + ((0, 0),) * (x.ndim - 2), constant_values=value)  # noqa: E731
-    retrieve = jnp.pad(arrays.retrieve_indices, ((0, 0), (0, paths - P), (0, depth + 1 - D1)))
-    valid = jnp.pad(arrays.valid, ((0, 0), (0, paths - P), (0, depth + 1 - D1))).at[:, :, 0].set(True)
-    return TreeArrays(mask, pad(arrays.depth, size - T, 0), pad(arrays.parents, size - T, -1), retrieve, valid)

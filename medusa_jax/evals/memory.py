@@ -38,7 +38,7 @@ such copies.
 The default tree (``--tree-nodes``, T tokens with the root): the first T - 1 nodes of the
 official ``mc_sim_7b_63`` tree (FasterDecoding/Medusa, `decoding.tree.MC_SIM_7B_63`, acceptance order) of
 depth <= K; 64 by default (the whole tree when K >= 4). A larger T than that tree holds is the
-greedy tree (`decoding.tree.greedy_tree_search`, Medusa Sec. 3.3.1) on a stand-in accuracy table
+greedy tree (`decoding.tree_estimates.greedy_tree_search`, Medusa Sec. 3.3.1) on a stand-in accuracy table
 (`STAND_IN_ACCURACY`). With K = 0 the step is plain decoding (`decoding.tree.PLAIN_TREE`, T = 1).
 """
 from __future__ import annotations
@@ -58,7 +58,8 @@ from medusa_jax import sharding
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.state import DecodeState
 from medusa_jax.decoding.step import step
-from medusa_jax.decoding.tree import MC_SIM_7B_63, PLAIN_TREE, build_tree, greedy_tree_search, prefix_closed_head
+from medusa_jax.decoding.tree import MC_SIM_7B_63, PLAIN_TREE, build_tree, prefix_closed_head
+from medusa_jax.decoding.tree_estimates import greedy_tree_search
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import MedusaHeads, prepare_heads
 from medusa_jax.models.config import ModelConfig

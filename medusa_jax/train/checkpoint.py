@@ -30,7 +30,8 @@ from safetensors.numpy import save_file
 
 from medusa_jax.convert.hf import hf_tensors_from_params
 from medusa_jax.convert.medusa_format import save_heads
-from medusa_jax.decoding.tree import get_tree, greedy_tree_search
+from medusa_jax.decoding.tree import get_tree
+from medusa_jax.decoding.tree_estimates import greedy_tree_search
 from medusa_jax.models.llama import lm_head_matrix
 
 

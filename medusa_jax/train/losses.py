@@ -71,7 +71,7 @@ def rank_counts(logits: jax.Array, labels: jax.Array, valid: jax.Array) -> jax.A
     Returns:
       [K, NUM_RANKS] float32: entry [k, r] counts valid positions where head k ranks the label r-th.
       Divided by the valid counts this is the ``head_accuracies`` table of
-      `medusa_jax.decoding.tree.greedy_tree_search`; its cumulative sum gives top-k accuracies
+      `medusa_jax.decoding.tree_estimates.greedy_tree_search`; its cumulative sum gives top-k accuracies
       (`topk_from_ranks`).
     """
     labels = jnp.clip(labels, 0, logits.shape[-1] - 1)

@@ -73,7 +73,7 @@ def rank_accuracies(heads_cfg: MedusaConfig, head_params, base_lm_head, hidden: 
 
     Hydra heads (Ankner et al. 2024, Sec. 3) are conditioned on the true previous tokens (teacher
     forcing): on the path greedy decoding accepts, the earlier guesses were right, so acc[k][r]
-    is P(rank r right | the path so far right), which is what `decoding.tree.expected_acceptance_length`
+    is P(rank r right | the path so far right), which is what `decoding.tree_estimates.expected_acceptance_length`
     multiplies along a path.
 
     Args:
@@ -144,30 +144,30 @@ def choose_tree(ranks: np.ndarray, cost: Dict[int, float], topk: int = 10, chats
 
 
 def dynamic_rows(accepted: Dict[int, np.ndarray], cost: Dict[int, float], width: int, chats: Sequence,
-                 sources: np.ndarray, lookup: Optional[PromptLookup] = None) -> List[dict]:
+                 sources: np.ndarray, accepted_lookup: Optional[Dict[int, np.ndarray]] = None) -> List[dict]:
     """`choose_tree`'s rows for trees chosen per step (`decoding.dynamic`, ``dynamic:T:W``).
 
     Args:
       accepted: {T: [P] candidates the dynamic tree of T nodes accepts at each held-out position}
-        (`tuning.replay.dynamic_accepted`).
-      cost: {T: c(T)} of the dynamic trees (their draft's own work included); with `lookup`, also
-        at k + 1 nodes (a step verifies max(T, k + 1)).
-      width: the trees' width W. chats, sources, lookup: as `choose_tree`.
+        (`tuning.replay.dynamic_accepted`), the heads alone.
+      cost: {T: c(T)} of the dynamic trees (their draft's own work included; the copied chain of
+        prompt lookup shares the T slots, so it costs nothing more).
+      width: the trees' width W. chats, sources: as `choose_tree`.
+      accepted_lookup: {T: [P]} the same with prompt lookup's chain competing for the slots
+        (`dynamic_accepted` with `lookup_drafts`), or None.
     Returns:
       rows as `choose_tree`'s, with ``"dynamic": {"budget": T, "width": W}`` instead of paths.
     """
-    alone = Replay(chats, sources)
-    looked = Replay(chats, sources, lookup) if lookup is not None else None
+    decode = Replay(chats, sources)  # the copied chain is inside the trees: no separate lookup steps
     rows = []
     for T in sorted(accepted):
         a = accepted[T]
-        tps = alone.tokens_per_step(a)
+        tps = decode.tokens_per_step(a)
         row = {"size": T, "dynamic": {"budget": T, "width": width},
                "expected_accepted": float(a.mean()) if len(a) else 0.0, "predicted_tokens_per_step": tps,
                "cost": float(cost[T])}
-        if looked is not None:
-            row["predicted_tokens_per_step_lookup"] = tps = looked.tokens_per_step(a)
-            row["cost"] = float(cost.get(max(T, lookup.num_tokens + 1), cost[T]))
+        if accepted_lookup is not None:
+            row["predicted_tokens_per_step_lookup"] = tps = decode.tokens_per_step(accepted_lookup[T])
         rows.append({**row, "predicted_speedup": tps / row["cost"]})
     return rows
 

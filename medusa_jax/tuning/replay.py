@@ -74,29 +74,57 @@ def _ranks(heads_cfg, topk: int, head_params, lm, emb, batch) -> jax.Array:
 
 
 def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings=None,
-                     batch: int = 512) -> np.ndarray:
+                     batch: int = 512, lookup_drafts: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
     """What a tree chosen per step (``tree.dynamic``, `decoding.dynamic`) accepts at every position,
     exactly: the tree the heads draft there (its root the true token t+1, which greedy decoding of
     the self-distilled answer emits) and the longest of its paths whose tokens are the answer's next
     ones. Unlike a static tree's, this depends on the heads' whole proposal distributions, not only
     on the true tokens' ranks, so the draft itself runs at each position.
 
-    Args: as `path_ranks`, and `tree` a dynamic tree (`decoding.tree.dynamic_tree`).
-    Returns: [P] int32 accepted candidates per position (feed `Replay.run`).
+    Args: as `path_ranks`, `tree` a dynamic tree (`decoding.tree.dynamic_tree`), and with prompt
+      lookup `lookup_drafts` = (copied [P, k] int32, found [P] bool), each position's copied chain
+      (`lookup_drafts`), which competes for the tree's slots as in decoding.
+    Returns: [P] int32 accepted candidates per position (feed `Replay.run` without lookup: the copy
+      is inside the tree).
     """
+    if tree.max_accepted > heads_cfg.num_heads:
+        raise ValueError(f"the held-out labels reach {heads_cfg.num_heads} tokens past the root, fewer than this "
+                         f"tree accepts ({tree.max_accepted}): copy fewer tokens (prompt lookup) or replay a smaller tree")
     emb = None if embeddings is None else jnp.asarray(embeddings)
     P = pos.num_positions
-    out = [np.asarray(_dynamic_batch(heads_cfg, tree, head_params, base_lm_head, emb, b))
-           for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch)]
+    out = []
+    for s, b in zip(range(0, P, batch), position_batches(
+            plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch)):
+        look = None
+        if lookup_drafts is not None:
+            copied, found = (np.asarray(a)[s:s + batch] for a in lookup_drafts)
+            n = batch - len(found)
+            look = (np.pad(copied, ((0, n), (0, 0))), np.pad(found, (0, n)))
+        out.append(np.asarray(_dynamic_batch(heads_cfg, tree, head_params, base_lm_head, emb, b, look)))
     return (np.concatenate(out) if out else np.zeros((0,), np.int32))[:P]
 
 
+def lookup_drafts(chats: Sequence[Tuple[np.ndarray, np.ndarray]], sources: np.ndarray,
+                  lookup: PromptLookup) -> Tuple[np.ndarray, np.ndarray]:
+    """Prompt lookup's draft at every source position (chat i, t: the context is the chat's tokens
+    up to the root t+1), as decoding finds it (`lookup_draft`).
+    Returns: (copied [P, k] int32, filler where none; found [P] bool)."""
+    src = np.asarray(sources).reshape(-1, 2)
+    copied = np.zeros((len(src), lookup.num_tokens), np.int32)
+    found = np.zeros(len(src), bool)
+    for j, (i, t) in enumerate(src):
+        d = lookup_draft(np.asarray(chats[int(i)][0])[:int(t) + 2], lookup)
+        if d is not None:
+            copied[j], found[j] = d, True
+    return copied, found
+
+
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _dynamic_batch(heads_cfg, tree, head_params, lm, emb, batch) -> jax.Array:
+def _dynamic_batch(heads_cfg, tree, head_params, lm, emb, batch, look) -> jax.Array:
     """[N] int32 accepted candidates of one batch of positions (`dynamic_accepted`)."""
-    D = tree.max_depth
+    D = tree.max_accepted
     root = batch["path_tokens"][0]
-    arrays, tokens = draft_tree(heads_cfg, head_params, lm, emb, batch["hidden"], root, tree)
+    arrays, tokens = draft_tree(heads_cfg, head_params, lm, emb, batch["hidden"], root, tree, look)
     N, T = tokens.shape
     on_path = jnp.take_along_axis(tokens[:, None, :], arrays.retrieve_indices.reshape(N, 1, -1), axis=2)
     on_path = on_path.reshape(N, T, D + 1)[:, :, 1:]                                  # [N, T, D]

@@ -1,0 +1,144 @@
+"""How often a drafted node is accepted, as a function of its head's probability, measured on held-out
+chats: the scores a tree chosen per step ranks its nodes by (`decoding.dynamic`, ``DynamicSpec.confidence``).
+
+A dynamic tree keeps the T - 1 nodes with the highest probability of being accepted. A node is
+accepted when its parent is and its own token is the target's next one, so that probability is the
+product, along the node's path, of each node's acceptance given its parent's. The heads' own
+probabilities estimate it badly: heads trained on hard targets are over- or under-confident, and
+differently per depth. Teacher forcing gives the exact event for each depth: with the path's
+earlier tokens the answer's own (the parent accepted), is the head's rank-r proposal the answer's
+next token? Binning those events by the proposal's head log-probability and fitting a
+nondecreasing map per depth (isotonic regression, pool-adjacent-violators) gives the calibrated
+scores (Platt 1999 / Zadrozny and Elkan 2002 for calibration; EAGLE-2, Li et al. 2024, Sec. 4, for
+why the tree's expected acceptance is the sum of its nodes' path probabilities).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from medusa_jax.heads.topk import head_topk
+from medusa_jax.train.data import plain_positions, position_batches
+
+Confidence = Tuple[Tuple[float, ...], Tuple[Tuple[float, ...], ...]]
+
+
+def proposal_events(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=None,
+                    batch: int = 1024) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every head's top-k proposals on the held-out positions, teacher forced: their head
+    log-probabilities and whether each is the answer's next token.
+
+    Args: as `tuning.replay.path_ranks` (pos: `train.data.Positions`; hydra heads need embeddings).
+    Returns:
+      (logprob [K, P, topk] float32, hit [K, P, topk] bool, valid [K, P] bool): head k's rank-r
+      proposal at position t, whether it is token t+k+2, and whether head k has a label there.
+    Raises ValueError when hydra heads lack embeddings.
+    """
+    if heads_cfg.head_type == "hydra" and embeddings is None:
+        raise ValueError("hydra heads read token embeddings: pass embeddings [V, D]")
+    emb = None if embeddings is None else jnp.asarray(embeddings)
+    P = pos.num_positions
+    lps, hits, valids = [], [], []
+    for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch):
+        lp, hit = _events(heads_cfg, topk, head_params, base_lm_head, emb, b)
+        lps.append(np.asarray(lp))
+        hits.append(np.asarray(hit))
+        valids.append(np.asarray(b["valid"]))
+    K = heads_cfg.num_heads
+    if not lps:
+        return np.zeros((K, 0, topk), np.float32), np.zeros((K, 0, topk), bool), np.zeros((K, 0), bool)
+    return (np.concatenate(lps, axis=1)[:, :P], np.concatenate(hits, axis=1)[:, :P],
+            np.concatenate(valids, axis=1)[:K, :P])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _events(heads_cfg, topk: int, head_params, lm, emb, batch):
+    tokens, logp = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
+                             path_tokens=batch["path_tokens"], embeddings=emb, logprobs=True)  # [K, N, topk]
+    hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
+    return logp, hit
+
+
+def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
+    """The nondecreasing sequence closest to `y` in `w`-weighted squared error (pool adjacent violators)."""
+    blocks = []  # [value, weight, length]
+    for yi, wi in zip(y, w):
+        blocks.append([yi, wi, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            wt = w1 + w2
+            blocks.append([(v1 * w1 + v2 * w2) / wt if wt > 0 else (v1 + v2) / 2, wt, n1 + n2])
+    return np.concatenate([np.full(n, v) for v, _, n in blocks])
+
+
+def fit_confidence(logprob: np.ndarray, hit: np.ndarray, valid: np.ndarray, bins: int = 24,
+                   floor: float = 1e-4) -> Confidence:
+    """Per depth, the probability that a proposal of a given head log-probability is accepted once its
+    parent is (module docstring), as ``DynamicSpec.confidence``.
+
+    Args:
+      logprob, hit, valid: `proposal_events`' arrays ([K, P, topk], [K, P, topk], [K, P]).
+      bins: the knots, at quantiles of all heads' proposal log-probabilities (shared by the depths).
+      floor: the least acceptance probability a knot may have (log 1e-4 = -9.2 nats).
+    Returns:
+      (knots [J] increasing log-probabilities, values [K][J] log acceptance probabilities <= 0,
+      nondecreasing along each row), J <= bins + 1.
+    Raises:
+      ValueError: no labelled position.
+    """
+    K = logprob.shape[0]
+    m = np.broadcast_to(valid[:, :, None], logprob.shape)
+    if not m.any():
+        raise ValueError("no labelled held-out position to measure the heads' confidence on")
+    pooled = np.sort(logprob[m].astype(np.float64))
+    edges = np.unique(np.quantile(pooled, np.linspace(0.0, 1.0, bins + 1)))
+    centers = np.unique(np.concatenate([[pooled[0] - 1.0],
+                                        [pooled[(pooled >= a) & (pooled <= b)].mean() for a, b in zip(edges, edges[1:])],
+                                        [0.0]]))
+    values = []
+    for k in range(K):
+        x, y = logprob[k][m[k]].astype(np.float64), hit[k][m[k]].astype(np.float64)
+        which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, len(edges) - 2)
+        n = np.bincount(which, minlength=len(edges) - 1).astype(np.float64)
+        h = np.bincount(which, weights=y, minlength=len(edges) - 1)
+        mids = np.array([pooled[(pooled >= a) & (pooled <= b)].mean() for a, b in zip(edges, edges[1:])])
+        prior = np.exp(mids)                        # where a bin is empty, trust the head's own probability
+        rate = _isotonic((h + prior) / (n + 1.0), n + 1.0)
+        rate = np.clip(np.interp(centers, mids, rate), floor, 1.0)
+        values.append(tuple(float(v) for v in np.log(np.maximum.accumulate(rate))))
+    return tuple(float(c) for c in centers), tuple(values)
+
+
+def fit_lookup_confidence(chats: Sequence[Tuple[np.ndarray, np.ndarray]], sources: np.ndarray, copied: np.ndarray,
+                          found: np.ndarray, floor: float = 1e-3) -> Tuple[float, ...]:
+    """Per depth, the log-probability that prompt lookup's copied token is accepted once the one
+    before it is (``DynamicSpec.lookup_confidence``), on the held-out chats' answers.
+
+    Args:
+      chats: (token ids [L], loss mask [L]) pairs; sources: [P, 2] (chat, t) of the positions.
+      copied, found: `tuning.replay.lookup_drafts` at those positions ([P, k], [P]).
+      floor: the least probability a depth may get.
+    Returns: k log-probabilities <= 0 (depths never reached: the last measured one).
+    Raises ValueError when no position found a copy.
+    """
+    src = np.asarray(sources).reshape(-1, 2)
+    k = copied.shape[1]
+    reach, hits = np.zeros(k), np.zeros(k)
+    for j in np.flatnonzero(found):
+        ids, mask = (np.asarray(a) for a in chats[int(src[j, 0])])
+        t = int(src[j, 1])
+        truth = ids[t + 2:t + 2 + k]
+        room = int(np.cumprod(mask[t + 2:t + 2 + k]).sum())  # answer tokens left to check
+        ok = np.cumprod(copied[j, :room] == truth[:room])
+        reach[:room] += np.concatenate([[1], ok[:-1]])[:room]
+        hits[:room] += ok
+    if not reach[0]:
+        raise ValueError("prompt lookup found no copy on the held-out chats: nothing to measure")
+    rate = np.where(reach > 0, hits / np.maximum(reach, 1), np.nan)
+    rate = np.where(np.isnan(rate), rate[~np.isnan(rate)][-1], rate)
+    return tuple(float(x) for x in np.log(np.clip(rate, floor, 1.0)))
