@@ -17,6 +17,7 @@ from medusa_jax.train.hidden import Backbone, compute_positions, position_source
 from medusa_jax.tuning.replay import (
     Replay,
     dynamic_accepted,
+    lookup_drafts,
     lookup_draft,
     path_ranks,
     rank_accuracies_of,
@@ -144,6 +145,17 @@ def test_dynamic_replay_equals_greedy_decoding_of_the_models_own_answers(head_ty
                    for p in prompts]
         r = replay(chats, sources, accepted)
         assert r["steps"] == sum(d.steps for d in decoded) and r["tokens"] == 180
+    # prompt lookup's copied chain inside the budget: each position's copy found as decoding finds it
+    lk = PromptLookup(2, 2, 1)
+    drafts = lookup_drafts(chats, sources, lk)
+    assert drafts[1].any() and not drafts[1].all()
+    for tree in (with_lookup(dynamic_tree(6, 3, 10, width=2), lk), with_lookup(dynamic_tree(4, 3, 10), lk)):
+        accepted = dynamic_accepted(hcfg, jhp, lm, pos, tree, emb, batch=16, lookup_drafts=drafts)
+        decoded = [generate(cfg, params, p, max_new_tokens=60, heads=(hcfg, hp), tree=tree, eos_token_ids=())
+                   for p in prompts]
+        assert all(d.tokens == a for d, a in zip(decoded, [c[0][len(p):].tolist() for c, p in zip(chats, prompts)]))
+        r = replay(chats, sources, accepted)
+        assert r["steps"] == sum(d.steps for d in decoded) and r["tokens"] == 180
 
 
 def test_search_tree_for_decoding_steps():
@@ -164,3 +176,16 @@ def test_search_tree_for_decoding_steps():
     assert decoding.run(tree_accepted(ranks, got[:1], 4))["steps"] == min(steps.values())
     # the count-based search's first node is the most frequent rank, found by both here
     assert search_tree(ranks, 2, 4) == ((int(np.bincount(ranks[:, 0], minlength=5)[:4].argmax()),),)
+
+
+def test_fit_lookup_confidence_by_hand():
+    """Per depth, copied tokens accepted over those reached (the one before accepted, inside the answer)."""
+    from medusa_jax.tuning.confidence import fit_lookup_confidence
+
+    chats = [(np.array([5, 6, 7, 8, 9, 10]), np.array([False, True, True, True, True, True]))]
+    sources = np.array([[0, 0], [0, 1], [0, 2]])
+    copied = np.array([[7, 8, 0], [8, 0, 10], [0, 10, 3]])  # truths 7 8 9 | 8 9 10 | 9 10 (then the end)
+    got = fit_lookup_confidence(chats, sources, copied, np.array([True, True, True]))
+    assert np.allclose(np.exp(got), [2 / 3, 1 / 2, 1e-3])
+    with pytest.raises(ValueError, match="no copy"):
+        fit_lookup_confidence(chats, sources, copied, np.zeros(3, bool))
