@@ -384,6 +384,13 @@ def test_tune_and_decode_with_hydra_heads(tmp_path):
     config["tree_search"]["dynamic_tree"] = {"budget": 6, "width": 2}
     json.dump(config, open(tmp_path / "tuned" / "config.json", "w"))
     heads, tree, _ = resolve_heads(lm, str(tmp_path / "tuned"))
-    assert tree.dynamic == (6, 2) and tree.size == 6 and tree.lookup is not None
+    assert tree.dynamic[:2] == (6, 2) and tree.size == 6 and tree.lookup is not None
+    # ... scoring its nodes by the heads' confidence tune measured (and lookup's, when it found copies)
+    conf = report["confidence"]
+    assert tree.dynamic.confidence == (tuple(conf["knots"]), tuple(tuple(v) for v in conf["values"]))
+    assert len(conf["values"]) == 3 and all(x <= 0 for v in conf["values"] for x in v)
+    look = report["lookup_confidence"]
+    assert tree.dynamic.lookup_confidence == (tuple(look) if look else None)
+    assert "Trees chosen per step" in (tmp_path / "tuned" / "tree_search.md").read_text()
     med = generate(lm.cfg, lm.params, prompt, max_new_tokens=30, heads=heads, tree=tree, eos_token_ids=())
     assert med.tokens == base.tokens

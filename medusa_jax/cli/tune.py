@@ -256,7 +256,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     save_heads(out_dir, tuned, hp, extra=extras, dtype=np.float16 if args.update_shipped_heads else np.float32)
     with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
         f.write(f"# Tree search ({report['device']}, plain step {report['plain_step_ms']:.2f} ms)\n\n"
-                + _table(rows, best) + "\n")
+                + _table(rows, best) + "\n"
+                + (f"\nTrees chosen per step (dynamic:T:{args.dynamic_width}):\n\n" + _table(drows, best) + "\n"
+                   if drows else ""))
     lookup_note = (f", {best['predicted_tokens_per_step_lookup']:.3f} with prompt lookup"
                    if "predicted_tokens_per_step_lookup" in best else "")
     kind = f"dynamic:{best['size']}:{args.dynamic_width}" if "dynamic" in best else f"{best['size']}-node"
