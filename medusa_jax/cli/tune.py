@@ -54,9 +54,9 @@ from medusa_jax.tuning.calibrate import (
     output_dir,
     timing_prompt,
 )
-from medusa_jax.tuning.confidence import fit_confidence, fit_lookup_confidence, proposal_events
-from medusa_jax.tuning.replay import (Replay, dynamic_accepted, lookup_drafts, path_ranks, rank_accuracies_of,
-                                      search_tree)
+from medusa_jax.tuning.confidence import fit_confidence, fit_lookup_confidence
+from medusa_jax.tuning.replay import (Replay, dynamic_accepted, lookup_drafts, proposal_events, rank_accuracies_of,
+                                      ranks_of, search_tree)
 
 
 def _table(rows: List[dict], best: dict) -> str:
@@ -156,7 +156,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             hp = {k: v for k, v in hp.items() if k != "proposal_ids"}
         hcfg = hcfg.replace(proposal_vocab_size=args.proposal_vocab)
     jhp = with_proposal_projection(hcfg, jax.tree_util.tree_map(jnp.asarray, hp), lm)
-    ranks = path_ranks(hcfg, jhp, lm, pos, hcfg.topk, embeddings=token_embeddings(model.params))
+    events = proposal_events(hcfg, jhp, lm, pos, hcfg.topk, embeddings=token_embeddings(model.params))
+    ranks = ranks_of(events[1])
     acc, counts = rank_accuracies_of(ranks, pos.valid, hcfg.topk)
     print(f"calibration: {len(chats)} of {len(val)} held-out chats, positions per head {counts.tolist()}")
     for k in range(hcfg.num_heads):
@@ -170,8 +171,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
     dynamic, confidence, lookup_conf, drafts = {}, None, None, None  # T -> the dynamic tree of T nodes
     if args.dynamic_width:  # how often the drafts are accepted, by their probability (tuning.confidence)
-        confidence = fit_confidence(*proposal_events(hcfg, jhp, lm, pos, hcfg.topk,
-                                                     embeddings=token_embeddings(model.params)))
+        confidence = fit_confidence(*events)
         if lookup is not None and lookup.num_tokens <= hcfg.num_heads:
             drafts = lookup_drafts(chats, sources, lookup)
             lookup_conf = fit_lookup_confidence(chats, sources, *drafts) if drafts[1].any() else None

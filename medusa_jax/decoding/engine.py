@@ -442,7 +442,7 @@ class Engine:
             live_rows = [b for b, r in enumerate(self.rows) if r is not None]
             if not live_rows:
                 return
-        acc = self._acceptance(live_rows)
+            acc = self._acceptance(live_rows)  # retired rows may have been the sampled ones (a regroup keeps them all)
         # per-step host work kept small (a plain step on this CPU is ~18 ms): the compiled step and
         # the live mask are looked up by plain keys
         mask = tuple(r is not None for r in self.rows)

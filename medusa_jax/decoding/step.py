@@ -128,7 +128,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     if tree.dynamic is not None:  # the copied chain competes with the heads' nodes for the T slots
         verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, (copied, use))
-        return _verify_tree(cfg, verified, True, acc, params, state, tokens, width)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
     chain = chain_tree(tree.lookup.num_tokens)

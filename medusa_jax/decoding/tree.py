@@ -102,7 +102,7 @@ class DynamicSpec(NamedTuple):
         """The scores of prompt lookup's copied chain of `num_tokens` (`decoding.dynamic.add_lookup_chain`):
         cumulative sums of `lookup_confidence` (or `LOOKUP_CONFIDENCE`), the last value repeated."""
         per = self.lookup_confidence or LOOKUP_CONFIDENCE
-        return tuple(float(np.sum([per[min(j, len(per) - 1)] for j in range(i + 1)])) for i in range(num_tokens))
+        return tuple(float(x) for x in np.cumsum([per[min(j, len(per) - 1)] for j in range(num_tokens)]))
 
     def check(self, depth: int, topk: int) -> "DynamicSpec":
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer)) or self.budget < 2:

@@ -14,53 +14,11 @@ why the tree's expected acceptance is the sum of its nodes' path probabilities).
 """
 from __future__ import annotations
 
-import functools
 from typing import Sequence, Tuple
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.heads.topk import head_topk
-from medusa_jax.train.data import plain_positions, position_batches
-
 Confidence = Tuple[Tuple[float, ...], Tuple[Tuple[float, ...], ...]]
-
-
-def proposal_events(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=None,
-                    batch: int = 1024) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Every head's top-k proposals on the held-out positions, teacher forced: their head
-    log-probabilities and whether each is the answer's next token.
-
-    Args: as `tuning.replay.path_ranks` (pos: `train.data.Positions`; hydra heads need embeddings).
-    Returns:
-      (logprob [K, P, topk] float32, hit [K, P, topk] bool, valid [K, P] bool): head k's rank-r
-      proposal at position t, whether it is token t+k+2, and whether head k has a label there.
-    Raises ValueError when hydra heads lack embeddings.
-    """
-    if heads_cfg.head_type == "hydra" and embeddings is None:
-        raise ValueError("hydra heads read token embeddings: pass embeddings [V, D]")
-    emb = None if embeddings is None else jnp.asarray(embeddings)
-    P = pos.num_positions
-    lps, hits, valids = [], [], []
-    for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch):
-        lp, hit = _events(heads_cfg, topk, head_params, base_lm_head, emb, b)
-        lps.append(np.asarray(lp))
-        hits.append(np.asarray(hit))
-        valids.append(np.asarray(b["valid"]))
-    K = heads_cfg.num_heads
-    if not lps:
-        return np.zeros((K, 0, topk), np.float32), np.zeros((K, 0, topk), bool), np.zeros((K, 0), bool)
-    return (np.concatenate(lps, axis=1)[:, :P], np.concatenate(hits, axis=1)[:, :P],
-            np.concatenate(valids, axis=1)[:K, :P])
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _events(heads_cfg, topk: int, head_params, lm, emb, batch):
-    tokens, logp = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
-                             path_tokens=batch["path_tokens"], embeddings=emb, logprobs=True)  # [K, N, topk]
-    hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
-    return logp, hit
 
 
 def _isotonic(y: np.ndarray, w: np.ndarray) -> np.ndarray:
@@ -82,7 +40,7 @@ def fit_confidence(logprob: np.ndarray, hit: np.ndarray, valid: np.ndarray, bins
     parent is (module docstring), as ``DynamicSpec.confidence``.
 
     Args:
-      logprob, hit, valid: `proposal_events`' arrays ([K, P, topk], [K, P, topk], [K, P]).
+      logprob, hit, valid: `tuning.replay.proposal_events`' arrays ([K, P, topk], [K, P, topk], [K, P]).
       bins: the knots, at quantiles of all heads' proposal log-probabilities (shared by the depths).
       floor: the least acceptance probability a knot may have (log 1e-4 = -9.2 nats).
     Returns:
@@ -97,17 +55,15 @@ def fit_confidence(logprob: np.ndarray, hit: np.ndarray, valid: np.ndarray, bins
         raise ValueError("no labelled held-out position to measure the heads' confidence on")
     pooled = np.sort(logprob[m].astype(np.float64))
     edges = np.unique(np.quantile(pooled, np.linspace(0.0, 1.0, bins + 1)))
-    centers = np.unique(np.concatenate([[pooled[0] - 1.0],
-                                        [pooled[(pooled >= a) & (pooled <= b)].mean() for a, b in zip(edges, edges[1:])],
-                                        [0.0]]))
+    mids = np.array([pooled[(pooled >= a) & (pooled <= b)].mean() for a, b in zip(edges, edges[1:])])
+    centers = np.unique(np.concatenate([[pooled[0] - 1.0], mids, [0.0]]))
+    prior = np.exp(mids)                            # where a bin is empty, trust the head's own probability
     values = []
     for k in range(K):
         x, y = logprob[k][m[k]].astype(np.float64), hit[k][m[k]].astype(np.float64)
         which = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, len(edges) - 2)
         n = np.bincount(which, minlength=len(edges) - 1).astype(np.float64)
         h = np.bincount(which, weights=y, minlength=len(edges) - 1)
-        mids = np.array([pooled[(pooled >= a) & (pooled <= b)].mean() for a, b in zip(edges, edges[1:])])
-        prior = np.exp(mids)                        # where a bin is empty, trust the head's own probability
         rate = _isotonic((h + prior) / (n + 1.0), n + 1.0)
         rate = np.clip(np.interp(centers, mids, rate), floor, 1.0)
         values.append(tuple(float(v) for v in np.log(np.maximum.accumulate(rate))))

@@ -36,9 +36,10 @@ from medusa_jax.train.data import plain_positions, position_batches
 Path = Tuple[int, ...]
 
 
-def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=None,
-               batch: int = 1024) -> np.ndarray:
-    """The rank of the true token among each head's proposals, at every position.
+def proposal_events(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=None,
+                    batch: int = 1024) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Every head's top-k proposals at every held-out position, teacher forced: their head
+    log-probabilities and whether each is the answer's next token.
 
     Args:
       heads_cfg, head_params: the heads, as decoding proposes (proposal vocabulary included).
@@ -48,29 +49,52 @@ def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=
       embeddings: hydra heads: [V, D] the backbone's input embeddings (`heads.hydra.token_embeddings`).
       batch: positions per call.
     Returns:
+      (logprob [K, P, topk] float32, hit [K, P, topk] bool, valid [K, P] bool): head k's rank-r
+      proposal at position t, whether it is token t+k+2, and whether head k has a label there.
+    Raises ValueError when hydra heads lack embeddings.
+    """
+    if heads_cfg.head_type == "hydra" and embeddings is None:
+        raise ValueError("hydra heads read token embeddings: pass embeddings [V, D]")
+    emb = None if embeddings is None else jnp.asarray(embeddings)
+    P, K = pos.num_positions, heads_cfg.num_heads
+    lps, hits, valids = [], [], []
+    for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch):
+        lp, hit = _events(heads_cfg, topk, head_params, base_lm_head, emb, b)
+        lps.append(np.asarray(lp))
+        hits.append(np.asarray(hit))
+        valids.append(np.asarray(b["valid"])[:K])
+    if not lps:
+        return np.zeros((K, 0, topk), np.float32), np.zeros((K, 0, topk), bool), np.zeros((K, 0), bool)
+    return (np.concatenate(lps, axis=1)[:, :P], np.concatenate(hits, axis=1)[:, :P],
+            np.concatenate(valids, axis=1)[:, :P])
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _events(heads_cfg, topk: int, head_params, lm, emb, batch):
+    """One batch of `proposal_events`: (logprob [K, N, topk], hit [K, N, topk])."""
+    tokens, logp = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
+                             path_tokens=batch["path_tokens"], embeddings=emb, logprobs=True)
+    hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
+    return logp, hit
+
+
+def ranks_of(hit: np.ndarray) -> np.ndarray:
+    """`path_ranks` from `proposal_events`' hit [K, P, topk]: [P, K] int8, the rank of the hit, or
+    topk where none."""
+    return np.where(hit.any(-1), hit.argmax(-1), hit.shape[-1]).T.astype(np.int8)
+
+
+def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=None,
+               batch: int = 1024) -> np.ndarray:
+    """The rank of the true token among each head's proposals, at every position.
+
+    Args: as `proposal_events`.
+    Returns:
       [P, K] int8: entry [t, k] is r when token t+k+2 is head k's rank-r proposal (0 = its top-1),
       and `topk` when it is not among the `topk` proposals or has no label (past the answer).
     Raises ValueError when hydra heads lack embeddings.
     """
-
-    if heads_cfg.head_type == "hydra" and embeddings is None:
-        raise ValueError("hydra heads read token embeddings: pass embeddings [V, D]")
-    P = pos.num_positions
-    emb = None if embeddings is None else jnp.asarray(embeddings)
-    out = [np.asarray(_ranks(heads_cfg, topk, head_params, base_lm_head, emb, b))
-           for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch)]
-    ranks = np.concatenate(out) if out else np.zeros((0, heads_cfg.num_heads), np.int8)
-    return ranks[:P]
-
-
-@functools.partial(jax.jit, static_argnums=(0, 1))
-def _ranks(heads_cfg, topk: int, head_params, lm, emb, batch) -> jax.Array:
-    """[N, K] int8 ranks of one batch of positions (`path_ranks`)."""
-
-    tokens = head_topk(heads_cfg, head_params, batch["hidden"], lm, heads_cfg.num_heads, topk,
-                       path_tokens=batch["path_tokens"], embeddings=emb)                  # [K, N, topk]
-    hit = (tokens == batch["labels"][:, :, None]) & batch["valid"][:, :, None]
-    return jnp.where(hit.any(-1), jnp.argmax(hit, axis=-1), topk).T.astype(jnp.int8)
+    return ranks_of(proposal_events(heads_cfg, head_params, base_lm_head, pos, topk, embeddings, batch)[1])
 
 
 def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings=None,
