@@ -177,3 +177,30 @@ def test_chooser_explores_only_compiled_trees():
     assert picks == [0] * 40  # tree 1's step is not compiled for these shapes: no re-measurement
     explored = [ch.choose(16, 16, ready=lambda i: True) for _ in range(1)]
     assert explored == [1]  # once it is, the overdue re-measurement runs
+
+
+def test_first_call_on_throwaway_copies_of_donated_arguments():
+    """`aot(first_call=True)` calls a new executable once (the CPU runtime's per-executable setup is
+    then paid with the compilation) on zero-filled copies of its donated arguments: the caller's
+    arrays stay alive and unchanged, and the next request for it neither compiles nor calls again."""
+    import functools
+
+    import jax.numpy as jnp
+
+    from medusa_jax.decoding import compile as comp
+
+    calls = []
+
+    @functools.partial(jax.jit, donate_argnums=(1,))
+    def step(w, state):
+        jax.debug.callback(lambda s: calls.append(float(s)), state.sum())
+        return state + w @ w
+
+    w, state = jnp.eye(4) * 2.0, jnp.full((4, 4), 3.0)
+    comp.clear_compiled()
+    fn = comp.aot(step, (), (w, state), first_call=True)
+    assert calls == [0.0]  # one call, on zeros in place of the donated state
+    assert not state.is_deleted() and float(state.sum()) == 48.0 and not w.is_deleted()
+    assert comp.aot(step, (), (w, state), first_call=True) is fn and calls == [0.0]
+    np.testing.assert_allclose(np.asarray(fn(w, state)), np.full((4, 4), 3.0) + 4.0 * np.eye(4))
+    assert state.is_deleted() and calls == [0.0, 48.0]  # a real call donates as before

@@ -235,8 +235,8 @@ class PrefillJob:
       chunk_size: tokens per chunk (the last chunk is the bucket of what remains).
       progress: a progress bar on stderr (after `PROGRESS_DELAY_S`) for a prefill of several chunks.
     Attributes: ``done`` (the state is ready), ``state`` (the B = 1 `DecodeState` once done),
-      ``seconds`` (the chunks' compute time, compilation excluded), ``compile_s``, ``reused`` (the
-      prompt tokens whose K/V came with `prefix`).
+      ``seconds`` (the chunks' compute time, compilation excluded), ``compile_s`` (compilation and
+      first calls, `compile.warm_up`), ``reused`` (the prompt tokens whose K/V came with `prefix`).
     """
 
     def __init__(self, cfg: ModelConfig, params, prompt: Sequence[int], cache_size: int, seed: int = 0,
@@ -293,8 +293,8 @@ class PrefillJob:
         toks[0, :len(chunk)] = chunk
         args = (self.params, jnp.asarray(toks), self.lengths, self.cache, self.last)
         t0 = time.perf_counter()
-        run = aot(prefill_chunk, (self.cfg, self.kv_block), args)
-        finish = aot(prefill_logits, (self.cfg,), (self.params, self.last, self.cache, self.key))
+        run = aot(prefill_chunk, (self.cfg, self.kv_block), args, first_call=True)
+        finish = aot(prefill_logits, (self.cfg,), (self.params, self.last, self.cache, self.key), first_call=True)
         self.compile_s += time.perf_counter() - t0
         t0 = time.perf_counter()
         self.cache, self.last = run(*args)
