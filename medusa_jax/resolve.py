@@ -34,16 +34,27 @@ SHIPPED_HEADS = {"medusa1": os.path.join(_ASSET_HEADS, "smollm2-135m-instruct-me
 #: and 6 and 1-grams (docs/performance.md, "Prompt lookup").
 DEFAULT_PROMPT_LOOKUP = PromptLookup(num_tokens=3, max_ngram=3, min_ngram=2)
 
+#: Matches of the n-gram copied into a tree chosen per step (``dynamic:T``) unless its file says: the
+#: latest two (`PromptLookup.matches`; docs/performance.md, "several matches").
+DYNAMIC_LOOKUP_MATCHES = 2
+
+
+def default_lookup(tree: TreeBuffers, num_tokens: int = DEFAULT_PROMPT_LOOKUP.num_tokens) -> PromptLookup:
+    """`DEFAULT_PROMPT_LOOKUP` copying `num_tokens`, with `DYNAMIC_LOOKUP_MATCHES` matches for a
+    dynamic tree (a static tree verifies one copied chain)."""
+    return DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens,
+                                          matches=DYNAMIC_LOOKUP_MATCHES if tree.dynamic is not None else 1)
+
 
 def tree_lookup(tree: TreeBuffers, prompt_lookup: Optional[int] = None) -> TreeBuffers:
     """`tree` with the prompt lookup asked for: None: the tree's own (a tree file's
-    ``prompt_lookup``), else `DEFAULT_PROMPT_LOOKUP`; 0: none; K > 0: copies of K tokens (n-grams
-    as the default's). Raises ValueError for K < 0."""
+    ``prompt_lookup``), else `default_lookup`; 0: none; K > 0: copies of K tokens (n-grams and
+    matches as the default's). Raises ValueError for K < 0."""
     if prompt_lookup is None:
-        return tree if tree.lookup is not None else with_lookup(tree, DEFAULT_PROMPT_LOOKUP)
+        return tree if tree.lookup is not None else with_lookup(tree, default_lookup(tree))
     if prompt_lookup < 0:
         raise ValueError(f"--prompt-lookup takes the tokens copied per draft (0 = off), got {prompt_lookup}")
-    return with_lookup(tree, DEFAULT_PROMPT_LOOKUP._replace(num_tokens=prompt_lookup) if prompt_lookup else None)
+    return with_lookup(tree, default_lookup(tree, prompt_lookup) if prompt_lookup else None)
 
 
 #: Tree used when neither --tree nor the heads name one.

@@ -147,7 +147,8 @@ PROMPTS = [[1, 5, 9, 3, 7], [12], [2, 4, 2, 4, 2, 4, 2]]
 
 
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
-@pytest.mark.parametrize("spec,lookup", [("dynamic:8", None), ("dynamic:24:3", None), ("dynamic:12", PromptLookup())])
+@pytest.mark.parametrize("spec,lookup", [("dynamic:8", None), ("dynamic:24:3", None), ("dynamic:12", PromptLookup()),
+                                         ("dynamic:10", PromptLookup(2, 2, 1, matches=3))])
 def test_dynamic_greedy_equals_plain_greedy(tiny, head_type, spec, lookup):
     cfg, params = tiny
     hcfg, hp = random_hydra(cfg, params) if head_type == "hydra" else random_medusa(cfg, params)
@@ -275,24 +276,65 @@ def test_confidence_scores_nodes_and_travels_with_the_tree(tiny, tmp_path):
 def test_lookup_chain_competes_for_the_slots():
     """Prompt lookup's copied chain joins the heads' candidates: under the heads' node with the same
     first token when there is one (that node then scores the better estimate), beside them when not,
-    and not at all in a row whose n-gram did not occur."""
-    from medusa_jax.decoding.dynamic import add_lookup_chain
+    and not at all in a row whose n-gram did not occur. A node scores its parent's score plus its rate."""
+    from medusa_jax.decoding.dynamic import DEPTH_COST, add_lookup_chains
 
     tokens = jnp.asarray([[10, 11, 12, 13]] * 3, jnp.int32)       # depth 1: 10, 11; depth 2 under 10: 12, 13
     scores = jnp.asarray([[-0.1, -1.0, -0.3, -2.0]] * 3)
     parents = jnp.asarray([[-1, -1, 0, 0]] * 3, jnp.int32)
     depths = np.asarray([1, 1, 2, 2], np.int32)
-    copied = jnp.asarray([[11, 20, 21], [30, 31, 32], [10, 12, 14]], jnp.int32)
-    found = jnp.asarray([True, True, False])
-    cands = add_lookup_chain(tokens, scores, parents, depths, copied, found, (-0.5, -0.6, -0.7))
+    copied = jnp.asarray([[11, 20, 21], [30, 31, 32], [10, 12, 14]], jnp.int32)[:, None]
+    found = jnp.asarray([True, True, False])[:, None]
+    cands = add_lookup_chains(tokens, scores, parents, depths, copied, found, [(-0.5, -0.1, -0.1)])
     t, s, p, d = cands
+    c = DEPTH_COST
     assert d.tolist() == [1, 1, 2, 2, 1, 2, 3] and t.shape == (3, 7)
     assert p[0].tolist() == [-1, -1, 0, 0, -1, 1, 5]                  # the chain goes on under the heads' 11
-    assert np.allclose(s[0, :4], [-0.1, -0.5, -0.3, -2.0]) and s[0, 4] < -1e29
-    assert np.allclose(s[0, 5:], [-0.6, -0.7])
-    assert p[1].tolist() == [-1, -1, 0, 0, -1, 4, 5] and np.allclose(s[1, 4:], [-0.5, -0.6, -0.7])  # beside
+    assert np.allclose(s[0, :4], [-0.1, -0.5 - c, -0.3, -2.0]) and s[0, 4] < -1e29
+    assert np.allclose(s[0, 5:], [-0.6 - 2 * c, -0.7 - 3 * c])
+    assert p[1].tolist() == [-1, -1, 0, 0, -1, 4, 5]                  # beside
+    assert np.allclose(s[1, 4:], [-0.5 - c, -0.6 - 2 * c, -0.7 - 3 * c])
     assert (s[2, 4:] < -1e29).all() and np.allclose(s[2, :4], scores[2])  # no match: no chain
     arrays, toks = select_tree(*cands, jnp.asarray([1, 2, 3]), 5, 3)
     assert toks[0].tolist() == [1, 10, 11, 12, 20] and arrays.parents[0].tolist() == [-1, 0, 0, 1, 2]
     assert toks[1].tolist() == [2, 10, 12, 30, 31] and arrays.parents[1].tolist() == [-1, 0, 1, 0, 3]
     assert toks[2].tolist() == [3, 10, 11, 12, 13]
+
+
+def test_several_lookup_matches_share_their_common_prefix():
+    """Two copied chains (the latest match, then the one before): where the second repeats the first
+    (or the heads') tokens under the same parent it continues under that node, at its first own token
+    it branches, scored with the later matches' rate; a heads' node deeper than depth 1 is shared too."""
+    from medusa_jax.decoding.dynamic import DEPTH_COST, add_lookup_chains
+
+    tokens = jnp.asarray([[10, 11, 12, 13]] * 3, jnp.int32)
+    scores = jnp.asarray([[-0.1, -1.0, -0.3, -2.0]] * 3)
+    parents = jnp.asarray([[-1, -1, 0, 0]] * 3, jnp.int32)
+    depths = np.asarray([1, 1, 2, 2], np.int32)
+    copied = jnp.asarray([[[30, 31, 32], [30, 31, 40]],           # the same first two tokens
+                          [[30, 31, 32], [41, 42, 43]],           # nothing in common
+                          [[10, 12, 50], [30, 31, 32]]], jnp.int32)  # chain 0 follows the heads' 10 -> 12
+    found = jnp.asarray([[True, True], [True, True], [True, False]])
+    rates = [(-0.5, -0.1, -0.1), (-1.0, -0.2, -0.3)]
+    t, s, p, d = add_lookup_chains(tokens, scores, parents, depths, copied, found, rates)
+    c = DEPTH_COST
+    assert d.tolist() == [1, 1, 2, 2, 1, 2, 3, 1, 2, 3]
+    # row 0: chain 1 is chain 0 for two tokens (slots 7, 8 unused), then 40 under chain 0's 31 (slot 5)
+    assert (s[0, 7:9] < -1e29).all() and p[0, 9] == 5 and t[0, 9] == 40
+    assert np.allclose(s[0, 4:7], [-0.5 - c, -0.6 - 2 * c, -0.7 - 3 * c]) and np.isclose(s[0, 9], -0.6 - 2 * c - 0.3 - c)
+    # row 1: its own branch from the root, with the later rates
+    assert p[1, 7:].tolist() == [-1, 7, 8] and np.allclose(s[1, 7:], [-1.0 - c, -1.2 - 2 * c, -1.5 - 3 * c])
+    # row 2: chain 0 shares the heads' 10 and 12 (12 raised to the better estimate), 50 hangs under 12
+    assert (s[2, 4:6] < -1e29).all() and p[2, 6] == 2 and np.isclose(s[2, 0], -0.1)
+    assert np.isclose(s[2, 2], -0.2 - c) and np.isclose(s[2, 6], -0.3 - 2 * c)
+    assert (s[2, 7:] < -1e29).all()  # the second match was not found
+    arrays, toks = select_tree(t, s, p, d, jnp.asarray([1, 2, 3]), 5, 3)
+    for r in range(3):  # ancestor-closed, and no two siblings share a token
+        kids = {}
+        for n in range(1, 5):
+            par = int(arrays.parents[r, n])
+            assert 0 <= par < n
+            kids.setdefault(par, []).append(int(toks[r, n]))
+        assert all(len(v) == len(set(v)) for v in kids.values())
+    arrays, toks = select_tree(t[:1], s[:1], p[:1], d, jnp.asarray([1]), 8, 3)
+    assert toks[0].tolist() == [1, 10, 11, 12, 30, 31, 32, 40] and arrays.parents[0].tolist() == [-1, 0, 0, 1, 0, 4, 5, 5]

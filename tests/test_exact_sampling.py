@@ -45,7 +45,7 @@ LOOKUP = PromptLookup(num_tokens=2, max_ngram=2, min_ngram=1)
 # a tree of 8 nodes chosen per step from the heads' top 4 (depth 3; hydra heads expand 2 per depth)
 TREE_DYN = dynamic_tree(8, 3, topk=4, width=2)
 TREES = {"A": TREE_A, "B": TREE_B, "A+lookup": with_lookup(TREE_A, LOOKUP), "dyn": TREE_DYN,
-         "dyn+lookup": with_lookup(TREE_DYN, LOOKUP)}
+         "dyn+lookup": with_lookup(TREE_DYN, LOOKUP._replace(matches=2))}  # two copied chains in the budget
 
 
 @pytest.fixture(scope="module")

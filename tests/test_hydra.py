@@ -390,7 +390,7 @@ def test_tune_and_decode_with_hydra_heads(tmp_path):
     assert tree.dynamic.confidence == (tuple(conf["knots"]), tuple(tuple(v) for v in conf["values"]))
     assert len(conf["values"]) == 3 and all(x <= 0 for v in conf["values"] for x in v)
     look = report["lookup_confidence"]
-    assert tree.dynamic.lookup_confidence == (tuple(look) if look else None)
+    assert tree.dynamic.lookup_confidence == (tuple(tuple(r) for r in look) if look else None)
     assert "Trees chosen per step" in (tmp_path / "tuned" / "tree_search.md").read_text()
     med = generate(lm.cfg, lm.params, prompt, max_new_tokens=30, heads=heads, tree=tree, eos_token_ids=())
     assert med.tokens == base.tokens

@@ -153,7 +153,8 @@ def test_tree_file_round_trip_and_bad_settings(tmp_path):
     tree = with_lookup(get_tree("chain2"), {"num_tokens": 4, "max_ngram": 3, "min_ngram": 1})
     path = tmp_path / "tree.json"
     tree_to_json(tree, path)
-    assert json.loads(path.read_text())["prompt_lookup"] == {"num_tokens": 4, "max_ngram": 3, "min_ngram": 1}
+    assert json.loads(path.read_text())["prompt_lookup"] == {"num_tokens": 4, "max_ngram": 3, "min_ngram": 1,
+                                                             "matches": 1}
     again = get_tree(str(path))
     assert again == tree and again.lookup == PromptLookup(4, 3, 1)
     assert get_tree("chain2") != tree and get_tree("chain2").lookup is None
@@ -163,6 +164,13 @@ def test_tree_file_round_trip_and_bad_settings(tmp_path):
         with_lookup(tree, {"num_tokens": 0})
     with pytest.raises(ValueError, match="unknown prompt_lookup keys"):
         with_lookup(tree, {"tokens": 3})
+    with pytest.raises(ValueError, match="matches >= 1"):
+        with_lookup(get_tree("dynamic:6"), {"matches": 0})
+    with pytest.raises(ValueError, match="only inside a tree chosen per step"):  # a static tree verifies one chain
+        with_lookup(tree, {"matches": 2})
+    two = with_lookup(get_tree("dynamic:6"), {"matches": 2})
+    tree_to_json(two, path)
+    assert get_tree(str(path)) == two and two.lookup.matches == 2
     path.write_text(json.dumps({"medusa_choices": [[0]], "prompt_lookup": 3}))
     with pytest.raises(ValueError, match="must be a dict"):
         get_tree(str(path))

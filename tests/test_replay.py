@@ -8,7 +8,7 @@ import pytest
 from conftest import random_heads, tiny_decoding_model
 
 from medusa_jax.decoding.generate import generate
-from medusa_jax.decoding.lookup import PromptLookup, ngram_draft
+from medusa_jax.decoding.lookup import PromptLookup, ngram_draft, ngram_drafts
 from medusa_jax.decoding.tree import build_tree, dynamic_tree, with_lookup
 from medusa_jax.heads.hydra import token_embeddings
 from medusa_jax.heads.medusa import with_proposal_projection
@@ -19,6 +19,7 @@ from medusa_jax.tuning.replay import (
     dynamic_accepted,
     lookup_drafts,
     lookup_draft,
+    lookup_matches,
     path_ranks,
     rank_accuracies_of,
     replay,
@@ -63,7 +64,8 @@ def test_tree_accepted_and_rank_accuracies_by_hand():
         rank_accuracies_of(ranks, np.zeros((3, 5), bool), 3)
 
 
-@pytest.mark.parametrize("lookup", [PromptLookup(3, 3, 2), PromptLookup(5, 4, 1), PromptLookup(2, 2, 2)])
+@pytest.mark.parametrize("lookup", [PromptLookup(3, 3, 2), PromptLookup(5, 4, 1), PromptLookup(2, 2, 2),
+                                    PromptLookup(3, 3, 1, matches=3)])
 def test_lookup_draft_matches_the_device_search(lookup):
     rng = np.random.default_rng(1)
     seqs = [rng.integers(0, 4, 40), np.tile([5, 6, 7], 10), np.concatenate([rng.integers(0, 50, 20), [9, 9, 9, 9]]),
@@ -76,6 +78,11 @@ def test_lookup_draft_matches_the_device_search(lookup):
             assert (got is not None) == bool(found[0])
             if got is not None:
                 assert got.tolist() == np.asarray(want_draft[0]).tolist()
+            drafts, founds = ngram_drafts(jnp.asarray(np.pad(seq[:L], (0, 64 - L)))[None], jnp.array([L]),
+                                          jnp.array([seq[L]]), lookup)
+            every = lookup_matches(seq[:L + 1], lookup)  # the latest first, as many as occurred
+            assert np.asarray(founds[0]).tolist() == [c < len(every) for c in range(lookup.matches)]
+            assert [d.tolist() for d in every] == np.asarray(drafts[0, :len(every)]).tolist()
 
 
 def test_replay_by_hand():
@@ -146,10 +153,11 @@ def test_dynamic_replay_equals_greedy_decoding_of_the_models_own_answers(head_ty
         r = replay(chats, sources, accepted)
         assert r["steps"] == sum(d.steps for d in decoded) and r["tokens"] == 180
     # prompt lookup's copied chain inside the budget: each position's copy found as decoding finds it
-    lk = PromptLookup(2, 2, 1)
-    drafts = lookup_drafts(chats, sources, lk)
-    assert drafts[1].any() and not drafts[1].all()
-    for tree in (with_lookup(dynamic_tree(6, 3, 10, width=2), lk), with_lookup(dynamic_tree(4, 3, 10), lk)):
+    for lk, tree in [(PromptLookup(2, 2, 1), dynamic_tree(6, 3, 10, width=2)), (PromptLookup(2, 2, 1), dynamic_tree(4, 3, 10)),
+                     (PromptLookup(2, 2, 1, matches=2), dynamic_tree(6, 3, 10, width=2))]:  # two chains in the budget
+        drafts = lookup_drafts(chats, sources, lk)
+        assert drafts[1][:, 0].any() and not drafts[1][:, 0].all() and drafts[0].shape[1] == lk.matches
+        tree = with_lookup(tree, lk)
         accepted = dynamic_accepted(hcfg, jhp, lm, pos, tree, emb, batch=16, lookup_drafts=drafts)
         decoded = [generate(cfg, params, p, max_new_tokens=60, heads=(hcfg, hp), tree=tree, eos_token_ids=())
                    for p in prompts]
@@ -179,13 +187,18 @@ def test_search_tree_for_decoding_steps():
 
 
 def test_fit_lookup_confidence_by_hand():
-    """Per depth, copied tokens accepted over those reached (the one before accepted, inside the answer)."""
+    """Per depth, copied tokens accepted over those reached (the one before accepted, inside the answer);
+    a second match's row counts only its tokens whose path differs from the first chain's."""
     from medusa_jax.tuning.confidence import fit_lookup_confidence
 
     chats = [(np.array([5, 6, 7, 8, 9, 10]), np.array([False, True, True, True, True, True]))]
     sources = np.array([[0, 0], [0, 1], [0, 2]])
     copied = np.array([[7, 8, 0], [8, 0, 10], [0, 10, 3]])  # truths 7 8 9 | 8 9 10 | 9 10 (then the end)
-    got = fit_lookup_confidence(chats, sources, copied, np.array([True, True, True]))
-    assert np.allclose(np.exp(got), [2 / 3, 1 / 2, 1e-3])
+    got = fit_lookup_confidence(chats, sources, copied[:, None], np.array([[True], [True], [True]]))
+    assert len(got) == 1 and np.allclose(np.exp(got[0]), [2 / 3, 1 / 2, 1e-3])
+    second = np.array([[7, 9, 1], [0, 0, 0], [9, 10, 0]])  # shares 7 with the first chain; not found; all new
+    got = fit_lookup_confidence(chats, sources, np.stack([copied, second], 1),
+                                np.array([[True, True], [True, False], [True, True]]))
+    assert np.allclose(np.exp(got[0]), [2 / 3, 1 / 2, 1e-3]) and np.allclose(np.exp(got[1]), [1.0, 0.5, 0.5])
     with pytest.raises(ValueError, match="no copy"):
-        fit_lookup_confidence(chats, sources, copied, np.zeros(3, bool))
+        fit_lookup_confidence(chats, sources, copied[:, None], np.zeros((3, 1), bool))

@@ -50,8 +50,8 @@ def add_lookup_arg(p) -> None:
 
     p.add_argument("--prompt-lookup", type=tokens, default=None, metavar="K",
                    help="prompt lookup: when the context's last 3- or 2-gram occurred before, verify the K tokens "
-                        "that followed it instead of the heads' tree (with a dynamic:T tree, as one more branch "
-                        "competing for its T nodes) (lossless, like the heads' candidates; fast "
+                        "that followed it instead of the heads' tree (with a dynamic:T tree, the latest two matches' "
+                        "copies, as more branches competing for its T nodes) (lossless, like the heads' candidates; fast "
                         "on summaries, translations, answers about a document); 0 = off; default: the tree "
                         f"file's setting, else K={DEFAULT_PROMPT_LOOKUP.num_tokens}")
 

@@ -170,10 +170,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
     dynamic, confidence, lookup_conf, drafts = {}, None, None, None  # T -> the dynamic tree of T nodes
+    # a dynamic tree's lookup offers several matches (resolve.default_lookup), a static tree's one
+    dyn_lookup = lookup and lookup._replace(matches=resolve.DYNAMIC_LOOKUP_MATCHES)
     if args.dynamic_width:  # how often the drafts are accepted, by their probability (tuning.confidence)
         confidence = fit_confidence(*events)
         if lookup is not None and lookup.num_tokens <= hcfg.num_heads:
-            drafts = lookup_drafts(chats, sources, lookup)
+            drafts = lookup_drafts(chats, sources, dyn_lookup)
             lookup_conf = fit_lookup_confidence(chats, sources, *drafts) if drafts[1].any() else None
     for T in sizes if args.dynamic_width else ():  # where the heads draft enough candidates for it
         tree = dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, args.dynamic_width, confidence, lookup_conf)
@@ -207,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         accepted = {T: dynamic_accepted(hcfg, jhp, lm, pos, tree, emb)
                     for T, tree in tqdm(dynamic.items(), desc="dynamic trees", unit="tree", disable=not progress)}
         looked = None if drafts is None else {
-            T: dynamic_accepted(hcfg, jhp, lm, pos, with_lookup(tree, lookup), emb, lookup_drafts=drafts)
+            T: dynamic_accepted(hcfg, jhp, lm, pos, with_lookup(tree, dyn_lookup), emb, lookup_drafts=drafts)
             for T, tree in tqdm(dynamic.items(), desc="dynamic trees + lookup", unit="tree", disable=not progress)}
         dyn_cost = {T: float(np.mean([c[T] for c in dynamic_by_size.values()])) for T in dynamic}
         drows = dynamic_rows(accepted, dyn_cost, args.dynamic_width, chats, sources, looked)
@@ -248,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows],
               "dynamic_rows": drows, "dynamic_cost_by_cache_size": dynamic_by_size,
               "confidence": confidence and {"knots": list(confidence[0]), "values": [list(v) for v in confidence[1]]},
-              "lookup_confidence": lookup_conf and list(lookup_conf)}
+              "lookup_confidence": lookup_conf and [list(r) for r in lookup_conf]}
     extras = format_extras(read_heads_config(heads_dir))
     extras["tree_search"] = report
     tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in static_best["medusa_choices"]))

@@ -120,7 +120,7 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
     """A tree chosen from the heads' proposals (module docstring): the heads' top-``tree.topk`` per
     expanded node, depth by depth to ``tree.max_depth``, then the best ``tree.size - 1``
     (`select_tree`); with `lookup_draft`, prompt lookup's copied chain competes for the same slots
-    (`add_lookup_chain`).
+    (`add_lookup_chains`).
 
     Args:
       base_lm_head: [D, V] the backbone's lm_head (shared-lm_head heads project through it).
@@ -128,7 +128,8 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
       hidden: [B, D] the backbone's hidden state at the last accepted position.
       root: [B] int32 the root token (the next token after that position).
       tree: a dynamic tree (``tree.dynamic`` set: `decoding.tree.dynamic_tree`).
-      lookup_draft: (copied [B, k] int32, found [B] bool) from `decoding.lookup.ngram_draft`, or None.
+      lookup_draft: (copied [B, m, k] int32, found [B, m] bool) from `decoding.lookup.ngram_drafts`,
+        or None.
     Returns:
       (TreeArrays with a row axis, tokens [B, T] int32), as `select_tree`, paths as deep as
       ``tree.max_accepted``.
@@ -137,7 +138,8 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
     """
     cands = draft_candidates(heads_cfg, head_params, base_lm_head, embeddings, hidden, root, tree)
     if lookup_draft is not None:
-        cands = add_lookup_chain(*cands, *lookup_draft, tree.dynamic.lookup_scores(lookup_draft[0].shape[1]))
+        m, k = lookup_draft[0].shape[1:]
+        cands = add_lookup_chains(*cands, *lookup_draft, tree.dynamic.lookup_rates(k, m))
     return select_tree(*cands, root, tree.dynamic.budget, tree.max_accepted)
 
 
@@ -192,40 +194,43 @@ def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Arr
             np.concatenate(depths))
 
 
-def add_lookup_chain(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths: np.ndarray,
-                     copied: jax.Array, found: jax.Array, chain_scores: Sequence[float]
-                     ) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
-    """Prompt lookup's copied chain as candidates beside the heads' (issue: lookup as branches of
-    the same node budget): node j of the chain scores ``chain_scores[j]``, the measured
-    log-probability that the copied tokens 1..j+1 are all accepted, and competes with the heads'
-    nodes for the tree's slots; a row whose n-gram did not occur gets no chain (score -1e30, never
-    chosen while the heads draft enough). When the copied first token is also one of the heads'
-    depth-1 proposals, the chain continues under that node instead of beside it (no token twice
-    among siblings) and the node scores the better of the two estimates.
+def add_lookup_chains(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths: np.ndarray,
+                      copied: jax.Array, found: jax.Array, rates: Sequence[Sequence[float]]
+                      ) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
+    """Prompt lookup's copied chains as candidates beside the heads' (issue: lookup as branches of
+    the same node budget). Chain c's token j scores its parent's score plus ``rates[c][j]``, the
+    measured log-probability that it is accepted once its parent is, and competes with the heads'
+    nodes for the tree's slots; a chain whose n-gram did not occur (or not that often) gets no
+    nodes (score -1e30, never chosen while the heads draft enough). A copied token already drafted
+    under the same parent (a heads' proposal, or an earlier chain's token) is not drafted twice: the
+    chain continues under that node, which scores the better of the two estimates, so no token
+    appears twice among siblings.
 
     Args:
       tokens, scores, parents, depths: the heads' candidates (`draft_candidates`), C of them.
-      copied: [B, k] int32, found: [B] bool (`decoding.lookup.ngram_draft`).
-      chain_scores: k cumulative log-probabilities, decreasing (`DynamicSpec.lookup_scores`).
-    Returns: C + k candidates, as the arguments (depths [C + k]).
+      copied: [B, m, k] int32, found: [B, m] bool (`decoding.lookup.ngram_drafts`, latest match first).
+      rates: m rows of k log-probabilities <= 0 (`DynamicSpec.lookup_rates`).
+    Returns: C + m k candidates, as the arguments (depths [C + m k]), chain c's token j at C + c k + j.
     """
     B, C = tokens.shape
-    k = copied.shape[1]
-    first = np.flatnonzero(depths == 1)                                               # the root's children
-    same = tokens[:, first] == copied[:, :1]                                          # [B, n1]
-    shared = jnp.any(same, axis=1) & found
-    at = jnp.asarray(first, jnp.int32)[jnp.argmax(same, axis=1)]                      # [B] the shared node
-    chain = jnp.where(found[:, None], jnp.asarray(chain_scores, jnp.float32)[None], -1e30)  # [B, k]
+    m, k = copied.shape[1], copied.shape[2]
     rows = jnp.arange(B)
-    scores = scores.at[rows, at].set(jnp.where(shared, jnp.maximum(scores[rows, at], chain[:, 0]), scores[rows, at]))
-    own = [jnp.where(shared, -1e30, chain[:, 0])]                                     # the first copied node
-    parent = [jnp.full((B,), -1, jnp.int32)]
-    prev_score, prev_index = jnp.where(shared, scores[rows, at], chain[:, 0]), jnp.where(shared, at, C)
-    for j in range(1, k):  # below its parent, so that the chosen nodes stay ancestor-closed
-        sc = jnp.minimum(chain[:, j], prev_score - DEPTH_COST)
-        own.append(jnp.where(found, sc, -1e30))
-        parent.append(prev_index.astype(jnp.int32))
-        prev_score, prev_index = sc, jnp.full((B,), C + j, jnp.int32)
-    depth = np.arange(1, k + 1, dtype=np.int32)
-    return (jnp.concatenate([tokens, copied.astype(jnp.int32)], axis=1), jnp.concatenate([scores, jnp.stack(own, 1)], 1),
-            jnp.concatenate([parents, jnp.stack(parent, 1)], axis=1), np.concatenate([depths, depth]))
+    copied = copied.astype(jnp.int32)
+    tokens = jnp.concatenate([tokens, copied.reshape(B, m * k)], axis=1)
+    scores = jnp.concatenate([scores, jnp.full((B, m * k), -1e30, scores.dtype)], axis=1)
+    parents = jnp.concatenate([parents, jnp.full((B, m * k), -1, jnp.int32)], axis=1)
+    for c in range(m):
+        parent, parent_score = jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), scores.dtype)
+        live = found[:, c]
+        for j in range(k):
+            own = C + c * k + j
+            cand = parent_score + rates[c][j] - DEPTH_COST
+            same = (parents == parent[:, None]) & (tokens == copied[:, c, j][:, None]) & (scores > -1e29)  # [B, C+mk]
+            merged = jnp.any(same, axis=1)
+            target = jnp.where(merged, jnp.argmax(same, axis=1).astype(jnp.int32), own)
+            scores = scores.at[:, own].set(jnp.where(live & ~merged, cand, -1e30))
+            parents = parents.at[:, own].set(parent)
+            raised = jnp.where(live & merged, jnp.maximum(scores[rows, target], cand), scores[rows, target])
+            scores = scores.at[rows, target].set(raised)
+            parent, parent_score = target, scores[rows, target]
+    return tokens, scores, parents, np.concatenate([depths, np.tile(np.arange(1, k + 1, dtype=np.int32), m)])

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
 from medusa_jax.decoding.draft import draft_tokens
 from medusa_jax.decoding.dynamic import dynamic_draft
-from medusa_jax.decoding.lookup import ngram_draft
+from medusa_jax.decoding.lookup import ngram_draft, ngram_drafts
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.tree import TreeBuffers, chain_tree, check_depth
@@ -98,8 +98,8 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
 
     A tree chosen per step (``tree.dynamic``, `medusa_jax.decoding.dynamic`) is drafted from the heads'
     proposals each step and verified the same way, as per-row arrays; with prompt lookup, the copied
-    chain is one more branch of it, competing with the heads' nodes for its T slots
-    (`decoding.dynamic.add_lookup_chain`), not a replacement for it.
+    chains (one per match, ``tree.lookup.matches``) are more branches of it, competing with the heads'
+    nodes for its T slots (`decoding.dynamic.add_lookup_chains`), not a replacement for it.
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
@@ -125,10 +125,11 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     if tree.lookup is None:
         verified, tokens = heads_draft(None)
         return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
-    copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
-    if tree.dynamic is not None:  # the copied chain competes with the heads' nodes for the T slots
-        verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, (copied, use))
+    if tree.dynamic is not None:  # the copied chains compete with the heads' nodes for the T slots
+        drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m]
+        verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts)
         return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
+    copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
     chain = chain_tree(tree.lookup.num_tokens)

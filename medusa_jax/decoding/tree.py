@@ -27,8 +27,8 @@ path (a chain of D nodes: what a static shape needs, such as the heads to prepar
 
 A tree may also carry prompt-lookup settings (`with_lookup`, `medusa_jax.decoding.lookup`): a step then
 verifies a chain copied from the context instead of the heads' tree whenever the context's last
-n-gram occurred before (a dynamic tree takes the copied chain as one more branch within its budget:
-`decoding.dynamic.add_lookup_chain`). Tree files keep them under ``"prompt_lookup"``.
+n-gram occurred before (a dynamic tree takes the copied chains as more branches within its budget:
+`decoding.dynamic.add_lookup_chains`). Tree files keep them under ``"prompt_lookup"``.
 """
 from __future__ import annotations
 
@@ -89,20 +89,24 @@ class DynamicSpec(NamedTuple):
       increasing head log-probabilities and values [D'][J], per depth, the log-probability that a
       node of that head log-probability is accepted once its parent is (`tuning.confidence`,
       measured on held-out chats; interpolated linearly, depths past D' use the last row).
-    lookup_confidence: with prompt lookup, per depth the log-probability that a copied token is
-      accepted once the one before it is (None: `LOOKUP_CONFIDENCE`): the copied chain's nodes
-      compete with the heads' for the budget (`decoding.dynamic.add_lookup_chain`).
+    lookup_confidence: with prompt lookup, rows of per-depth log-probabilities that a copied token
+      is accepted once its parent is: row 0 for the latest match's chain, row 1 for the other
+      matches' nodes that differ from an earlier chain (None, or rows missing:
+      `LOOKUP_CONFIDENCE`); the copied chains' nodes compete with the heads' for the budget
+      (`decoding.dynamic.add_lookup_chains`).
     """
     budget: int
     width: int
     confidence: tuple[tuple[float, ...], tuple[tuple[float, ...], ...]] | None = None
-    lookup_confidence: tuple[float, ...] | None = None
+    lookup_confidence: tuple[tuple[float, ...], ...] | None = None
 
-    def lookup_scores(self, num_tokens: int) -> tuple[float, ...]:
-        """The scores of prompt lookup's copied chain of `num_tokens` (`decoding.dynamic.add_lookup_chain`):
-        cumulative sums of `lookup_confidence` (or `LOOKUP_CONFIDENCE`), the last value repeated."""
-        per = self.lookup_confidence or LOOKUP_CONFIDENCE
-        return tuple(float(x) for x in np.cumsum([per[min(j, len(per) - 1)] for j in range(num_tokens)]))
+    def lookup_rates(self, num_tokens: int, matches: int = 1) -> tuple[tuple[float, ...], ...]:
+        """Per copied chain (the latest match first), its `num_tokens` per-depth log-probabilities
+        (`decoding.dynamic.add_lookup_chains`): `lookup_confidence`'s rows, `LOOKUP_CONFIDENCE`'s
+        where it has none, the last row for every later match and the last value for deeper tokens."""
+        rows = tuple(self.lookup_confidence or ()) + LOOKUP_CONFIDENCE[len(self.lookup_confidence or ()):]
+        rows = [rows[min(c, len(rows) - 1)] for c in range(matches)]
+        return tuple(tuple(float(r[min(j, len(r) - 1)]) for j in range(num_tokens)) for r in rows)
 
     def check(self, depth: int, topk: int) -> "DynamicSpec":
         if isinstance(self.budget, bool) or not isinstance(self.budget, (int, np.integer)) or self.budget < 2:
@@ -113,8 +117,9 @@ class DynamicSpec(NamedTuple):
         if depth < 1:
             raise ValueError("a dynamic tree needs at least one head (depth >= 1)")
         if self.lookup_confidence is not None and (not self.lookup_confidence or any(
-                not x <= 0 for x in self.lookup_confidence)):
-            raise ValueError("a dynamic tree's lookup_confidence must be log-probabilities <= 0, one per depth")
+                not r or any(not x <= 0 for x in r) for r in self.lookup_confidence)):
+            raise ValueError("a dynamic tree's lookup_confidence must be log-probabilities <= 0, one per depth "
+                             "(a list, or a list of such lists: the latest match's, then the others')")
         if self.confidence is not None:
             knots, values = self.confidence
             if len(knots) < 2 or any(b <= a for a, b in zip(knots, knots[1:])) or not values or any(
@@ -138,10 +143,11 @@ class DynamicSpec(NamedTuple):
         return total
 
 
-#: Per depth, the log-probability that prompt lookup's copied token is accepted once the one before it
-#: is, where a dynamic tree's spec does not say (`DynamicSpec.lookup_confidence`); measured on the
-#: shipped heads' held-out chats (0.78, 0.85, 0.88 with n-grams of 2-3; docs/performance.md).
-LOOKUP_CONFIDENCE = (-0.25, -0.17, -0.13)
+#: Per depth, the log-probability that prompt lookup's copied token is accepted once its parent is,
+#: where a dynamic tree's spec does not say (`DynamicSpec.lookup_confidence`): the latest match's
+#: chain, then the other matches' nodes that differ from an earlier chain. Measured on the shipped
+#: heads' held-out chats with n-grams of 2-3 (0.78, 0.85, 0.88; 0.35, 0.55, 0.67; docs/performance.md).
+LOOKUP_CONFIDENCE = ((-0.25, -0.17, -0.13), (-1.06, -0.59, -0.40))
 
 #: Parents expanded per depth by a dynamic tree's hydra heads when the spec does not say.
 DEFAULT_DYNAMIC_WIDTH = 4
@@ -348,11 +354,12 @@ def build_tree(medusa_choices: Iterable[Sequence[int]], topk: int = 10,
 
 
 def dynamic_tree(budget: int, depth: int, topk: int = 10, width: int = DEFAULT_DYNAMIC_WIDTH,
-                 confidence: Any = None, lookup_confidence: Sequence[float] | None = None) -> TreeBuffers:
+                 confidence: Any = None, lookup_confidence: Sequence | None = None) -> TreeBuffers:
     """A tree of `budget` nodes (root included) chosen per step from the first `depth` heads' top-`topk`
     proposals by cumulative draft probability (`medusa_jax.decoding.dynamic`; EAGLE-2, Li et al. 2024,
     Sec. 4; for hydra heads `width` parents are expanded per depth; `confidence`: `DynamicSpec`'s,
-    as a pair of sequences or a ``{"knots": [...], "values": [[...], ...]}`` dict). Its static
+    as a pair of sequences or a ``{"knots": [...], "values": [[...], ...]}`` dict; `lookup_confidence`:
+    its rows, or one flat row for the latest match). Its static
     buffers are the chain of `depth` nodes (module docstring).
     Raises: ValueError for a budget below 2, a width below 1, more nodes than the heads draft, or a
       malformed confidence."""
@@ -366,7 +373,12 @@ def dynamic_tree(budget: int, depth: int, topk: int = 10, width: int = DEFAULT_D
             raise ValueError("a dynamic tree's confidence must be (knots, values) or {\"knots\": [...], "
                              "\"values\": [[...], ...]}") from None
     if lookup_confidence is not None:
-        lookup_confidence = tuple(float(x) for x in lookup_confidence)
+        try:
+            rows = [lookup_confidence] if all(np.ndim(x) == 0 for x in lookup_confidence) else lookup_confidence
+            lookup_confidence = tuple(tuple(float(x) for x in r) for r in rows)
+        except (TypeError, ValueError):
+            raise ValueError("a dynamic tree's lookup_confidence must be a list of log-probabilities, one per "
+                             "depth, or a list of such lists") from None
     spec = DynamicSpec(budget, width, confidence, lookup_confidence).check(depth, topk)
     chain = build_tree([(0,) * d for d in range(1, depth + 1)], topk)
     return replace(chain, dynamic=spec._replace(budget=int(spec.budget), width=int(spec.width)))
@@ -485,7 +497,7 @@ def tree_to_json(tree: TreeBuffers | Sequence[Sequence[int]], path: str | os.Pat
             data["dynamic"]["confidence"] = {"knots": list(dyn.confidence[0]),
                                              "values": [list(v) for v in dyn.confidence[1]]}
         if dyn.lookup_confidence is not None:
-            data["dynamic"]["lookup_confidence"] = list(dyn.lookup_confidence)
+            data["dynamic"]["lookup_confidence"] = [list(r) for r in dyn.lookup_confidence]
     else:
         data = {"medusa_choices": [list(p) for p in choices], "topk": int(k)}
     if lookup is not None:
@@ -564,6 +576,9 @@ def with_lookup(tree: TreeBuffers, lookup: PromptLookup | Mapping[str, int] | No
         lookup = PromptLookup(**{k: int(v) for k, v in lookup.items()})
     if lookup is not None:
         lookup = PromptLookup(*(int(x) for x in lookup)).check()
+        if lookup.matches > 1 and tree.dynamic is None:
+            raise ValueError(f"prompt lookup offers {lookup.matches} matches only inside a tree chosen per step "
+                             "(--tree dynamic:T): a static tree verifies one copied chain; use matches 1")
     return replace(tree, lookup=lookup)
 
 

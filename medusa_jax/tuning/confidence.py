@@ -18,6 +18,8 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
+from medusa_jax.decoding.tree import LOOKUP_CONFIDENCE
+
 Confidence = Tuple[Tuple[float, ...], Tuple[Tuple[float, ...], ...]]
 
 
@@ -71,30 +73,47 @@ def fit_confidence(logprob: np.ndarray, hit: np.ndarray, valid: np.ndarray, bins
 
 
 def fit_lookup_confidence(chats: Sequence[Tuple[np.ndarray, np.ndarray]], sources: np.ndarray, copied: np.ndarray,
-                          found: np.ndarray, floor: float = 1e-3) -> Tuple[float, ...]:
-    """Per depth, the log-probability that prompt lookup's copied token is accepted once the one
-    before it is (``DynamicSpec.lookup_confidence``), on the held-out chats' answers.
+                          found: np.ndarray, floor: float = 1e-3) -> Tuple[Tuple[float, ...], ...]:
+    """Per depth, the log-probability that prompt lookup's copied token is accepted once its parent
+    is (``DynamicSpec.lookup_confidence``), on the held-out chats' answers: row 0 for the latest
+    match's chain; with several matches, row 1 for the other chains' tokens whose path differs from
+    every earlier chain's (the nodes `decoding.dynamic.add_lookup_chains` adds for them).
 
     Args:
       chats: (token ids [L], loss mask [L]) pairs; sources: [P, 2] (chat, t) of the positions.
-      copied, found: `tuning.replay.lookup_drafts` at those positions ([P, k], [P]).
+      copied, found: `tuning.replay.lookup_drafts` at those positions ([P, m, k], [P, m]).
       floor: the least probability a depth may get.
-    Returns: k log-probabilities <= 0 (depths never reached: the last measured one).
+    Returns: 1 row (m = 1) or 2 rows of k log-probabilities <= 0 (depths never reached: the last
+      measured one; a row never reached: the defaults, `decoding.tree.LOOKUP_CONFIDENCE`).
     Raises ValueError when no position found a copy.
     """
     src = np.asarray(sources).reshape(-1, 2)
-    k = copied.shape[1]
-    reach, hits = np.zeros(k), np.zeros(k)
-    for j in np.flatnonzero(found):
-        ids, mask = (np.asarray(a) for a in chats[int(src[j, 0])])
-        t = int(src[j, 1])
+    m, k = copied.shape[1], copied.shape[2]
+    reach, hits = np.zeros((2, k)), np.zeros((2, k))
+    for p in np.flatnonzero(found[:, 0]):
+        ids, mask = (np.asarray(a) for a in chats[int(src[p, 0])])
+        t = int(src[p, 1])
         truth = ids[t + 2:t + 2 + k]
         room = int(np.cumprod(mask[t + 2:t + 2 + k]).sum())  # answer tokens left to check
-        ok = np.cumprod(copied[j, :room] == truth[:room])
-        reach[:room] += np.concatenate([[1], ok[:-1]])[:room]
-        hits[:room] += ok
-    if not reach[0]:
+        for c in np.flatnonzero(found[p]):
+            ok = np.cumprod(copied[p, c, :room] == truth[:room])
+            parent_ok = np.concatenate([[1], ok[:-1]])[:room]
+            new = np.ones(room, bool)  # depths where chain c's path differs from every earlier chain's
+            for e in range(c):
+                if found[p, e]:
+                    new &= np.cumprod(copied[p, e, :room] == copied[p, c, :room]) == 0
+            row = min(c, 1)
+            reach[row, :room] += parent_ok * new
+            hits[row, :room] += ok * new
+    if not reach[0, 0]:
         raise ValueError("prompt lookup found no copy on the held-out chats: nothing to measure")
-    rate = np.where(reach > 0, hits / np.maximum(reach, 1), np.nan)
-    rate = np.where(np.isnan(rate), rate[~np.isnan(rate)][-1], rate)
-    return tuple(float(x) for x in np.log(np.clip(rate, floor, 1.0)))
+    rows = []
+    for r in range(min(m, 2)):
+        if not reach[r, 0]:
+            default = LOOKUP_CONFIDENCE[r]
+            rows.append(tuple(float(default[min(j, len(default) - 1)]) for j in range(k)))
+            continue
+        rate = np.where(reach[r] > 0, hits[r] / np.maximum(reach[r], 1), np.nan)
+        rate = np.where(np.isnan(rate), rate[~np.isnan(rate)][-1], rate)
+        rows.append(tuple(float(x) for x in np.log(np.clip(rate, floor, 1.0))))
+    return tuple(rows)

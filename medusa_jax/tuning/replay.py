@@ -22,7 +22,7 @@ The figures hold for chats like the held-out ones; other prompts accept differen
 from __future__ import annotations
 
 import functools
-from typing import Dict, Iterable, Optional, Sequence, Tuple
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -106,8 +106,8 @@ def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings
     on the true tokens' ranks, so the draft itself runs at each position.
 
     Args: as `path_ranks`, `tree` a dynamic tree (`decoding.tree.dynamic_tree`), and with prompt
-      lookup `lookup_drafts` = (copied [P, k] int32, found [P] bool), each position's copied chain
-      (`lookup_drafts`), which competes for the tree's slots as in decoding.
+      lookup `lookup_drafts` = (copied [P, m, k] int32, found [P, m] bool), each position's copied
+      chains (`lookup_drafts`), which compete for the tree's slots as in decoding.
     Returns: [P] int32 accepted candidates per position (feed `Replay.run` without lookup: the copy
       is inside the tree).
     """
@@ -121,25 +121,23 @@ def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings
             plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch)):
         look = None
         if lookup_drafts is not None:
-            copied, found = (np.asarray(a)[s:s + batch] for a in lookup_drafts)
-            n = batch - len(found)
-            look = (np.pad(copied, ((0, n), (0, 0))), np.pad(found, (0, n)))
+            part = [np.asarray(a)[s:s + batch] for a in lookup_drafts]
+            look = tuple(np.pad(a, [(0, batch - len(a))] + [(0, 0)] * (a.ndim - 1)) for a in part)
         out.append(np.asarray(_dynamic_batch(heads_cfg, tree, head_params, base_lm_head, emb, b, look)))
     return (np.concatenate(out) if out else np.zeros((0,), np.int32))[:P]
 
 
 def lookup_drafts(chats: Sequence[Tuple[np.ndarray, np.ndarray]], sources: np.ndarray,
                   lookup: PromptLookup) -> Tuple[np.ndarray, np.ndarray]:
-    """Prompt lookup's draft at every source position (chat i, t: the context is the chat's tokens
-    up to the root t+1), as decoding finds it (`lookup_draft`).
-    Returns: (copied [P, k] int32, filler where none; found [P] bool)."""
+    """Prompt lookup's drafts at every source position (chat i, t: the context is the chat's tokens
+    up to the root t+1), as decoding finds them (`lookup_matches`).
+    Returns: (copied [P, m, k] int32, filler where none; found [P, m] bool), m = ``lookup.matches``."""
     src = np.asarray(sources).reshape(-1, 2)
-    copied = np.zeros((len(src), lookup.num_tokens), np.int32)
-    found = np.zeros(len(src), bool)
+    copied = np.zeros((len(src), lookup.matches, lookup.num_tokens), np.int32)
+    found = np.zeros((len(src), lookup.matches), bool)
     for j, (i, t) in enumerate(src):
-        d = lookup_draft(np.asarray(chats[int(i)][0])[:int(t) + 2], lookup)
-        if d is not None:
-            copied[j], found[j] = d, True
+        for c, d in enumerate(lookup_matches(np.asarray(chats[int(i)][0])[:int(t) + 2], lookup)):
+            copied[j, c], found[j, c] = d, True
     return copied, found
 
 
@@ -218,10 +216,16 @@ def tree_accepted(ranks: np.ndarray, choices: Iterable[Sequence[int]], topk: Opt
 
 
 def lookup_draft(context: np.ndarray, lookup: PromptLookup) -> Optional[np.ndarray]:
-    """The prompt-lookup draft after `context` (its last token is the step's root), exactly as
-    `decoding.lookup.ngram_draft` computes it on the device: the `num_tokens` tokens after the latest
-    earlier occurrence of the longest n-gram that occurred (continued periodically past the end);
-    None when none did."""
+    """The prompt-lookup draft after `context` (`lookup_matches`' first, the latest), or None."""
+    drafts = lookup_matches(context, lookup._replace(matches=1))
+    return drafts[0] if drafts else None
+
+
+def lookup_matches(context: np.ndarray, lookup: PromptLookup) -> List[np.ndarray]:
+    """The prompt-lookup drafts after `context` (its last token is the step's root), exactly as
+    `decoding.lookup.ngram_drafts` computes them on the device: for the ``matches`` latest earlier
+    occurrences of the longest n-gram that occurred, latest first, the `num_tokens` tokens after it
+    (continued periodically past the end); [] when none did."""
     ctx = np.asarray(context)
     L = len(ctx) - 1
     for n in range(lookup.max_ngram, lookup.min_ngram - 1, -1):
@@ -231,13 +235,15 @@ def lookup_draft(context: np.ndarray, lookup: PromptLookup) -> Optional[np.ndarr
         windows = np.lib.stride_tricks.sliding_window_view(ctx[:L], n)               # ends n-1 .. L-1
         hits = np.flatnonzero((windows == pattern).all(axis=1))
         if len(hits):
-            e = int(hits[-1]) + n - 1
-            idx = e + 1 + np.arange(lookup.num_tokens)
-            period = L - e
-            over = idx - L
-            idx = np.where(over > 0, idx - period * ((over + period - 1) // period), idx)
-            return ctx[idx]
-    return None
+            out = []
+            for h in hits[::-1][:lookup.matches]:
+                e = int(h) + n - 1
+                idx = e + 1 + np.arange(lookup.num_tokens)
+                period = L - e
+                over = idx - L
+                out.append(ctx[np.where(over > 0, idx - period * ((over + period - 1) // period), idx)])
+            return out
+    return []
 
 
 class Replay:
