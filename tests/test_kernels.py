@@ -281,3 +281,54 @@ def test_xla_fallback_decodes(tmp_path, env, why):
     cfg, params = tiny_decoding_model()
     here = generate_device(cfg, params, [[1, 2, 3]], max_new_tokens=12, progress=False)
     assert tokens == " ".join(map(str, here.tokens[0].tolist()))
+
+
+def _gguf_blocks(fmt: str, N: int, K: int, seed: int):
+    """(blocks [N, K/32*bytes] uint8, the gguf package's dequantized float32 [N, K]) for random weights."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+
+    qtype = {"q8_0": GGMLQuantizationType.Q8_0, "q4_0": GGMLQuantizationType.Q4_0,
+             "q4_1": GGMLQuantizationType.Q4_1}[fmt]
+    w = np.random.default_rng(seed).standard_normal((N, K)).astype(np.float32) * 0.05
+    blocks = np.ascontiguousarray(quantize(w, qtype)).reshape(N, -1)
+    return blocks, np.asarray(dequantize(blocks, qtype), np.float32).reshape(N, K)
+
+
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+def test_dequantize_blocks_is_the_gguf_packages(fmt):
+    """XLA's path (GPUs, meshes, more than MAX_ROWS rows) dequantizes bit for bit as the gguf package."""
+    blocks, want = _gguf_blocks(fmt, 37, 96, 1)
+    got = np.asarray(jax.jit(kernels.dequantize_blocks, static_argnums=1)(jnp.asarray(blocks), fmt))
+    np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    with pytest.raises(ValueError, match="whole q8_0 blocks"):
+        kernels.dequantize_blocks(jnp.zeros((2, 35), jnp.uint8), "q8_0")
+    with pytest.raises(ValueError, match="unknown block format"):
+        kernels.dequantize_blocks(jnp.zeros((2, 34), jnp.uint8), "q5_0")
+
+
+@needs_kernels
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_0", "q4_1"])
+@pytest.mark.parametrize("K,N", [(32, 1), (96, 13), (576, 203)])
+def test_block_kernels_stream_the_gguf_weights_bit_for_bit(fmt, K, N):
+    """The kernel's weights are the gguf package's float32 weights bit for bit (one-hot rows read
+    them back exactly), and its product equals the float32 kernel's over those weights bit for bit,
+    for every row count (each output the same sums in the same order)."""
+    blocks, w = _gguf_blocks(fmt, N, K, K + N)
+    prod = jax.jit(kernels.matmul_nt_blocks, static_argnums=2)
+    eye = np.eye(K, dtype=np.float32)
+    back = np.concatenate([np.asarray(prod(jnp.asarray(eye[i:i + 16]), jnp.asarray(blocks), fmt))
+                           for i in range(0, K, 16)])                                  # [K, N] = w.T
+    np.testing.assert_array_equal(back.T, w)  # every value (a sum from +0 cannot give a weight's -0 back)
+    x = np.random.default_rng(0).standard_normal((16, K)).astype(np.float32)
+    for m in (1, 2, 3, 5, 16):
+        got = np.asarray(prod(jnp.asarray(x[:m]), jnp.asarray(blocks), fmt))
+        want = np.asarray(jax.jit(kernels.matmul_nt)(jnp.asarray(x[:m]), jnp.asarray(w)))
+        np.testing.assert_array_equal(got, want)
+    hlo = prod.lower(jnp.asarray(x[:4]), jnp.asarray(blocks), fmt).compile().as_text()
+    assert f'custom_call_target="medusa_matmul_nt_{fmt}"' in hlo and f"f32[{N},{K}]" not in hlo
+    many = np.random.default_rng(1).standard_normal((40, K)).astype(np.float32)  # past MAX_ROWS: XLA over the weights
+    np.testing.assert_allclose(np.asarray(prod(jnp.asarray(many), jnp.asarray(blocks), fmt)), many @ w.T,
+                               rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="needs"):
+        kernels.matmul_nt_blocks(jnp.asarray(x[:, :K - 1]), jnp.asarray(blocks), fmt)

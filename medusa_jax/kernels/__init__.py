@@ -27,6 +27,9 @@ Public API:
       or bfloat16);  weight_for(w, dtype): a weight as matmul_nt takes it (bfloat16 kept as it is)
   cache_attention(q, k, v, mask, lengths, layer, fallback) -> [B, T, H * Dh]  (attention over the
       KV cache read in place; attention_applies(dtype, T) says when the kernel runs)
+  matmul_nt_blocks(x [..., K], blocks [N, K/32*bytes] uint8, "q8_0" | "q4_0" | "q4_1") -> [..., N]  (the
+      product with GGUF blocks as stored, dequantized in registers: bit for bit matmul_nt over
+      dequantize_blocks(blocks, fmt), the gguf package's float32 weights)
   argmax(logits [..., V]) -> [...] int32  (jnp.argmax over the last axis, the greedy token)
   read_bandwidth(bytes, threads) -> bytes/s   (the roofline the decoding step is measured against)
   on_huge_pages(a) -> a copy of a CPU array on 2 MB pages (the kernels stream such weights faster)
@@ -44,16 +47,19 @@ from medusa_jax.kernels.library import (
                                        status,
 )
 from medusa_jax.kernels.ops import (
+                                       BLOCK_BYTES,
                                        MAX_ROWS,
                                        argmax,
                                        attention_applies,
                                        cache_attention,
+                                       dequantize_blocks,
                                        matmul_nt,
+                                       matmul_nt_blocks,
                                        on_huge_pages,
                                        weight_for,
                                        xla_nt,
 )
 
-__all__ = ["FLAGS", "MAX_ROWS", "SOURCE", "TARGETS", "argmax", "attention_applies", "available", "build", "cache_attention",
-           "cache_dir", "cpu_supported", "load_library", "matmul_nt", "on_huge_pages", "read_bandwidth", "status",
-           "weight_for", "xla_nt"]
+__all__ = ["BLOCK_BYTES", "FLAGS", "MAX_ROWS", "SOURCE", "TARGETS", "argmax", "attention_applies", "available", "build",
+           "cache_attention", "cache_dir", "cpu_supported", "dequantize_blocks", "load_library", "matmul_nt",
+           "matmul_nt_blocks", "on_huge_pages", "read_bandwidth", "status", "weight_for", "xla_nt"]

@@ -19,10 +19,11 @@ import jax
 SOURCE = Path(__file__).with_name("stream_matmul.cc")
 
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-std=c++17", "-shared", "-fPIC", "-w")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", "-shared", "-fPIC", "-w")
 
 
-TARGETS = ("medusa_matmul_nt", "medusa_matmul_nt_bf16", "medusa_cache_attention", "medusa_argmax_rows")
+TARGETS = ("medusa_matmul_nt", "medusa_matmul_nt_bf16", "medusa_matmul_nt_q8_0", "medusa_matmul_nt_q4_0",
+           "medusa_matmul_nt_q4_1", "medusa_cache_attention", "medusa_argmax_rows")
 
 
 # Products with more rows than this go to XLA: the kernel's advantage is for decoding-sized M (it
@@ -39,7 +40,7 @@ def cache_dir() -> Path:
 
 
 def cpu_supported() -> Tuple[bool, str]:
-    """(ok, reason): the kernels need x86-64 with AVX2 and FMA (read from /proc/cpuinfo)."""
+    """(ok, reason): the kernels need x86-64 with AVX2, FMA and F16C (read from /proc/cpuinfo)."""
     if platform.machine().lower() not in ("x86_64", "amd64"):
         return False, f"the kernels are x86-64 only (this CPU: {platform.machine()})"
     try:
@@ -47,7 +48,7 @@ def cpu_supported() -> Tuple[bool, str]:
     except OSError:
         return False, "cannot read /proc/cpuinfo to check for AVX2 and FMA"
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    missing = [f for f in ("avx2", "fma") if f not in flags]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags]
     if missing:
         return False, f"this CPU lacks {' and '.join(missing)}"
     return True, ""

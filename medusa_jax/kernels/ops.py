@@ -169,3 +169,78 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
             and not sharding.active()):
         return _streamed_nt(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[0])
     return xla_nt(x, w)
+
+
+#: GGUF block formats the product kernel reads as a file stores them: bytes per block of 32 weights
+#: (ggml's Q8_0: float16 d, 32 int8; Q4_0: float16 d, 16 bytes of 4-bit values; Q4_1: float16 d
+#: and m, 16 bytes of 4-bit values).
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
+
+
+def _block_format(fmt: str) -> int:
+    if fmt not in BLOCK_BYTES:
+        raise ValueError(f"unknown block format {fmt!r}; known: {', '.join(BLOCK_BYTES)}")
+    return BLOCK_BYTES[fmt]
+
+
+def dequantize_blocks(blocks: jax.Array, fmt: str) -> jax.Array:
+    """GGUF blocks as float32 weights, computed as the ``gguf`` package computes them (bit for bit):
+    Q8_0 ``float(q) * d``, Q4_0 ``d * float(q - 8)``, Q4_1 ``(d * float(q)) + m``.
+
+    Args:
+      blocks: [N, K / 32 * bytes per block] uint8, each row K / 32 blocks (`BLOCK_BYTES`).
+      fmt: "q8_0", "q4_0" or "q4_1".
+    Returns: [N, K] float32.
+    Raises: ValueError for an unknown format or rows that are not whole blocks.
+    """
+    nbytes = _block_format(fmt)
+    N, R = blocks.shape
+    if R % nbytes:
+        raise ValueError(f"dequantize_blocks: rows of {R} bytes are not whole {fmt} blocks of {nbytes} bytes")
+    b = blocks.reshape(N, R // nbytes, nbytes)
+    half = lambda lo: jax.lax.bitcast_convert_type(  # noqa: E731
+        jax.lax.bitcast_convert_type(b[:, :, lo:lo + 2], jnp.uint16), jnp.float16).astype(jnp.float32)[..., None]
+    d = half(0)
+    if fmt == "q8_0":
+        q = jax.lax.bitcast_convert_type(b[:, :, 2:], jnp.int8).astype(jnp.float32)
+        return (q * d).reshape(N, -1)
+    qs = b[:, :, 2 if fmt == "q4_0" else 4:]
+    q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=2)                    # values 0-15, then 16-31
+    if fmt == "q4_0":
+        return (d * (q.astype(jnp.int8) - 8).astype(jnp.float32)).reshape(N, -1)
+    return ((d * q.astype(jnp.float32)) + half(2)).reshape(N, -1)
+
+
+def matmul_nt_blocks(x: jax.Array, blocks: jax.Array, fmt: str) -> jax.Array:
+    """``x @ w.T`` for a weight kept as a GGUF file stores it (`dequantize_blocks`' w, never built
+    on the CPU path: the kernel dequantizes each block in registers as it streams it).
+
+    Args:
+      x: [..., K] float32 activations; blocks: [N, K / 32 * bytes] uint8; fmt: "q8_0", "q4_0", "q4_1".
+    Returns:
+      [..., N] float32. With at most `MAX_ROWS` rows on the CPU (kernels available, no mesh) the
+      ``medusa_matmul_nt_<fmt>`` kernel: each output the same sum in the same order as `matmul_nt`
+      over the dequantized float32 weights, so the two agree bit for bit; otherwise XLA's product
+      over `dequantize_blocks`.
+    Raises:
+      ValueError: an unknown format, or blocks that do not hold K weights per row.
+    """
+    nbytes = _block_format(fmt)
+    K = x.shape[-1]
+    if K % 32 or blocks.ndim != 2 or blocks.shape[1] != K // 32 * nbytes:
+        raise ValueError(f"matmul_nt_blocks: x [..., {K}] needs {fmt} rows of {K // 32 * nbytes} bytes (K a "
+                         f"multiple of 32), got blocks {tuple(blocks.shape)}")
+    lead = x.shape[:-1]
+    rows = math.prod(lead)
+    N = blocks.shape[0]
+    fallback = lambda x, b: xla_nt(x, dequantize_blocks(b, fmt))  # noqa: E731
+    if x.dtype != jnp.float32 or not 0 < rows <= MAX_ROWS or not available() or sharding.active():
+        return fallback(x, blocks)
+
+    def ffi(x, b):
+        call = jax.ffi.ffi_call(f"medusa_matmul_nt_{fmt}", jax.ShapeDtypeStruct((rows, N), jnp.float32),
+                                vmap_method="sequential")
+        return call(x, b)
+
+    flat = x.reshape(rows, K)
+    return jax.lax.platform_dependent(flat, blocks, cpu=ffi, default=fallback).reshape(*lead, N)

@@ -9,6 +9,9 @@
 //
 //   medusa_matmul_nt:       y[M, N] = x[M, K] @ w[N, K]^T     float32, AVX2 + FMA
 //   medusa_matmul_nt_bf16:  the same with bfloat16 w (float32 x, y and sums): half the bytes
+//   medusa_matmul_nt_q8_0, _q4_0, _q4_1: the same with w as a GGUF file stores it (blocks of 32
+//     weights, `Q8_0W` and the others below), dequantized in registers exactly as the gguf
+//     package dequantizes them (float32 multiply, then add): a sixth to a half of the bytes
 //
 //   medusa_cache_attention: attention of T <= 16 new tokens over the KV cache (below)
 //
@@ -79,26 +82,99 @@ inline __m256 load8_masked(const uint16_t* p, __m256i, int64_t count) {  // the 
   return load8(buf);
 }
 
+// Weight formats: where row n of a [N, K] weight starts (`row`; row n + j is `stride` further), 8
+// of its weights from column k as float32 (`load8`, k a multiple of 8; `load8_tail` for the last
+// 1-7), and the address to prefetch for column k (`at`). float32 and bfloat16 rows hold K values; the GGUF formats hold K / 32
+// blocks of 32 weights, each with float16 scales (`kBytes` per block).
+template <typename T>
+struct PlainW {  // float32, or uint16_t holding bfloat16
+  using Row = const T*;
+  static constexpr int64_t kBlock = 1;
+  static int64_t row_bytes(int64_t K) { return K * int64_t(sizeof(T)); }
+  static int64_t stride(int64_t K) { return K; }
+  static Row row(const void* w, int64_t n, int64_t K) { return static_cast<const T*>(w) + n * K; }
+  static __m256 load8(Row r, int64_t k) { return ::load8(r + k); }
+  static __m256 load8_tail(Row r, int64_t k, __m256i tail, int64_t count) { return load8_masked(r + k, tail, count); }
+  static const void* at(Row r, int64_t k) { return r + k; }
+};
+using F32W = PlainW<float>;
+using BF16W = PlainW<uint16_t>;
+
+inline float half_at(const uint8_t* p) {  // a float16 scale, widened exactly
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// 8 of a block's 32 4-bit values from offset s (0, 8, 16, 24): values 0-15 are the low nibbles of
+// the block's 16 bytes, 16-31 their high nibbles (ggml's layout).
+inline __m256i nibbles8(const uint8_t* qs, int64_t s) {
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + (s & 15))));
+  return s < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(b, 4);
+}
+
+template <int64_t BYTES>
+struct BlockW {
+  using Row = const uint8_t*;
+  static constexpr int64_t kBlock = 32, kBytes = BYTES;
+  static int64_t row_bytes(int64_t K) { return K / 32 * BYTES; }
+  static int64_t stride(int64_t K) { return row_bytes(K); }
+  static Row row(const void* w, int64_t n, int64_t K) { return static_cast<const uint8_t*>(w) + n * row_bytes(K); }
+  static const void* at(Row r, int64_t k) { return r + (k >> 5) * BYTES; }
+};
+
+// Q8_0: float16 d, 32 int8 q; w = float(q) * d.
+struct Q8_0W : BlockW<34> {
+  static __m256 load8(Row r, int64_t k) {
+    const uint8_t* b = r + (k >> 5) * kBytes;
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + (k & 31)));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(half_at(b)));
+  }
+  static __m256 load8_tail(Row r, int64_t k, __m256i, int64_t) { return load8(r, k); }  // K % 32 == 0
+};
+
+// Q4_0: float16 d, 32 4-bit q; w = d * float(q - 8).
+struct Q4_0W : BlockW<18> {
+  static __m256 load8(Row r, int64_t k) {
+    const uint8_t* b = r + (k >> 5) * kBytes;
+    const __m256i q = _mm256_sub_epi32(nibbles8(b + 2, k & 31), _mm256_set1_epi32(8));
+    return _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(q));
+  }
+  static __m256 load8_tail(Row r, int64_t k, __m256i, int64_t) { return load8(r, k); }
+};
+
+// Q4_1: float16 d and m, 32 4-bit q; w = (d * float(q)) + m, a multiply then an add (not fused).
+struct Q4_1W : BlockW<20> {
+  static __m256 load8(Row r, int64_t k) {
+    const uint8_t* b = r + (k >> 5) * kBytes;
+    const __m256 dq = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(nibbles8(b + 4, k & 31)));
+    return _mm256_add_ps(dq, _mm256_set1_ps(half_at(b + 2)));
+  }
+  static __m256 load8_tail(Row r, int64_t k, __m256i, int64_t) { return load8(r, k); }
+};
+
 // One block of the product: rows t..t+TB-1 of x against rows n..n+NB-1 of w ([N, K]), TB x NB
 // accumulators in registers, k in steps of 8 (the K tail by a masked load). For k in [pf0, pf1)
 // the rows `ahead` rows further down w are prefetched, one cache line per row every 16 k, so that
 // memory keeps streaming while blocks compute from L1.
-template <typename WT, int TB, int NB>
-inline void nt_block(const float* x, const WT* w, float* y, int64_t K, int64_t N, int64_t t, int64_t n,
+template <typename WF, int TB, int NB>
+inline void nt_block(const float* x, const void* w, float* y, int64_t K, int64_t N, int64_t t, int64_t n,
                      __m256i tail, int64_t pf0, int64_t pf1, int64_t ahead) {
   __m256 acc[TB][NB];
   for (int i = 0; i < TB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const WT* e = w + n * K;
+  const typename WF::Row e = WF::row(w, n, K);
+  const int64_t rs = WF::stride(K);
   const float* xs = x + t * K;
   int64_t k = 0;
   for (; k + 16 <= K; k += 16) {
     if (k >= pf0 && k < pf1)
-      for (int j = 0; j < NB; ++j) _mm_prefetch(reinterpret_cast<const char*>(e + (ahead + j) * K + k), _MM_HINT_T0);
+      for (int j = 0; j < NB; ++j)
+        _mm_prefetch(static_cast<const char*>(WF::at(e + (ahead + j) * rs, k)), _MM_HINT_T0);
     for (int h = 0; h < 16; h += 8) {
       __m256 u[NB];
       for (int j = 0; j < NB; ++j) {
-        u[j] = load8(e + j * K + k + h);
+        u[j] = WF::load8(e + j * rs, k + h);
         if (TB > 1) __asm__("" : "+x"(u[j]));  // keep it in a register: it is used TB times
       }
       for (int i = 0; i < TB; ++i) {
@@ -110,8 +186,7 @@ inline void nt_block(const float* x, const WT* w, float* y, int64_t K, int64_t N
   for (; k < K; k += 8) {
     const bool full = k + 8 <= K;
     __m256 u[NB];
-    for (int j = 0; j < NB; ++j)
-      u[j] = full ? load8(e + j * K + k) : load8_masked(e + j * K + k, tail, K - k);
+    for (int j = 0; j < NB; ++j) u[j] = full ? WF::load8(e + j * rs, k) : WF::load8_tail(e + j * rs, k, tail, K - k);
     for (int i = 0; i < TB; ++i) {
       const __m256 v = full ? _mm256_loadu_ps(xs + i * K + k) : _mm256_maskload_ps(xs + i * K + k, tail);
       for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
@@ -127,8 +202,8 @@ inline void nt_block(const float* x, const WT* w, float* y, int64_t K, int64_t N
 // passes, so memory keeps streaming while blocks compute. Each output is one dot product whose
 // order of additions does not depend on M, so a row's result is the same whether it is multiplied
 // alone or with others.
-template <typename WT, int TB, int NB>
-void nt_rows_blocked(const float* x, const WT* w, float* y, int64_t M, int64_t K, int64_t N,
+template <typename WF, int TB, int NB>
+void nt_rows_blocked(const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N,
                      int64_t n0, int64_t n1, __m256i tail) {
   static_assert(TB >= 1 && TB <= 4, "passes of 1 to 4 rows");
   const int64_t passes = (M + TB - 1) / TB;
@@ -140,26 +215,26 @@ void nt_rows_blocked(const float* x, const WT* w, float* y, int64_t M, int64_t K
       const int64_t pf0 = ahead ? K * p / passes / 16 * 16 : K;
       const int64_t pf1 = !ahead ? K : (p + 1 == passes) ? K : K * (p + 1) / passes / 16 * 16;
       switch (std::min<int64_t>(TB, M - t)) {
-        case 4: nt_block<WT, (TB >= 4 ? 4 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        case 3: nt_block<WT, (TB >= 3 ? 3 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        case 2: nt_block<WT, (TB >= 2 ? 2 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        default: nt_block<WT, 1, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 4: nt_block<WF, (TB >= 4 ? 4 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 3: nt_block<WF, (TB >= 3 ? 3 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        case 2: nt_block<WF, (TB >= 2 ? 2 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+        default: nt_block<WF, 1, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
       }
     }
   }
   for (; n < n1; ++n)  // fewer than NB outputs left
-    for (int64_t t = 0; t < M; ++t) nt_block<WT, 1, 1>(x, w, y, K, N, t, n, tail, K, K, 0);
+    for (int64_t t = 0; t < M; ++t) nt_block<WF, 1, 1>(x, w, y, K, N, t, n, tail, K, K, 0);
 }
 
 // The blocking by M, measured on this project's AVX2 CPU (docs/performance.md): one row, 4 outputs
 // per block (memory-bound); two rows, 2 x 4; more, 4 x 3 accumulators (12 of the 16 registers).
 // Every output is the same dot product, summed in the same order, whatever the blocking.
-template <typename WT>
-void nt_rows(const float* x, const WT* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
+template <typename WF>
+void nt_rows(const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const __m256i tail = tail_mask(K % 8);
-  if (M == 1) nt_rows_blocked<WT, 1, 4>(x, w, y, M, K, N, n0, n1, tail);
-  else if (M == 2) nt_rows_blocked<WT, 2, 4>(x, w, y, M, K, N, n0, n1, tail);
-  else nt_rows_blocked<WT, 4, 3>(x, w, y, M, K, N, n0, n1, tail);
+  if (M == 1) nt_rows_blocked<WF, 1, 4>(x, w, y, M, K, N, n0, n1, tail);
+  else if (M == 2) nt_rows_blocked<WF, 2, 4>(x, w, y, M, K, N, n0, n1, tail);
+  else nt_rows_blocked<WF, 4, 3>(x, w, y, M, K, N, n0, n1, tail);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -296,20 +371,20 @@ class Workers {
 };
 
 // Splits [0, N) into chunks of whole `align`-column units of about MEDUSA_JAX_CHUNK_KB (default
-// 256) KiB of weights each (`elem_bytes` per weight), and runs fn(begin, end) on them across the workers.
-void parallel_columns(int64_t N, int64_t K, int64_t align, const std::function<void(int64_t, int64_t)>& fn,
-                      int64_t elem_bytes) {
+// 256) KiB of weights each (`row_bytes` per column), and runs fn(begin, end) on them across the workers.
+void parallel_columns(int64_t N, int64_t row_bytes, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
   static const int64_t chunk_bytes = int64_t{1024} * std::max(4, env_int("MEDUSA_JAX_CHUNK_KB", 256));
   Workers& workers = Workers::get();
-  if (K * N * elem_bytes < 2 * chunk_bytes || workers.threads() == 1) {
+  if (row_bytes * N < 2 * chunk_bytes || workers.threads() == 1) {
     fn(0, N);  // too small to be worth a hand-off
     return;
   }
-  const int64_t units = std::max<int64_t>(1, chunk_bytes / (K * elem_bytes * align));
+  const int64_t units = std::max<int64_t>(1, chunk_bytes / (row_bytes * align));
   workers.run(N, units * align, fn);
 }
 
-template <typename WBuffer>
+// x [M, K], w [N, row bytes] (a format's rows, `WF::row_bytes(K)` bytes each), y [M, N].
+template <typename WF, typename WBuffer>
 ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& x, const WBuffer& w,
                         ffi::ResultBuffer<ffi::F32>& y, int64_t* M, int64_t* K, int64_t* N) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -318,31 +393,40 @@ ffi::Error check_shapes(const ffi::Buffer<ffi::F32>& x, const WBuffer& w,
   *M = xd[0];
   *K = xd[1];
   *N = wd[0];
-  if (wd[1] != *K || yd[0] != *M || yd[1] != *N)
-    return ffi::Error::InvalidArgument("medusa_matmul_nt: shapes do not agree (x [M, K], w [N, K], y [M, N])");
+  if (*K % WF::kBlock != 0)
+    return ffi::Error::InvalidArgument("medusa_matmul_nt: K must be a multiple of the weights' block of 32");
+  const int64_t bytes = wd[1] * int64_t(ffi::ByteWidth(w.element_type()));
+  if (bytes != WF::row_bytes(*K) || yd[0] != *M || yd[1] != *N)
+    return ffi::Error::InvalidArgument("medusa_matmul_nt: shapes do not agree (x [M, K], w [N, K] or its "
+                                       "blocks' bytes, y [M, N])");
   return ffi::Error::Success();
 }
 
-// y = x @ w^T with weights WT (float, or uint16_t holding bfloat16) streamed by `nt_rows`.
-template <typename WT, typename WBuffer>
+// y = x @ w^T with weights of format WF streamed by `nt_rows`.
+template <typename WF, typename WBuffer>
 ffi::Error run_nt(const ffi::Buffer<ffi::F32>& x, const WBuffer& w, ffi::ResultBuffer<ffi::F32>& y) {
   int64_t M, K, N;
-  if (auto err = check_shapes(x, w, y, &M, &K, &N); err.failure()) return err;
+  if (auto err = check_shapes<WF>(x, w, y, &M, &K, &N); err.failure()) return err;
   const float* xp = x.typed_data();
-  const WT* wp = reinterpret_cast<const WT*>(w.untyped_data());
+  const void* wp = w.untyped_data();
   float* yp = y->typed_data();
-  parallel_columns(N, K, 12, [&](int64_t b, int64_t e) { nt_rows(xp, wp, yp, M, K, N, b, e); },
-                   int64_t(sizeof(WT)));
+  parallel_columns(N, WF::row_bytes(K), 12, [&](int64_t b, int64_t e) { nt_rows<WF>(xp, wp, yp, M, K, N, b, e); });
   return ffi::Error::Success();
 }
 
 ffi::Error MatmulNT(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w, ffi::ResultBuffer<ffi::F32> y) {
-  return run_nt<float>(x, w, y);
+  return run_nt<F32W>(x, w, y);
 }
 
 // The same product with bfloat16 weights (float32 activations and sums): half the bytes streamed.
 ffi::Error MatmulNTBf16(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::BF16> w, ffi::ResultBuffer<ffi::F32> y) {
-  return run_nt<uint16_t>(x, w, y);
+  return run_nt<BF16W>(x, w, y);
+}
+
+// The same product with GGUF blocks as w ([N, K / 32 * block bytes] uint8).
+template <typename WF>
+ffi::Error MatmulNTBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
+  return run_nt<WF>(x, w, y);
 }
 
 }  // namespace
@@ -352,6 +436,17 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt, MatmulNT,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#define MEDUSA_BLOCKS_HANDLER(name, format)                        \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, MatmulNTBlocks<format>,        \
+                                ffi::Ffi::Bind()                     \
+                                    .Arg<ffi::Buffer<ffi::F32>>()    \
+                                    .Arg<ffi::Buffer<ffi::U8>>()     \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+MEDUSA_BLOCKS_HANDLER(medusa_matmul_nt_q8_0, Q8_0W)
+MEDUSA_BLOCKS_HANDLER(medusa_matmul_nt_q4_0, Q4_0W)
+MEDUSA_BLOCKS_HANDLER(medusa_matmul_nt_q4_1, Q4_1W)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt_bf16, MatmulNTBf16,
                               ffi::Ffi::Bind()
@@ -490,7 +585,7 @@ constexpr int64_t kSlotChunk = 128;
 void attention_scores(const AttentionShape& a, const float* qs, const float* kc, float* scores,
                       int64_t j, int64_t s0, int64_t s1) {
   const int64_t b = j / a.KVH, kvh = j % a.KVH, R = a.rows();
-  nt_rows(qs + j * R * a.Dh, a.cache(kc, b, kvh), scores + j * R * a.S, R, a.Dh, a.S, s0, s1);
+  nt_rows<F32W>(qs + j * R * a.Dh, a.cache(kc, b, kvh), scores + j * R * a.S, R, a.Dh, a.S, s0, s1);
 }
 
 // Query row r of block j = (b, kvh): the masked softmax of its scores over slots [0, E) (float32,
