@@ -33,6 +33,7 @@
 #include <memory>
 #include <mutex>
 #include <thread>
+#include <type_traits>
 #include <vector>
 
 #include <sched.h>
@@ -153,17 +154,30 @@ struct Q4_1W : BlockW<20> {
   static __m256 load8_tail(Row r, int64_t k, __m256i, int64_t) { return load8(r, k); }
 };
 
-// One block of the product: rows t..t+TB-1 of x against rows n..n+NB-1 of w ([N, K]), TB x NB
+// Rows n..n+R-1 of a GGUF-block weight as float32 in out [R, K] (each value as `WF::load8` gives
+// it), prefetching the same bytes of the rows `ahead` further down.
+template <typename WF>
+inline void dequantize_rows(const void* w, int64_t n, int64_t R, int64_t K, int64_t ahead, float* out) {
+  for (int64_t j = 0; j < R; ++j) {
+    const typename WF::Row r = WF::row(w, n + j, K);
+    for (int64_t k = 0; k < K; k += 32) {
+      if (ahead) _mm_prefetch(static_cast<const char*>(WF::at(WF::row(w, n + ahead + j, K), k)), _MM_HINT_T0);
+      for (int64_t h = 0; h < 32; h += 8) _mm256_storeu_ps(out + j * K + k + h, WF::load8(r, k + h));
+    }
+  }
+}
+
+// One block of the product: rows t..t+TB-1 of x against rows wn..wn+NB-1 of w (outputs n..n+NB-1), TB x NB
 // accumulators in registers, k in steps of 8 (the K tail by a masked load). For k in [pf0, pf1)
 // the rows `ahead` rows further down w are prefetched, one cache line per row every 16 k, so that
 // memory keeps streaming while blocks compute from L1.
 template <typename WF, int TB, int NB>
-inline void nt_block(const float* x, const void* w, float* y, int64_t K, int64_t N, int64_t t, int64_t n,
+inline void nt_block(const float* x, const void* w, int64_t wn, float* y, int64_t K, int64_t N, int64_t t, int64_t n,
                      __m256i tail, int64_t pf0, int64_t pf1, int64_t ahead) {
   __m256 acc[TB][NB];
   for (int i = 0; i < TB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  const typename WF::Row e = WF::row(w, n, K);
+  const typename WF::Row e = WF::row(w, wn, K);  // outputs n.. read weight rows wn..
   const int64_t rs = WF::stride(K);
   const float* xs = x + t * K;
   int64_t k = 0;
@@ -202,28 +216,58 @@ inline void nt_block(const float* x, const void* w, float* y, int64_t K, int64_t
 // passes, so memory keeps streaming while blocks compute. Each output is one dot product whose
 // order of additions does not depend on M, so a row's result is the same whether it is multiplied
 // alone or with others.
+// One pass: rows t.. of x (the TB, or the 1 to TB - 1 left) against NB weight rows from wn.
+template <typename WF, int TB, int NB>
+inline void nt_pass(const float* x, const void* w, int64_t wn, float* y, int64_t M, int64_t K, int64_t N, int64_t t,
+                    int64_t n, __m256i tail, int64_t pf0, int64_t pf1, int64_t ahead) {
+  switch (std::min<int64_t>(TB, M - t)) {
+    case 4: nt_block<WF, (TB >= 4 ? 4 : 1), NB>(x, w, wn, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+    case 3: nt_block<WF, (TB >= 3 ? 3 : 1), NB>(x, w, wn, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+    case 2: nt_block<WF, (TB >= 2 ? 2 : 1), NB>(x, w, wn, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+    default: nt_block<WF, 1, NB>(x, w, wn, y, K, N, t, n, tail, pf0, pf1, ahead); break;
+  }
+}
+
 template <typename WF, int TB, int NB>
 void nt_rows_blocked(const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N,
                      int64_t n0, int64_t n1, __m256i tail) {
   static_assert(TB >= 1 && TB <= 4, "passes of 1 to 4 rows");
+  // GGUF blocks over several passes (more than TB rows): NB rows dequantized once into an L1
+  // buffer (`dequantize_rows`), which every pass then reads as float32 weights, the bytes ahead
+  // prefetched while dequantizing; in one pass they are dequantized in registers (`WF::load8`).
   const int64_t passes = (M + TB - 1) / TB;
+  constexpr bool kBlocks = WF::kBlock > 1;
+  using PW = std::conditional_t<kBlocks, F32W, WF>;
+  float* buf = nullptr;
+  if constexpr (kBlocks) {
+    if (passes > 1) {
+      thread_local std::vector<float> rows;  // this thread's NB dequantized rows
+      if (rows.size() < size_t(NB * K)) rows.resize(size_t(NB * K));
+      buf = rows.data();
+    }
+  }
   const int64_t kAhead = 2 * NB;
   int64_t n = n0;
   for (; n + NB <= n1; n += NB) {
     const int64_t ahead = (n + kAhead + NB <= n1) ? kAhead : 0;
+    if (buf) {
+      dequantize_rows<WF>(w, n, NB, K, ahead, buf);
+      for (int64_t t = 0; t < M; t += TB) nt_pass<PW, TB, NB>(x, buf, 0, y, M, K, N, t, n, tail, K, K, 0);
+      continue;
+    }
     for (int64_t p = 0, t = 0; p < passes; ++p, t += TB) {
       const int64_t pf0 = ahead ? K * p / passes / 16 * 16 : K;
       const int64_t pf1 = !ahead ? K : (p + 1 == passes) ? K : K * (p + 1) / passes / 16 * 16;
-      switch (std::min<int64_t>(TB, M - t)) {
-        case 4: nt_block<WF, (TB >= 4 ? 4 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        case 3: nt_block<WF, (TB >= 3 ? 3 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        case 2: nt_block<WF, (TB >= 2 ? 2 : 1), NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-        default: nt_block<WF, 1, NB>(x, w, y, K, N, t, n, tail, pf0, pf1, ahead); break;
-      }
+      nt_pass<WF, TB, NB>(x, w, n, y, M, K, N, t, n, tail, pf0, pf1, ahead);
     }
   }
-  for (; n < n1; ++n)  // fewer than NB outputs left
-    for (int64_t t = 0; t < M; ++t) nt_block<WF, 1, 1>(x, w, y, K, N, t, n, tail, K, K, 0);
+  for (; n < n1; ++n) {  // fewer than NB outputs left
+    if (buf) dequantize_rows<WF>(w, n, 1, K, 0, buf);
+    for (int64_t t = 0; t < M; ++t) {
+      if (buf) nt_block<PW, 1, 1>(x, buf, 0, y, K, N, t, n, tail, K, K, 0);
+      else nt_block<WF, 1, 1>(x, w, n, y, K, N, t, n, tail, K, K, 0);
+    }
+  }
 }
 
 // The blocking by M, measured on this project's AVX2 CPU (docs/performance.md): one row, 4 outputs
