@@ -218,7 +218,7 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     projection = "proposal_lm_head_t" if heads[0].shared_lm_head else "proposal_lm_head"  # heads.prepare_heads
     assert tree.size == report["chosen_size"] and projection in heads[1]
     # chosen for decoding with the default prompt lookup, and predicted by replaying it
-    assert report["prompt_lookup"] == {"num_tokens": 3, "max_ngram": 3, "min_ngram": 2}
+    assert report["prompt_lookup"] == {"num_tokens": 3, "max_ngram": 3, "min_ngram": 2, "matches": 1}
     assert report["predicted_by"] == "replay" and tree.lookup is not None
     pred, basis = predicted_tokens_per_step(tree, heads_calibration(str(tmp_path / "tuned")))
     assert pred == report["predicted_tokens_per_step_lookup"] and "with prompt lookup" in basis
