@@ -230,7 +230,8 @@ def add_lookup_chains(tokens: jax.Array, scores: jax.Array, parents: jax.Array, 
             target = jnp.where(merged, jnp.argmax(same, axis=1).astype(jnp.int32), own)
             scores = scores.at[:, own].set(jnp.where(live & ~merged, cand, -1e30))
             parents = parents.at[:, own].set(parent)
-            raised = jnp.where(live & merged, jnp.maximum(scores[rows, target], cand), scores[rows, target])
+            at = scores[rows, target]
+            raised = jnp.where(live & merged, jnp.maximum(at, cand), at)
             scores = scores.at[rows, target].set(raised)
-            parent, parent_score = target, scores[rows, target]
+            parent, parent_score = target, raised
     return tokens, scores, parents, np.concatenate([depths, np.tile(np.arange(1, k + 1, dtype=np.int32), m)])

@@ -78,11 +78,18 @@ def _streamed_bwd(res, g):  # the same gradients as XLA's product (training neve
 _streamed_nt.defvjp(_streamed_fwd, _streamed_bwd)
 
 
+def _kernel_applies(dtype, rows: int) -> bool:
+    """Whether a kernel runs for float activations of `dtype` in `rows` rows: float32, 1 to
+    `MAX_ROWS` rows, the kernels available, no device mesh being traced (a custom call has no SPMD
+    partitioning)."""
+    return jnp.dtype(dtype) == jnp.float32 and 0 < rows <= MAX_ROWS and available() and not sharding.active()
+
+
 def attention_applies(dtype, rows: int) -> bool:
     """Whether `cache_attention` runs the kernel for queries of this dtype with `rows` new tokens per
     row: float32, at most `MAX_ROWS` tokens (decoding and tree steps, not prefill chunks), the
     kernels available, no device mesh being traced."""
-    return jnp.dtype(dtype) == jnp.float32 and 0 < rows <= MAX_ROWS and available() and not sharding.active()
+    return _kernel_applies(dtype, rows)
 
 
 def cache_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Array, lengths: jax.Array, layer: int,
@@ -165,8 +172,7 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
         raise ValueError(f"matmul_nt: x [..., {x.shape[-1]}] does not match w [{w.shape[0]}, {w.shape[-1]}]")
     lead = x.shape[:-1]
     rows = math.prod(lead)
-    if (x.dtype == jnp.float32 and w.dtype in (jnp.float32, jnp.bfloat16) and 0 < rows <= MAX_ROWS and available()
-            and not sharding.active()):
+    if w.dtype in (jnp.float32, jnp.bfloat16) and _kernel_applies(x.dtype, rows):
         return _streamed_nt(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[0])
     return xla_nt(x, w)
 
@@ -234,7 +240,7 @@ def matmul_nt_blocks(x: jax.Array, blocks: jax.Array, fmt: str) -> jax.Array:
     rows = math.prod(lead)
     N = blocks.shape[0]
     fallback = lambda x, b: xla_nt(x, dequantize_blocks(b, fmt))  # noqa: E731
-    if x.dtype != jnp.float32 or not 0 < rows <= MAX_ROWS or not available() or sharding.active():
+    if not _kernel_applies(x.dtype, rows):
         return fallback(x, blocks)
 
     def ffi(x, b):

@@ -11,7 +11,7 @@
 //   medusa_matmul_nt_bf16:  the same with bfloat16 w (float32 x, y and sums): half the bytes
 //   medusa_matmul_nt_q8_0, _q4_0, _q4_1: the same with w as a GGUF file stores it (blocks of 32
 //     weights, `Q8_0W` and the others below), dequantized in registers exactly as the gguf
-//     package dequantizes them (float32 multiply, then add): a sixth to a half of the bytes
+//     package dequantizes them (float32 multiply, then add): a sixth to a quarter of the bytes
 //
 //   medusa_cache_attention: attention of T <= 16 new tokens over the KV cache (below)
 //
@@ -85,8 +85,8 @@ inline __m256 load8_masked(const uint16_t* p, __m256i, int64_t count) {  // the 
 
 // Weight formats: where row n of a [N, K] weight starts (`row`; row n + j is `stride` further), 8
 // of its weights from column k as float32 (`load8`, k a multiple of 8; `load8_tail` for the last
-// 1-7), and the address to prefetch for column k (`at`). float32 and bfloat16 rows hold K values; the GGUF formats hold K / 32
-// blocks of 32 weights, each with float16 scales (`kBytes` per block).
+// 1-7), and the address to prefetch for column k (`at`). float32 and bfloat16 rows hold K values;
+// the GGUF formats hold K / 32 blocks of 32 weights, each with float16 scales (`kBytes` per block).
 template <typename T>
 struct PlainW {  // float32, or uint16_t holding bfloat16
   using Row = const T*;

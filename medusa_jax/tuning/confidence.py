@@ -18,8 +18,6 @@ from typing import Sequence, Tuple
 
 import numpy as np
 
-from medusa_jax.decoding.tree import LOOKUP_CONFIDENCE
-
 Confidence = Tuple[Tuple[float, ...], Tuple[Tuple[float, ...], ...]]
 
 
@@ -83,8 +81,9 @@ def fit_lookup_confidence(chats: Sequence[Tuple[np.ndarray, np.ndarray]], source
       chats: (token ids [L], loss mask [L]) pairs; sources: [P, 2] (chat, t) of the positions.
       copied, found: `tuning.replay.lookup_drafts` at those positions ([P, m, k], [P, m]).
       floor: the least probability a depth may get.
-    Returns: 1 row (m = 1) or 2 rows of k log-probabilities <= 0 (depths never reached: the last
-      measured one; a row never reached: the defaults, `decoding.tree.LOOKUP_CONFIDENCE`).
+    Returns: 1 row (m = 1, or no later match's own token reached) or 2 rows of k log-probabilities
+      <= 0 (depths never reached: the last measured one); a missing row means the default,
+      `decoding.tree.LOOKUP_CONFIDENCE`, as `DynamicSpec.lookup_rates` fills it.
     Raises ValueError when no position found a copy.
     """
     src = np.asarray(sources).reshape(-1, 2)
@@ -109,10 +108,8 @@ def fit_lookup_confidence(chats: Sequence[Tuple[np.ndarray, np.ndarray]], source
         raise ValueError("prompt lookup found no copy on the held-out chats: nothing to measure")
     rows = []
     for r in range(min(m, 2)):
-        if not reach[r, 0]:
-            default = LOOKUP_CONFIDENCE[r]
-            rows.append(tuple(float(default[min(j, len(default) - 1)]) for j in range(k)))
-            continue
+        if not reach[r, 0]:  # the later matches' row left to the defaults (`DynamicSpec.lookup_rates`)
+            break
         rate = np.where(reach[r] > 0, hits[r] / np.maximum(reach[r], 1), np.nan)
         rate = np.where(np.isnan(rate), rate[~np.isnan(rate)][-1], rate)
         rows.append(tuple(float(x) for x in np.log(np.clip(rate, floor, 1.0))))
