@@ -7,6 +7,7 @@ Public API (every step of decode.py and train.py)::
     heads, tree, _ = mj.resolve_heads(model, None)   # shipped heads + their tree
     ids = mj.apply_chat_template(model.tokenizer, "Hello!")
     out = mj.generate(model.cfg, model.params, ids, heads=heads, tree=tree, max_new_tokens=128)
+    tuned = mj.apply_tuned_layers(model, "heads_dir")   # Medusa-2: the backbone layers trained with the heads
     fast = mj.generate_device(model.cfg, model.params, [ids], heads=heads, tree=tree)  # no per-step sync
     for i, res in mj.generate_batch(model.cfg, model.params, [ids, ids2], batch_size=4, heads=heads, tree=tree):
         ...                                      # prompts in rows, refilled as they finish
@@ -18,6 +19,7 @@ and head formats), `train`, `tuning`, `evals`, and `cli` (the commands).
 from medusa_jax.chat import apply_chat_template
 from medusa_jax.convert.load import LoadedModel, default_model_path, load_model
 from medusa_jax.convert.medusa_format import export_official, export_vllm, load_heads, save_heads
+from medusa_jax.convert.tuned_layers import TunedLayersError, apply_tuned_layers, merge_to_hf, save_tuned_layers
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import PromptTooLongError
 from medusa_jax.decoding.generate import (
@@ -45,8 +47,9 @@ from medusa_jax.resolve import resolve_heads
 __all__ = [
     "Acceptance", "BatchStats", "DecodeState", "DeviceResult", "GenerationResult", "KVCache", "LlamaModel",
     "LoadedModel", "MedusaConfig", "MedusaHeads", "ModelConfig", "PromptLookup", "PromptTooLongError",
-    "RopeScaling", "TreeBuffers", "apply_chat_template", "build_tree", "default_model_path", "export_official",
-    "export_vllm", "generate", "generate_batch", "generate_device", "generate_jit", "generate_stream", "get_tree",
-    "init_cache", "init_heads", "lm_head_matrix", "load_heads", "load_model", "medusa_step", "prepare_heads",
-    "resolve_heads", "save_heads", "start_state", "with_lookup",
+    "RopeScaling", "TreeBuffers", "TunedLayersError", "apply_chat_template", "apply_tuned_layers", "build_tree",
+    "default_model_path", "export_official", "export_vllm", "generate", "generate_batch", "generate_device",
+    "generate_jit", "generate_stream", "get_tree", "init_cache", "init_heads", "lm_head_matrix", "load_heads",
+    "load_model", "medusa_step", "merge_to_hf", "prepare_heads", "resolve_heads", "save_heads", "save_tuned_layers",
+    "start_state", "with_lookup",
 ]

@@ -6,10 +6,11 @@ import pytest
 
 
 def _mains():
-    from medusa_jax.cli import bench, chat, check, decode, distill, plan, serve, train, tune
+    from medusa_jax.cli import bench, chat, check, decode, distill, plan, quality, serve, train, tune
     return {"python decode.py": decode.main, "train.py": train.main, "medusa-check": check.main, "medusa-bench": bench.main,
             "medusa-tune": tune.main, "medusa-plan": plan.main,
-            "medusa-distill": distill.main, "medusa-chat": chat.main, "medusa-serve": serve.main}
+            "medusa-distill": distill.main, "medusa-chat": chat.main, "medusa-serve": serve.main,
+            "medusa-quality": quality.main}
 
 
 def _option_entries(text: str) -> dict:

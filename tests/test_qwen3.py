@@ -322,7 +322,7 @@ def test_training_and_export_on_qwen3(tiny_qwen3, tmp_path):
                    tree=get_tree("chain3", num_heads=hcfg.num_heads), progress=False)
     assert out.tokens == generate(cfg, params, PROMPTS[1], max_new_tokens=30, progress=False).tokens
 
-    joint = TrainConfig.from_yaml(tiny_yaml, common + ("mode=joint", "batch_size=4", "learning_rate=3e-3",
+    joint = TrainConfig.from_yaml(tiny_yaml, common + ("mode=joint", "batch_size=4", "learning_rate=3e-3", "max_kl=100",
                                                        f"out_dir={tmp_path / 'joint'}"))
     res = trainer.train(joint, backbone=bb, progress=False)
     moved = res.backbone_params["layers_0"]["attn"]["q_norm"]["scale"]

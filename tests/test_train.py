@@ -206,7 +206,8 @@ def test_resume_equals_uninterrupted(frozen_run, tmp_path):
 def test_joint_trains_backbone(frozen_run, tmp_path):
     _, bb, before, _ = frozen_run
     tc = tiny(tmp_path, "joint", "mode=joint", "steps=6", "heads_warmup_steps=3", "batch_size=4",
-              "eval_every=0", "base_loss=kl", "learning_rate=3e-3", "heads_lr_multiplier=2", "tree=null")
+              "eval_every=0", "base_loss=kl", "learning_rate=3e-3", "heads_lr_multiplier=2", "tree=null",
+              "max_kl=10")
     warm = trainer.train(tc, backbone=bb, stop_at_step=3, progress=False)
     assert tree_equal(warm.backbone_params, before)  # heads-only warm-up: backbone untouched
     assert not tree_equal(warm.heads_params, trainer.init_heads(warm.heads_cfg))
@@ -219,6 +220,97 @@ def test_joint_trains_backbone(frozen_run, tmp_path):
     with open(os.path.join(tc.out_dir, "metrics.jsonl")) as f:
         last = [json.loads(line) for line in f][-1]
     assert last["lr_backbone"] > 0 and np.isfinite(last["base_loss"]) and "val_top1" in last
+
+
+def test_top_layers_equal_the_whole_model(frozen_run):
+    """layer_inputs then top_layers is the model's own forward pass, for every split point."""
+    from medusa_jax.models.llama import LlamaModel
+    _, bb, _, _ = frozen_run
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, bb.cfg.vocab_size, (2, 11)), jnp.int32)
+    pos = hidden.sequence_positions(tokens)
+    model = LlamaModel(bb.cfg)
+    logits, h, _ = model.apply({"params": bb.params}, tokens, pos)
+    for n in range(bb.cfg.num_layers + 1):
+        x = model.apply({"params": bb.params}, tokens, pos, n, method=LlamaModel.layer_inputs)
+        top = {k: v for k, v in bb.params.items() if not k.startswith("layers_") or int(k[7:]) >= n}
+        l2, h2 = model.apply({"params": top}, x, pos, n, method=LlamaModel.top_layers)
+        np.testing.assert_allclose(l2, logits, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(h2, h, rtol=1e-5, atol=1e-5)
+
+
+def test_top_layer_step_equals_the_whole_backbone_step(frozen_run, tmp_path):
+    """With train_layers N, a joint step gives the top N layers and the heads the same update as a
+    step over the whole backbone (same loss: heads + lambda_base * KL to the original)."""
+    import optax
+
+    from medusa_jax.heads.config import MedusaConfig
+    from medusa_jax.heads.hydra import token_embeddings
+    from medusa_jax.heads.medusa import init_heads
+    from medusa_jax.models.llama import LlamaModel
+    from medusa_jax.train import data as D
+    _, bb, _, _ = frozen_run
+    tc = tiny(tmp_path, "step", "mode=joint", "base_loss=kl", "grad_clip=0", "train_layers=1")
+    cfg, K = bb.cfg, tc.num_heads
+    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=K)
+    lm = lm_head_matrix(cfg, bb.params)
+    hp = jax.tree_util.tree_map(lambda x: x + 0.01, init_heads(hcfg, lm))  # not the zero heads: real gradients
+    opts = {"heads": optax.sgd(0.5), "backbone": optax.sgd(0.5)}
+    ex = examples.load_examples(tc, cfg.vocab_size)[0][:4]
+    tokens, mask = hidden.padded_sequences(ex, 4, tc.max_seq_len)
+    batch = (*D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask))
+    copy = lambda t: jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), t)
+    whole = {"heads": copy(hp), "backbone": copy(bb.params)}
+    new_whole = steps.make_joint_step(cfg, hcfg, tc, opts, True)(
+        whole, {k: opts[k].init(whole[k]) for k in opts}, bb.params, tokens, tokens, *batch)[0]
+    n = cfg.num_layers - 1
+    x = LlamaModel(cfg).apply({"params": bb.params}, jnp.asarray(tokens), hidden.sequence_positions(tokens), n,
+                              method=LlamaModel.layer_inputs)
+    top = {"heads": copy(hp), "backbone": copy(trainer.top_layers(bb.params, n, cfg.num_layers))}
+    new_top, _, st = steps.make_joint_step(cfg, hcfg, tc, opts, True, n)(
+        top, {k: opts[k].init(top[k]) for k in opts}, bb.params, x, tokens, *batch, lm, token_embeddings(bb.params))
+    assert abs(float(st["base_loss"])) < 1e-6  # the same layers as the teacher, before the update
+    assert not tree_equal(new_top["backbone"], trainer.top_layers(bb.params, n, cfg.num_layers))
+    for a, b in zip(jax.tree_util.tree_leaves(new_top["backbone"][f"layers_{n}"]),
+                    jax.tree_util.tree_leaves(new_whole["backbone"][f"layers_{n}"])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+    for a, b in zip(jax.tree_util.tree_leaves(new_top["heads"]), jax.tree_util.tree_leaves(new_whole["heads"])):
+        np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
+
+
+def test_top_layers_training_exports_only_those_layers(frozen_run, tmp_path):
+    from medusa_jax.convert.tuned_layers import LAYERS_FILE, read_tuned_layers
+    _, bb, before, _ = frozen_run
+    tc = tiny(tmp_path, "top", "mode=joint", "train_layers=1", "steps=6", "heads_warmup_steps=2", "batch_size=4",
+              "eval_every=3", "base_loss=kl", "learning_rate=3e-3", "tree=null", "max_kl=10")
+    res = trainer.train(tc, backbone=bb, progress=False)
+    top = f"layers_{bb.cfg.num_layers - 1}"
+    assert tree_equal(bb.params, before)  # the caller's params are not modified
+    assert not tree_equal(res.backbone_params[top], before[top])
+    assert all(tree_equal(res.backbone_params[k], before[k]) for k in before if k != top)
+    assert 0 < res.metrics["val_kl"] < 10 and 0 < res.metrics["val_top1_agreement"] <= 1
+    meta = read_tuned_layers(res.heads_dir)
+    assert meta["layers"] == [bb.cfg.num_layers - 1] and os.path.isfile(os.path.join(res.heads_dir, LAYERS_FILE))
+    assert not os.path.exists(os.path.join(tc.out_dir, "backbone"))  # only the changed layers are saved
+    cache = [f for f in os.listdir(os.path.join(tc.out_dir, "hidden")) if f.endswith("_inputs.done.npy")]
+    done = np.load(os.path.join(tc.out_dir, "hidden", cache[0]))
+    assert 0 < done.sum() <= 6 * 4  # only the sequences the steps visit
+    with open(os.path.join(tc.out_dir, "metrics.jsonl")) as f:
+        recs = [json.loads(line) for line in f]
+    assert recs[0]["val_kl"] == 0.0 and recs[-1]["val_kl"] > 0
+
+
+def test_kl_guard_refuses_a_drifted_backbone(frozen_run, tmp_path):
+    """Joint training pushed to drift (a large learning rate, no KL weight) ends above max_kl: the
+    run is checkpointed, nothing exported; a larger bound then exports it without training."""
+    _, bb, _, _ = frozen_run
+    args = ("mode=joint", "train_layers=1", "steps=4", "batch_size=4", "eval_every=0", "base_loss=kl",
+            "lambda_base=0", "learning_rate=0.05", "tree=null")
+    tc = tiny(tmp_path, "drift", *args, "max_kl=1e-4")
+    with pytest.raises(trainer.BackboneDriftError, match=r"KL\(original \|\| tuned\) = .* > max_kl = 0.0001"):
+        trainer.train(tc, backbone=bb, progress=False)
+    assert not os.path.exists(os.path.join(tc.out_dir, "heads"))
+    res = trainer.train(tiny(tmp_path, "drift", *args, "max_kl=100"), backbone=bb, progress=False)
+    assert res.heads_dir and res.metrics["val_kl"] > 1e-4 and res.steps_done == 4
 
 
 def test_cli_stop_and_resume(tmp_path, capsys):
@@ -664,5 +756,5 @@ def test_proposal_vocab_trains_and_exports_the_restricted_heads(frozen_run, tmp_
     base = generate(bb.cfg, bb.params, prompt, max_new_tokens=24, eos_token_ids=())
     med = generate(bb.cfg, bb.params, prompt, max_new_tokens=24, heads=heads, tree=tree, eos_token_ids=())
     assert med.tokens == base.tokens and med.steps < base.steps
-    with pytest.raises(TrainConfigError, match="proposal_vocab needs mode 'frozen'"):
+    with pytest.raises(TrainConfigError, match="proposal_vocab needs a frozen lm_head"):
         tiny(tmp_path, "bad", "proposal_vocab=40", "mode=joint")

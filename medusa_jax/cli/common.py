@@ -14,6 +14,8 @@ import jax.numpy as jnp
 from medusa_jax import sharding
 from medusa_jax.convert.load import LoadedModel, check_model_path, load_model
 from medusa_jax.convert.medusa_format import read_heads_config
+from medusa_jax.convert.tuned_layers import (apply_tuned_layers, check_before_load, format_layers, read_tuned_layers,
+                                             tuned_layers_path)
 from medusa_jax.decoding.tree import TreeBuffers, check_depth, get_tree
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.resolve import DEFAULT_PROMPT_LOOKUP, heads_location, resolve_heads
@@ -114,9 +116,12 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
     takes seconds), so that a typo fails at once.
 
     Checks: the model path exists and is an HF directory (config.json) or a GGUF file, or, with
-    none, that the default model is installed; the heads path holds a known weight file and a
-    readable config; the tree is a preset, a readable medusa_choices file or a list of paths, and
-    is not deeper than the heads when the heads' config states their count (ours always does).
+    none, that the default model is installed; Medusa-2 tuned backbone layers in the heads
+    directory (even with Medusa off: they belong to the backbone) are intact and fit the model
+    (`convert.tuned_layers.check_before_load`: its config, and for an HF directory the base layers
+    they were tuned from); the heads path holds a known weight file and a readable config; the tree
+    is a preset, a readable medusa_choices file or a list of paths, and is not deeper than the heads
+    when the heads' config states their count (ours always does).
     Returns:
       the parsed tree (`TreeBuffers`), or None when `tree_spec` is None or Medusa is off; pass it on
       to `resolve.resolve_heads` so that the tree is parsed once.
@@ -124,7 +129,8 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
       FileNotFoundError: a missing model, heads or tree file, or the default model not installed
         (the message says how to install it).
       ValueError: a malformed tree, heads config (`HeadsFormatError`), or a file that is neither
-        GGUF nor an HF directory; a tree deeper than the heads.
+        GGUF nor an HF directory; a tree deeper than the heads; tuned backbone layers that are
+        corrupt or do not fit the model (`TunedLayersError`).
     """
     try:
         check_model_path(model_path)
@@ -132,9 +138,10 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
         if model_path is None:  # the default model: its message says how to install it
             raise
         raise type(e)(f"--model {e}") from e
+    heads_path = heads_location(heads_path)
+    check_before_load(heads_path, model_path)
     if not use_medusa:
         return None
-    heads_path = heads_location(heads_path)
     num_heads = None
     if heads_path == "zero":
         num_heads = zero_heads
@@ -173,12 +180,36 @@ class Setup(NamedTuple):
     mesh: Any
 
 
+def load_backbone(model_path: Optional[str], heads_path: Optional[str], dtype, with_tokenizer: bool = True,
+                  progress: bool = True) -> LoadedModel:
+    """The backbone a command decodes with: `load_model` (`model_path` in `dtype`), with the Medusa-2
+    tuned decoder layers saved beside the heads at `heads_path` put in
+    (`convert.tuned_layers.apply_tuned_layers`), saying so on stderr in one line. Every command that
+    decodes with heads loads its model through here (`setup_decoding`, tune).
+
+    Args: model_path: as `load_model`; heads_path: a heads directory or file, a shipped heads name,
+      "zero" or None (no tuned layers but in a heads directory); dtype: a dtype or its name.
+    Raises: what `load_model` raises; TunedLayersError (a ValueError) when the layers do not fit.
+    """
+    model = load_model(model_path, dtype=jnp.dtype(dtype), with_tokenizer=with_tokenizer, progress=progress)
+    layers_file = tuned_layers_path(heads_location(heads_path))
+    if layers_file is None:
+        return model
+    tuned = apply_tuned_layers(model, layers_file)
+    layers = format_layers(read_tuned_layers(layers_file)["layers"])
+    what = "the model already holds" if tuned.params is model.params else "using"  # a merged model: nothing to do
+    print(f"{what} the tuned backbone layers {layers} from {os.path.dirname(layers_file)} (Medusa-2)", file=sys.stderr)
+    return tuned
+
+
 def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progress: bool = True) -> Setup:
-    """The one setup of decode, check and bench, in this order: the paths and the tree checked
-    before anything slow (`preflight`, which parses the tree once), the mesh parsed, XLA's
-    compilation cache on (`enable_compilation_cache`), the model loaded in ``--dtype`` and placed on
-    ``--mesh``, and its heads and tree resolved once (`resolve.resolve_heads`: the heads prepared
-    for that tree, so decoding slices and gathers no weight).
+    """The one setup of decode, check, bench, chat and serve, in this order: the paths and the tree
+    checked before anything slow (`preflight`, which parses the tree once), the mesh parsed, XLA's
+    compilation cache on (`enable_compilation_cache`), the model loaded in ``--dtype`` with the
+    Medusa-2 tuned layers of ``--heads`` put in (`load_backbone`; also with Medusa off: the heads
+    directory names the backbone too) and placed on ``--mesh``, and its heads and tree resolved once
+    (`resolve.resolve_heads`: the heads prepared for that tree, so decoding slices and gathers no
+    weight).
 
     Args:
       args: the parsed flags: ``model``, ``heads``, ``tree``, ``dtype``, and where the command has
@@ -192,11 +223,11 @@ def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progre
         made for another model); the message is one line that says what.
     """
     heads_arg = args.heads if use_medusa else None
-    tree = preflight(args.model, heads_arg, args.tree if use_medusa else None, use_medusa=use_medusa,
+    tree = preflight(args.model, args.heads, args.tree if use_medusa else None, use_medusa=use_medusa,
                      zero_heads=zero_heads)
     mesh = sharding.mesh_from_arg(getattr(args, "mesh", None))
     enable_compilation_cache()
-    model = sharding.place_on_mesh(load_model(args.model, dtype=jnp.dtype(args.dtype), progress=progress), mesh)
+    model = sharding.place_on_mesh(load_backbone(args.model, args.heads, args.dtype, progress=progress), mesh)
     heads, tree, note = resolve_heads(model, heads_arg, tree, use_medusa=use_medusa, zero_heads=zero_heads,
                                       prompt_lookup=getattr(args, "prompt_lookup", None))
     return Setup(model, heads, tree, note, mesh)

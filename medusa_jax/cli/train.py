@@ -15,7 +15,10 @@ Several devices: ``--mesh 2x4`` (or the config's ``mesh``); several processes (h
 command on each, with ``--coordinator HOST:PORT --num-processes N --process-id I``
 (`medusa_jax.distributed`).
 Outputs go to ``out_dir``: metrics.jsonl, accuracy.png, checkpoints/, heads/ (load them with
-``python decode.py --heads OUT_DIR/heads``) and, in joint mode, backbone/.
+``python decode.py --heads OUT_DIR/heads``) and, in joint mode over the whole backbone, backbone/;
+with ``train_layers: N`` the N tuned layers go beside the heads (backbone_layers.safetensors), and
+``--heads OUT_DIR/heads`` loads them onto the base model. A joint run whose backbone drifted beyond
+``max_kl`` exports nothing and exits with code 1 (the message says what to change).
 """
 from __future__ import annotations
 
@@ -95,6 +98,11 @@ def main(argv=None) -> int:
     if m.get("val_top1"):
         for k, (a1, a5) in enumerate(zip(m["val_top1"], m["val_top5"])):
             print(f"  head {k} (token t+{k + 2}): val top-1 {a1:.3f}  top-5 {a5:.3f}")
+    if m.get("val_kl") is not None:
+        what = f"top {tc.train_layers} layers" if tc.train_layers else "backbone"
+        print(f"  tuned {what}: val KL(original || tuned) {m['val_kl']:.4f} nats/token (max_kl {tc.max_kl}), top-1 "
+              f"agreement {m['val_top1_agreement']:.4f}; quality on the held-out chats: "
+              f"python -m medusa_jax.cli.quality --tuned {res.heads_dir if tc.train_layers else tc.out_dir + '/backbone'}")
     print(f"metrics: {os.path.join(os.path.abspath(tc.out_dir), 'metrics.jsonl')}, plot: "
           f"{os.path.join(os.path.abspath(tc.out_dir), 'accuracy.png')}")
     return 0

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from typing import List, Optional, Sequence
 
@@ -126,8 +127,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
-    from medusa_jax.convert.load import load_model
     from medusa_jax.convert.medusa_format import load_heads, read_heads_config, save_heads
+    from medusa_jax.convert.tuned_layers import LAYERS_FILE, tuned_layers_path
     from medusa_jax.evals.memory import tree_bytes
     from medusa_jax.heads.hydra import token_embeddings
     from medusa_jax.heads.medusa import frequent_tokens, with_proposal_projection
@@ -141,7 +142,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     common.enable_compilation_cache()
-    model = load_model(args.model, dtype=args.dtype, with_tokenizer=False)  # token ids only
+    try:  # token ids only; with the Medusa-2 tuned layers saved beside the heads, which they were trained with
+        model = common.load_backbone(args.model, heads_dir, args.dtype, with_tokenizer=False)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     hcfg, hp = load_heads(heads_dir, model.cfg)
     lm = lm_head_matrix(model.cfg, model.params)
     progress = not args.no_progress
@@ -256,6 +261,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in static_best["medusa_choices"]))
     # the shipped heads are kept in float16 (half the package size); tuned copies in float32
     save_heads(out_dir, tuned, hp, extra=extras, dtype=np.float16 if args.update_shipped_heads else np.float32)
+    layers_file = tuned_layers_path(heads_dir)  # Medusa-2's tuned backbone layers go with their heads
+    if layers_file and os.path.realpath(os.path.dirname(layers_file)) != os.path.realpath(out_dir):
+        shutil.copy2(layers_file, os.path.join(out_dir, LAYERS_FILE))
     with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
         f.write(f"# Tree search ({report['device']}, plain step {report['plain_step_ms']:.2f} ms)\n\n"
                 + _table(rows, best) + "\n"

@@ -8,10 +8,11 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, Iterable, Mapping, Tuple
+from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 from safetensors import safe_open
+from safetensors.numpy import save_file
 
 from medusa_jax.models.config import ModelConfig
 
@@ -55,8 +56,10 @@ _LAYER_MAP = {
 }
 
 
-def _target(name: str, cfg: ModelConfig):
-    """HF name -> (flax path tuple, transpose?)."""
+def param_path(name: str, cfg: ModelConfig):
+    """HF tensor name -> (path of keys in the `LlamaModel` params tree, transpose?): e.g.
+    ``model.layers.3.self_attn.q_proj.weight`` -> (("layers_3", "attn", "q_proj", "kernel"), True)
+    (torch [out, in] -> flax [in, out]). Raises KeyError for a name it does not map."""
     if name == "model.embed_tokens.weight":
         return ("embed", "embedding"), False
     if name == "model.norm.weight":
@@ -109,7 +112,7 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
         if tuple(arr.shape) != shape:
             raise ConversionError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, expected {shape} "
                                   f"from the config")
-        path, transpose = _target(name, cfg)
+        path, transpose = param_path(name, cfg)
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
@@ -117,11 +120,29 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
     return params
 
 
-def hf_tensors_from_params(cfg: ModelConfig, params: Mapping) -> Dict[str, np.ndarray]:
-    """The inverse of `params_from_hf_tensors` (torch layout, float32 numpy)."""
+def layer_prefix(i: int) -> str:
+    """The HF name prefix of decoder layer `i`'s tensors: ``model.layers.{i}.``."""
+    return f"model.layers.{int(i)}."
+
+
+def hf_tensors_from_params(cfg: ModelConfig, params: Mapping,
+                           layers: Optional[Iterable[int]] = None) -> Dict[str, np.ndarray]:
+    """The inverse of `params_from_hf_tensors`: HF name -> float32 numpy array in torch layout
+    (linear weights [out, in]).
+
+    Args:
+      cfg: the model's config; params: its `LlamaModel` params tree (numpy or jax arrays, any float
+        dtype; ``kernel`` layout, as `load_model` gives, not `decoding_params`' ``kernel_t``).
+      layers: only the tensors of these decoder layers (names ``model.layers.{i}.*``), e.g. the
+        layers Medusa-2 tuned (`convert.tuned_layers`); None: every tensor of the model.
+    Raises KeyError for a params tree without a tensor the config expects.
+    """
+    prefixes = None if layers is None else tuple(layer_prefix(i) for i in layers)
     out = {}
     for name in expected_hf_shapes(cfg):
-        path, transpose = _target(name, cfg)
+        if prefixes is not None and not name.startswith(prefixes):
+            continue
+        path, transpose = param_path(name, cfg)
         node = params
         for key in path:
             node = node[key]
@@ -130,7 +151,9 @@ def hf_tensors_from_params(cfg: ModelConfig, params: Mapping) -> Dict[str, np.nd
     return out
 
 
-def _safetensors_files(path: str) -> Iterable[str]:
+def safetensors_files(path: str) -> Iterable[str]:
+    """The safetensors files of an HF directory: its shard index's, else model.safetensors, else
+    every ``*.safetensors`` in it. Raises ConversionError when there is none."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:
@@ -175,7 +198,7 @@ def load_hf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
         raise FileNotFoundError(f"{path}: not a directory")
     cfg = load_hf_config(path)
     tensors: Dict[str, np.ndarray] = {}
-    for fn in _safetensors_files(path):
+    for fn in safetensors_files(path):
         if not os.path.exists(fn):
             raise ConversionError(f"{fn}: listed in the shard index but missing")
         try:
@@ -188,3 +211,38 @@ def load_hf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
             raise ConversionError(f"{fn}: cannot read safetensors file ({e}); it may be truncated "
                                   "or corrupted") from e
     return cfg, params_from_hf_tensors(cfg, tensors, dtype=dtype, source=path)
+
+
+#: transformers' causal-LM class of each architecture, written as config.json's ``architectures``
+#: (vLLM and other loaders read it; transformers itself goes by ``model_type``).
+HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}
+
+
+def save_hf(path: str, cfg: ModelConfig, params: Mapping, tokenizer: Any = None) -> str:
+    """Write a Hugging Face model directory that `load_hf` and transformers'
+    ``AutoModelForCausalLM.from_pretrained(path)`` read: ``config.json`` (``cfg.to_hf_dict()`` plus
+    ``architectures``), ``model.safetensors`` (every tensor, float32, torch layout, one file) and,
+    when `tokenizer` is given, its files (``tokenizer.save_pretrained``).
+
+    Args:
+      path: the directory (created when missing; files of those names in it are replaced).
+      cfg: the model's config; params: its `LlamaModel` params tree (any float dtype; written as
+        float32, so a float32 model round-trips exactly).
+      tokenizer: a transformers tokenizer, or None (no tokenizer files).
+    Returns: `path`.
+    Raises:
+      ValueError: a config transformers cannot express (`ModelConfig.to_hf_dict`).
+      OSError: the directory cannot be written.
+    """
+    hf_cfg = cfg.to_hf_dict()  # before writing anything: it raises for an inexpressible layout
+    hf_cfg.setdefault("architectures", [HF_ARCHITECTURES[cfg.arch]] if cfg.arch in HF_ARCHITECTURES else None)
+    if hf_cfg["architectures"] is None:
+        del hf_cfg["architectures"]
+    os.makedirs(path, exist_ok=True)
+    save_file(hf_tensors_from_params(cfg, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_cfg, f, indent=2)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(path)
+    return path

@@ -54,11 +54,14 @@ class LoadedModel:
     params: the `LlamaModel` params tree of ``jnp`` arrays.
     tokenizer: a transformers tokenizer, or None when loaded with ``with_tokenizer=False``.
     path: the file or directory it came from.
+    tuned_layers: the Medusa-2 tuned-layers file (`convert.tuned_layers.LAYERS_FILE`) whose decoder
+      layers ``params`` hold (`convert.tuned_layers.apply_tuned_layers`), or None: the model as loaded.
     """
     cfg: ModelConfig
     params: Any
     tokenizer: Any
     path: str
+    tuned_layers: Optional[str] = None
 
     @property
     def model(self):

@@ -414,8 +414,7 @@ class LlamaModel(nn.Module):
         rope = rope_tables(positions, rope_inv_freq(self.cfg))
         x = self.embed(tokens)
         kv = (cache.k, cache.v) if cache is not None else None
-        for i, layer in enumerate(self.layers):
-            x, kv = layer(x, rope, masks[windows[i]], kv, lengths, i, kv_block)
+        x, kv = self._run_layers(x, rope, masks, kv, lengths, kv_block, 0, self.cfg.num_layers)
         hidden = self.norm(x)
         new_cache = None
         if cache is not None:
@@ -425,6 +424,36 @@ class LlamaModel(nn.Module):
             new_cache = KVCache(k=kv[0], v=kv[1], lengths=cache.lengths + adv, tokens=written)
         logits = self.logits(hidden) if compute_logits else None
         return logits, hidden, new_cache
+
+    def _run_layers(self, x, rope, masks, kv, lengths, kv_block, start: int, stop: int):
+        windows = self.cfg.layer_windows
+        for i in range(start, stop):
+            x, kv = self.layers[i](x, rope, masks[windows[i]], kv, lengths, i, kv_block)
+        return x, kv
+
+    def _causal(self, positions: jax.Array):
+        B, T = positions.shape
+        block = jnp.broadcast_to(jnp.tril(jnp.ones((T, T), bool)), (B, T, T))
+        masks = {w: build_attention_mask(None, T, block, positions, w) for w in set(self.cfg.layer_windows)}
+        return rope_tables(positions, rope_inv_freq(self.cfg)), masks
+
+    def layer_inputs(self, tokens: jax.Array, positions: jax.Array, layer: int) -> jax.Array:
+        """The residual stream entering decoder layer `layer` (0 <= layer <= L; L: after the last
+        layer, before the final norm) for whole sequences without a cache: tokens, positions
+        [B, T] int32 -> [B, T, D] in the compute dtype. What Medusa-2 on the top ``L - layer``
+        layers caches (`medusa_jax.train.layer_cache`); ``top_layers(layer_inputs(t, p, n), p, n)``
+        is ``__call__(t, p)`` without a cache."""
+        rope, masks = self._causal(positions)
+        return self._run_layers(self.embed(tokens), rope, masks, None, None, None, 0, layer)[0]
+
+    def top_layers(self, x: jax.Array, positions: jax.Array, layer: int, compute_logits: bool = True):
+        """Decoder layers ``layer .. L - 1``, the final norm and the logits on the residual stream
+        `x` [B, T, D] entering `layer` (`layer_inputs`), causal, no cache; positions [B, T] int32.
+        Returns (logits [B, T, V] float32 or None, hidden [B, T, D] after the final norm)."""
+        rope, masks = self._causal(positions)
+        x = self._run_layers(x, rope, masks, None, None, None, layer, self.cfg.num_layers)[0]
+        hidden = self.norm(x)
+        return (self.logits(hidden) if compute_logits else None), hidden
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """lm_head projection: hidden [..., D] -> logits [..., V] float32. In bfloat16 / float16 the

@@ -26,10 +26,10 @@ from typing import Any, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
-from safetensors.numpy import save_file
 
-from medusa_jax.convert.hf import hf_tensors_from_params
+from medusa_jax.convert.hf import save_hf
 from medusa_jax.convert.medusa_format import save_heads
+from medusa_jax.convert.tuned_layers import save_tuned_layers
 from medusa_jax.decoding.tree import get_tree
 from medusa_jax.decoding.tree_estimates import greedy_tree_search
 from medusa_jax.models.llama import lm_head_matrix
@@ -231,19 +231,24 @@ def plot_accuracy(records: Sequence[dict], path: str) -> None:
 
 # ------------------------------------------------------------------------------------------ export
 
-def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: str) -> str:
+def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: str,
+           tuned_layers: Optional[Sequence[int]] = None) -> str:
     """Write the trained heads and, in joint mode, the trained backbone.
 
     Args:
       tc: the `TrainConfig`; hcfg: the heads' `MedusaConfig`; heads_params: their params (numpy).
-      backbone_params: the trained backbone's params (joint mode) or None (frozen).
-      bb: the `trainer.Backbone` (its cfg, path and tokenizer).
-      metrics: the final evaluation (val_loss, val_top1, val_top5, val_rank_acc, val_positions).
+      backbone_params: the trained backbone's whole params (joint mode) or None (frozen).
+      bb: the `trainer.Backbone` (its cfg, original params, path and tokenizer).
+      metrics: the final evaluation (val_loss, val_top1, val_top5, val_rank_acc, val_positions;
+        in joint mode val_kl and val_top1_agreement, the backbone's drift).
       out_dir: the run directory.
+      tuned_layers: the decoder layers that trained (joint mode with train_layers > 0), or None.
     Writes ``out_dir/heads`` (`save_heads`: our format, the metrics and training info in
     ``extra``, the tree when ``tc.tree`` names one or asks for a greedy search on the validation
-    rank accuracies) and, in joint mode with save_backbone, ``out_dir/backbone`` (config.json,
-    model.safetensors and the tokenizer: an HF directory `load_model` reads).
+    rank accuracies). With `tuned_layers`, those layers go beside the heads
+    (`convert.tuned_layers.save_tuned_layers`: decoding with ``--heads`` then loads them onto the
+    base model); in joint mode over the whole backbone with save_backbone, ``out_dir/backbone``
+    (config.json, model.safetensors and the tokenizer: an HF directory `load_model` reads).
     Returns the heads directory.
     """
     if tc.tree == "search" and metrics.get("val_rank_acc"):
@@ -251,35 +256,39 @@ def export(tc, hcfg, heads_params, backbone_params, bb, metrics: dict, out_dir: 
                                                               tc.topk))
     elif tc.tree and tc.tree != "search":
         hcfg = hcfg.replace(medusa_choices=get_tree(tc.tree, tc.topk, hcfg.num_heads).medusa_choices)
-    lm = None if backbone_params is None else lm_head_matrix(bb.cfg, backbone_params)
+    whole = backbone_params is not None and not tuned_layers  # the lm_head itself trained
+    lm = lm_head_matrix(bb.cfg, backbone_params) if whole else None
+    drift = [k for k in ("val_kl", "val_top1_agreement") if k in metrics]  # joint mode
     extra = {"metrics": {k: metrics.get(k) for k in ("val_loss", "val_top1", "val_top5", "val_rank_acc",
-                                                    "val_positions")},
+                                                    "val_positions", *drift)},
              "training": {"mode": tc.mode, "steps": tc.steps, "batch_size": tc.batch_size, "data": tc.data,
                           "loss_decay": tc.loss_decay, "seed": tc.seed, "loss_targets": tc.loss_targets,
                           "soft_temperature": tc.soft_temperature, "proposal_vocab": tc.proposal_vocab,
                           "loop_weight": tc.loop_weight, "loop_ngram": tc.loop_ngram,
-                          "backbone": backbone_record(tc, bb, out_dir, backbone_params is not None)}}
+                          "backbone": backbone_record(tc, bb, out_dir, backbone_params is not None, tuned_layers)}}
+    if backbone_params is not None:
+        extra["training"].update(train_layers=tc.train_layers, lambda_base=tc.lambda_base, base_loss=tc.base_loss,
+                                 learning_rate=tc.learning_rate, max_kl=tc.max_kl)
     heads_dir = os.path.join(out_dir, "heads")
     save_heads(heads_dir, hcfg, heads_params, base_lm_head=lm, extra=extra)
-    if backbone_params is not None and tc.save_backbone:
-        _save_backbone(os.path.join(out_dir, "backbone"), bb, backbone_params)
+    if tuned_layers:
+        save_tuned_layers(heads_dir, bb.cfg, bb.params, backbone_params, tuned_layers, base_model_name(tc, bb))
+    elif whole and tc.save_backbone:
+        save_hf(os.path.join(out_dir, "backbone"), bb.cfg, backbone_params, bb.tokenizer)
     return heads_dir
 
 
-def backbone_record(tc, bb, out_dir: str, trained: bool) -> str:
-    """The backbone the heads were trained with, as their metadata records it: the saved joint
-    backbone, the model the config named, or the default packaged model's file name (not its
-    install path, which is this machine's)."""
-    if trained:
-        return os.path.join(out_dir, "backbone")
+def base_model_name(tc, bb) -> str:
+    """The model the config named, or the default packaged model's file name (not its install
+    path, which is this machine's)."""
     return tc.model if tc.model else os.path.basename(os.path.normpath(bb.path))
 
 
-def _save_backbone(path: str, bb, params) -> None:
-
-    os.makedirs(path, exist_ok=True)
-    save_file(hf_tensors_from_params(bb.cfg, params), os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(bb.cfg.to_hf_dict(), f, indent=2)
-    if bb.tokenizer is not None:
-        bb.tokenizer.save_pretrained(path)
+def backbone_record(tc, bb, out_dir: str, trained: bool, tuned_layers: Optional[Sequence[int]] = None) -> str:
+    """The backbone the heads were trained with, as their metadata records it: the saved joint
+    backbone, the base model with the tuned layers saved beside the heads, or the base model."""
+    if tuned_layers:
+        return f"{base_model_name(tc, bb)} with layers {tuned_layers[0]}-{tuned_layers[-1]} tuned (backbone_layers)"
+    if trained:
+        return os.path.join(out_dir, "backbone")
+    return base_model_name(tc, bb)

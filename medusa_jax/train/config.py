@@ -160,6 +160,18 @@ class TrainConfig:
     base_loss: str = "ce"
     #: joint mode: heads-only steps before the backbone trains (Medusa-2's two-stage recipe).
     heads_warmup_steps: int = 0
+    #: joint mode: 0 = the whole backbone trains (embeddings, every layer, norm, lm_head); N > 0 =
+    #: only its top N decoder layers: the residual stream entering layer L - N is computed once per
+    #: training sequence and cached (`medusa_jax.train.layer_cache`, in out_dir/hidden or
+    #: hidden_dir), so a step runs forward and backward through N layers and the heads only; the
+    #: embeddings, final norm and lm_head stay the original's (so proposal_vocab is allowed), and
+    #: the export is those N layers only (`convert.tuned_layers`, beside the heads).
+    train_layers: int = 0
+    #: joint mode: the export guard. The trained backbone's mean KL(original || tuned) per answer
+    #: token on the validation chats (nats/token, `medusa_jax.train.drift`) may not exceed this;
+    #: above it the run is checkpointed but neither heads nor backbone are exported (an error says
+    #: why). Raise it to accept the drift: the finished run is then exported without training.
+    max_kl: float = 0.05
 
     # ---- run
     #: where metrics, plots, checkpoints and the exported heads go.
@@ -182,7 +194,7 @@ class TrainConfig:
     checkpoint_every: int = 200
     #: how many checkpoints to keep.
     keep_checkpoints: int = 2
-    #: joint mode: also save the trained backbone params (numpy .npz) to out_dir.
+    #: joint mode with train_layers 0: also write the whole trained backbone (an HF directory) to out_dir/backbone.
     save_backbone: bool = True
     #: ``"DATAxMODEL"``, the device mesh the training steps run on (`medusa_jax.sharding`: the
     #: batch split on 'data', heads and backbone Megatron-style on 'model'); "1x1": one device.
@@ -207,9 +219,9 @@ class TrainConfig:
         if self.proposal_vocab < 0:
             problems.append(f"proposal_vocab must be >= 0, got {self.proposal_vocab}")
             proposal_ok = False
-        elif self.proposal_vocab and (self.mode != "frozen" or not self.shared_lm_head):
-            problems.append("proposal_vocab needs mode 'frozen' and shared_lm_head true (it restricts the shared, "
-                            "frozen lm_head); set proposal_vocab: 0")
+        elif self.proposal_vocab and ((self.mode != "frozen" and not self.train_layers) or not self.shared_lm_head):
+            problems.append("proposal_vocab needs a frozen lm_head shared by the heads (shared_lm_head true, and mode "
+                            "'frozen' or 'joint' with train_layers > 0); set proposal_vocab: 0")
             proposal_ok = False
         try:  # the heads' own fields, checked where the heads define them
             MedusaConfig(hidden_size=1, vocab_size=max(self.proposal_vocab, self.topk, 1), num_heads=self.num_heads,
@@ -219,6 +231,12 @@ class TrainConfig:
             problems.append(str(e).replace("proposal_vocab_size", "proposal_vocab"))
         if not 0.0 <= self.loop_weight <= 1.0:
             problems.append(f"loop_weight must be in [0, 1], got {self.loop_weight}")
+        if self.train_layers < 0:
+            problems.append(f"train_layers must be >= 0 (0 = the whole backbone), got {self.train_layers}")
+        elif self.train_layers and self.mode != "joint":
+            problems.append(f"train_layers ({self.train_layers}) needs mode 'joint' (the frozen mode trains no layer)")
+        if not self.max_kl > 0:
+            problems.append(f"max_kl must be > 0 nats/token, got {self.max_kl}")
         if not self.soft_temperature > 0:
             problems.append(f"soft_temperature must be > 0, got {self.soft_temperature}")
         for name in ("steps", "batch_size", "max_seq_len", "hidden_batch_tokens", "log_every",

@@ -55,13 +55,14 @@ def build_backbone(tc: TrainConfig) -> Backbone:
     return Backbone(lm.cfg, lm.params, lm.path, lm.tokenizer)
 
 
-def _bucket_len(n: int, max_len: int) -> int:
+def bucket_len(n: int, max_len: int) -> int:
+    """The padded length of a sequence of n tokens: a multiple of LENGTH_BUCKET, at most max_len."""
     return int(min(max_len, max(LENGTH_BUCKET, -(-n // LENGTH_BUCKET) * LENGTH_BUCKET)))
 
 
 def padded_sequences(examples: Sequence[Pair], rows: int, max_len: int):
     """pad_batch to a bucketed length, plus all-masked rows up to `rows`: tokens, mask [rows, T]."""
-    T = _bucket_len(max(len(i) for i, _ in examples), max_len)
+    T = bucket_len(max(len(i) for i, _ in examples), max_len)
     tokens, mask, _ = D.pad_batch(list(examples), T)
     tokens, mask = np.asarray(tokens, np.int32), np.asarray(mask, bool)
     extra = rows - tokens.shape[0]
@@ -84,16 +85,16 @@ def hidden_fn(cfg: ModelConfig):
     return fn
 
 
-def _length_order(examples: Sequence[Pair]) -> List[int]:
+def length_order(examples: Sequence[Pair]) -> List[int]:
     """The order `compute_positions` runs (and lays out) the sequences in: by length, then index."""
     return sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), i))
 
 
 def position_sources(examples: Sequence[Pair], num_heads: int) -> np.ndarray:
     """Where each of `compute_positions`' flat positions comes from, without running the backbone:
-    [P, 2] int64 rows (sequence index, position t), in its order (`_length_order`, then t)."""
+    [P, 2] int64 rows (sequence index, position t), in its order (`length_order`, then t)."""
     out = [np.stack([np.full(len(t), i), t], axis=1)
-           for i in _length_order(examples) for t in [D.kept_positions(*examples[i], num_heads)]]
+           for i in length_order(examples) for t in [D.kept_positions(*examples[i], num_heads)]]
     return np.concatenate(out).astype(np.int64) if out else np.zeros((0, 2), np.int64)
 
 
@@ -119,17 +120,17 @@ def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: i
       per sequence, just before its last token).
     """
     fn = hidden_fn(backbone.cfg)
-    order = _length_order(examples)
+    order = length_order(examples)
     hs, extra_hs, labs, oks, paths, rows = [], [], [], [], [], []
     n_kept = n_extra = 0
     bar = tqdm(total=sum(len(examples[i][0]) for i in order), desc=desc, unit="tok", leave=False,
                disable=not progress)
     i = 0
     while i < len(order):
-        T = _bucket_len(len(examples[order[i]][0]), max_len)
+        T = bucket_len(len(examples[order[i]][0]), max_len)
         nrows = max(1, batch_tokens // T)
         group = [order[j] for j in range(i, min(i + nrows, len(order)))
-                 if _bucket_len(len(examples[order[j]][0]), max_len) == T]
+                 if bucket_len(len(examples[order[j]][0]), max_len) == T]
         i += len(group)
         tokens, mask = padded_sequences([examples[j] for j in group], nrows, max_len)
         lab, ok = (np.asarray(a) for a in D.head_targets(tokens, mask, num_heads))
@@ -169,7 +170,8 @@ def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: i
 CACHE_FORMAT = 2
 
 
-def _checksum(examples: Sequence[Pair]) -> int:
+def examples_checksum(examples: Sequence[Pair]) -> int:
+    """A cheap fingerprint of (ids, loss_mask) pairs, for the caches' keys."""
     return int(sum(int(i.astype(np.int64) @ (np.arange(len(i)) % 7 + 1)) + int(m.sum()) for i, m in examples))
 
 
@@ -188,14 +190,14 @@ def merge_positions(old: D.Positions, new: D.Positions, examples: Sequence[Pair]
                     num_heads: int) -> Optional[D.Positions]:
     """`compute_positions` of all `examples`, from that of ``examples[:n_old]`` (`old`) and that of
     ``examples[n_old:]`` (`new`), without the backbone: the rows are put back in the whole set's
-    layout (`_length_order`, kept positions first, then the soft-target-only rows) and every
+    layout (`length_order`, kept positions first, then the soft-target-only rows) and every
     ``target_rows`` entry follows its row. Returns None when the parts do not hold the rows the
     sequences need (a cache that is not `compute_positions`' own): recompute then."""
     kept, extra = _row_counts(examples, num_heads)
     parts = [(old, list(range(n_old))), (new, list(range(n_old, len(examples))))]
     start_kept, start_extra, base = {}, {}, 0   # each sequence's first row in the concatenated parts
     for pos, members in parts:
-        order = [members[j] for j in _length_order([examples[e] for e in members])]
+        order = [members[j] for j in length_order([examples[e] for e in members])]
         if pos.num_positions != kept[order].sum() or pos.hidden.shape[0] != pos.num_positions + extra[order].sum():
             return None
         k_off, x_off = base, base + pos.num_positions
@@ -203,7 +205,7 @@ def merge_positions(old: D.Positions, new: D.Positions, examples: Sequence[Pair]
             start_kept[e], start_extra[e] = k_off, x_off
             k_off, x_off = k_off + kept[e], x_off + extra[e]
         base += pos.hidden.shape[0]
-    order = _length_order(examples)
+    order = length_order(examples)
     blocks = lambda start, count: [np.arange(start[e], start[e] + count[e]) for e in order]
     kept_rows = np.concatenate(blocks(start_kept, kept) + [np.zeros(0, np.int64)])  # combined row of new position p
     perm = np.concatenate([kept_rows] + blocks(start_extra, extra))                 # combined row of new row r
@@ -233,7 +235,7 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
     and are merged in (`merge_positions`)."""
     key = {"model": backbone.path, "cfg": repr(backbone.cfg), "data": tc.data, "split": split, "K": tc.num_heads,
            "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None, "n": len(examples),
-           "sum": _checksum(examples), "format": CACHE_FORMAT}
+           "sum": examples_checksum(examples), "format": CACHE_FORMAT}
     fn = os.path.join(tc.hidden_dir or os.path.join(out_dir, "hidden"), f"{split}.npz")
     run = lambda exs, desc: compute_positions(backbone, exs, tc.num_heads, tc.max_seq_len, tc.hidden_batch_tokens,
                                               desc=desc, progress=progress)
@@ -246,7 +248,7 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
             if same and have == key:
                 return D.Positions(*(z[f] for f in D.Positions._fields))
             n_old = int(have.get("n", 0))
-            if same and 0 < n_old < len(examples) and have.get("sum") == _checksum(examples[:n_old]):
+            if same and 0 < n_old < len(examples) and have.get("sum") == examples_checksum(examples[:n_old]):
                 old = D.Positions(*(z[f] for f in D.Positions._fields))
                 note(f"hidden-state cache {fn}: {n_old:,} of {len(examples):,} {split} sequences cached; "
                       f"computing the {len(examples) - n_old:,} new ones")

@@ -90,32 +90,54 @@ def sequence_batch(hidden, tokens, lab, ok, K: int, soft: bool) -> dict:
     return batch
 
 
-def make_joint_step(mcfg: ModelConfig, hcfg: MedusaConfig, tc: TrainConfig, opts, train_backbone: bool):
-    """Jitted joint step on sequences ``(params {"backbone", "heads"}, opt_state, ref_params, tokens
-    [B, T], lab/ok [K, B, T], base_lab/base_ok [B, T])``; with train_backbone False only the heads
-    train (the backbone is a constant and its optimizer state is left untouched)."""
-    model, K = LlamaModel(mcfg), hcfg.num_heads
+def make_joint_step(mcfg: ModelConfig, hcfg: MedusaConfig, tc: TrainConfig, opts, train_backbone: bool,
+                    first_layer: Optional[int] = None):
+    """Jitted joint step (Medusa-2) ``(params {"backbone", "heads"}, opt_state, ref, inputs, tokens
+    [B, T], lab/ok [K, B, T], base_lab/base_ok [B, T], lm [D, V'], emb [V, D]) -> (params, opt_state,
+    stats)``.
 
-    def loss_fn(params, ref, tokens, lab, ok, blab, bok):
+    first_layer None: the whole backbone trains; ``params["backbone"]`` is a full `LlamaModel` tree,
+    `inputs` the tokens, `ref` the original params (the KL teacher; None with base_loss "ce"), and
+    lm / emb are None (the heads read the trained backbone's).
+    first_layer n (``train_layers = L - n``): ``params["backbone"]`` holds ``layers_n ..
+    layers_{L-1}`` only, `inputs` is the residual stream entering layer n [B, T, D]
+    (`layer_cache.LayerInputs`), `ref` the original full params (the rest of the model and the
+    teacher's layers), lm the frozen lm_head as the heads read it (proposal columns, cast to
+    head_matmul_dtype) and emb the frozen embeddings.
+    With train_backbone False only the heads train (their warm-up); the backbone's optimizer state
+    is left untouched. Loss: the heads' (`heads_loss`) + lambda_base * the backbone's (CE on the
+    data's next tokens, or KL(original || trained) per answer token, Medusa Sec. 2.2.2 / 2.3.2).
+    """
+    model, K, top = LlamaModel(mcfg), hcfg.num_heads, first_layer is not None
+
+    def forward(bb, ref, inputs, compute_logits):
+        pos = sequence_positions(inputs[..., 0] if top else inputs)
+        if not top:
+            return model.apply({"params": bb}, inputs, pos, compute_logits=compute_logits)[:2]
+        return model.apply({"params": {**ref, **bb}}, inputs, pos, first_layer, compute_logits=compute_logits,
+                           method=LlamaModel.top_layers)
+
+    def loss_fn(params, ref, inputs, tokens, lab, ok, blab, bok, lm, emb):
         bb = params["backbone"] if train_backbone else jax.lax.stop_gradient(params["backbone"])
-        logits, hidden, _ = model.apply({"params": bb}, tokens, sequence_positions(tokens), compute_logits=train_backbone)
+        logits, hidden = forward(bb, ref, inputs, train_backbone)
         batch = sequence_batch(hidden, tokens, lab, ok, K, tc.loss_targets == "soft")
-        loss, (per, cnt, ranks) = heads_loss(hcfg, tc, params["heads"], lm_head_matrix(mcfg, bb),
-                                              jax.lax.stop_gradient(token_embeddings(bb)), batch)
+        if not top:
+            lm, emb = lm_head_matrix(mcfg, bb), jax.lax.stop_gradient(token_embeddings(bb))
+        loss, (per, cnt, ranks) = heads_loss(hcfg, tc, params["heads"], lm, emb, batch)
         base = jnp.zeros((), jnp.float32)
         if train_backbone:
             n = jnp.sum(bok, dtype=jnp.float32)
             if tc.base_loss == "kl":
-                teacher = model.apply({"params": ref}, tokens, sequence_positions(tokens))[0]
-                base = safe_mean(kl_to_teacher_sums(logits, teacher, bok), n)
+                teacher = forward({} if top else ref, ref, inputs, True)[0]
+                base = safe_mean(kl_to_teacher_sums(logits, jax.lax.stop_gradient(teacher), bok), n)
             else:
                 base = safe_mean(masked_ce_sums(logits[None], blab[None], bok[None])[0], n)
             loss = loss + tc.lambda_base * base
         return loss, (per, cnt, ranks, base)
 
-    def step(params, opt_state, ref, tokens, lab, ok, blab, bok):
+    def step(params, opt_state, ref, inputs, tokens, lab, ok, blab, bok, lm=None, emb=None):
         (loss, (per, cnt, ranks, base)), g = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, ref, tokens, lab, ok, blab, bok)
+            params, ref, inputs, tokens, lab, ok, blab, bok, lm, emb)
         if not train_backbone:
             g = {"heads": g["heads"]}
         g, gnorm = clip_grads(g, tc.grad_clip)
@@ -137,13 +159,14 @@ def place_frozen_batch(batch: dict, mesh) -> dict:
     return {k: sharding.put(v, mesh, sharding.batch_spec(v.ndim, 0 if k == "hidden" else 1)) for k, v in batch.items()}
 
 
-def place_joint_batch(tokens, lab, ok, blab, bok, mesh) -> tuple:
-    """A joint-mode batch on `mesh`, its B sequences split on 'data': tokens, blab, bok [B, T]
-    along axis 0, lab / ok [K, B, T] along axis 1. Unchanged without a mesh."""
+def place_joint_batch(inputs, tokens, lab, ok, blab, bok, mesh) -> tuple:
+    """A joint-mode batch on `mesh`, its B sequences split on 'data': inputs ([B, T] tokens or the
+    cached [B, T, D] layer inputs), tokens, blab, bok [B, T] along axis 0, lab / ok [K, B, T] along
+    axis 1. Unchanged without a mesh."""
     if mesh is None:
-        return tokens, lab, ok, blab, bok
+        return inputs, tokens, lab, ok, blab, bok
     put = lambda x, axis: sharding.put(x, mesh, sharding.batch_spec(np.ndim(x), axis))
-    return put(tokens, 0), put(lab, 1), put(ok, 1), put(blab, 0), put(bok, 0)
+    return put(inputs, 0), put(tokens, 0), put(lab, 1), put(ok, 1), put(blab, 0), put(bok, 0)
 
 
 def place_projections(lm, emb, mesh) -> tuple:

@@ -12,7 +12,12 @@ and is trained with cross-entropy on token t+k+2, weighted ``loss_decay**k`` (Se
   sum_k decay^k L_k`` with L_base the next-token cross-entropy, or the KL divergence from the frozen
   original model (``base_loss: kl``, for self-distilled data, Sec. 2.3.2). The heads have their own
   learning-rate multiplier, and the first ``heads_warmup_steps`` steps train the heads only (the
-  backbone's optimizer and schedule start after them).
+  backbone's optimizer and schedule start after them). With ``train_layers: N`` only the top N
+  decoder layers train: the residual stream entering layer L - N is computed once per sequence
+  (`layer_cache.LayerInputs`), a step runs N layers and the heads, the teacher is the original's
+  same N layers, and the export is those layers only, beside the heads. Validation reports the
+  backbone's drift (``val_kl``, ``val_top1_agreement``, `drift.measure_drift`), and a run whose
+  final ``val_kl`` exceeds ``max_kl`` is checkpointed but not exported (`BackboneDriftError`).
 
 Two options apply to both modes:
 
@@ -64,6 +69,7 @@ from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.train import data as D
 from medusa_jax.train.checkpoint import Checkpointer, MetricsLog, batch_indices, export
 from medusa_jax.train.config import TrainConfig
+from medusa_jax.train.drift import measure_drift
 from medusa_jax.train.examples import load_examples, proposal_vocabulary
 from medusa_jax.train.hidden import (
     Backbone,
@@ -74,6 +80,7 @@ from medusa_jax.train.hidden import (
     note,
     padded_sequences,
 )
+from medusa_jax.train.layer_cache import LayerInputs
 from medusa_jax.train.losses import topk_from_ranks
 from medusa_jax.train.optim import make_optimizer, schedule
 from medusa_jax.train.steps import (
@@ -92,11 +99,11 @@ from medusa_jax.train.steps import (
 #: (`check_resume`); any other difference refuses to resume.
 _RESUME_FREE = ("out_dir", "log_every", "eval_every", "checkpoint_every", "keep_checkpoints", "cache_hidden",
                 "hidden_dir", "hidden_batch_tokens", "tree", "tree_nodes", "save_backbone", "max_val_positions", "topk",
-                "loss_chunk", "mesh")
+                "loss_chunk", "mesh", "max_kl")
 
 
 #: Of those, the fields the export depends on: a finished run is exported again when one changes.
-_EXPORT_FIELDS = ("tree", "tree_nodes", "topk", "save_backbone", "max_val_positions")
+_EXPORT_FIELDS = ("tree", "tree_nodes", "topk", "save_backbone", "max_val_positions", "max_kl")
 
 
 #: How to get past a run in out_dir that cannot be continued, for messages.
@@ -107,6 +114,11 @@ _START_OVER = ("to start over in that out_dir use --no-resume (train(resume=Fals
 class ResumeConflictError(ValueError):
     """out_dir holds a checkpoint that this config cannot continue (other settings, or more steps
     done than asked for)."""
+
+
+class BackboneDriftError(ValueError):
+    """The jointly trained backbone drifted from the original beyond ``max_kl`` (validation KL per
+    token): the run is checkpointed, nothing is exported."""
 
 
 @dataclass
@@ -332,13 +344,17 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     lm_train = (lm0 if proposal_ids is None else lm0[:, proposal_ids]).astype(tc.head_matmul_dtype)
     heads_lr = tc.learning_rate * tc.heads_lr_multiplier
     heads0 = initial_heads(tc, hcfg, mcfg, lm0)
+    first = first_trained_layer(tc, mcfg)
+    top = first is not None  # joint mode on the top train_layers layers
     if joint:
         opts = {"heads": make_optimizer(tc, heads_lr, tc.steps),
                 "backbone": make_optimizer(tc, tc.learning_rate, tc.steps - tc.heads_warmup_steps)}
-        params = {"heads": heads0, "backbone": bb.params}
+        params = {"heads": heads0, "backbone": top_layers(bb.params, first, mcfg.num_layers) if top else bb.params}
         opt_state = {k: opts[k].init(params[k]) for k in opts}
-        step_fns = {b: make_joint_step(mcfg, hcfg, tc, opts, b) for b in (False, True)}
+        step_fns = {b: make_joint_step(mcfg, hcfg, tc, opts, b, first) for b in (False, True)}
         n_items = len(train_ex)
+        if top:  # the residual stream entering the first trained layer, once per sequence visited
+            inputs = LayerInputs(tc, bb, train_ex, first, out_dir)
     else:
         opt = make_optimizer(tc, heads_lr, tc.steps)
         params, opt_state = heads0, opt.init(heads0)
@@ -353,7 +369,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     else:  # copies: the steps donate their inputs, and bb.params must survive (teacher, export)
         params, opt_state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, opt_state))
     metrics = MetricsLog(out_dir, step if step else -1, write=primary)  # from step 0: no earlier line is kept
-    ref = bb.params if joint and tc.base_loss == "kl" else None
+    ref = bb.params if joint and (tc.base_loss == "kl" or top) else None
     if mesh is not None:  # Megatron-style on 'model' (`sharding.RULES`), optimizer states as their params
         params, opt_state, ref = sharding.shard_params((params, opt_state, ref), mesh)
         lm_train, emb = place_projections(lm_train, emb, mesh)
@@ -369,10 +385,15 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
             return out
         if not val_ex:
             return {}
-        v = compute_positions(Backbone(mcfg, p["backbone"], bb.path), _val_sequences(tc, val_ex), K,
-                              tc.max_seq_len, tc.hidden_batch_tokens, progress=False)
-        return evaluate_positions(hcfg, tc, p["heads"], lm_head_matrix(mcfg, p["backbone"]),
-                                  token_embeddings(p["backbone"]), v)
+        tuned, seqs = merged_backbone(bb.params, p["backbone"], first), _val_sequences(tc, val_ex)
+        v = compute_positions(Backbone(mcfg, tuned, bb.path), seqs, K, tc.max_seq_len, tc.hidden_batch_tokens,
+                              progress=False)
+        if top:
+            out = evaluate_positions(hcfg, tc, p["heads"], lm_train, emb, v, remap)
+        else:
+            out = evaluate_positions(hcfg, tc, p["heads"], lm_head_matrix(mcfg, tuned), token_embeddings(tuned), v)
+        drift = measure_drift(mcfg, bb.params, tuned, seqs, tc.max_seq_len, tc.hidden_batch_tokens)
+        return {**out, "val_kl": round(drift["kl"], 6), "val_top1_agreement": round(drift["top1_agreement"], 5)}
 
     def save(s):
         meta = {"step": s, "seed": tc.seed, "data_items": n_items, "epoch": (s * tc.batch_size) // n_items,
@@ -383,14 +404,20 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     if step == 0 and tc.eval_every:  # the starting point of the accuracy curves
         metrics.write({"step": 0, "epoch": 0.0, **evaluate(params)})
     t_log, end = time.perf_counter(), min(tc.steps, stop_at_step if stop_at_step is not None else tc.steps)
+    if top and step < end:  # every sequence the remaining steps visit, before the first step
+        inputs.ensure(np.concatenate([batch_indices(n_items, tc.batch_size, tc.seed, s) for s in range(step, end)]),
+                      progress)
     bar = tqdm(total=tc.steps, initial=step, desc=f"train ({tc.mode})", disable=not progress, dynamic_ncols=True)
     while step < end:
         idx = batch_indices(n_items, tc.batch_size, tc.seed, step)
         if joint:
             tokens, mask = padded_sequences([train_ex[i] for i in idx], tc.batch_size, tc.max_seq_len)
+            lab, ok = restrict_labels(*D.head_targets(tokens, mask, K), remap)
+            x = inputs.batch(idx, tc.batch_size) if top else tokens
+            consts = (lm_train, emb) if top else ()
             params, opt_state, st = step_fns[step >= tc.heads_warmup_steps](
-                params, opt_state, ref, *place_joint_batch(tokens, *D.head_targets(tokens, mask, K),
-                                                           *D.base_targets(tokens, mask), mesh))
+                params, opt_state, ref, *place_joint_batch(x, tokens, lab, ok, *D.base_targets(tokens, mask), mesh),
+                *consts)
         else:
             batch = restrict_batch(D.positions_batch(train_pos, idx, soft=soft), remap)[0]
             params, opt_state, st = frozen_step(params, opt_state, lm_train, emb, place_frozen_batch(batch, mesh))
@@ -413,6 +440,8 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     metrics.plot()  # also for runs stopped early or without validation data
     np_params = to_host(params)
     heads_p, backbone_p = (np_params["heads"], np_params["backbone"]) if joint else (np_params, None)
+    if top:
+        backbone_p = merged_backbone(to_host(bb.params), backbone_p, first)
     heads_dir = None
     out_cfg = hcfg
     if proposal_ids is not None:  # the exported heads decode with the vocabulary they were trained on
@@ -421,7 +450,60 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     if step >= tc.steps:
         save(step)
         last_eval = last_eval or evaluate(params)
-        if primary:
-            heads_dir = export(tc, out_cfg, heads_p, backbone_p, bb, last_eval, out_dir)
     ck.close()
+    if step >= tc.steps:
+        if joint:
+            check_drift(tc, last_eval)
+        if primary:
+            heads_dir = export(tc, out_cfg, heads_p, backbone_p, bb, last_eval, out_dir,
+                               tuned_layers=list(range(first, mcfg.num_layers)) if top else None)
     return TrainResult(out_cfg, heads_p, backbone_p, last_eval, step, heads_dir)
+
+
+def first_trained_layer(tc: TrainConfig, mcfg: ModelConfig) -> Optional[int]:
+    """The first decoder layer that trains: L - train_layers in joint mode with train_layers > 0,
+    else None (the whole backbone, or none in frozen mode). Raises ValueError when train_layers > L."""
+    if tc.mode != "joint" or not tc.train_layers:
+        return None
+    if tc.train_layers > mcfg.num_layers:
+        raise ValueError(f"train_layers={tc.train_layers}, but the model has {mcfg.num_layers} layers; set "
+                         f"train_layers <= {mcfg.num_layers} (0 = the whole backbone)")
+    return mcfg.num_layers - tc.train_layers
+
+
+def top_layers(params: dict, first: int, num_layers: int) -> dict:
+    """The params of decoder layers first .. num_layers - 1 (``layers_{i}``): what trains with
+    train_layers > 0. The arrays are shared, not copied."""
+    return {f"layers_{i}": params[f"layers_{i}"] for i in range(first, num_layers)}
+
+
+def merged_backbone(base: dict, trained: dict, first: Optional[int]) -> dict:
+    """The whole trained backbone: `trained` itself when the whole backbone trained (first None),
+    else `base` with the trained top layers in place of its own (shared arrays, no copies)."""
+    return trained if first is None else {**base, **trained}
+
+
+def restrict_labels(lab, ok, remap: Optional[np.ndarray]):
+    """lab / ok [K, B, T] as indices into the proposal vocabulary (`remap` [V] int, -1 outside;
+    None: unchanged): labels outside it leave the loss."""
+    if remap is None:
+        return lab, ok
+    mapped = remap[np.asarray(lab)]
+    return np.maximum(mapped, 0).astype(np.int32), np.asarray(ok) & (mapped >= 0)
+
+
+def check_drift(tc: TrainConfig, metrics: dict) -> None:
+    """The export guard of joint training: raises `BackboneDriftError` when the validation KL
+    (``metrics["val_kl"]``, nats per answer token) exceeds ``tc.max_kl``; warns when there is no
+    validation data to measure it."""
+    kl = metrics.get("val_kl")
+    if kl is None:
+        note("no validation chats (val_fraction 0): the backbone's drift from the original was not measured and "
+             "the max_kl guard did not run")
+        return
+    if kl > tc.max_kl:
+        raise BackboneDriftError(
+            f"the trained backbone drifted from the original: validation KL(original || tuned) = {kl:.4f} nats/token "
+            f"> max_kl = {tc.max_kl} (top-1 agreement {metrics.get('val_top1_agreement')}); nothing was exported. "
+            f"Train again with a smaller learning_rate, a larger lambda_base or fewer train_layers (--no-resume), or "
+            f"accept the drift with --set max_kl={kl * 1.01:.4g}: the finished run is then exported without training")

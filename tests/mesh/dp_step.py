@@ -74,7 +74,7 @@ def one_step(mode: str, mesh=None) -> dict:
         params, state = sharding.shard_params((params, state), mesh)
         step = steps.make_joint_step(cfg, hcfg, tc, opts, True)
         params, state, st = step(params, state, None, *steps.place_joint_batch(
-            tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask), mesh))
+            tokens, tokens, *D.head_targets(tokens, mask, K), *D.base_targets(tokens, mask), mesh))
     return {"loss": float(np.asarray(st["loss"])), "params": steps.to_host(params)}
 
 

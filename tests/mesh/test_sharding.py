@@ -227,7 +227,8 @@ def test_train_py_two_processes_equals_one(tmp_path):
     from medusa_jax.convert.medusa_format import load_heads
 
     common = ["train.py", "--config", os.path.join(ROOT, "configs", "tiny.yaml"), "--no-progress", "--set",
-              "steps=4", "mode=joint", "checkpoint_every=2", "eval_every=0", "adam_eps=1e-3", "tree=small_8"]
+              "steps=4", "mode=joint", "checkpoint_every=2", "eval_every=0", "adam_eps=1e-3", "tree=small_8",
+              "max_kl=100"]
     port = _free_port()
     logs = _run_processes([[sys.executable] + common + [f"out_dir={tmp_path / 'two'}", "--mesh", "2x1",
                                                         "--coordinator", f"127.0.0.1:{port}", "--num-processes", "2",
