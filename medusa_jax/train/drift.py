@@ -20,7 +20,7 @@ from tqdm import tqdm
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.llama import LlamaModel
 from medusa_jax.train import data as D
-from medusa_jax.train.hidden import length_order, bucket_len, padded_sequences, sequence_positions
+from medusa_jax.train.hidden import length_batches, padded_sequences, sequence_positions
 from medusa_jax.train.losses import kl_to_teacher_sums, masked_ce_sums
 
 Pair = Tuple[np.ndarray, np.ndarray]  # (ids [T] int32, loss_mask [T] bool)
@@ -113,17 +113,10 @@ def measure_drift(cfg: ModelConfig, original_params, tuned_params, examples: Seq
       With no position, the means are NaN and ``positions`` is 0.
     """
     fn = drift_fn(cfg)
-    order = length_order(examples)
     sums = np.zeros(5, np.float64)
-    bar = tqdm(total=sum(min(len(examples[i][0]), max_len) for i in order), desc="drift", unit="tok", leave=False,
+    bar = tqdm(total=sum(min(len(i), max_len) for i, _ in examples), desc="drift", unit="tok", leave=False,
                disable=not progress)
-    i = 0
-    while i < len(order):
-        T = bucket_len(len(examples[order[i]][0]), max_len)
-        cap = max(1, batch_tokens // T)
-        group = [order[j] for j in range(i, min(i + cap, len(order)))
-                 if bucket_len(len(examples[order[j]][0]), max_len) == T]
-        i += len(group)
+    for _, _, group in length_batches(examples, max_len, batch_tokens):
         tokens, mask = padded_sequences([examples[j] for j in group], len(group), max_len)
         targets, valid = D.base_targets(tokens, mask)
         if valid.any():

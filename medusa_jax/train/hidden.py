@@ -90,6 +90,21 @@ def length_order(examples: Sequence[Pair]) -> List[int]:
     return sorted(range(len(examples)), key=lambda i: (len(examples[i][0]), i))
 
 
+def length_batches(examples: Sequence[Pair], max_len: int, batch_tokens: int, indices=None):
+    """Batches for one compiled shape each: the sequences (`indices`, default all) sorted by length
+    (`length_order`), grouped into about `batch_tokens` tokens of one bucketed length. Yields
+    (T, rows, group): the padded length (`bucket_len`), the rows a full batch of it holds
+    (``batch_tokens // T``, at least 1) and the sequence indices (at most `rows`, all of length T)."""
+    order = length_order(examples) if indices is None else sorted(indices, key=lambda i: (len(examples[i][0]), i))
+    i = 0
+    while i < len(order):
+        T = bucket_len(len(examples[order[i]][0]), max_len)
+        rows = max(1, batch_tokens // T)
+        group = [j for j in order[i:i + rows] if bucket_len(len(examples[j][0]), max_len) == T]
+        i += len(group)
+        yield T, rows, group
+
+
 def position_sources(examples: Sequence[Pair], num_heads: int) -> np.ndarray:
     """Where each of `compute_positions`' flat positions comes from, without running the backbone:
     [P, 2] int64 rows (sequence index, position t), in its order (`length_order`, then t)."""
@@ -120,18 +135,10 @@ def compute_positions(backbone: Backbone, examples: Sequence[Pair], num_heads: i
       per sequence, just before its last token).
     """
     fn = hidden_fn(backbone.cfg)
-    order = length_order(examples)
     hs, extra_hs, labs, oks, paths, rows = [], [], [], [], [], []
     n_kept = n_extra = 0
-    bar = tqdm(total=sum(len(examples[i][0]) for i in order), desc=desc, unit="tok", leave=False,
-               disable=not progress)
-    i = 0
-    while i < len(order):
-        T = bucket_len(len(examples[order[i]][0]), max_len)
-        nrows = max(1, batch_tokens // T)
-        group = [order[j] for j in range(i, min(i + nrows, len(order)))
-                 if bucket_len(len(examples[order[j]][0]), max_len) == T]
-        i += len(group)
+    bar = tqdm(total=sum(len(i) for i, _ in examples), desc=desc, unit="tok", leave=False, disable=not progress)
+    for T, nrows, group in length_batches(examples, max_len, batch_tokens):
         tokens, mask = padded_sequences([examples[j] for j in group], nrows, max_len)
         lab, ok = (np.asarray(a) for a in D.head_targets(tokens, mask, num_heads))
         keep = ok.any(axis=0)                                  # [N, T]

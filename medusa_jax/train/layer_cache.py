@@ -23,7 +23,8 @@ from tqdm import tqdm
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.llama import LlamaModel
 from medusa_jax.train.config import TrainConfig
-from medusa_jax.train.hidden import Backbone, Pair, bucket_len, examples_checksum, padded_sequences, sequence_positions
+from medusa_jax.train.hidden import (Backbone, Pair, bucket_len, examples_checksum, length_batches, padded_sequences,
+                                     sequence_positions)
 
 #: Version of the layout; a cache of another version is recomputed.
 CACHE_FORMAT = 1
@@ -60,7 +61,8 @@ class LayerInputs:
         D = backbone.cfg.hidden_size
         key = {"model": backbone.path, "cfg": repr(backbone.cfg), "data": tc.data, "layer": layer,
                "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None,
-               "n": len(examples), "sum": examples_checksum(examples), "max_seq_len": tc.max_seq_len, "format": CACHE_FORMAT}
+               "n": len(examples), "sum": examples_checksum(examples), "max_seq_len": tc.max_seq_len,
+               "format": CACHE_FORMAT}
         proc = jax.process_index()
         base = os.path.join(tc.hidden_dir or os.path.join(out_dir, "hidden"),
                             f"layer{layer}_inputs" + (f".p{proc}" if proc else ""))
@@ -84,18 +86,14 @@ class LayerInputs:
         """Compute the inputs of every sequence in `indices` not cached yet (sorted by length, in
         batches of about hidden_batch_tokens tokens padded to a bucket, jitted); returns how many
         sequences were computed."""
-        todo = sorted({int(i) for i in indices if not self.done[int(i)]}, key=lambda i: (self.lengths[i], i))
+        todo = sorted({int(i) for i in indices if not self.done[int(i)]})
         if not todo:
             return 0
         fn = _inputs_fn(self.backbone.cfg, self.layer)
         bar = tqdm(total=int(self.lengths[todo].sum()), desc=f"layer {self.layer} inputs", unit="tok", leave=False,
                    disable=not progress)
-        j, saved = 0, time.monotonic()
-        while j < len(todo):
-            T = bucket_len(int(self.lengths[todo[j]]), self.tc.max_seq_len)
-            nrows = max(1, self.tc.hidden_batch_tokens // T)
-            group = [i for i in todo[j:j + nrows] if bucket_len(int(self.lengths[i]), self.tc.max_seq_len) == T]
-            j += len(group)
+        saved = time.monotonic()
+        for _, nrows, group in length_batches(self.examples, self.tc.max_seq_len, self.tc.hidden_batch_tokens, todo):
             tokens, _ = padded_sequences([self.examples[i] for i in group], nrows, self.tc.max_seq_len)
             x = np.asarray(fn(self.backbone.params, jnp.asarray(tokens)), np.float32)
             for r, i in enumerate(group):
