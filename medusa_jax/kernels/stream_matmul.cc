@@ -107,13 +107,9 @@ inline float half_at(const uint8_t* p) {  // a float16 scale, widened exactly
   return _cvtsh_ss(h);
 }
 
-// 8 of a block's 32 4-bit values from offset s (0, 8, 16, 24): values 0-15 are the low nibbles of
-// the block's 16 bytes, 16-31 their high nibbles (ggml's layout).
-inline __m256i nibbles8(const uint8_t* qs, int64_t s) {
-  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + (s & 15))));
-  return s < 16 ? _mm256_and_si256(b, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(b, 4);
-}
-
+// A whole block of 32 weights at a time: its float16 scales are converted once and its bytes loaded
+// once, then dequantized into 4 vectors of 8 (`load32`, weights k..k+31 for k a multiple of 32).
+// Each value is computed exactly as the gguf package computes it (float32 multiply, then add).
 template <int64_t BYTES>
 struct BlockW {
   using Row = const uint8_t*;
@@ -124,51 +120,71 @@ struct BlockW {
   static const void* at(Row r, int64_t k) { return r + (k >> 5) * BYTES; }
 };
 
+// The block's 32 4-bit values as 4 x 8 int32: values 0-15 are the low nibbles of its 16 bytes,
+// 16-31 their high nibbles (ggml's layout).
+inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
+  const __m128i m = _mm_set1_epi8(0x0F);
+  const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
+  q[0] = _mm256_cvtepu8_epi32(lo);
+  q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
+  q[2] = _mm256_cvtepu8_epi32(hi);
+  q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+}
+
 // Q8_0: float16 d, 32 int8 q; w = float(q) * d.
 struct Q8_0W : BlockW<34> {
-  static __m256 load8(Row r, int64_t k) {
+  static void load32(Row r, int64_t k, __m256 u[4]) {
     const uint8_t* b = r + (k >> 5) * kBytes;
-    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + (k & 31)));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(half_at(b)));
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    for (int h = 0; h < 4; ++h) {
+      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h));
+      u[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
+    }
   }
-  static __m256 load8_tail(Row r, int64_t k, __m256i, int64_t) { return load8(r, k); }  // K % 32 == 0
 };
 
 // Q4_0: float16 d, 32 4-bit q; w = d * float(q - 8).
 struct Q4_0W : BlockW<18> {
-  static __m256 load8(Row r, int64_t k) {
+  static void load32(Row r, int64_t k, __m256 u[4]) {
     const uint8_t* b = r + (k >> 5) * kBytes;
-    const __m256i q = _mm256_sub_epi32(nibbles8(b + 2, k & 31), _mm256_set1_epi32(8));
-    return _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(q));
+    const __m256 d = _mm256_set1_ps(half_at(b));
+    __m256i q[4];
+    nibbles32(b + 2, q);
+    for (int h = 0; h < 4; ++h) u[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[h], _mm256_set1_epi32(8))));
   }
-  static __m256 load8_tail(Row r, int64_t k, __m256i, int64_t) { return load8(r, k); }
 };
 
 // Q4_1: float16 d and m, 32 4-bit q; w = (d * float(q)) + m, a multiply then an add (not fused).
 struct Q4_1W : BlockW<20> {
-  static __m256 load8(Row r, int64_t k) {
+  static void load32(Row r, int64_t k, __m256 u[4]) {
     const uint8_t* b = r + (k >> 5) * kBytes;
-    const __m256 dq = _mm256_mul_ps(_mm256_set1_ps(half_at(b)), _mm256_cvtepi32_ps(nibbles8(b + 4, k & 31)));
-    return _mm256_add_ps(dq, _mm256_set1_ps(half_at(b + 2)));
+    const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
+    __m256i q[4];
+    nibbles32(b + 4, q);
+    for (int h = 0; h < 4; ++h) u[h] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[h])), m);
   }
-  static __m256 load8_tail(Row r, int64_t k, __m256i, int64_t) { return load8(r, k); }
 };
 
 // Rows n..n+R-1 of a GGUF-block weight as float32 in out [R, K] (each value as `WF::load8` gives
 // it), prefetching the same bytes of the rows `ahead` further down.
 template <typename WF>
 inline void dequantize_rows(const void* w, int64_t n, int64_t R, int64_t K, int64_t ahead, float* out) {
+  if constexpr (WF::kBlock > 1)  // (instantiated, never called, for float32 and bfloat16 rows)
   for (int64_t j = 0; j < R; ++j) {
     const typename WF::Row r = WF::row(w, n + j, K);
     for (int64_t k = 0; k < K; k += 32) {
       if (ahead) _mm_prefetch(static_cast<const char*>(WF::at(WF::row(w, n + ahead + j, K), k)), _MM_HINT_T0);
-      for (int64_t h = 0; h < 32; h += 8) _mm256_storeu_ps(out + j * K + k + h, WF::load8(r, k + h));
+      __m256 u[4];
+      WF::load32(r, k, u);
+      for (int h = 0; h < 4; ++h) _mm256_storeu_ps(out + j * K + k + 8 * h, u[h]);
     }
   }
 }
 
 // One block of the product: rows t..t+TB-1 of x against rows wn..wn+NB-1 of w (outputs n..n+NB-1), TB x NB
-// accumulators in registers, k in steps of 8 (the K tail by a masked load). For k in [pf0, pf1)
+// accumulators in registers, k in steps of 8 (the K tail by a masked load; GGUF blocks: steps of
+// 32, one block per weight row at a time). For k in [pf0, pf1)
 // the rows `ahead` rows further down w are prefetched, one cache line per row every 16 k, so that
 // memory keeps streaming while blocks compute from L1.
 template <typename WF, int TB, int NB>
@@ -180,30 +196,47 @@ inline void nt_block(const float* x, const void* w, int64_t wn, float* y, int64_
   const typename WF::Row e = WF::row(w, wn, K);  // outputs n.. read weight rows wn..
   const int64_t rs = WF::stride(K);
   const float* xs = x + t * K;
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    if (k >= pf0 && k < pf1)
-      for (int j = 0; j < NB; ++j)
-        _mm_prefetch(static_cast<const char*>(WF::at(e + (ahead + j) * rs, k)), _MM_HINT_T0);
-    for (int h = 0; h < 16; h += 8) {
-      __m256 u[NB];
+  if constexpr (WF::kBlock > 1) {
+    // GGUF blocks (K a multiple of 32): each weight row's block dequantized once (`load32`) and
+    // used by the TB rows; every accumulator still adds its 8-wide products in increasing k.
+    for (int64_t k = 0; k < K; k += 32) {
+      if (k >= pf0 && k < pf1)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(static_cast<const char*>(WF::at(e + (ahead + j) * rs, k)), _MM_HINT_T0);
       for (int j = 0; j < NB; ++j) {
-        u[j] = WF::load8(e + j * rs, k + h);
-        if (TB > 1) __asm__("" : "+x"(u[j]));  // keep it in a register: it is used TB times
-      }
-      for (int i = 0; i < TB; ++i) {
-        const __m256 v = _mm256_loadu_ps(xs + i * K + k + h);
-        for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
+        __m256 u[4];
+        WF::load32(e + j * rs, k, u);
+        for (int h = 0; h < 4; ++h)
+          for (int i = 0; i < TB; ++i)
+            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i * K + k + 8 * h), u[h], acc[i][j]);
       }
     }
-  }
-  for (; k < K; k += 8) {
-    const bool full = k + 8 <= K;
-    __m256 u[NB];
-    for (int j = 0; j < NB; ++j) u[j] = full ? WF::load8(e + j * rs, k) : WF::load8_tail(e + j * rs, k, tail, K - k);
-    for (int i = 0; i < TB; ++i) {
-      const __m256 v = full ? _mm256_loadu_ps(xs + i * K + k) : _mm256_maskload_ps(xs + i * K + k, tail);
-      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
+  } else {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+      if (k >= pf0 && k < pf1)
+        for (int j = 0; j < NB; ++j)
+          _mm_prefetch(static_cast<const char*>(WF::at(e + (ahead + j) * rs, k)), _MM_HINT_T0);
+      for (int h = 0; h < 16; h += 8) {
+        __m256 u[NB];
+        for (int j = 0; j < NB; ++j) {
+          u[j] = WF::load8(e + j * rs, k + h);
+          if (TB > 1) __asm__("" : "+x"(u[j]));  // keep it in a register: it is used TB times
+        }
+        for (int i = 0; i < TB; ++i) {
+          const __m256 v = _mm256_loadu_ps(xs + i * K + k + h);
+          for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
+        }
+      }
+    }
+    for (; k < K; k += 8) {
+      const bool full = k + 8 <= K;
+      __m256 u[NB];
+      for (int j = 0; j < NB; ++j) u[j] = full ? WF::load8(e + j * rs, k) : WF::load8_tail(e + j * rs, k, tail, K - k);
+      for (int i = 0; i < TB; ++i) {
+        const __m256 v = full ? _mm256_loadu_ps(xs + i * K + k) : _mm256_maskload_ps(xs + i * K + k, tail);
+        for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
+      }
     }
   }
   for (int i = 0; i < TB; ++i)
@@ -234,7 +267,7 @@ void nt_rows_blocked(const float* x, const void* w, float* y, int64_t M, int64_t
   static_assert(TB >= 1 && TB <= 4, "passes of 1 to 4 rows");
   // GGUF blocks over several passes (more than TB rows): NB rows dequantized once into an L1
   // buffer (`dequantize_rows`), which every pass then reads as float32 weights, the bytes ahead
-  // prefetched while dequantizing; in one pass they are dequantized in registers (`WF::load8`).
+  // prefetched while dequantizing; in one pass they are dequantized in registers (`WF::load32`).
   const int64_t passes = (M + TB - 1) / TB;
   constexpr bool kBlocks = WF::kBlock > 1;
   using PW = std::conditional_t<kBlocks, F32W, WF>;
