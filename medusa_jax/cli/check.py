@@ -6,7 +6,9 @@ For every prompt (first turn), both decoders run greedily on the same weights. O
 identical token for token. Where they differ, the first differing position is examined on the
 plain path: if its top-2 logit gap is below ``--tie-gap`` (`TIE_GAPS`: 1e-4 in float32) the
 difference is a near-tie (the tree forward sums in another order) and is counted as such; any
-other difference is a bug and makes the command exit with status 1.
+other difference is a bug and makes the command exit with status 1. With ``--reference-weights``
+the plain reference decodes from a second copy of the model loaded with other ``--weights`` (the
+GGUF blocks against the dequantized float32 model).
 
 With ``--temperature > 0`` it samples instead (``--acceptance exact``, the default, or ``typical``)
 and reports Medusa's tokens per step; sampled answers are not compared with anything (plain and
@@ -42,6 +44,10 @@ def main(argv=None) -> int:
                    help="top-2 logit gap below which a difference is a near-tie; default by --dtype: "
                         + ", ".join(f"{k} {v:g}" for k, v in TIE_GAPS.items()))
     common.add_dtype_arg(p)
+    p.add_argument("--reference-weights", choices=common.WEIGHTS, default=None,
+                   help="decode the plain greedy reference from a second copy of the model loaded with these "
+                        "--weights: '--weights as-stored --reference-weights float32' checks Medusa on the GGUF "
+                        "blocks against plain decoding of the dequantized model (default: the same weights)")
     p.add_argument("--out", default=None, help="also write per-prompt results as JSON to this file")
     common.add_acceptance_args(p, temperature_help="0: the lossless check (Medusa greedy against plain greedy); "
                                                     "> 0: Medusa sampling's tokens/step, no comparison")
@@ -70,12 +76,16 @@ def main(argv=None) -> int:
         print(f"note: {note}", file=sys.stderr)
     if acc.mode != "greedy":
         return sampled(model, heads, tree, records, acc, args)
+    ref = model  # the plain greedy reference
+    if args.reference_weights not in (None, args.weights):
+        ref = common.load_backbone(args.model, args.heads, args.dtype, with_tokenizer=False, progress=False,
+                                   weights=args.reference_weights)
     rows, steps, new_tokens = [], 0, 0
     for rec in tqdm(records, desc="prompts", unit="prompt"):
         ids = apply_chat_template(model.tokenizer, rec["prompt"])
-        plain, _ = decode_one(model, ids, args.max_new_tokens)
+        plain, _ = decode_one(ref, ids, args.max_new_tokens)
         med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree)
-        c = compare(model.cfg, model.params, ids, plain, med, args.tie_gap)
+        c = compare(ref.cfg, ref.params, ids, plain, med, args.tie_gap)
         steps += med_steps
         new_tokens += len(med)
         rows.append({**rec, **asdict(c), "new_tokens": len(med), "steps": med_steps,
@@ -85,7 +95,8 @@ def main(argv=None) -> int:
     bugs = len(rows) - identical - ties
     summary = {"prompts": len(rows), "identical": identical, "near_ties": ties, "other_differences": bugs,
                "mean_tokens_per_step": new_tokens / max(steps, 1), "tree_size": tree.size,
-               "prompt_lookup": tree.lookup_settings, "max_new_tokens": args.max_new_tokens}
+               "prompt_lookup": tree.lookup_settings, "max_new_tokens": args.max_new_tokens,
+               "weights": args.weights, "reference_weights": args.reference_weights or args.weights}
     print(json.dumps(summary))
     for r in rows:
         if not r["identical"]:

@@ -12,7 +12,7 @@ from typing import Any, NamedTuple, Optional, Tuple
 import jax.numpy as jnp
 
 from medusa_jax import sharding
-from medusa_jax.convert.load import LoadedModel, check_model_path, load_model
+from medusa_jax.convert.load import WEIGHTS, LoadedModel, check_model_path, load_model
 from medusa_jax.convert.medusa_format import read_heads_config
 from medusa_jax.convert.tuned_layers import (apply_tuned_layers, check_before_load, format_layers, read_tuned_layers,
                                              tuned_layers_path)
@@ -181,18 +181,21 @@ class Setup(NamedTuple):
 
 
 def load_backbone(model_path: Optional[str], heads_path: Optional[str], dtype, with_tokenizer: bool = True,
-                  progress: bool = True) -> LoadedModel:
+                  progress: bool = True, weights: str = "float32") -> LoadedModel:
     """The backbone a command decodes with: `load_model` (`model_path` in `dtype`), with the Medusa-2
     tuned decoder layers saved beside the heads at `heads_path` put in
     (`convert.tuned_layers.apply_tuned_layers`), saying so on stderr in one line. Every command that
     decodes with heads loads its model through here (`setup_decoding`, tune).
 
     Args: model_path: as `load_model`; heads_path: a heads directory or file, a shipped heads name,
-      "zero" or None (no tuned layers but in a heads directory); dtype: a dtype or its name.
+      "zero" or None (no tuned layers but in a heads directory); dtype: a dtype or its name;
+      weights: `load_model`'s (``--weights``); tuned layers are put into a float32 copy, so with
+      them the weights are dequantized whatever it says.
     Raises: what `load_model` raises; TunedLayersError (a ValueError) when the layers do not fit.
     """
-    model = load_model(model_path, dtype=jnp.dtype(dtype), with_tokenizer=with_tokenizer, progress=progress)
     layers_file = tuned_layers_path(heads_location(heads_path))
+    model = load_model(model_path, dtype=jnp.dtype(dtype), with_tokenizer=with_tokenizer, progress=progress,
+                       weights=weights if layers_file is None else "float32")
     if layers_file is None:
         return model
     tuned = apply_tuned_layers(model, layers_file)
@@ -227,7 +230,9 @@ def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progre
                      zero_heads=zero_heads)
     mesh = sharding.mesh_from_arg(getattr(args, "mesh", None))
     enable_compilation_cache()
-    model = sharding.place_on_mesh(load_backbone(args.model, args.heads, args.dtype, progress=progress), mesh)
+    weights = getattr(args, "weights", "float32") if mesh is None else "float32"  # a mesh shards float weights
+    model = sharding.place_on_mesh(load_backbone(args.model, args.heads, args.dtype, progress=progress,
+                                                 weights=weights), mesh)
     heads, tree, note = resolve_heads(model, heads_arg, tree, use_medusa=use_medusa, zero_heads=zero_heads,
                                       prompt_lookup=getattr(args, "prompt_lookup", None))
     return Setup(model, heads, tree, note, mesh)
@@ -295,14 +300,23 @@ def acceptance_from_args(p, args):
 #: computed in it; logits stay float32 (`models.llama.LlamaModel`).
 DTYPES = ("float32", "bfloat16", "float16")
 
+#: --weights' default (the choices: `WEIGHTS`, from `convert.load`).
+DEFAULT_WEIGHTS = "as-stored"
+
 
 def add_dtype_arg(p) -> None:
-    """The --dtype flag of decode.py, check, bench and tune (pass ``jnp.dtype(args.dtype)`` to
-    `load_model`)."""
+    """The --dtype and --weights flags of decode.py, check, bench, chat, serve and tune (pass
+    ``jnp.dtype(args.dtype)`` and ``args.weights`` to `load_model`)."""
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="compute dtype: params, activations and the KV cache in it, logits in float32 (plain and "
                         "Medusa share it, so greedy outputs stay identical); on a CPU bfloat16 and float16 are "
                         "slower than float32 (no weight-streaming kernel for them)")
+    p.add_argument("--weights", choices=WEIGHTS, default=DEFAULT_WEIGHTS,
+                   help="a GGUF file's quantized matrices: 'as-stored' keeps its Q8_0 / Q4_0 / Q4_1 blocks and "
+                        "decodes from them (the same weights bit for bit, a sixth to a quarter of the bytes per "
+                        "step; float32 on a CPU with the kernels only, other types and other devices dequantized); "
+                        "'float32' dequantizes every tensor at load (to --dtype). No effect on Hugging Face "
+                        f"directories. Default: {DEFAULT_WEIGHTS}")
 
 
 def add_mesh_arg(p) -> None:

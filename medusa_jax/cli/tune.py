@@ -143,7 +143,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     common.enable_compilation_cache()
     try:  # token ids only; with the Medusa-2 tuned layers saved beside the heads, which they were trained with
-        model = common.load_backbone(args.model, heads_dir, args.dtype, with_tokenizer=False)
+        model = common.load_backbone(args.model, heads_dir, args.dtype, with_tokenizer=False, weights=args.weights)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -25,6 +25,7 @@ from typing import Any, Optional, Tuple
 
 import numpy as np
 
+from medusa_jax.kernels import BlockWeight
 from medusa_jax.models.config import ModelConfig, RopeScaling
 
 #: Bumped whenever what is stored (or how the converter builds it) changes.
@@ -32,6 +33,7 @@ CACHE_FORMAT = 1
 #: Converted params larger than this are not cached.
 MAX_CACHE_BYTES = 4 << 30
 _SEP = "/"
+_FMT = "#"  # params/x/kernel_t#q4_1: GGUF blocks of that format (`kernels.BlockWeight`)
 #: dtypes that ``.npy`` files store natively (bfloat16 is not one of them: such params are not cached).
 _NPY_DTYPES = ("float16", "float32", "float64")
 
@@ -44,10 +46,12 @@ def cache_root() -> Optional[str]:
     return os.path.join(base, "models")
 
 
-def cache_key(path: str, dtype) -> str:
-    """A hex key for a model file: absolute path, size, mtime (ns), dtype and `CACHE_FORMAT`."""
+def cache_key(path: str, dtype, as_stored: bool = False) -> str:
+    """A hex key for a model file: absolute path, size, mtime (ns), dtype, whether quantized
+    tensors are kept as stored, and `CACHE_FORMAT`."""
     st = os.stat(path)
-    ident = json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, np.dtype(dtype).name, CACHE_FORMAT])
+    kind = np.dtype(dtype).name + ("+as-stored" if as_stored else "")
+    ident = json.dumps([os.path.abspath(path), st.st_size, st.st_mtime_ns, kind, CACHE_FORMAT])
     return hashlib.sha256(ident.encode()).hexdigest()[:24]
 
 
@@ -59,6 +63,8 @@ def _flatten(tree: Any, prefix: str = "") -> dict:
                 raise ValueError(f"param name {k!r} contains {_SEP!r}")
             out.update(_flatten(v, f"{prefix}{k}{_SEP}"))
         return out
+    if isinstance(tree, BlockWeight):  # its blocks, the format in the name
+        return {f"{prefix[:-1]}{_FMT}{tree.fmt}": np.ascontiguousarray(np.asarray(tree.blocks))}
     return {prefix[:-1]: np.ascontiguousarray(np.asarray(tree))}
 
 
@@ -69,7 +75,8 @@ def _unflatten(flat: dict) -> dict:
         node = tree
         for p in parents:
             node = node.setdefault(p, {})
-        node[leaf] = arr
+        leaf, _, fmt = leaf.partition(_FMT)
+        node[leaf] = BlockWeight(arr, fmt) if fmt else arr
     return tree
 
 
@@ -92,13 +99,13 @@ def config_from_json(d: dict) -> ModelConfig:
     return ModelConfig(**kw)
 
 
-def load_cached(path: str, dtype) -> Optional[Tuple[ModelConfig, dict, str]]:
-    """(cfg, params of numpy arrays, tokenizer directory) from the cache, or None on a miss (or
-    an unreadable / stale entry, which is then removed)."""
+def load_cached(path: str, dtype, as_stored: bool = False) -> Optional[Tuple[ModelConfig, dict, str]]:
+    """(cfg, params of numpy arrays and `kernels.BlockWeight`, tokenizer directory) from the
+    cache, or None on a miss (or an unreadable / stale entry, which is then removed)."""
     root = cache_root()
     if root is None:
         return None
-    entry = os.path.join(root, cache_key(path, dtype))
+    entry = os.path.join(root, cache_key(path, dtype, as_stored))
     if not os.path.isfile(os.path.join(entry, "complete")):
         return None
     try:
@@ -114,7 +121,7 @@ def load_cached(path: str, dtype) -> Optional[Tuple[ModelConfig, dict, str]]:
         return None
 
 
-def store(path: str, dtype, cfg: ModelConfig, params: dict, tokenizer=None) -> Optional[str]:
+def store(path: str, dtype, cfg: ModelConfig, params: dict, tokenizer=None, as_stored: bool = False) -> Optional[str]:
     """Write a converted model to the cache (atomically: a temporary directory renamed into place).
 
     Returns the entry's directory, or None when caching is disabled, the dtype is not a native
@@ -126,7 +133,7 @@ def store(path: str, dtype, cfg: ModelConfig, params: dict, tokenizer=None) -> O
     flat = _flatten(params)
     if sum(a.nbytes for a in flat.values()) > MAX_CACHE_BYTES:
         return None
-    entry = os.path.join(root, cache_key(path, dtype))
+    entry = os.path.join(root, cache_key(path, dtype, as_stored))
     tmp = None
     try:
         os.makedirs(root, exist_ok=True)

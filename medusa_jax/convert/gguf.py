@@ -32,6 +32,7 @@ from gguf.quants import dequantize
 from tqdm.auto import tqdm
 
 from medusa_jax.convert.hf import ConversionError, params_from_hf_tensors
+from medusa_jax.kernels import BlockWeight
 from medusa_jax.models.config import ModelConfig, RopeScaling, check_architecture
 from medusa_jax.models.llama import rope_inv_freq
 
@@ -283,7 +284,29 @@ def _dequantize(tensor, source: str) -> np.ndarray:
                               f"{shape} needs {math.prod(shape)}; the file may be corrupted") from e
 
 
-def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False) -> Tuple[ModelConfig, dict]:
+#: GGUF tensor types that `load_gguf(as_stored=True)` keeps as the file stores them (the product
+#: kernels' block formats, `kernels.BLOCK_BYTES`).
+STORED_TYPES = {gguf.GGMLQuantizationType.Q8_0: "q8_0", gguf.GGMLQuantizationType.Q4_0: "q4_0",
+                gguf.GGMLQuantizationType.Q4_1: "q4_1"}
+
+
+def _as_stored(tensor, source: str) -> Optional[BlockWeight]:
+    """A 2-D tensor of a `STORED_TYPES` type as a `BlockWeight` over the file's own bytes ([N, K]
+    torch layout: row n holds output n's K / 32 blocks), or None for any other tensor."""
+    fmt = STORED_TYPES.get(tensor.tensor_type)
+    shape = tuple(int(d) for d in reversed(tensor.shape.tolist()))
+    if fmt is None or len(shape) != 2 or shape[1] % 32:
+        return None
+    data = np.asarray(tensor.data)
+    row_bytes = shape[1] // 32 * gguf.GGML_QUANT_SIZES[tensor.tensor_type][1]
+    if data.dtype != np.uint8 or data.size != shape[0] * row_bytes:
+        raise ConversionError(f"{source}: tensor {tensor.name} holds {data.size} bytes, its {fmt} shape {shape} "
+                              f"needs {shape[0] * row_bytes}; the file may be corrupted")
+    return BlockWeight(data.reshape(shape[0], row_bytes), fmt)
+
+
+def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False,
+              as_stored: bool = False) -> Tuple[ModelConfig, dict]:
     """Load a Llama/Mistral/Qwen2/Qwen3 GGUF file into (ModelConfig, params of numpy arrays).
 
     Args:
@@ -291,6 +314,10 @@ def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False) 
       dtype: numpy dtype of the params (dequantized values are computed in float32).
       reader: the file already opened with `open_gguf` (None: open it here).
       progress: a tqdm bar on stderr over the tensors being dequantized.
+      as_stored: keep the 2-D tensors of a `STORED_TYPES` type (Q8_0, Q4_0, Q4_1) as the file
+        stores them, as `kernels.BlockWeight` ([out, in] blocks: linear weights under
+        ``kernel_t``, the embedding under ``embedding``; q/k rows unpermuted as whole rows), for
+        decoding with the block kernels; every other tensor is dequantized. Requires float32.
     Returns:
       (cfg, params) with the `LlamaModel` params tree; ``cfg.eos_token_ids`` holds the file's
       ``tokenizer.ggml.eos_token_id`` (plus eot / eom ids when present).
@@ -314,11 +341,13 @@ def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False) 
         if name is None:
             unmapped.append(tensor.name)
             continue
-        arr = _dequantize(tensor, path)
+        arr = _as_stored(tensor, path) if as_stored else None
+        arr = arr if arr is not None else _dequantize(tensor, path)
         heads = cfg.num_heads if ".self_attn.q_proj." in name else (
             cfg.num_kv_heads if ".self_attn.k_proj." in name else 0)
         if permuted and heads and arr.shape[0] == heads * cfg.head_dim:  # else the shape check reports it
-            arr = unpermute_qk(arr, heads)
+            arr = (BlockWeight(unpermute_qk(arr.blocks, heads), arr.fmt) if isinstance(arr, BlockWeight)
+                   else unpermute_qk(arr, heads))
         hf[name] = arr
     if unmapped:
         raise ConversionError(f"{path}: unmapped GGUF tensor(s) {sorted(unmapped)[:8]} for a {cfg.arch} "

@@ -14,6 +14,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
+from medusa_jax.kernels import BlockWeight
 from medusa_jax.models.config import ModelConfig
 
 
@@ -88,7 +89,10 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
 
     Args:
       cfg: the model config the tensors must match.
-      tensors: HF name -> array in torch layout (linear weights [out, in]).
+      tensors: HF name -> array in torch layout (linear weights [out, in]), or a
+        `kernels.BlockWeight` (GGUF blocks, [out, in]), kept as it is: a linear weight's under
+        ``kernel_t`` (the decoding layout, `models.llama.decoding_params`), the embedding's under
+        ``embedding``.
       dtype: numpy dtype of the returned leaves.
       source: named in error messages.
     Raises:
@@ -108,7 +112,8 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
                               "the checkpoint is incomplete or truncated")
     params: dict = {}
     for name, shape in expected.items():
-        arr = np.asarray(tensors[name])
+        arr = tensors[name]
+        arr = arr if isinstance(arr, BlockWeight) else np.asarray(arr)
         if tuple(arr.shape) != shape:
             raise ConversionError(f"{source}: tensor {name} has shape {tuple(arr.shape)}, expected {shape} "
                                   f"from the config")
@@ -116,7 +121,10 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
         node = params
         for key in path[:-1]:
             node = node.setdefault(key, {})
-        node[path[-1]] = np.ascontiguousarray(arr.T if transpose else arr).astype(dtype)
+        if isinstance(arr, BlockWeight):  # kept as blocks, in the [out, in] layout of decoding
+            node[path[-1] + ("_t" if transpose else "")] = arr
+        else:
+            node[path[-1]] = np.ascontiguousarray(arr.T if transpose else arr).astype(dtype)
     return params
 
 

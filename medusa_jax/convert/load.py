@@ -21,6 +21,7 @@ from medusa_jax.chat import end_of_turn_ids
 from medusa_jax.convert import cache
 from medusa_jax.convert.gguf import GGUF_MAGIC, load_gguf, open_gguf
 from medusa_jax.convert.gguf_tokenizer import tokenizer_from_gguf
+from medusa_jax import kernels
 from medusa_jax.convert.hf import ConversionError, load_hf
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.llama import LlamaModel
@@ -136,12 +137,12 @@ def load_tokenizer(path: str, reader=None):
                               "metadata in a GGUF file") from e
 
 
-def _load_gguf_cached(path: str, dtype, with_tokenizer: bool, progress: bool = False):
+def _load_gguf_cached(path: str, dtype, with_tokenizer: bool, progress: bool = False, as_stored: bool = False):
     """(cfg, numpy params, tokenizer or None) of a GGUF file, through the converted-model cache
     (`convert.cache`): a second load reads float params and the tokenizer's own files instead of
     parsing and dequantizing the GGUF again."""
 
-    hit = cache.load_cached(path, dtype)
+    hit = cache.load_cached(path, dtype, as_stored)
     if hit is not None:
         cfg, params, tok_dir = hit
         tokenizer = None
@@ -154,14 +155,14 @@ def _load_gguf_cached(path: str, dtype, with_tokenizer: bool, progress: bool = F
             tokenizer = load_tokenizer(path)
         return cfg, params, tokenizer
     reader = open_gguf(path)
-    cfg, params = load_gguf(path, dtype=dtype, reader=reader, progress=progress)
+    cfg, params = load_gguf(path, dtype=dtype, reader=reader, progress=progress, as_stored=as_stored)
     try:
         tokenizer = load_tokenizer(path, reader=reader)
     except ConversionError:
         if with_tokenizer:
             raise
         tokenizer = None
-    cache.store(path, dtype, cfg, params, tokenizer)
+    cache.store(path, dtype, cfg, params, tokenizer, as_stored)
     return cfg, params, (tokenizer if with_tokenizer else None)
 
 
@@ -227,8 +228,21 @@ def check_model_path(path: Optional[str]) -> Tuple[str, str]:
     return path, "gguf"
 
 
+#: ``load_model(weights=...)``: "float32" dequantizes a GGUF file's every tensor at load (to
+#: `dtype`); "as-stored" keeps its Q8_0 / Q4_0 / Q4_1 matrices as the file stores them where the
+#: block kernels decode them (`stored_weights_apply`), and dequantizes the rest.
+WEIGHTS = ("as-stored", "float32")
+
+
+def stored_weights_apply(dtype=np.float32) -> bool:
+    """Whether ``weights="as-stored"`` keeps blocks in this process: float32 params, the CPU
+    backend and the block kernels available (`kernels.status`). Elsewhere (GPUs, bfloat16,
+    XLA's products) the weights are dequantized at load, as with "float32"."""
+    return np.dtype(dtype) == np.float32 and jax.default_backend() == "cpu" and kernels.available()
+
+
 def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: bool = True,
-               progress: bool = False) -> LoadedModel:
+               progress: bool = False, weights: str = "float32") -> LoadedModel:
     """Load a backbone from an HF directory or a GGUF file (the default SmolLM2 GGUF if None).
 
     Args:
@@ -239,6 +253,12 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
         params come back as ``jnp`` arrays.
       with_tokenizer: also load the tokenizer (from the same path).
       progress: a progress bar on stderr while a GGUF file is converted (the first load only).
+      weights: `WEIGHTS`: "float32" (default) dequantizes every tensor; "as-stored" keeps a GGUF
+        file's Q8_0 / Q4_0 / Q4_1 matrices as their blocks (`kernels.BlockWeight`, ~1/6 of the
+        float32 bytes for Q4_1), which decoding multiplies by in the block kernels: the same
+        weights bit for bit, a sixth to a quarter of the bytes read per step. Only where
+        `stored_weights_apply(dtype)`; no effect on HF directories. Such params are for decoding
+        (`models.llama.decoding_params`); training needs "float32".
     A GGUF file is converted once and cached (`convert.cache`: ``~/.cache/medusa_jax/models``,
     keyed by the file's path, size and mtime; ``MEDUSA_JAX_NO_CACHE=1`` disables it).
     Returns:
@@ -250,8 +270,10 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
       UnsupportedArchitectureError: not a llama/mistral/qwen2/qwen3 model.
       ConversionError: a file that is neither GGUF nor an HF directory, a corrupt or truncated
         file, or an unmapped/missing/mis-shaped tensor.
+      ValueError: `weights` not in `WEIGHTS`.
     """
-
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
     path, kind = check_model_path(path)
     extra: List[int] = []
     if kind == "hf":
@@ -259,7 +281,8 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
         extra = _generation_config_eos(path)
         tokenizer = load_tokenizer(path) if with_tokenizer else None
     else:
-        cfg, params, tokenizer = _load_gguf_cached(path, dtype, with_tokenizer, progress)
+        as_stored = weights == "as-stored" and stored_weights_apply(dtype)
+        cfg, params, tokenizer = _load_gguf_cached(path, dtype, with_tokenizer, progress, as_stored)
     cfg = complete_eos_ids(cfg, tokenizer, extra)
     params = jax.device_put(params)  # zero-copy for the cache's aligned, memory-mapped arrays on the CPU
     return LoadedModel(cfg=cfg, params=params, tokenizer=tokenizer, path=path)

@@ -7,6 +7,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from medusa_jax import kernels
 from medusa_jax.decoding.state import DecodeState
 from medusa_jax.decoding.tree import TreeBuffers
 from medusa_jax.heads.config import MedusaConfig
@@ -72,7 +73,7 @@ def hydra_candidates(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, ro
     for d in range(tree.max_depth):
         nodes = tree.expand_nodes[offsets[d]:offsets[d + 1]]          # numpy: static
         idx = tree.parent_tree_indices[tree.node_paths[nodes, :d + 1]]  # [n, d+1] into `flat`
-        path = jnp.take(embeddings, flat[:, jnp.asarray(idx)], axis=0)  # [B, n, d+1, D]
+        path = kernels.take_rows(embeddings, flat[:, jnp.asarray(idx)])  # [B, n, d+1, D]
         states = head_state(heads_cfg, head_params, d, h, path)       # [B, n, D]
         top = states_topk(heads_cfg, head_params, states[None], base_lm_head, tree.topk, first=d)[0]
         flat = jnp.concatenate([flat, top.reshape(B, -1)], axis=1)

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax import kernels
 from medusa_jax.decoding.state import DecodeState
 from medusa_jax.decoding.tree import TreeBuffers
 from medusa_jax.decoding.tree_arrays import TreeArrays
@@ -172,7 +173,7 @@ def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Arr
     for d in range(D):
         n = score.shape[1]
         if hydra:
-            states = head_state(heads_cfg, head_params, d, h, jnp.take(embeddings, path, axis=0))  # [B, n, D]
+            states = head_state(heads_cfg, head_params, d, h, kernels.take_rows(embeddings, path))  # [B, n, D]
             t, lp = (x[0] for x in states_topk(heads_cfg, head_params, states[None], lm, k, first=d, logprobs=True))
         else:
             t, lp = jnp.broadcast_to(ids[d][:, None], (B, n, k)), logp[d][:, None]

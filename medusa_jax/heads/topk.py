@@ -80,7 +80,7 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
         if path_tokens is None or embeddings is None:
             raise ValueError("hydra heads read the path's tokens: pass path_tokens [K, N] (tokens t+1..t+K) and "
                              "embeddings [V, D] (hydra.token_embeddings(params))")
-        path = jnp.take(embeddings, jnp.transpose(path_tokens[:depth]), axis=0)           # [N, depth, D]
+        path = kernels.take_rows(embeddings, jnp.transpose(path_tokens[:depth]))           # [N, depth, D]
         states = teacher_forced_states(heads_cfg, head_params, hidden, path, depth)      # [depth, N, D]
     else:
         blocks = {k: head_params[k][:depth] for k in BLOCK_KEYS}

@@ -30,10 +30,14 @@ Public API:
   matmul_nt_blocks(x [..., K], blocks [N, K/32*bytes] uint8, "q8_0" | "q4_0" | "q4_1") -> [..., N]  (the
       product with GGUF blocks as stored, dequantized in registers: bit for bit matmul_nt over
       dequantize_blocks(blocks, fmt), the gguf package's float32 weights)
+  BlockWeight(blocks, fmt): a [N, K] weight kept as GGUF blocks (a pytree; matmul_nt and weight_for
+      take it where they take an array; .rows(ids) reads embedding rows, .dequantize() the float32)
+  take_rows(table, ids) -> [..., D]  (embedding rows of an array or a BlockWeight)
   argmax(logits [..., V]) -> [...] int32  (jnp.argmax over the last axis, the greedy token)
   read_bandwidth(bytes, threads) -> bytes/s   (the roofline the decoding step is measured against)
   on_huge_pages(a) -> a copy of a CPU array on 2 MB pages (the kernels stream such weights faster)
 """
+from medusa_jax.kernels.blocks import BLOCK_BYTES, BlockWeight, dequantize_blocks, take_rows
 from medusa_jax.kernels.library import (
                                        FLAGS,
                                        SOURCE,
@@ -47,12 +51,10 @@ from medusa_jax.kernels.library import (
                                        status,
 )
 from medusa_jax.kernels.ops import (
-                                       BLOCK_BYTES,
                                        MAX_ROWS,
                                        argmax,
                                        attention_applies,
                                        cache_attention,
-                                       dequantize_blocks,
                                        matmul_nt,
                                        matmul_nt_blocks,
                                        on_huge_pages,
@@ -60,6 +62,6 @@ from medusa_jax.kernels.ops import (
                                        xla_nt,
 )
 
-__all__ = ["BLOCK_BYTES", "FLAGS", "MAX_ROWS", "SOURCE", "TARGETS", "argmax", "attention_applies", "available", "build",
+__all__ = ["BLOCK_BYTES", "BlockWeight", "FLAGS", "MAX_ROWS", "SOURCE", "TARGETS", "argmax", "attention_applies", "available", "build",
            "cache_attention", "cache_dir", "cpu_supported", "dequantize_blocks", "load_library", "matmul_nt",
-           "matmul_nt_blocks", "on_huge_pages", "read_bandwidth", "status", "weight_for", "xla_nt"]
+           "matmul_nt_blocks", "on_huge_pages", "read_bandwidth", "status", "take_rows", "weight_for", "xla_nt"]

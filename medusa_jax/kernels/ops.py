@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import sharding
+from medusa_jax.kernels.blocks import BlockWeight, block_format, dequantize_blocks
 from medusa_jax.kernels.library import MAX_ROWS, available
 
 _HUGE_PAGE = 2 << 20
@@ -148,7 +149,10 @@ def argmax(logits: jax.Array) -> jax.Array:
 def weight_for(w: jax.Array, dtype) -> jax.Array:
     """A weight for `matmul_nt` with activations of `dtype`: bfloat16 weights stay bfloat16 (the
     kernel widens them as it streams them, where a cast inside jit would copy the whole matrix every
-    call); others are cast to `dtype`."""
+    call), and so do GGUF blocks (`BlockWeight`) for float32 activations; others are cast to `dtype`
+    (blocks dequantized first)."""
+    if isinstance(w, BlockWeight):
+        return w if jnp.dtype(dtype) == jnp.float32 else w.dequantize().astype(dtype)
     return w if w.dtype == jnp.bfloat16 else w.astype(dtype)
 
 
@@ -156,7 +160,8 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """``x @ w.T`` for a weight stored ``[out, in]``.
 
     Args:
-      x: [..., K] activations; w: [N, K] weights (row n holds output n's K weights).
+      x: [..., K] activations; w: [N, K] weights (row n holds output n's K weights): an array, or
+        a `BlockWeight` (GGUF blocks: `matmul_nt_blocks`).
     Returns:
       [..., N] in the promoted dtype of x and w. Products of float32 x and float32 or bfloat16 w
       (float32 out: the bfloat16 weights widen exactly, half the bytes are streamed) with at most
@@ -170,51 +175,13 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     """
     if x.shape[-1] != w.shape[-1]:
         raise ValueError(f"matmul_nt: x [..., {x.shape[-1]}] does not match w [{w.shape[0]}, {w.shape[-1]}]")
+    if isinstance(w, BlockWeight):
+        return matmul_nt_blocks(x, w.blocks, w.fmt)
     lead = x.shape[:-1]
     rows = math.prod(lead)
     if w.dtype in (jnp.float32, jnp.bfloat16) and _kernel_applies(x.dtype, rows):
         return _streamed_nt(x.reshape(rows, x.shape[-1]), w).reshape(*lead, w.shape[0])
     return xla_nt(x, w)
-
-
-#: GGUF block formats the product kernel reads as a file stores them: bytes per block of 32 weights
-#: (ggml's Q8_0: float16 d, 32 int8; Q4_0: float16 d, 16 bytes of 4-bit values; Q4_1: float16 d
-#: and m, 16 bytes of 4-bit values).
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20}
-
-
-def _block_format(fmt: str) -> int:
-    if fmt not in BLOCK_BYTES:
-        raise ValueError(f"unknown block format {fmt!r}; known: {', '.join(BLOCK_BYTES)}")
-    return BLOCK_BYTES[fmt]
-
-
-def dequantize_blocks(blocks: jax.Array, fmt: str) -> jax.Array:
-    """GGUF blocks as float32 weights, computed as the ``gguf`` package computes them (bit for bit):
-    Q8_0 ``float(q) * d``, Q4_0 ``d * float(q - 8)``, Q4_1 ``(d * float(q)) + m``.
-
-    Args:
-      blocks: [N, K / 32 * bytes per block] uint8, each row K / 32 blocks (`BLOCK_BYTES`).
-      fmt: "q8_0", "q4_0" or "q4_1".
-    Returns: [N, K] float32.
-    Raises: ValueError for an unknown format or rows that are not whole blocks.
-    """
-    nbytes = _block_format(fmt)
-    N, R = blocks.shape
-    if R % nbytes:
-        raise ValueError(f"dequantize_blocks: rows of {R} bytes are not whole {fmt} blocks of {nbytes} bytes")
-    b = blocks.reshape(N, R // nbytes, nbytes)
-    half = lambda lo: jax.lax.bitcast_convert_type(  # noqa: E731
-        jax.lax.bitcast_convert_type(b[:, :, lo:lo + 2], jnp.uint16), jnp.float16).astype(jnp.float32)[..., None]
-    d = half(0)
-    if fmt == "q8_0":
-        q = jax.lax.bitcast_convert_type(b[:, :, 2:], jnp.int8).astype(jnp.float32)
-        return (q * d).reshape(N, -1)
-    qs = b[:, :, 2 if fmt == "q4_0" else 4:]
-    q = jnp.concatenate([qs & 0x0F, qs >> 4], axis=2)                    # values 0-15, then 16-31
-    if fmt == "q4_0":
-        return (d * (q.astype(jnp.int8) - 8).astype(jnp.float32)).reshape(N, -1)
-    return ((d * q.astype(jnp.float32)) + half(2)).reshape(N, -1)
 
 
 def matmul_nt_blocks(x: jax.Array, blocks: jax.Array, fmt: str) -> jax.Array:
@@ -231,7 +198,7 @@ def matmul_nt_blocks(x: jax.Array, blocks: jax.Array, fmt: str) -> jax.Array:
     Raises:
       ValueError: an unknown format, or blocks that do not hold K weights per row.
     """
-    nbytes = _block_format(fmt)
+    nbytes = block_format(fmt)
     K = x.shape[-1]
     if K % 32 or blocks.ndim != 2 or blocks.shape[1] != K // 32 * nbytes:
         raise ValueError(f"matmul_nt_blocks: x [..., {K}] needs {fmt} rows of {K // 32 * nbytes} bytes (K a "

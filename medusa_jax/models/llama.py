@@ -84,7 +84,8 @@ class Linear(nn.Module):
 
     When the params hold ``kernel_t [out, in]`` instead of ``kernel`` (`decoding_params`), the
     product streams the weights once for all rows (`medusa_jax.kernels.matmul_nt`: the CPU kernel
-    for decoding-sized products, XLA's otherwise). x: [..., in] -> [..., out] in `dtype`.
+    for decoding-sized products, XLA's otherwise); ``kernel_t`` may be a `kernels.BlockWeight`
+    (a GGUF file's blocks, ``load_model(weights="as-stored")``). x: [..., in] -> [..., out] in `dtype`.
     """
     features: int
     use_bias: bool = False
@@ -95,7 +96,7 @@ class Linear(nn.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         if self.has_variable("params", "kernel_t"):
             w = self.get_variable("params", "kernel_t")
-            y = kernels.matmul_nt(x.astype(self.dtype), w.astype(self.dtype))
+            y = kernels.matmul_nt(x.astype(self.dtype), kernels.weight_for(w, self.dtype))
         else:
             w = self.param("kernel", nn.initializers.lecun_normal(), (x.shape[-1], self.features), self.param_dtype)
             y = jax.lax.dot_general(x.astype(self.dtype), w.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ())))
@@ -109,10 +110,28 @@ def _fused_product(module: nn.Module, x: jax.Array, name: str, dtype) -> jax.Arr
     ``{name}_bias [N]`` when present) -> [..., N] in `dtype`, one weight-streaming product for
     what `Linear` layers sharing an input compute (`decoding_params`)."""
     w = module.get_variable("params", f"{name}_t")
-    y = kernels.matmul_nt(x.astype(dtype), w.astype(dtype))
+    y = kernels.matmul_nt(x.astype(dtype), kernels.weight_for(w, dtype))
     if module.has_variable("params", f"{name}_bias"):
         y = y + module.get_variable("params", f"{name}_bias").astype(dtype)
     return y
+
+
+class Embed(nn.Embed):
+    """`flax.linen.Embed` (param ``embedding [V, D]``, the same init and lookup), whose table may
+    also be a `kernels.BlockWeight` (a GGUF file's blocks, ``load_model(weights="as-stored")``):
+    then a lookup dequantizes only the rows it reads. tokens [...] int -> [..., D] in `dtype`."""
+
+    def setup(self):
+        if self.has_variable("params", "embedding") and isinstance(
+                self.get_variable("params", "embedding"), kernels.BlockWeight):
+            self.embedding = self.get_variable("params", "embedding")
+        else:
+            super().setup()
+
+    def __call__(self, inputs: jax.Array) -> jax.Array:
+        if isinstance(self.embedding, kernels.BlockWeight):
+            return kernels.take_rows(self.embedding, inputs).astype(self.dtype)
+        return super().__call__(inputs)
 
 
 class RMSNorm(nn.Module):
@@ -371,7 +390,7 @@ class LlamaModel(nn.Module):
         emb = self.variables.get("params", {}).get("embed", {}).get("embedding")
         dt = self.dtype if self.dtype is not None else (emb.dtype if emb is not None else jnp.float32)
         self.compute_dtype = dt
-        self.embed = nn.Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=dt)
+        self.embed = Embed(c.vocab_size, c.hidden_size, dtype=dt, param_dtype=dt)
         self.layers = [DecoderLayer(c, dt, name=f"layers_{i}") for i in range(c.num_layers)]
         self.norm = RMSNorm(c.rms_norm_eps, dt)
         if not c.tie_word_embeddings:
@@ -468,7 +487,7 @@ class LlamaModel(nn.Module):
             p = self.lm_head.variables["params"]
             w = p["kernel_t"] if "kernel_t" in p else p["kernel"].T
         if dt == jnp.float32:
-            return kernels.matmul_nt(hidden.astype(dt), w.astype(dt)).astype(jnp.float32)
+            return kernels.matmul_nt(hidden.astype(dt), kernels.weight_for(w, dt)).astype(jnp.float32)
         return jax.lax.dot_general(hidden.astype(dt), w.astype(dt), (((hidden.ndim - 1,), (1,)), ((), ())),
                                    preferred_element_type=jnp.float32)
 
@@ -480,12 +499,18 @@ def compute_dtype(params) -> jnp.dtype:
 
 
 def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
-    """The base model's output projection from a params tree, as [D, V] (embedding.T when tied)."""
+    """The base model's output projection from a params tree, as [D, V] (embedding.T when tied;
+    a table kept as GGUF blocks is dequantized, inside jit only where the result is used)."""
     if cfg.tie_word_embeddings:
-        return params["embed"]["embedding"].T
+        return _dense(params["embed"]["embedding"]).T
     if "kernel_t" in params["lm_head"]:
-        return params["lm_head"]["kernel_t"].T
+        return _dense(params["lm_head"]["kernel_t"]).T
     return params["lm_head"]["kernel"]
+
+
+def _dense(w):
+    """A weight as an array: GGUF blocks (`kernels.BlockWeight`) dequantized to float32."""
+    return w.dequantize() if isinstance(w, kernels.BlockWeight) else w
 
 
 _DECODING: dict = {}
@@ -513,7 +538,7 @@ def decoding_params(params: dict) -> dict:
     params tree (while its embedding array lives), so the decoding entry points may call this on
     every request.
     """
-    if (jax.default_backend() != "cpu" or not kernels.available() or _has_key(params, "kernel_t")
+    if (jax.default_backend() != "cpu" or not kernels.available() or _in_decoding_layout(params)
             or sharding.mesh_of(params["embed"]["embedding"]) is not None):
         return params
     leaf = params["embed"]["embedding"]
@@ -527,8 +552,10 @@ def decoding_params(params: dict) -> dict:
         out = {("kernel_t" if k == "kernel" else k): (jnp.transpose(v) if k == "kernel" else convert(v))
                for k, v in tree.items()}
         for fused, parts in _FUSED.items():
-            if all(isinstance(out.get(p), Mapping) and "kernel_t" in out[p] for p in parts):
-                out[f"{fused}_t"] = jnp.concatenate([out[p]["kernel_t"] for p in parts], axis=0)
+            fused_w = _fused_weight([out[p].get("kernel_t") if isinstance(out.get(p), Mapping) else None
+                                     for p in parts])
+            if fused_w is not None:
+                out[f"{fused}_t"] = fused_w
                 if all("bias" in out[p] for p in parts):
                     out[f"{fused}_bias"] = jnp.concatenate([out[p]["bias"] for p in parts])
                 for p in parts:
@@ -540,6 +567,32 @@ def decoding_params(params: dict) -> dict:
         del _DECODING[key]
     _DECODING[id(params)] = (weakref.ref(leaf), out)
     return out
+
+
+def _fused_weight(ws: list):
+    """The ``[out, in]`` weights `ws` stacked along out: arrays concatenated, GGUF blocks of one
+    format concatenated as blocks (a row's blocks are its own); None when one is missing or the
+    kinds differ (the projections then stay apart)."""
+    if any(w is None for w in ws):
+        return None
+    if all(isinstance(w, kernels.BlockWeight) for w in ws):
+        if len({w.fmt for w in ws}) != 1:
+            return None
+        return kernels.BlockWeight(jnp.concatenate([jnp.asarray(w.blocks) for w in ws], axis=0), ws[0].fmt)
+    if any(isinstance(w, kernels.BlockWeight) for w in ws):
+        return None
+    return jnp.concatenate(ws, axis=0)
+
+
+def _in_decoding_layout(tree) -> bool:
+    """No ``kernel [in, out]`` left and no projections that `decoding_params` would still fuse."""
+    def fusible(t) -> bool:
+        if not isinstance(t, Mapping):
+            return False
+        if any(all(isinstance(t.get(p), Mapping) and "kernel_t" in t[p] for p in parts) for parts in _FUSED.values()):
+            return True
+        return any(fusible(v) for v in t.values())
+    return not _has_key(tree, "kernel") and not fusible(tree)
 
 
 def _has_key(tree, key: str) -> bool:
