@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax import sharding
+from medusa_jax.convert.load import weights_of
 from medusa_jax.convert.medusa_format import load_heads, read_heads_config
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.tree import PRESETS, TreeBuffers, dynamic_tree, get_tree, with_lookup
@@ -156,10 +157,13 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
         dt = compute_dtype(model.params)
         params = {k: (v.astype(dt) if jnp.issubdtype(jnp.asarray(v).dtype, jnp.floating) else v)
                   for k, v in params.items()}
-    calibration = (heads_calibration(heads_path) or {}) if heads_path != "zero" else {}
+    calibration = (heads_calibration(heads_path, weights_of(getattr(model, "params", None))) or {}) \
+        if heads_path != "zero" else {}
     if tree_spec is None and calibration.get("dynamic_tree"):  # the tree tune chose, when it chose one per step
         saved = calibration["dynamic_tree"]
         tree_spec = f"dynamic:{int(saved['budget'])}:{int(saved['width'])}"
+    elif tree_spec is None and calibration.get("medusa_choices"):  # tune's static tree for these weights
+        heads_cfg = heads_cfg.replace(medusa_choices=tuple(tuple(p) for p in calibration["medusa_choices"]))
     tree = tree_lookup(with_confidence(resolve_tree(tree_spec, heads_cfg), calibration.get("confidence"),
                                        calibration.get("lookup_confidence")), prompt_lookup)
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
@@ -171,17 +175,25 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     return (heads_cfg, params), tree, ""
 
 
-def heads_calibration(heads_path: Optional[str]) -> Optional[dict]:
+def heads_calibration(heads_path: Optional[str], weights: Optional[str] = None) -> Optional[dict]:
     """The ``tree_search`` report that `medusa_jax.cli.tune` saved with the heads (calibrated
     ``rank_accuracies`` [K][topk], measured costs, the chosen tree), or None when there is none.
-    `heads_path` None means the shipped heads; "zero" has none."""
+    `heads_path` None means the shipped heads; "zero" has none. `weights` ("as-stored" or
+    "float32", `convert.load.weights_of`): the report tune made on weights of that kind (step
+    costs, hence trees, differ between them): the latest (``tree_search``, whose ``weights`` says
+    which; float32 when it does not) or an earlier one kept in ``tree_search_by_weights``; the
+    latest when there is none for them."""
     if heads_path == "zero":
         return None
 
     try:
-        return read_heads_config(heads_location(heads_path) or DEFAULT_HEADS_DIR).get("tree_search")
+        cfg = read_heads_config(heads_location(heads_path) or DEFAULT_HEADS_DIR)
     except (OSError, ValueError):
         return None
+    latest = cfg.get("tree_search")
+    if weights is None or latest is None or latest.get("weights", "float32") == weights:
+        return latest
+    return (cfg.get("tree_search_by_weights") or {}).get(weights) or latest
 
 
 def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) -> Optional[Tuple[float, str]]:

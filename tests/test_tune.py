@@ -228,6 +228,19 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     pred, basis = predicted_tokens_per_step(other, heads_calibration(str(tmp_path / "tuned")))
     acc = np.asarray(report["rank_accuracies"])
     assert pred == pytest.approx(1 + acc[0, :3].sum()) and "independent" in basis
+    # a report per kind of weights (GGUF blocks decode with other step costs, so another tree):
+    # decoding reads the one made on its own weights, the latest where there is none
+    assert report["weights"] == "float32"
+    raw["tree_search"] = {**report, "weights": "as-stored", "medusa_choices": [[0], [1]]}
+    raw["tree_search_by_weights"] = {"float32": {**report, "medusa_choices": [[0], [0, 0], [0, 0, 0]]}}
+    json.dump(raw, open(tmp_path / "tuned" / "config.json", "w"))
+    assert heads_calibration(str(tmp_path / "tuned"), "as-stored")["medusa_choices"] == [[0], [1]]
+    assert heads_calibration(str(tmp_path / "tuned"), "float32")["medusa_choices"] == [[0], [0, 0], [0, 0, 0]]
+    _, tree, _ = resolve_heads(lm, str(tmp_path / "tuned"))  # lm holds float32 weights
+    assert sorted(tree.medusa_choices) == [(0,), (0, 0), (0, 0, 0)]
+    del raw["tree_search_by_weights"]
+    json.dump(raw, open(tmp_path / "tuned" / "config.json", "w"))
+    assert heads_calibration(str(tmp_path / "tuned"), "float32")["weights"] == "as-stored"
 
 
 def _files(directory) -> dict:

@@ -32,6 +32,7 @@ from medusa_jax.evals.speed import (
 
 def main(argv=None) -> int:
     from medusa_jax import resolve, sharding
+    from medusa_jax.convert.load import weights_of
     from medusa_jax.cli import common
     from medusa_jax.cli.common import HelpFormatter
 
@@ -151,7 +152,7 @@ def main(argv=None) -> int:
                        {"plain": plain_acc, "medusa": acc}, args.seed, greedy) for n in batch_sizes]
     conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary = summarize(rows, tree.max_accepted)
-    predicted = resolve.predicted_tokens_per_step(tree, resolve.heads_calibration(args.heads))
+    predicted = resolve.predicted_tokens_per_step(tree, resolve.heads_calibration(args.heads, weights_of(params)))
     overall = summary.get("overall", summary.get("all"))
     tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
                 + (f"{predicted[0]:.3f} ({predicted[1]})" if predicted else "n/a (heads not tuned)")

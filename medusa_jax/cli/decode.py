@@ -124,6 +124,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     import medusa_jax as mj
     from medusa_jax import resolve
+    from medusa_jax.convert.load import weights_of
     from medusa_jax.cli import common
 
     progress = not (args.json or args.no_progress)
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if heads is not None and not heads_note:
-        heads_note = resolve.speed_note(tree, resolve.heads_calibration(args.heads))
+        heads_note = resolve.speed_note(tree, resolve.heads_calibration(args.heads, weights_of(model.params)))
     if heads_note and not args.json:
         print(f"note: {heads_note}", file=sys.stderr)
     acc = args.acc

@@ -80,6 +80,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     import uvicorn
 
     from medusa_jax import resolve
+    from medusa_jax.convert.load import weights_of
     from medusa_jax.cli import common
     from medusa_jax.decoding.engine import Engine
     from medusa_jax.serve import create_app
@@ -92,7 +93,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if note:
         print(f"note: {note}", file=sys.stderr)
     priors = None
-    predicted = resolve.predicted_tokens_per_step(tree, resolve.heads_calibration(args.heads)) if heads else None
+    calibration = resolve.heads_calibration(args.heads, weights_of(model.params))
+    predicted = resolve.predicted_tokens_per_step(tree, calibration) if heads else None
     if predicted:
         priors = [1.0, 1.0 + (predicted[0] - 1.0) / 2, predicted[0]]
     engine = Engine(model.cfg, model.params, heads=heads, tree=tree, max_batch=args.max_batch,

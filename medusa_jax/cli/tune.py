@@ -27,7 +27,11 @@ installed package unless ``--update-shipped-heads`` says so (maintainers re-tuni
    maximises the predicted speedup, replayed tokens per step / c(T) (a step with prompt lookup
    verifies max(T, K + 1) nodes), is saved as the heads' ``medusa_choices``, with the whole table
    (``tree_search`` in config.json). decode.py and the benchmark use it by default; the benchmark
-   prints the predicted tokens per step beside the measured one.
+   prints the predicted tokens per step beside the measured one. The step costs depend on the
+   weights (``--weights``: a GGUF file's blocks cost relatively more per extra row than float32),
+   so the report says which it was measured on (``weights``), an earlier report on the other kind
+   is kept (``tree_search_by_weights``), and decoding reads the one for its own weights
+   (`resolve.heads_calibration`).
 """
 from __future__ import annotations
 
@@ -127,6 +131,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    from medusa_jax.convert.load import weights_of
     from medusa_jax.convert.medusa_format import load_heads, read_heads_config, save_heads
     from medusa_jax.convert.tuned_layers import LAYERS_FILE, tuned_layers_path
     from medusa_jax.evals.memory import tree_bytes
@@ -239,7 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print("per step (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in breakdown.items() if k.endswith("_ms")))
     if args.dry_run:
         return 0
-    report = {"device": str(jax.devices()[0].device_kind), "plain_step_ms": costs["plain_s"] * 1e3,
+    report = {"device": str(jax.devices()[0].device_kind), "weights": weights_of(model.params),
+              "plain_step_ms": costs["plain_s"] * 1e3,
               "cost_cache_sizes": cache_sizes, "cost_prompt_tokens": len(prompt),
               "plain_step_ms_by_cache_size": {S: c["plain_s"] * 1e3 for S, c in by_size.items()},
               "cost_by_cache_size": {S: c["cost"] for S, c in by_size.items()}, "products": kernels.status(),
@@ -256,8 +262,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "dynamic_rows": drows, "dynamic_cost_by_cache_size": dynamic_by_size,
               "confidence": confidence and {"knots": list(confidence[0]), "values": [list(v) for v in confidence[1]]},
               "lookup_confidence": lookup_conf and [list(r) for r in lookup_conf]}
-    extras = format_extras(read_heads_config(heads_dir))
+    raw = read_heads_config(heads_dir)
+    extras = format_extras(raw)
     extras["tree_search"] = report
+    # the reports tuned on the other kind of weights stay (`resolve.heads_calibration`)
+    others = dict(raw.get("tree_search_by_weights") or {})
+    if raw.get("tree_search"):
+        others[raw["tree_search"].get("weights", "float32")] = raw["tree_search"]
+    others.pop(report["weights"], None)
+    extras.pop("tree_search_by_weights", None)
+    if others:
+        extras["tree_search_by_weights"] = others
     tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in static_best["medusa_choices"]))
     # the shipped heads are kept in float16 (half the package size); tuned copies in float32
     save_heads(out_dir, tuned, hp, extra=extras, dtype=np.float16 if args.update_shipped_heads else np.float32)

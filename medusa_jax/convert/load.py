@@ -234,6 +234,13 @@ def check_model_path(path: Optional[str]) -> Tuple[str, str]:
 WEIGHTS = ("as-stored", "float32")
 
 
+def weights_of(params) -> str:
+    """The `WEIGHTS` value a params tree was loaded with: "as-stored" when any matrix is kept as
+    GGUF blocks (`kernels.BlockWeight`), else "float32" (whatever the float dtype)."""
+    leaves = jax.tree_util.tree_leaves(params, is_leaf=lambda x: isinstance(x, kernels.BlockWeight))
+    return "as-stored" if any(isinstance(x, kernels.BlockWeight) for x in leaves) else "float32"
+
+
 def stored_weights_apply(dtype=np.float32) -> bool:
     """Whether ``weights="as-stored"`` keeps blocks in this process: float32 params, the CPU
     backend and the block kernels available (`kernels.status`). Elsewhere (GPUs, bfloat16,
