@@ -60,6 +60,10 @@ def main(argv=None) -> int:
                         "against batch 1; greedy rows must equal plain greedy's batch-1 output (near-tie rule as in "
                         "check)")
     common.add_dtype_arg(p)
+    p.add_argument("--compare-weights", choices=common.WEIGHTS, default=None,
+                   help="also time plain greedy on a second copy of the model loaded with these --weights, "
+                        "interleaved with the others (e.g. float32 beside the default as-stored GGUF blocks); its "
+                        "output is compared with plain greedy's")
     common.add_mesh_arg(p)
     common.add_acceptance_args(p, temperature_help="0: greedy, Medusa checked against plain greedy; > 0: plain "
                                                     "sampling against Medusa sampling (no comparison of outputs)")
@@ -81,6 +85,8 @@ def main(argv=None) -> int:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.hf and acc.mode != "greedy":
         p.error("--hf times transformers' greedy generate: use it at --temperature 0")
+    if args.compare_weights and acc.mode != "greedy":
+        p.error("--compare-weights times plain greedy decoding: use it at --temperature 0")
     greedy = acc.mode == "greedy"
     if args.torch_threads < 1:
         p.error(f"--torch-threads must be >= 1, got {args.torch_threads}")
@@ -124,10 +130,17 @@ def main(argv=None) -> int:
                                                               acc, seed)}
     if hf_model is not None:
         decoders["hf"] = lambda ids, seed: time_hf_generate(hf_model, ids, args.max_new_tokens, eos)
+    ref = None  # the same model on the other --weights
+    if args.compare_weights:
+        ref = common.load_backbone(args.model, args.heads, args.dtype, with_tokenizer=False, progress=False,
+                                   weights=args.compare_weights)
+        decoders["ref"] = lambda ids, seed: time_jit_generate(ref.cfg, ref.params, None, None, ids,
+                                                              args.max_new_tokens, eos, plain_acc, seed)
     for run in decoders.values():  # untimed warm-up, full budget (ours: compiles every shape of this prompt)
         run(prompts[0], args.seed)
     conditions = run_conditions(args.torch_threads if hf_model is not None else None)
-    conditions.update(dtype=args.dtype, mesh=sharding.describe(mesh))
+    conditions.update(dtype=args.dtype, mesh=sharding.describe(mesh), weights=weights_of(params),
+                      compare_weights=ref and weights_of(ref.params))
     names = list(decoders)
     rows, plain_outputs = [], []
     for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="bench", unit="prompt")):
@@ -147,6 +160,11 @@ def main(argv=None) -> int:
             row.update(hf_tokens=len(hf["tokens"]), hf_decode_tokens=hf["decode_tokens"], hf_s=hf["seconds"],
                        hf_prefill_s=hf["prefill_s"], hf_identical=h.identical, hf_first_diff=h.first_diff,
                        hf_gap=h.gap)
+        if "ref" in res:
+            r = res["ref"]
+            w = compare(cfg, params, ids, plain["tokens"], r["tokens"])
+            row.update(ref_tokens=len(r["tokens"]), ref_s=r["seconds"], ref_prefill_s=r["prefill_s"],
+                       ref_identical=w.identical, ref_near_tie=w.near_tie)
         rows.append(row)
     batches = [batched(cfg, params, heads, tree, prompts, plain_outputs, rows, n, args.max_new_tokens, eos,
                        {"plain": plain_acc, "medusa": acc}, args.seed, greedy) for n in batch_sizes]
@@ -163,6 +181,9 @@ def main(argv=None) -> int:
     timing_line = ("tokens/s: decode only, total tokens emitted after the prompt's forward pass / total seconds "
                    f"after it (prefill excluded for every decoder); prefill over {overall['prompts']} prompts: "
                    f"plain {overall['plain_prefill_s']:.2f} s")
+    if ref is not None:
+        timing_line += (f", plain on {conditions['compare_weights']} weights {overall['ref_prefill_s']:.2f} s "
+                        f"(these: {conditions['weights']})")
     if hf_model is not None:
         timing_line += (f", transformers {overall['hf_prefill_s']:.2f} s; transformers with "
                         f"{args.torch_threads} torch thread(s), {conditions['cpu_cores']} cores")
@@ -194,6 +215,13 @@ def main(argv=None) -> int:
             bugs += b["other_differences"]
             print(f"batch {batch['batch_size']} {name}: identical to plain greedy at batch 1 {b['identical']}/{len(rows)}, "
                   f"near-ties {b['near_ties']}, other differences {b['other_differences']}")
+    if ref is not None:  # the same weights (GGUF blocks dequantize exactly): a difference is a bug
+        other = [r["id"] for r in rows if not r["ref_identical"] and not r["ref_near_tie"]]
+        bugs += len(other)
+        print(f"plain greedy on {conditions['compare_weights']} weights identical to plain greedy "
+              f"{sum(r['ref_identical'] for r in rows)}/{len(rows)}, near-ties "
+              f"{sum(r['ref_near_tie'] for r in rows)}, other differences {len(other)}"
+              + (": " + ", ".join(map(str, other)) if other else ""))
     if hf_model is not None:
         diffs = [f"{r['id']} at token {r['hf_first_diff']} (top-2 gap "
                  + ("n/a: one stopped earlier" if r["hf_gap"] is None else f"{r['hf_gap']:.2g}") + ")"

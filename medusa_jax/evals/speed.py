@@ -225,9 +225,12 @@ def summarize(rows: List[dict], depth: int) -> Dict[str, dict]:
 
     rows: one dict per prompt, as `main` writes them: category, new_tokens, plain_s, medusa_s
       (decode seconds), medusa_steps, hist, identical, near_tie; optionally plain_prefill_s; with
-      ``--hf`` also hf_decode_tokens, hf_s (decode seconds), hf_prefill_s, hf_identical.
+      ``--hf`` also hf_decode_tokens, hf_s (decode seconds), hf_prefill_s, hf_identical; with
+      ``--compare-weights`` also ref_tokens, ref_s (plain greedy on the other weights), ref_prefill_s,
+      ref_identical.
     Returns {category or "all" / "overall": figures}; the transformers figures (hf_tok_s,
-    plain_vs_hf, hf_identical, hf_prefill_s) only where every row has them.
+    plain_vs_hf, hf_identical, hf_prefill_s) and the other weights' (ref_tok_s, plain_vs_ref,
+    medusa_vs_ref, ref_identical, ref_prefill_s) only where every row has them.
     """
     groups: Dict[str, List[dict]] = defaultdict(list)
     for r in rows:
@@ -253,18 +256,29 @@ def summarize(rows: List[dict], depth: int) -> Dict[str, dict]:
             s["plain_vs_hf"] = s["plain_tok_s"] / s["hf_tok_s"]
             s["hf_identical"] = sum(r["hf_identical"] for r in rs)
             s["hf_prefill_s"] = sum(r["hf_prefill_s"] for r in rs)
+        if all("ref_s" in r for r in rs):
+            s["ref_tok_s"] = rate([r["ref_tokens"] for r in rs], [r["ref_s"] for r in rs])
+            s["plain_vs_ref"] = s["plain_tok_s"] / s["ref_tok_s"]
+            s["medusa_vs_ref"] = s["medusa_tok_s"] / s["ref_tok_s"]
+            s["ref_identical"] = sum(r["ref_identical"] for r in rs)
+            s["ref_prefill_s"] = sum(r["ref_prefill_s"] for r in rs)
         out[name] = s
     return out
 
 
 def markdown_table(summary: Dict[str, dict]) -> str:
-    """The summary as a markdown table, "overall" last (transformers' columns when every group has them)."""
+    """The summary as a markdown table, "overall" last (transformers' columns, and those of plain
+    greedy on the other weights, when every group has them)."""
     has_hf = all("hf_tok_s" in s for s in summary.values())
+    has_ref = all("ref_tok_s" in s for s in summary.values())
     head = "| category | prompts | plain tok/s | Medusa tok/s | speedup | tokens/step |"
     sep = "|---|---|---|---|---|---|"
     if has_hf:
         head += " transformers tok/s | plain / transformers | identical to transformers |"
         sep += "---|---|---|"
+    if has_ref:
+        head += " plain tok/s, other weights | plain / other | Medusa / other | identical to other |"
+        sep += "---|---|---|---|"
     lines = [head, sep]
     for name in sorted(summary, key=lambda n: (n == "overall", n)):
         s = summary[name]
@@ -272,6 +286,9 @@ def markdown_table(summary: Dict[str, dict]) -> str:
                 f"{s['speedup']:.2f}x | {s['tokens_per_step']:.2f} |")
         if has_hf:
             line += f" {s['hf_tok_s']:.1f} | {s['plain_vs_hf']:.2f}x | {s['hf_identical']}/{s['prompts']} |"
+        if has_ref:
+            line += (f" {s['ref_tok_s']:.1f} | {s['plain_vs_ref']:.2f}x | {s['medusa_vs_ref']:.2f}x | "
+                     f"{s['ref_identical']}/{s['prompts']} |")
         lines.append(line)
     return "\n".join(lines) + "\n"
 
