@@ -327,8 +327,13 @@ def test_block_kernels_stream_the_gguf_weights_bit_for_bit(fmt, K, N):
         np.testing.assert_array_equal(got, want)
     hlo = prod.lower(jnp.asarray(x[:4]), jnp.asarray(blocks), fmt).compile().as_text()
     assert f'custom_call_target="medusa_matmul_nt_{fmt}"' in hlo and f"f32[{N},{K}]" not in hlo
-    many = np.random.default_rng(1).standard_normal((40, K)).astype(np.float32)  # past MAX_ROWS: XLA over the weights
-    np.testing.assert_allclose(np.asarray(prod(jnp.asarray(many), jnp.asarray(blocks), fmt)), many @ w.T,
-                               rtol=1e-4, atol=1e-4)
+    # past MAX_ROWS (prefill): XLA's product over the weights the dequantizing kernel writes, which
+    # are the gguf package's, so it equals XLA's product over the float32 weights bit for bit
+    many = jnp.asarray(np.random.default_rng(1).standard_normal((40, K)).astype(np.float32))
+    got = np.asarray(prod(many, jnp.asarray(blocks), fmt))
+    np.testing.assert_array_equal(got, np.asarray(jax.jit(kernels.xla_nt)(many, jnp.asarray(w))))
+    np.testing.assert_allclose(got, np.asarray(many) @ w.T, rtol=1e-4, atol=1e-4)
+    hlo = prod.lower(many, jnp.asarray(blocks), fmt).compile().as_text()
+    assert f'custom_call_target="medusa_dequantize_{fmt}"' in hlo
     with pytest.raises(ValueError, match="needs"):
         kernels.matmul_nt_blocks(jnp.asarray(x[:, :K - 1]), jnp.asarray(blocks), fmt)

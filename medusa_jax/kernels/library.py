@@ -23,7 +23,8 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-std=c++17", 
 
 
 TARGETS = ("medusa_matmul_nt", "medusa_matmul_nt_bf16", "medusa_matmul_nt_q8_0", "medusa_matmul_nt_q4_0",
-           "medusa_matmul_nt_q4_1", "medusa_cache_attention", "medusa_argmax_rows")
+           "medusa_matmul_nt_q4_1", "medusa_dequantize_q8_0", "medusa_dequantize_q4_0", "medusa_dequantize_q4_1",
+           "medusa_cache_attention", "medusa_argmax_rows")
 
 
 # Products with more rows than this go to XLA: the kernel's advantage is for decoding-sized M (it

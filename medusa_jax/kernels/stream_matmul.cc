@@ -13,6 +13,9 @@
 //     weights, `Q8_0W` and the others below), dequantized in registers exactly as the gguf
 //     package dequantizes them (float32 multiply, then add): a sixth to a quarter of the bytes
 //
+//   medusa_dequantize_q8_0, _q4_0, _q4_1: GGUF blocks -> float32 weights, the same values (for
+//     products with more rows, which XLA runs: prefill)
+//
 //   medusa_cache_attention: attention of T <= 16 new tokens over the KV cache (below)
 //
 //   medusa_argmax_rows: the greedy token of each row of logits, as jnp.argmax (below)
@@ -166,7 +169,7 @@ struct Q4_1W : BlockW<20> {
   }
 };
 
-// Rows n..n+R-1 of a GGUF-block weight as float32 in out [R, K] (each value as `WF::load8` gives
+// Rows n..n+R-1 of a GGUF-block weight as float32 in out [R, K] (each value as `WF::load32` gives
 // it), prefetching the same bytes of the rows `ahead` further down.
 template <typename WF>
 inline void dequantize_rows(const void* w, int64_t n, int64_t R, int64_t K, int64_t ahead, float* out) {
@@ -506,6 +509,22 @@ ffi::Error MatmulNTBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::
   return run_nt<WF>(x, w, y);
 }
 
+// GGUF blocks w [N, K / 32 * block bytes] -> float32 y [N, K] (for products with more rows than the
+// streaming kernel takes: prefill chunks, which XLA then multiplies), each value as `load32` gives
+// it, rows split between the threads.
+template <typename WF>
+ffi::Error DequantizeBlocks(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
+  auto wd = w.dimensions(), yd = y->dimensions();
+  if (wd.size() != 2 || yd.size() != 2 || yd[0] != wd[0] || yd[1] % 32 != 0 || WF::row_bytes(yd[1]) != wd[1])
+    return ffi::Error::InvalidArgument("medusa_dequantize: w [N, K / 32 * block bytes] and y [N, K] do not agree");
+  const int64_t N = wd[0], K = yd[1];
+  const void* wp = w.untyped_data();
+  float* yp = y->typed_data();
+  parallel_columns(N, WF::row_bytes(K) + 4 * K, 1,
+                   [&](int64_t b, int64_t e) { dequantize_rows<WF>(wp, b, e - b, K, 0, yp + b * K); });
+  return ffi::Error::Success();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt, MatmulNT,
@@ -524,6 +543,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt, MatmulNT,
 MEDUSA_BLOCKS_HANDLER(medusa_matmul_nt_q8_0, Q8_0W)
 MEDUSA_BLOCKS_HANDLER(medusa_matmul_nt_q4_0, Q4_0W)
 MEDUSA_BLOCKS_HANDLER(medusa_matmul_nt_q4_1, Q4_1W)
+
+#define MEDUSA_DEQUANTIZE_HANDLER(name, format)                    \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, DequantizeBlocks<format>,      \
+                                ffi::Ffi::Bind()                     \
+                                    .Arg<ffi::Buffer<ffi::U8>>()     \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+
+MEDUSA_DEQUANTIZE_HANDLER(medusa_dequantize_q8_0, Q8_0W)
+MEDUSA_DEQUANTIZE_HANDLER(medusa_dequantize_q4_0, Q4_0W)
+MEDUSA_DEQUANTIZE_HANDLER(medusa_dequantize_q4_1, Q4_1W)
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(medusa_matmul_nt_bf16, MatmulNTBf16,
                               ffi::Ffi::Bind()
