@@ -138,6 +138,15 @@ def random_tokens(cfg: ModelConfig, shape: Tuple[int, ...], seed: int = 0) -> np
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=shape).astype(np.int32)
 
 
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """The converted-model cache (`convert.cache`) in a fresh directory, enabled."""
+    d = tmp_path / "cache"
+    monkeypatch.setenv("MEDUSA_JAX_CACHE_DIR", str(d))
+    monkeypatch.delenv("MEDUSA_JAX_NO_CACHE", raising=False)
+    return d
+
+
 @pytest.fixture(scope="session")
 def smollm2():
     """The real SmolLM2-135M-Instruct (`LoadedModel`, float32, with tokenizer), loaded once.

@@ -20,14 +20,6 @@ TEXTS = ["Hello world!", "  leading spaces\n\ttabs and\r\nnewlines", "naïve caf
          "def f(x):\n    return x**2  # comment", "<|im_start|>user\nhi<|im_end|>", "<|endoftext|>", ""]
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("MEDUSA_JAX_CACHE_DIR", str(d))
-    monkeypatch.delenv("MEDUSA_JAX_NO_CACHE", raising=False)
-    return d
-
-
 @pytest.mark.real_model
 def test_gguf_tokenizer_equals_transformers(smollm2_path):
     """Our torch-free tokenizer is transformers' own GGUF tokenizer, token for token."""

@@ -21,14 +21,6 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason="the block kerne
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
 
 
-@pytest.fixture
-def cache_dir(tmp_path, monkeypatch):
-    d = tmp_path / "cache"
-    monkeypatch.setenv("MEDUSA_JAX_CACHE_DIR", str(d))
-    monkeypatch.delenv("MEDUSA_JAX_NO_CACHE", raising=False)
-    return d
-
-
 def tiny_gguf(tmp_path, fmt: str, arch: str = "llama", **overrides):
     cfg = tiny_config(arch, vocab_size=64, **overrides)
     model, _ = random_hf_model(cfg, seed=3)

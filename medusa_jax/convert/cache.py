@@ -4,7 +4,8 @@ Converting a GGUF file means parsing it and dequantizing every tensor (about 12 
 135M-parameter default model on this project's 2-core CPU). The converted params, the config
 and the tokenizer are stored once under ``~/.cache/medusa_jax/models/<key>/`` (or
 ``$MEDUSA_JAX_CACHE_DIR/models``) as one ``.npy`` file per parameter (``params/``, listed in
-``params.json``), ``model_config.json`` and the tokenizer's own files, and read back on later
+``params.json``; a matrix kept as GGUF blocks, ``load_model(weights="as-stored")``, as its uint8
+blocks, the format after a ``#`` in its name), ``model_config.json`` and the tokenizer's own files, and read back on later
 runs. The ``.npy`` files are memory-mapped copy-on-write: numpy aligns their data to 64 bytes, so
 JAX's CPU backend uses the mapped pages in place instead of copying 0.5 GB (the pages are read
 from the OS file cache as they are first touched, and a write never reaches the file). The key covers the file's
@@ -124,6 +125,7 @@ def load_cached(path: str, dtype, as_stored: bool = False) -> Optional[Tuple[Mod
 def store(path: str, dtype, cfg: ModelConfig, params: dict, tokenizer=None, as_stored: bool = False) -> Optional[str]:
     """Write a converted model to the cache (atomically: a temporary directory renamed into place).
 
+    as_stored: the params hold `kernels.BlockWeight` matrices (a separate entry from the float one).
     Returns the entry's directory, or None when caching is disabled, the dtype is not a native
     numpy float, the params exceed `MAX_CACHE_BYTES`, or the cache directory cannot be written (the run goes on uncached).
     """

@@ -17,11 +17,11 @@ from typing import Any, Iterable, List, Optional, Tuple
 import jax
 import numpy as np
 
+from medusa_jax import kernels
 from medusa_jax.chat import end_of_turn_ids
 from medusa_jax.convert import cache
 from medusa_jax.convert.gguf import GGUF_MAGIC, load_gguf, open_gguf
 from medusa_jax.convert.gguf_tokenizer import tokenizer_from_gguf
-from medusa_jax import kernels
 from medusa_jax.convert.hf import ConversionError, load_hf
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.llama import LlamaModel

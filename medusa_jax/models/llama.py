@@ -531,7 +531,8 @@ def decoding_params(params: dict) -> dict:
     the kernels stream it faster; smaller ones are shared, not copied. `LlamaModel` runs either
     layout with the same results (up to float32 round-off; the kernel computes each output alike
     whichever matrix holds it); training keeps the ``kernel`` layout (its gradients and
-    checkpoints use it).
+    checkpoints use it). Matrices a GGUF file's blocks hold (`kernels.BlockWeight`, loaded with
+    ``weights="as-stored"``) are already ``kernel_t``; they fuse with blocks of their format.
 
     Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
     (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the tree is already in decoding layout. The result is cached per
@@ -552,8 +553,7 @@ def decoding_params(params: dict) -> dict:
         out = {("kernel_t" if k == "kernel" else k): (jnp.transpose(v) if k == "kernel" else convert(v))
                for k, v in tree.items()}
         for fused, parts in _FUSED.items():
-            fused_w = _fused_weight([out[p].get("kernel_t") if isinstance(out.get(p), Mapping) else None
-                                     for p in parts])
+            fused_w = _fused_weight(_parts(out, parts))
             if fused_w is not None:
                 out[f"{fused}_t"] = fused_w
                 if all("bias" in out[p] for p in parts):
@@ -569,18 +569,26 @@ def decoding_params(params: dict) -> dict:
     return out
 
 
+def _parts(tree: Mapping, parts) -> list:
+    """The ``kernel_t`` of each of `parts` in `tree` (None where there is none)."""
+    return [tree[p].get("kernel_t") if isinstance(tree.get(p), Mapping) else None for p in parts]
+
+
+def _fusible(ws: list) -> bool:
+    """Whether ``[out, in]`` weights stack into one: all present, and all arrays or all GGUF blocks
+    of one format (mixed kinds stay apart)."""
+    blocks = [isinstance(w, kernels.BlockWeight) for w in ws]
+    return (all(w is not None for w in ws) and (not any(blocks) or all(blocks))
+            and len({w.fmt for w in ws if isinstance(w, kernels.BlockWeight)}) <= 1)
+
+
 def _fused_weight(ws: list):
-    """The ``[out, in]`` weights `ws` stacked along out: arrays concatenated, GGUF blocks of one
-    format concatenated as blocks (a row's blocks are its own); None when one is missing or the
-    kinds differ (the projections then stay apart)."""
-    if any(w is None for w in ws):
+    """The weights `ws` stacked along out (`_fusible`): arrays concatenated, blocks concatenated
+    as blocks (a row's blocks are its own); None when they do not stack."""
+    if not _fusible(ws):
         return None
-    if all(isinstance(w, kernels.BlockWeight) for w in ws):
-        if len({w.fmt for w in ws}) != 1:
-            return None
+    if isinstance(ws[0], kernels.BlockWeight):
         return kernels.BlockWeight(jnp.concatenate([jnp.asarray(w.blocks) for w in ws], axis=0), ws[0].fmt)
-    if any(isinstance(w, kernels.BlockWeight) for w in ws):
-        return None
     return jnp.concatenate(ws, axis=0)
 
 
@@ -589,9 +597,7 @@ def _in_decoding_layout(tree) -> bool:
     def fusible(t) -> bool:
         if not isinstance(t, Mapping):
             return False
-        if any(all(isinstance(t.get(p), Mapping) and "kernel_t" in t[p] for p in parts) for parts in _FUSED.values()):
-            return True
-        return any(fusible(v) for v in t.values())
+        return any(_fusible(_parts(t, parts)) for parts in _FUSED.values()) or any(fusible(v) for v in t.values())
     return not _has_key(tree, "kernel") and not fusible(tree)
 
 
