@@ -87,3 +87,16 @@ def test_torch_threads_checked_before_anything_loads(capsys):
     assert "--torch-threads must be >= 1, got 0" in capsys.readouterr().err
     with pytest.raises(ValueError, match="must be >= 1"):
         speed.load_hf_peer("unused", 0)
+
+
+def test_summary_of_plain_greedy_on_the_other_weights():
+    rows = []
+    for cat, n, s in (("a", 100, 1.0), ("b", 50, 0.5)):
+        row = _row(cat, n, s, n, 1.0, True)
+        row.update(ref_tokens=n, ref_s=2 * s, ref_prefill_s=0.1, ref_identical=cat == "a")
+        rows.append(row)
+    o = summarize(rows, depth=1)["overall"]
+    assert o["ref_tok_s"] == pytest.approx(150 / 3.0)
+    assert o["plain_vs_ref"] == pytest.approx(2.0) and o["medusa_vs_ref"] == pytest.approx(4.0)
+    assert (o["ref_identical"], o["ref_prefill_s"]) == (1, pytest.approx(0.2))
+    assert "| 50.0 | 2.00x | 4.00x | 1/2 |" in markdown_table(summarize(rows, depth=1))

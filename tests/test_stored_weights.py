@@ -148,3 +148,24 @@ def test_default_model_blocks_are_its_float32_weights(smollm2_path, monkeypatch)
             np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(want), err_msg=key)
         else:
             np.testing.assert_array_equal(np.asarray(w), np.asarray(d[key]), err_msg=key)
+
+
+@pytest.mark.real_model
+def test_check_and_bench_compare_the_blocks_with_the_float32_model(smollm2_path, tmp_path, capsys):
+    """medusa-check --reference-weights and medusa-bench --compare-weights on the shipped model:
+    Medusa and plain greedy on the GGUF blocks give the float32 model's plain greedy tokens."""
+    import json
+
+    from medusa_jax.cli import bench, check
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("Name three colours.", "What is 2 + 2?")))
+    assert check.main(["--prompts", str(prompts), "--max-new-tokens", "24", "--weights", "as-stored",
+                       "--reference-weights", "float32"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[0])
+    assert (summary["identical"], summary["weights"], summary["reference_weights"]) == (2, "as-stored", "float32")
+    assert bench.main(["--prompts", str(prompts), "--max-new-tokens", "16", "--compare-weights", "float32",
+                       "--out", str(tmp_path / "b")]) == 0
+    result = json.load(open(tmp_path / "b" / "results.json"))
+    assert result["conditions"]["weights"] == "as-stored" and result["conditions"]["compare_weights"] == "float32"
+    assert result["summary"]["all"]["ref_identical"] == 2
