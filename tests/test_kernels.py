@@ -327,7 +327,13 @@ def test_block_kernels_stream_the_gguf_weights_bit_for_bit(fmt, K, N):
         np.testing.assert_array_equal(got, want)
     hlo = prod.lower(jnp.asarray(x[:4]), jnp.asarray(blocks), fmt).compile().as_text()
     assert f'custom_call_target="medusa_matmul_nt_{fmt}"' in hlo and f"f32[{N},{K}]" not in hlo
-    # past MAX_ROWS (prefill): XLA's product over the weights the dequantizing kernel writes, which
+    # 17 to BLOCK_PASS_ROWS rows (a short prefill): the kernel in passes of MAX_ROWS rows
+    x24 = jnp.asarray(np.random.default_rng(2).standard_normal((24, K)).astype(np.float32))
+    np.testing.assert_array_equal(np.asarray(prod(x24, jnp.asarray(blocks), fmt)),
+                                  np.concatenate([np.asarray(prod(x24[:16], jnp.asarray(blocks), fmt)),
+                                                  np.asarray(prod(x24[16:], jnp.asarray(blocks), fmt))]))
+    assert 24 <= kernels.ops.BLOCK_PASS_ROWS < 40
+    # past BLOCK_PASS_ROWS (prefill): XLA's product over the weights the dequantizing kernel writes, which
     # are the gguf package's, so it equals XLA's product over the float32 weights bit for bit
     many = jnp.asarray(np.random.default_rng(1).standard_normal((40, K)).astype(np.float32))
     got = np.asarray(prod(many, jnp.asarray(blocks), fmt))

@@ -184,6 +184,14 @@ def matmul_nt(x: jax.Array, w: jax.Array) -> jax.Array:
     return xla_nt(x, w)
 
 
+#: Products over GGUF blocks with up to this many rows run the block kernel in passes of
+#: `MAX_ROWS` rows (each pass streams the blocks again); more rows (long prefill chunks) run XLA's
+#: product over the weights dequantized once per product. Prefill of SmolLM2 on this project's CPU
+#: (docs/performance.md): a 20-token prompt (a 32-row chunk) 0.114 s in two passes against 0.221 s
+#: dequantized (float32 weights: 0.103 s); a 50-token one (64 rows) 0.21-0.23 s either way.
+BLOCK_PASS_ROWS = 32
+
+
 def matmul_nt_blocks(x: jax.Array, blocks: jax.Array, fmt: str) -> jax.Array:
     """``x @ w.T`` for a weight kept as a GGUF file stores it (`dequantize_blocks`' w, never built
     on the CPU path: the kernel dequantizes each block in registers as it streams it).
@@ -191,12 +199,13 @@ def matmul_nt_blocks(x: jax.Array, blocks: jax.Array, fmt: str) -> jax.Array:
     Args:
       x: [..., K] float32 activations; blocks: [N, K / 32 * bytes] uint8; fmt: "q8_0", "q4_0", "q4_1".
     Returns:
-      [..., N] float32. With at most `MAX_ROWS` rows on the CPU (kernels available, no mesh) the
-      ``medusa_matmul_nt_<fmt>`` kernel: each output the same sum in the same order as `matmul_nt`
-      over the dequantized float32 weights, so the two agree bit for bit; with more rows (prefill)
-      XLA's product over the weights dequantized by the ``medusa_dequantize_<fmt>`` kernel (the
-      same values as `dequantize_blocks`, at memory speed: XLA's own dequantization took ~1 ns a
-      weight, ~0.1 s per prefill chunk of SmolLM2); elsewhere XLA's product over `dequantize_blocks`.
+      [..., N] float32. On the CPU (kernels available, no mesh), up to `BLOCK_PASS_ROWS` rows
+      the ``medusa_matmul_nt_<fmt>`` kernel in passes of `MAX_ROWS` rows: each output the same
+      sum in the same order as `matmul_nt` over the dequantized float32 weights, so the two agree
+      bit for bit; with more rows (long prefill chunks) XLA's product over the weights
+      dequantized by the ``medusa_dequantize_<fmt>`` kernel (the same values as
+      `dequantize_blocks`, at memory speed; XLA's own dequantization took ~1 ns a weight);
+      elsewhere XLA's product over `dequantize_blocks`.
     Raises:
       ValueError: an unknown format, or blocks that do not hold K weights per row.
     """
@@ -209,19 +218,23 @@ def matmul_nt_blocks(x: jax.Array, blocks: jax.Array, fmt: str) -> jax.Array:
     rows = math.prod(lead)
     N = blocks.shape[0]
     fallback = lambda x, b: xla_nt(x, dequantize_blocks(b, fmt))  # noqa: E731
-    if not _kernel_applies(x.dtype, rows):
-        if rows > MAX_ROWS and _kernel_applies(x.dtype, 1):  # prefill on the CPU: dequantized by the kernel
-            def dequantized(x, b):
-                call = jax.ffi.ffi_call(f"medusa_dequantize_{fmt}", jax.ShapeDtypeStruct((N, K), jnp.float32),
-                                        vmap_method="sequential")
-                return xla_nt(x, call(b))
-            return jax.lax.platform_dependent(x, blocks, cpu=dequantized, default=fallback)
-        return fallback(x, blocks)
-
-    def ffi(x, b):
-        call = jax.ffi.ffi_call(f"medusa_matmul_nt_{fmt}", jax.ShapeDtypeStruct((rows, N), jnp.float32),
-                                vmap_method="sequential")
-        return call(x, b)
-
     flat = x.reshape(rows, K)
-    return jax.lax.platform_dependent(flat, blocks, cpu=ffi, default=fallback).reshape(*lead, N)
+
+    def ffi(x, b):  # the block kernel, in passes of at most MAX_ROWS rows
+        parts = []
+        for i in range(0, x.shape[0], MAX_ROWS):
+            m = min(MAX_ROWS, x.shape[0] - i)
+            call = jax.ffi.ffi_call(f"medusa_matmul_nt_{fmt}", jax.ShapeDtypeStruct((m, N), jnp.float32),
+                                    vmap_method="sequential")
+            parts.append(call(x[i:i + m], b))
+        return parts[0] if len(parts) == 1 else jnp.concatenate(parts, axis=0)
+
+    def dequantized(x, b):  # XLA's product over the weights the dequantizing kernel writes
+        call = jax.ffi.ffi_call(f"medusa_dequantize_{fmt}", jax.ShapeDtypeStruct((N, K), jnp.float32),
+                                vmap_method="sequential")
+        return xla_nt(x, call(b))
+
+    if not _kernel_applies(x.dtype, 1):
+        return fallback(x, blocks)
+    cpu = ffi if rows <= BLOCK_PASS_ROWS else dequantized
+    return jax.lax.platform_dependent(flat, blocks, cpu=cpu, default=fallback).reshape(*lead, N)
