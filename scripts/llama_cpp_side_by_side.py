@@ -34,7 +34,7 @@ from llama_cpp import Llama
 from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 path, threads, lookup_tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 def load(draft):
-    return Llama(model_path=path, n_ctx=4096, n_threads=threads, n_threads_batch=threads, n_batch=512,
+    return Llama(model_path=path, n_ctx=8192, n_threads=threads, n_threads_batch=threads, n_batch=512,
                  verbose=False, draft_model=draft)
 models = {"plain": load(None), "lookup": load(LlamaPromptLookupDecoding(num_pred_tokens=lookup_tokens))}
 print(json.dumps({"ready": True}), flush=True)
@@ -44,12 +44,16 @@ for line in sys.stdin:
     llm.reset()
     eos, out, t_first = set(req["eos"]), [], None
     t0 = time.perf_counter()
-    for tok in llm.generate(req["ids"], top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
-        if t_first is None:
-            t_first = time.perf_counter()
-        out.append(int(tok))
-        if tok in eos or len(out) >= req["max_new"]:
-            break
+    try:
+        for tok in llm.generate(req["ids"], top_k=1, top_p=1.0, temp=0.0, repeat_penalty=1.0, reset=True):
+            if t_first is None:
+                t_first = time.perf_counter()
+            out.append(int(tok))
+            if tok in eos or len(out) >= req["max_new"]:
+                break
+    except Exception as e:  # reported, and the prompt left out of the llama.cpp figures
+        print(json.dumps({"error": f"{type(e).__name__}: {e}"}), flush=True)
+        continue
     t_end = time.perf_counter()
     print(json.dumps({"tokens": out, "prefill_s": t_first - t0, "seconds": t_end - t_first}), flush=True)
 """
@@ -106,12 +110,17 @@ def main() -> int:
     prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
     for run in decoders.values():  # untimed warm-up (compilation, first-call costs)
         run(prompts[0])
-    names, rows = list(decoders), []
+    names, rows, skipped = list(decoders), [], []
     t_start = time.time()
     for i, (rec, ids) in enumerate(zip(records, prompts)):
         k = i % len(names)
         res = {n: decoders[n](ids) for n in names[k:] + names[:k]}
         row = {"id": rec.get("id"), "category": rec.get("category"), "prompt_tokens": len(ids)}
+        failed = [n for n, r in res.items() if "error" in r]
+        if failed:  # llama.cpp could not decode this prompt: left out of every figure
+            print(f"{i + 1}/{len(records)}: left out, {failed}: {[res[n]['error'] for n in failed]}", file=sys.stderr)
+            skipped.append({"id": rec.get("id"), "errors": {n: res[n]["error"] for n in failed}})
+            continue
         for n, r in res.items():
             tokens = [int(t) for t in r["tokens"]]
             decoded = len(tokens) - (1 if n.startswith("llama") else 0)  # llama.cpp's first token is the prefill's
@@ -132,7 +141,7 @@ def main() -> int:
               f"{same[n]}/{len(rows)} |")
     summary = {"prompts": len(rows), "weights": args.weights, "threads": args.threads, "tok_s": tok_s,
                "same_as_plain": same, "prefill_s": prefill, "wall_s": time.time() - t_start,
-               "tree_size": tree.size, "prompt_lookup": tree.lookup_settings}
+               "tree_size": tree.size, "prompt_lookup": tree.lookup_settings, "left_out": skipped}
     print(json.dumps(summary))
     if args.out:
         with open(args.out, "w") as f:
