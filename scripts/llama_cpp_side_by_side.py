@@ -87,6 +87,9 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--threads", type=int, default=2, help="llama.cpp threads")
     p.add_argument("--lookup-tokens", type=int, default=10, help="llama.cpp prompt lookup: tokens drafted per step")
+    p.add_argument("--no-llama-lookup", action="store_true",
+                   help="leave llama.cpp's prompt lookup out (llama-cpp-python 0.3.36's fails on long prompts, "
+                        "which then drops those prompts from every figure)")
     p.add_argument("--weights", default="as-stored", choices=("as-stored", "float32"), help="ours")
     p.add_argument("--out", default=None, help="also write every row as JSON here")
     args = p.parse_args()
@@ -105,8 +108,9 @@ def main() -> int:
     greedy = Acceptance()
     ours = {"plain": lambda ids: time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos, greedy, 0),
             "medusa": lambda ids: time_jit_generate(cfg, params, heads, tree, ids, args.max_new_tokens, eos, greedy, 0)}
-    decoders = {**ours, "llama_plain": lambda ids: llama.run("plain", ids, args.max_new_tokens, eos),
-                "llama_lookup": lambda ids: llama.run("lookup", ids, args.max_new_tokens, eos)}
+    decoders = {**ours, "llama_plain": lambda ids: llama.run("plain", ids, args.max_new_tokens, eos)}
+    if not args.no_llama_lookup:
+        decoders["llama_lookup"] = lambda ids: llama.run("lookup", ids, args.max_new_tokens, eos)
     prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
     for run in decoders.values():  # untimed warm-up (compilation, first-call costs)
         run(prompts[0])

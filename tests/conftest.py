@@ -212,9 +212,10 @@ def random_heads(cfg: ModelConfig, params, num_heads: int = 3, head_type: str = 
     return hcfg, {k: jax.random.normal(kk, a.shape) * scale for kk, (k, a) in zip(keys, sorted(hp.items()))}
 
 
-def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None, args=()):
+def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None, args=(), gguf=None):
     """`medusa-tune` end to end on a tiny tied-embedding HF model saved in
-    ``tmp_path/model``, with 3 random heads (topk 5, `head_type`) saved in ``tmp_path/heads``
+    ``tmp_path/model`` (`gguf`, a ``gguf.GGMLQuantizationType``: written as a GGUF file of that type
+    instead, ``tmp_path/model.gguf``, loaded and tuned with ``--weights as-stored``), with 3 random heads (topk 5, `head_type`) saved in ``tmp_path/heads``
     (`extra`: more config fields; `args`: more tune flags) and 40 synthetic chats (response ids < 64) in ``tmp_path/data``;
     the tuned heads go to ``tmp_path/tuned`` with a 64-token proposal vocabulary.
     Returns (the loaded backbone `LoadedModel`, tune's exit code)."""
@@ -231,8 +232,13 @@ def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra
 
     cfg = tiny_config(tie_word_embeddings=True)
     model, _ = random_hf_model(cfg, seed=3)
-    model.save_pretrained(tmp_path / "model")
-    lm = load_model(str(tmp_path / "model"), with_tokenizer=False)
+    path, weights = str(tmp_path / "model"), "float32"
+    if gguf is None:
+        model.save_pretrained(path)
+    else:
+        from test_convert import write_gguf
+        path, weights = write_gguf(tmp_path / "model.gguf", cfg, hf_state_dict(model), qtype=gguf), "as-stored"
+    lm = load_model(path, with_tokenizer=False, weights=weights)
     hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=3, topk=5,
                         head_type=head_type)
     hp = init_heads(hcfg, lm_head_matrix(lm.cfg, lm.params))
@@ -244,7 +250,7 @@ def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra
         for i in range(40):
             f.write(json.dumps({"id": f"p{i}", "prompt_ids": rng.randint(0, 128, 12).tolist(),
                                 "response_ids": rng.randint(0, 64, 30).tolist(), "finish": "length"}) + "\n")
-    rc = tune.main(["--model", str(tmp_path / "model"), "--heads", str(tmp_path / "heads"), "--data",
+    rc = tune.main(["--model", path, "--weights", weights, "--heads", str(tmp_path / "heads"), "--data",
                     str(tmp_path / "data"), "--val-fraction", "0.3", "--sizes", sizes, "--steps", "2", "--repeats",
                     "1", "--proposal-vocab", "64", "--cost-cache-sizes", "64,128", "--cost-prompt-len", "12",
                     "--out", str(tmp_path / "tuned"), "--no-progress", *args])

@@ -169,3 +169,29 @@ def test_check_and_bench_compare_the_blocks_with_the_float32_model(smollm2_path,
     result = json.load(open(tmp_path / "b" / "results.json"))
     assert result["conditions"]["weights"] == "as-stored" and result["conditions"]["compare_weights"] == "float32"
     assert result["summary"]["all"]["ref_identical"] == 2
+
+
+def test_tune_on_blocks_keeps_a_report_per_kind_of_weights(tmp_path):
+    """medusa-tune on a GGUF file's blocks (hydra heads read the embedding's blocks row by row):
+    its report says so; a second tune on float32 weights keeps it beside its own."""
+    import json
+
+    from conftest import tiny_tune_run
+
+    from medusa_jax.cli import tune
+    from medusa_jax.resolve import heads_calibration
+
+    lm, rc = tiny_tune_run(tmp_path, head_type="hydra", gguf=Q.Q8_0, args=["--dynamic-width", "0"])
+    assert rc == 0 and isinstance(lm.params["embed"]["embedding"], kernels.BlockWeight)
+    first = json.load(open(tmp_path / "tuned" / "config.json"))["tree_search"]
+    assert first["weights"] == "as-stored"
+    assert tune.main(["--model", str(tmp_path / "model.gguf"), "--weights", "float32", "--heads",
+                      str(tmp_path / "tuned"), "--data", str(tmp_path / "data"), "--val-fraction", "0.3",
+                      "--sizes", "2,4", "--steps", "2", "--repeats", "1", "--cost-cache-sizes", "64",
+                      "--cost-prompt-len", "12", "--dynamic-width", "0", "--out", str(tmp_path / "t2"),
+                      "--no-progress"]) == 0
+    raw = json.load(open(tmp_path / "t2" / "config.json"))
+    assert raw["tree_search"]["weights"] == "float32"
+    assert raw["tree_search_by_weights"]["as-stored"] == first
+    assert heads_calibration(str(tmp_path / "t2"), "as-stored") == first
+    assert heads_calibration(str(tmp_path / "t2"), "float32")["weights"] == "float32"

@@ -28,12 +28,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from medusa_jax import kernels
 from medusa_jax.decoding.dynamic import draft_tree
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.heads.topk import head_topk
 from medusa_jax.train.data import plain_positions, position_batches
 
 Path = Tuple[int, ...]
+
+
+def _table(embeddings):
+    """The embedding table as the draft reads it: None, GGUF blocks as they are (`kernels.take_rows`
+    reads their rows), an array as a jax array."""
+    return embeddings if embeddings is None or isinstance(embeddings, kernels.BlockWeight) else jnp.asarray(embeddings)
 
 
 def proposal_events(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=None,
@@ -55,7 +62,7 @@ def proposal_events(heads_cfg, head_params, base_lm_head, pos, topk: int, embedd
     """
     if heads_cfg.head_type == "hydra" and embeddings is None:
         raise ValueError("hydra heads read token embeddings: pass embeddings [V, D]")
-    emb = None if embeddings is None else jnp.asarray(embeddings)
+    emb = _table(embeddings)
     P, K = pos.num_positions, heads_cfg.num_heads
     lps, hits, valids = [], [], []
     for b in position_batches(plain_positions(pos.hidden[:P], pos.labels, pos.valid, pos.path_tokens), batch):
@@ -114,7 +121,7 @@ def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings
     if tree.max_accepted > heads_cfg.num_heads:
         raise ValueError(f"the held-out labels reach {heads_cfg.num_heads} tokens past the root, fewer than this "
                          f"tree accepts ({tree.max_accepted}): copy fewer tokens (prompt lookup) or replay a smaller tree")
-    emb = None if embeddings is None else jnp.asarray(embeddings)
+    emb = _table(embeddings)
     P = pos.num_positions
     out = []
     for s, b in zip(range(0, P, batch), position_batches(
