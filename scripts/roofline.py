@@ -3,7 +3,7 @@
 On the real SmolLM2-135M-Instruct and the shipped heads, in one run: the read bandwidth
 (`medusa_jax.kernels.read_bandwidth`, measured before and after the step timings), the plain step
 and c(T) = t(Medusa step, T-node tree) / t(plain step) for the greedy trees of the heads' calibrated
-accuracies, with the weight-streaming kernels (`models.llama.decoding_params`) and, interleaved,
+accuracies, with the weight-streaming kernels (`models.layout.decoding_params`) and, interleaved,
 with XLA's products on the same ``[out, in]`` layout (the kernels' row limit, `kernels.MAX_ROWS`,
 set to 0 in-process; ``MEDUSA_JAX_KERNELS=0`` would also keep XLA's ``[in, out]`` layout). The plain step's weight stream is the float32 weights (the tied embedding counted
 once, as the lm_head it is read as) over the step time.

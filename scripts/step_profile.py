@@ -24,7 +24,7 @@ from medusa_jax.convert.load import load_model
 from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.tree import PLAIN_TREE
-from medusa_jax.models.llama import decoding_params
+from medusa_jax.models.layout import decoding_params
 from medusa_jax.resolve import resolve_heads
 from medusa_jax.tuning import cost
 

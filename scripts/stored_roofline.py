@@ -3,7 +3,7 @@
     .venv/bin/python scripts/stored_roofline.py [--rows 1,4,8] [--rounds 3]
 
 On the default model loaded both ways (``--weights as-stored``: its Q4_1 projections and Q8_0
-tied embedding as blocks; ``float32``), in decoding layout (`models.llama.decoding_params`), one
+tied embedding as blocks; ``float32``), in decoding layout (`models.layout.decoding_params`), one
 jitted function runs the products of a decoding step over M rows: per layer the fused q/k/v, o,
 fused gate/up and down products, then the lm_head (attention, norms and the rest of a step are
 left out). Per kind of weights it reports:
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from medusa_jax import kernels  # noqa: E402
 from medusa_jax.convert.load import load_model  # noqa: E402
-from medusa_jax.models.llama import decoding_params  # noqa: E402
+from medusa_jax.models.layout import decoding_params  # noqa: E402
 
 
 def step_matrices(params) -> list:

@@ -18,7 +18,8 @@ import pytest
 from conftest import random_tokens, rel_err, tiny_config, tiny_decoding_model
 
 from medusa_jax import kernels
-from medusa_jax.models.llama import LlamaModel, decoding_params, lm_head_matrix
+from medusa_jax.models.layout import decoding_params
+from medusa_jax.models.llama import LlamaModel, lm_head_matrix
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_kernels = pytest.mark.skipif(not kernels.available(), reason=f"kernels unavailable: {kernels.status()}")
@@ -254,7 +255,7 @@ _FALLBACK = """
 import numpy as np
 from medusa_jax import kernels
 from medusa_jax.decoding.generate import generate_device
-from medusa_jax.models.llama import decoding_params
+from medusa_jax.models.layout import decoding_params
 from conftest import tiny_decoding_model
 cfg, params = tiny_decoding_model()
 assert not kernels.available(), kernels.status()

@@ -26,7 +26,8 @@ from medusa_jax.decoding.prefill import cache_size_for, start_state
 from medusa_jax.decoding.generate import generate, generate_batch, generate_device
 from medusa_jax.decoding.step import step
 from medusa_jax.convert.load import load_model
-from medusa_jax.models.llama import LlamaModel, decoding_params
+from medusa_jax.models.layout import decoding_params
+from medusa_jax.models.llama import LlamaModel
 from medusa_jax.decoding.tree import get_tree
 from medusa_jax.decoding.acceptance import Acceptance
 

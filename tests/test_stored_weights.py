@@ -14,7 +14,8 @@ from medusa_jax.convert import cache
 from medusa_jax.convert.load import load_model
 from medusa_jax.decoding.generate import generate, generate_device
 from medusa_jax.decoding.tree import get_tree
-from medusa_jax.models.llama import LlamaModel, decoding_params, lm_head_matrix
+from medusa_jax.models.layout import decoding_params
+from medusa_jax.models.llama import LlamaModel, lm_head_matrix
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the block kernels are unavailable")
 

@@ -91,7 +91,7 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
       cfg: the model config the tensors must match.
       tensors: HF name -> array in torch layout (linear weights [out, in]), or a
         `kernels.BlockWeight` (GGUF blocks, [out, in]), kept as it is: a linear weight's under
-        ``kernel_t`` (the decoding layout, `models.llama.decoding_params`), the embedding's under
+        ``kernel_t`` (the decoding layout, `models.layout.decoding_params`), the embedding's under
         ``embedding``.
       dtype: numpy dtype of the returned leaves.
       source: named in error messages.

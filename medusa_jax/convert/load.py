@@ -265,7 +265,7 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
         float32 bytes for Q4_1), which decoding multiplies by in the block kernels: the same
         weights bit for bit, a sixth to a quarter of the bytes read per step. Only where
         `stored_weights_apply(dtype)`; no effect on HF directories. Such params are for decoding
-        (`models.llama.decoding_params`); training needs "float32".
+        (`models.layout.decoding_params`); training needs "float32".
     A GGUF file is converted once and cached (`convert.cache`: ``~/.cache/medusa_jax/models``,
     keyed by the file's path, size and mtime; ``MEDUSA_JAX_NO_CACHE=1`` disables it).
     Returns:

@@ -8,14 +8,15 @@ from medusa_jax import sharding
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
 from medusa_jax.heads.medusa import prepare_heads
 from medusa_jax.models.config import ModelConfig
-from medusa_jax.models.llama import decoding_params, lm_head_matrix
+from medusa_jax.models.layout import decoding_params
+from medusa_jax.models.llama import lm_head_matrix
 
 
 def decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]):
     """(params in decoding layout, heads_cfg or None, head params or None, the tree to run:
     `PLAIN_TREE` without heads), from arguments that `check_generation_args` accepted.
 
-    The backbone's params go to decoding layout once (`models.llama.decoding_params`, cached per
+    The backbone's params go to decoding layout once (`models.layout.decoding_params`, cached per
     params tree: the weight-streaming kernels' ``[out, in]`` layout when they are available).
     Heads are readied for the tree once, here (`heads.medusa.prepare_heads`; heads from
     `resolve.resolve_heads` pass through unchanged), so that heads straight from `load_heads` do

@@ -3,7 +3,7 @@
 `BlockWeight` is a [N, K] weight held as its blocks (``[N, K / 32 * bytes]`` uint8, `BLOCK_BYTES`)
 and a format name. It is a JAX pytree (the blocks its one leaf, the format static), so it goes
 through ``jax.device_put``, ``jax.jit`` and ``tree_map`` like an array, and it stands wherever the
-decoding layout holds a weight (`models.llama.decoding_params`): `kernels.matmul_nt` multiplies by
+decoding layout holds a weight (`models.layout.decoding_params`): `kernels.matmul_nt` multiplies by
 it with the ``medusa_matmul_nt_<fmt>`` kernel, which dequantizes each block in registers, and an
 embedding held this way is read a row at a time (`BlockWeight.rows`). Dequantized, its values are
 the ``gguf`` package's float32 weights bit for bit (`dequantize_blocks`), so a model decoded from its

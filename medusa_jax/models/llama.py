@@ -12,8 +12,6 @@ kernels are stored ``[in, out]`` (the transpose of torch's ``nn.Linear.weight``)
 from __future__ import annotations
 
 import math
-import weakref
-from collections.abc import Mapping
 from typing import Optional, Tuple
 
 import flax.linen as nn
@@ -21,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax import kernels, sharding
+from medusa_jax import kernels
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache
 
@@ -82,9 +80,9 @@ class Linear(nn.Module):
     """``y = x @ kernel + bias``: nn.Dense's parameters and initialisers (``kernel [in, out]``,
     ``bias [out]``), with a second, decoding layout.
 
-    When the params hold ``kernel_t [out, in]`` instead of ``kernel`` (`decoding_params`), the
-    product streams the weights once for all rows (`medusa_jax.kernels.matmul_nt`: the CPU kernel
-    for decoding-sized products, XLA's otherwise); ``kernel_t`` may be a `kernels.BlockWeight`
+    When the params hold ``kernel_t [out, in]`` instead of ``kernel``
+    (`models.layout.decoding_params`), the product streams the weights once for all rows
+    (`medusa_jax.kernels.matmul_nt`: the CPU kernel for decoding-sized products, XLA's otherwise); ``kernel_t`` may be a `kernels.BlockWeight`
     (a GGUF file's blocks, ``load_model(weights="as-stored")``). x: [..., in] -> [..., out] in `dtype`.
     """
     features: int
@@ -108,7 +106,7 @@ class Linear(nn.Module):
 def _fused_product(module: nn.Module, x: jax.Array, name: str, dtype) -> jax.Array:
     """The decoding layout's fused projection of `module`: ``x [..., D] @ {name}_t [N, D]^T`` (+
     ``{name}_bias [N]`` when present) -> [..., N] in `dtype`, one weight-streaming product for
-    what `Linear` layers sharing an input compute (`decoding_params`)."""
+    what `Linear` layers sharing an input compute (`models.layout.decoding_params`)."""
     w = module.get_variable("params", f"{name}_t")
     y = kernels.matmul_nt(x.astype(dtype), kernels.weight_for(w, dtype))
     if module.has_variable("params", f"{name}_bias"):
@@ -511,95 +509,3 @@ def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
 def _dense(w):
     """A weight as an array: GGUF blocks (`kernels.BlockWeight`) dequantized to float32."""
     return w.dequantize() if isinstance(w, kernels.BlockWeight) else w
-
-
-_DECODING: dict = {}
-
-
-# Projections that read the same input, fused into one [sum of outs, in] matrix in decoding layout.
-_FUSED = {"qkv": ("q_proj", "k_proj", "v_proj"), "gate_up": ("gate_proj", "up_proj")}
-
-
-def decoding_params(params: dict) -> dict:
-    """The backbone's params in decoding layout: every `Linear` ``kernel [in, out]`` stored as
-    ``kernel_t [out, in]`` (contiguous), the layout `medusa_jax.kernels` streams, and the
-    projections that share an input fused into one matrix: ``attn/qkv_t [(H + 2 KVH) Dh, D]``
-    (with ``qkv_bias`` when q/k/v have biases) and ``mlp/gate_up_t [2 I, D]``. A decoding step
-    then makes 4 weight-streaming products per layer instead of 7; each starts and ends its
-    threads, which costs about as much as streaming a small matrix. Every array of 2 MB or more,
-    the embedding included, is then copied onto 2 MB pages (`kernels.on_huge_pages`), from which
-    the kernels stream it faster; smaller ones are shared, not copied. `LlamaModel` runs either
-    layout with the same results (up to float32 round-off; the kernel computes each output alike
-    whichever matrix holds it); training keeps the ``kernel`` layout (its gradients and
-    checkpoints use it). Matrices a GGUF file's blocks hold (`kernels.BlockWeight`, loaded with
-    ``weights="as-stored"``) are already ``kernel_t``; they fuse with blocks of their format.
-
-    Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
-    (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the tree is already in decoding layout. The result is cached per
-    params tree (while its embedding array lives), so the decoding entry points may call this on
-    every request.
-    """
-    if (jax.default_backend() != "cpu" or not kernels.available() or _in_decoding_layout(params)
-            or sharding.mesh_of(params["embed"]["embedding"]) is not None):
-        return params
-    leaf = params["embed"]["embedding"]
-    hit = _DECODING.get(id(params))
-    if hit is not None and hit[0]() is leaf:
-        return hit[1]
-
-    def convert(tree):
-        if not isinstance(tree, Mapping):
-            return tree
-        out = {("kernel_t" if k == "kernel" else k): (jnp.transpose(v) if k == "kernel" else convert(v))
-               for k, v in tree.items()}
-        for fused, parts in _FUSED.items():
-            fused_w = _fused_weight(_parts(out, parts))
-            if fused_w is not None:
-                out[f"{fused}_t"] = fused_w
-                if all("bias" in out[p] for p in parts):
-                    out[f"{fused}_bias"] = jnp.concatenate([out[p]["bias"] for p in parts])
-                for p in parts:
-                    del out[p]
-        return out
-
-    out = jax.tree_util.tree_map(kernels.on_huge_pages, convert(params))  # streamed faster from 2 MB pages
-    for key in [k for k, (ref, _) in _DECODING.items() if ref() is None]:
-        del _DECODING[key]
-    _DECODING[id(params)] = (weakref.ref(leaf), out)
-    return out
-
-
-def _parts(tree: Mapping, parts) -> list:
-    """The ``kernel_t`` of each of `parts` in `tree` (None where there is none)."""
-    return [tree[p].get("kernel_t") if isinstance(tree.get(p), Mapping) else None for p in parts]
-
-
-def _fusible(ws: list) -> bool:
-    """Whether ``[out, in]`` weights stack into one: all present, and all arrays or all GGUF blocks
-    of one format (mixed kinds stay apart)."""
-    blocks = [isinstance(w, kernels.BlockWeight) for w in ws]
-    return (all(w is not None for w in ws) and (not any(blocks) or all(blocks))
-            and len({w.fmt for w in ws if isinstance(w, kernels.BlockWeight)}) <= 1)
-
-
-def _fused_weight(ws: list):
-    """The weights `ws` stacked along out (`_fusible`): arrays concatenated, blocks concatenated
-    as blocks (a row's blocks are its own); None when they do not stack."""
-    if not _fusible(ws):
-        return None
-    if isinstance(ws[0], kernels.BlockWeight):
-        return kernels.BlockWeight(jnp.concatenate([jnp.asarray(w.blocks) for w in ws], axis=0), ws[0].fmt)
-    return jnp.concatenate(ws, axis=0)
-
-
-def _in_decoding_layout(tree) -> bool:
-    """No ``kernel [in, out]`` left and no projections that `decoding_params` would still fuse."""
-    def fusible(t) -> bool:
-        if not isinstance(t, Mapping):
-            return False
-        return any(_fusible(_parts(t, parts)) for parts in _FUSED.values()) or any(fusible(v) for v in t.values())
-    return not _has_key(tree, "kernel") and not fusible(tree)
-
-
-def _has_key(tree, key: str) -> bool:
-    return isinstance(tree, Mapping) and any(k == key or _has_key(v, key) for k, v in tree.items())

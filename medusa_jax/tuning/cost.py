@@ -28,7 +28,8 @@ from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import prepare_heads
 from medusa_jax.heads.topk import head_topk
 from medusa_jax.models.config import ModelConfig
-from medusa_jax.models.llama import LlamaModel, decoding_params, lm_head_matrix
+from medusa_jax.models.layout import decoding_params
+from medusa_jax.models.llama import LlamaModel, lm_head_matrix
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
