@@ -110,9 +110,14 @@ inline float half_at(const uint8_t* p) {  // a float16 scale, widened exactly
   return _cvtsh_ss(h);
 }
 
-// A whole block of 32 weights at a time: its float16 scales are converted once and its bytes loaded
-// once, then dequantized into 4 vectors of 8 (`load32`, weights k..k+31 for k a multiple of 32).
-// Each value is computed exactly as the gguf package computes it (float32 multiply, then add).
+// A block of 32 weights: its float16 scales widened once (`scales`), then its 4 vectors of 8
+// (`vec(b, s, h)`: weights 8h..8h+7 of the block at b), each read from the block's bytes as it is
+// needed, so that a product keeps only the vector it multiplies in a register. Each value is
+// computed exactly as the gguf package computes it (below, per format).
+struct Scales {
+  float d, m;
+};
+
 template <int64_t BYTES>
 struct BlockW {
   using Row = const uint8_t*;
@@ -123,53 +128,42 @@ struct BlockW {
   static const void* at(Row r, int64_t k) { return r + (k >> 5) * BYTES; }
 };
 
-// The block's 32 4-bit values as 4 x 8 int32: values 0-15 are the low nibbles of its 16 bytes,
-// 16-31 their high nibbles (ggml's layout).
-inline void nibbles32(const uint8_t* qs, __m256i q[4]) {
-  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(qs));
-  const __m128i m = _mm_set1_epi8(0x0F);
-  const __m128i lo = _mm_and_si128(b, m), hi = _mm_and_si128(_mm_srli_epi16(b, 4), m);
-  q[0] = _mm256_cvtepu8_epi32(lo);
-  q[1] = _mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8));
-  q[2] = _mm256_cvtepu8_epi32(hi);
-  q[3] = _mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8));
+// Vector h of a block's 32 4-bit values as 8 int32: values 0-15 are the low nibbles of its 16
+// bytes, 16-31 their high nibbles (ggml's layout); bytes widened straight from memory.
+inline __m256i nibbles8(const uint8_t* qs, int h) {
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * (h & 1))));
+  return h < 2 ? _mm256_and_si256(x, _mm256_set1_epi32(0x0F)) : _mm256_srli_epi32(x, 4);
 }
 
 // Q8_0: float16 d, 32 int8 q; w = float(q) * d.
 struct Q8_0W : BlockW<34> {
-  static void load32(Row r, int64_t k, __m256 u[4]) {
-    const uint8_t* b = r + (k >> 5) * kBytes;
-    const __m256 d = _mm256_set1_ps(half_at(b));
-    for (int h = 0; h < 4; ++h) {
-      const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h));
-      u[h] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), d);
-    }
+  static Scales scales(const uint8_t* b) { return {half_at(b), 0.f}; }
+  static __m256 vec(const uint8_t* b, Scales s, int h) {
+    const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(s.d));
   }
 };
 
 // Q4_0: float16 d, 32 4-bit q; w = d * float(q - 8).
 struct Q4_0W : BlockW<18> {
-  static void load32(Row r, int64_t k, __m256 u[4]) {
-    const uint8_t* b = r + (k >> 5) * kBytes;
-    const __m256 d = _mm256_set1_ps(half_at(b));
-    __m256i q[4];
-    nibbles32(b + 2, q);
-    for (int h = 0; h < 4; ++h) u[h] = _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_sub_epi32(q[h], _mm256_set1_epi32(8))));
+  static Scales scales(const uint8_t* b) { return {half_at(b), 0.f}; }
+  static __m256 vec(const uint8_t* b, Scales s, int h) {
+    const __m256i q = _mm256_sub_epi32(nibbles8(b + 2, h), _mm256_set1_epi32(8));
+    return _mm256_mul_ps(_mm256_set1_ps(s.d), _mm256_cvtepi32_ps(q));
   }
 };
 
-// Q4_1: float16 d and m, 32 4-bit q; w = (d * float(q)) + m, a multiply then an add (not fused).
+// Q4_1: float16 d and m, 32 4-bit q; w = (d * float(q)) + m, a multiply then an add, computed here
+// as one fused multiply-add with the same result: d has 11 significant bits and q at most 4, so
+// d * q is exact in float32 and only the add rounds, as in the fused operation.
 struct Q4_1W : BlockW<20> {
-  static void load32(Row r, int64_t k, __m256 u[4]) {
-    const uint8_t* b = r + (k >> 5) * kBytes;
-    const __m256 d = _mm256_set1_ps(half_at(b)), m = _mm256_set1_ps(half_at(b + 2));
-    __m256i q[4];
-    nibbles32(b + 4, q);
-    for (int h = 0; h < 4; ++h) u[h] = _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q[h])), m);
+  static Scales scales(const uint8_t* b) { return {half_at(b), half_at(b + 2)}; }
+  static __m256 vec(const uint8_t* b, Scales s, int h) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(s.d), _mm256_cvtepi32_ps(nibbles8(b + 4, h)), _mm256_set1_ps(s.m));
   }
 };
 
-// Rows n..n+R-1 of a GGUF-block weight as float32 in out [R, K] (each value as `WF::load32` gives
+// Rows n..n+R-1 of a GGUF-block weight as float32 in out [R, K] (each value as `WF::vec` gives
 // it), prefetching the same bytes of the rows `ahead` further down.
 template <typename WF>
 inline void dequantize_rows(const void* w, int64_t n, int64_t R, int64_t K, int64_t ahead, float* out) {
@@ -178,9 +172,9 @@ inline void dequantize_rows(const void* w, int64_t n, int64_t R, int64_t K, int6
     const typename WF::Row r = WF::row(w, n + j, K);
     for (int64_t k = 0; k < K; k += 32) {
       if (ahead) _mm_prefetch(static_cast<const char*>(WF::at(WF::row(w, n + ahead + j, K), k)), _MM_HINT_T0);
-      __m256 u[4];
-      WF::load32(r, k, u);
-      for (int h = 0; h < 4; ++h) _mm256_storeu_ps(out + j * K + k + 8 * h, u[h]);
+      const uint8_t* b = static_cast<const uint8_t*>(WF::at(r, k));
+      const Scales s = WF::scales(b);
+      for (int h = 0; h < 4; ++h) _mm256_storeu_ps(out + j * K + k + 8 * h, WF::vec(b, s, h));
     }
   }
 }
@@ -200,18 +194,26 @@ inline void nt_block(const float* x, const void* w, int64_t wn, float* y, int64_
   const int64_t rs = WF::stride(K);
   const float* xs = x + t * K;
   if constexpr (WF::kBlock > 1) {
-    // GGUF blocks (K a multiple of 32): each weight row's block dequantized once (`load32`) and
-    // used by the TB rows; every accumulator still adds its 8-wide products in increasing k.
+    // GGUF blocks (K a multiple of 32): the NB weight rows' blocks at k, vector by vector: each
+    // vector of 8 weights dequantized once (`vec`) and used by the TB rows, each x vector loaded
+    // once for the NB outputs; every accumulator still adds its 8-wide products in increasing k.
     for (int64_t k = 0; k < K; k += 32) {
       if (k >= pf0 && k < pf1)
         for (int j = 0; j < NB; ++j)
           _mm_prefetch(static_cast<const char*>(WF::at(e + (ahead + j) * rs, k)), _MM_HINT_T0);
+      const uint8_t* b[NB];
+      Scales s[NB];
       for (int j = 0; j < NB; ++j) {
-        __m256 u[4];
-        WF::load32(e + j * rs, k, u);
-        for (int h = 0; h < 4; ++h)
-          for (int i = 0; i < TB; ++i)
-            acc[i][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + i * K + k + 8 * h), u[h], acc[i][j]);
+        b[j] = static_cast<const uint8_t*>(WF::at(e + j * rs, k));
+        s[j] = WF::scales(b[j]);
+      }
+      for (int h = 0; h < 4; ++h) {
+        __m256 u[NB];
+        for (int j = 0; j < NB; ++j) u[j] = WF::vec(b[j], s[j], h);
+        for (int i = 0; i < TB; ++i) {
+          const __m256 v = _mm256_loadu_ps(xs + i * K + k + 8 * h);
+          for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
+        }
       }
     }
   } else {
@@ -270,7 +272,7 @@ void nt_rows_blocked(const float* x, const void* w, float* y, int64_t M, int64_t
   static_assert(TB >= 1 && TB <= 4, "passes of 1 to 4 rows");
   // GGUF blocks over several passes (more than TB rows): NB rows dequantized once into an L1
   // buffer (`dequantize_rows`), which every pass then reads as float32 weights, the bytes ahead
-  // prefetched while dequantizing; in one pass they are dequantized in registers (`WF::load32`).
+  // prefetched while dequantizing; in one pass they are dequantized in registers (`WF::vec`).
   const int64_t passes = (M + TB - 1) / TB;
   constexpr bool kBlocks = WF::kBlock > 1;
   using PW = std::conditional_t<kBlocks, F32W, WF>;
@@ -510,7 +512,7 @@ ffi::Error MatmulNTBlocks(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::U8> w, ffi::
 }
 
 // GGUF blocks w [N, K / 32 * block bytes] -> float32 y [N, K] (for products with more rows than the
-// streaming kernel takes: prefill chunks, which XLA then multiplies), each value as `load32` gives
+// streaming kernel takes: prefill chunks, which XLA then multiplies), each value as `vec` gives
 // it, rows split between the threads.
 template <typename WF>
 ffi::Error DequantizeBlocks(ffi::Buffer<ffi::U8> w, ffi::ResultBuffer<ffi::F32> y) {
