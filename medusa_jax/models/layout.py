@@ -11,7 +11,7 @@ import jax.numpy as jnp
 
 from medusa_jax import kernels, sharding
 
-_DECODING: dict = {}
+_DECODING: dict = {}  # id(params) -> (weakref to its embedding, params in decoding layout)
 
 
 # Projections that read the same input, fused into one [sum of outs, in] matrix in decoding layout.
@@ -33,9 +33,9 @@ def decoding_params(params: dict) -> dict:
     ``weights="as-stored"``) are already ``kernel_t``; they fuse with blocks of their format.
 
     Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
-    (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the tree is already in decoding layout. The result is cached per
-    params tree (while its embedding array lives), so the decoding entry points may call this on
-    every request.
+    (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the
+    tree is already in decoding layout. The result is cached per params tree (while its embedding
+    array lives), so the decoding entry points may call this on every request.
     """
     if (jax.default_backend() != "cpu" or not kernels.available() or _in_decoding_layout(params)
             or sharding.mesh_of(params["embed"]["embedding"]) is not None):
@@ -100,4 +100,5 @@ def _in_decoding_layout(tree) -> bool:
 
 
 def _has_key(tree, key: str) -> bool:
+    """Whether `key` occurs at any depth of the nested mapping `tree`."""
     return isinstance(tree, Mapping) and any(k == key or _has_key(v, key) for k, v in tree.items())
