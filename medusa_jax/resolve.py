@@ -200,14 +200,18 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
     """The tokens per step `medusa_jax.cli.tune` predicts for `tree`, and on what basis, or None.
 
     For the tree tune chose, with the prompt lookup it chose it with (or with none), the figure tune
-    replayed on the held-out chats (`medusa_jax.tuning.replay`; with or without that lookup); for another
-    tree, 1 + E[accepted] under the calibrated rank accuracies as if the heads erred independently
-    (Medusa Sec. 3.3.1), which ignores prompt lookup. None without a calibration, and for a tree
-    chosen per step (``tree.dynamic``: nothing predicts it yet)."""
+    replayed on the held-out chats (`medusa_jax.tuning.replay`; with or without that lookup); for a
+    tree chosen per step (``tree.dynamic``), the figure tune replayed for its budget and width (its
+    ``dynamic_rows``); for another static tree, 1 + E[accepted] under the calibrated rank accuracies
+    as if the heads erred independently (Medusa Sec. 3.3.1), which ignores prompt lookup. None
+    without a calibration, and for a dynamic tree tune did not replay (or replayed with another
+    prompt lookup)."""
 
-    if not calibration or "rank_accuracies" not in calibration or tree.dynamic is not None:
+    if not calibration or "rank_accuracies" not in calibration:
         return None
     lookup = tree.lookup_settings
+    if tree.dynamic is not None:
+        return _replayed_dynamic(tree, calibration, lookup)
     chosen = {tuple(p) for p in calibration.get("medusa_choices") or []}
     if (calibration.get("predicted_by") == "replay" and chosen == set(tree.medusa_choices)
             and not calibration.get("dynamic_tree")):  # else the figures are the dynamic tree's
@@ -220,6 +224,25 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
     except ValueError:
         return None
     return 1.0 + e, "rank accuracies, independent heads" + (", without prompt lookup" if lookup else "")
+
+
+def _replayed_dynamic(tree: TreeBuffers, calibration: dict, lookup) -> Optional[Tuple[float, str]]:
+    """tune's replayed tokens per step for dynamic `tree` (its ``dynamic_rows`` entry of the same
+    budget and width), heads alone or with the prompt lookup tune replayed (its ``prompt_lookup``
+    with `DYNAMIC_LOOKUP_MATCHES` matches); else None."""
+    spec = tree.dynamic
+    row = next((r for r in calibration.get("dynamic_rows") or []
+                if (r.get("dynamic") or {}).get("budget") == spec.budget
+                and (r.get("dynamic") or {}).get("width") == spec.width), None)
+    if row is None:
+        return None
+    if lookup is None:
+        return row["predicted_tokens_per_step"], "replayed on the held-out chats, heads alone"
+    replayed_lookup = calibration.get("prompt_lookup")  # tune replays a dynamic tree with several matches
+    if replayed_lookup and lookup == dict(replayed_lookup, matches=DYNAMIC_LOOKUP_MATCHES) \
+            and row.get("predicted_tokens_per_step_lookup"):
+        return row["predicted_tokens_per_step_lookup"], "replayed on the held-out chats, with prompt lookup"
+    return None
 
 
 def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:

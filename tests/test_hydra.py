@@ -19,7 +19,7 @@ from medusa_jax.convert.medusa_format import (
 )
 from medusa_jax.decoding import draft
 from medusa_jax.decoding.generate import generate, generate_device
-from medusa_jax.decoding.tree import build_tree, get_tree, random_tree
+from medusa_jax.decoding.tree import build_tree, get_tree, random_tree, with_lookup
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.hydra import decoding_layout, from_medusa, head_state, hydra_logits, path_keys, token_embeddings
 from medusa_jax.heads.medusa import MedusaHeads, init_heads, num_head_params, prepare_heads
@@ -392,5 +392,14 @@ def test_tune_and_decode_with_hydra_heads(tmp_path):
     look = report["lookup_confidence"]
     assert tree.dynamic.lookup_confidence == (tuple(tuple(r) for r in look) if look else None)
     assert "Trees chosen per step" in (tmp_path / "tuned" / "tree_search.md").read_text()
+    # bench's prediction for a dynamic tree: the figure tune replayed for its budget and width
+    from medusa_jax.resolve import heads_calibration, predicted_tokens_per_step
+    calibration = heads_calibration(str(tmp_path / "tuned"))
+    assert predicted_tokens_per_step(tree, calibration) is None  # width 2 was never replayed
+    replayed = get_tree("dynamic:4:4", topk=5, num_heads=3)
+    pred, basis = predicted_tokens_per_step(with_lookup(replayed, tree.lookup), calibration)
+    assert pred == drows[1]["predicted_tokens_per_step_lookup"] and "with prompt lookup" in basis
+    pred, basis = predicted_tokens_per_step(replayed, calibration)
+    assert pred == drows[1]["predicted_tokens_per_step"] and "heads alone" in basis
     med = generate(lm.cfg, lm.params, prompt, max_new_tokens=30, heads=heads, tree=tree, eos_token_ids=())
     assert med.tokens == base.tokens
