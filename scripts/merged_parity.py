@@ -5,6 +5,17 @@ both on a few held-out chats, and the largest absolute difference; beside it the
 untuned base model written the same way (`convert.hf.save_hf`), the float32 agreement to expect.
 
     .venv/bin/python scripts/merged_parity.py --heads runs/smollm2_medusa2/heads [--chats 4] [--out DIR]
+    .venv/bin/python scripts/merged_parity.py --stand-in-layers 4 [--stand-in-scale 0.05]
+
+``--stand-in-layers N`` needs no training run: the top N decoder layers of the base, every weight
+moved by normal noise of `--stand-in-scale` times that tensor's standard deviation (seeded), saved
+beside a copy of the shipped heads as Medusa-2 tuned layers (`convert.tuned_layers.save_tuned_layers`):
+the merge and the export do not care how the layers were tuned.
+
+Both float32 runs (ours and transformers') round differently over 30 layers, so each is also
+compared with transformers' float64 run of the same checkpoint (the exact logits up to float64
+round-off): ``ours_vs_float64`` beside ``transformers_float32_vs_float64`` says whether our logits
+are as close to the checkpoint's exact ones as transformers' own float32 logits are.
 
 Needs torch (the test extra). Prints one JSON line: max |logits difference| over every position, for
 the merged model and for the base.
@@ -23,14 +34,48 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 
+def stand_in_heads(model_path, layers: int, scale: float, seed: int = 0) -> str:
+    """A heads directory (a copy of the shipped heads) holding the top `layers` decoder layers of the
+    base, each weight tensor plus normal(0, `scale` * its std) noise, as Medusa-2 tuned layers."""
+    import shutil
+
+    import jax
+
+    from medusa_jax.convert.load import load_model
+    from medusa_jax.convert.tuned_layers import save_tuned_layers
+    from medusa_jax.resolve import DEFAULT_HEADS_DIR
+
+    base = load_model(model_path)
+    chosen = list(range(base.cfg.num_layers - layers, base.cfg.num_layers))
+    rng = np.random.default_rng(seed)
+
+    def moved(path, a):
+        a = np.asarray(a)
+        name = "/".join(str(getattr(k, "key", k)) for k in path)
+        if not any(name.startswith(f"layers_{i}/") for i in chosen):
+            return a
+        return (a + rng.normal(0.0, scale * float(a.std() or 1.0), a.shape)).astype(a.dtype)
+    tuned = jax.tree_util.tree_map_with_path(moved, base.params)
+    out = tempfile.mkdtemp(prefix="medusa2_stand_in_")
+    shutil.copytree(DEFAULT_HEADS_DIR, out, dirs_exist_ok=True)
+    save_tuned_layers(out, base.cfg, base.params, tuned, chosen, base_model=model_path or "SmolLM2-135M-Instruct")
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--heads", required=True, help="a heads directory with backbone_layers.safetensors")
+    p.add_argument("--heads", default=None, help="a heads directory with backbone_layers.safetensors")
+    p.add_argument("--stand-in-layers", type=int, default=None, metavar="N",
+                   help="instead of --heads: the base's top N layers moved by seeded noise, as tuned layers")
+    p.add_argument("--stand-in-scale", type=float, default=0.05,
+                   help="the stand-in noise, as a fraction of each weight tensor's standard deviation")
     p.add_argument("--model", default=None, help="the base model (default: the default SmolLM2 GGUF)")
     p.add_argument("--data", default=os.path.join(ROOT, "data", "distill", "smollm2"))
     p.add_argument("--chats", type=int, default=4, help="held-out chats to compare on")
     p.add_argument("--out", default=None, help="where to write the merged directory (default: a temporary one)")
     args = p.parse_args()
+    if (args.heads is None) == (args.stand_in_layers is None):
+        p.error("give one of --heads DIR and --stand-in-layers N")
     import jax.numpy as jnp
     import torch
     from transformers import AutoModelForCausalLM
@@ -44,26 +89,31 @@ def main() -> int:
     _, val = D.split_train_val(D.load_distilled(args.data), 0.04, 0)
     chats = [np.asarray(ids[:512], np.int32)[None] for ids, _ in val[:args.chats]]
 
-    def worst(model, hf_dir: str) -> float:
-        hf = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
-        out = 0.0
+    def compare(model, hf_dir: str) -> dict:
+        worst = {"ours_vs_transformers": 0.0, "ours_vs_float64": 0.0, "transformers_float32_vs_float64": 0.0}
+        hf32 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
+        hf64 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, local_files_only=True).eval()
         for ids in chats:
             ours = np.asarray(model.model.apply({"params": model.params}, jnp.asarray(ids),
-                                                jnp.arange(ids.shape[1], dtype=jnp.int32)[None])[0])
+                                                jnp.arange(ids.shape[1], dtype=jnp.int32)[None])[0], np.float64)
             with torch.no_grad():
-                theirs = hf(torch.from_numpy(ids.astype(np.int64))).logits.numpy()
-            out = max(out, float(np.abs(ours - theirs).max()))
-        return out
+                t = torch.from_numpy(ids.astype(np.int64))
+                theirs, exact = hf32(t).logits.double().numpy(), hf64(t).logits.numpy()
+            for key, d in (("ours_vs_transformers", ours - theirs), ("ours_vs_float64", ours - exact),
+                           ("transformers_float32_vs_float64", theirs - exact)):
+                worst[key] = max(worst[key], float(np.abs(d).max()))
+        return worst
 
-    tuned = load_backbone(args.model, args.heads, "float32")
+    heads = args.heads or stand_in_heads(args.model, args.stand_in_layers, args.stand_in_scale)
+    tuned = load_backbone(args.model, heads, "float32")
     out = args.out or tempfile.mkdtemp(prefix="medusa2_merged_")
     merge_to_hf(tuned, out)
-    merged = worst(tuned, out)
+    merged = compare(tuned, out)
     base = load_model(args.model)
     base_dir = tempfile.mkdtemp(prefix="medusa2_base_")
     save_hf(base_dir, base.cfg, base.params, base.tokenizer)
-    print(json.dumps({"merged": out, "chats": len(chats), "tokens": sum(c.shape[1] for c in chats),
-                      "max_abs_logit_diff": merged, "base_max_abs_logit_diff": worst(base, base_dir)}))
+    print(json.dumps({"merged": out, "heads": heads, "chats": len(chats), "tokens": sum(c.shape[1] for c in chats),
+                      "max_abs_logit_diff": merged, "base_max_abs_logit_diff": compare(base, base_dir)}))
     return 0
 
 
