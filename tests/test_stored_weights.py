@@ -11,13 +11,16 @@ from test_convert import write_gguf
 
 from medusa_jax import kernels
 from medusa_jax.convert import cache
-from medusa_jax.convert.load import load_model
+from medusa_jax.convert.load import load_model, stored_weights_apply
 from medusa_jax.decoding.generate import generate, generate_device
 from medusa_jax.decoding.tree import get_tree
 from medusa_jax.models.layout import decoding_params
 from medusa_jax.models.llama import LlamaModel, lm_head_matrix
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="the block kernels are unavailable")
+#: tests that decode from blocks: only where they are kept (the CPU backend; on a GPU "as-stored"
+#: dequantizes at load, as designed, and these tests failed there on the H200, 2026-12-04)
+needs_blocks = pytest.mark.skipif(not stored_weights_apply(), reason="blocks are kept on the CPU backend only")
 
 QTYPES = {"q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q8_0": Q.Q8_0}
 
@@ -53,6 +56,7 @@ def check_same_weights(stored, dense, fmt):
     return blocks
 
 
+@needs_blocks
 @pytest.mark.parametrize("fmt", list(QTYPES))
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", True)])
 def test_blocks_are_the_float32_weights(tmp_path, fmt, arch, tied, monkeypatch):
@@ -67,6 +71,7 @@ def test_blocks_are_the_float32_weights(tmp_path, fmt, arch, tied, monkeypatch):
                                   np.asarray(lm_head_matrix(cfg, dense.params)))
 
 
+@needs_blocks
 @pytest.mark.parametrize("fmt", list(QTYPES))
 def test_decoding_from_blocks_equals_the_float32_model(tmp_path, fmt, monkeypatch):
     """Prefill (more rows than the kernels take: XLA over the dequantized blocks) and decoding
@@ -95,6 +100,7 @@ def test_decoding_from_blocks_equals_the_float32_model(tmp_path, fmt, monkeypatc
         assert med.tokens[0, :med.count[0]].tolist() == plain
 
 
+@needs_blocks
 def test_blocks_go_through_the_model_cache(tmp_path, cache_dir):
     path = tiny_gguf(tmp_path, "q4_1")
     first = load_model(path, with_tokenizer=False, weights="as-stored")
@@ -120,6 +126,15 @@ def test_weights_argument(tmp_path, monkeypatch):
     # bfloat16 params are dequantized whatever --weights says (the block kernels are float32)
     low = load_model(path, with_tokenizer=False, weights="as-stored", dtype=jnp.bfloat16)
     assert not any(isinstance(w, kernels.BlockWeight) for w in flat(low.params).values())
+    # on another backend (a GPU) float32 "as-stored" is the dequantized model: XLA's products
+    from medusa_jax.convert import load as load_module
+    monkeypatch.setattr(load_module.jax, "default_backend", lambda: "gpu")
+    assert not stored_weights_apply()
+    gpu = load_model(path, with_tokenizer=False, weights="as-stored")
+    dense = load_model(path, with_tokenizer=False, weights="float32")
+    assert not any(isinstance(w, kernels.BlockWeight) for w in flat(gpu.params).values())
+    for key, w in flat(dense.params).items():
+        np.testing.assert_array_equal(np.asarray(flat(gpu.params)[key]), np.asarray(w), err_msg=key)
 
 
 def test_block_weight_checks_its_blocks():
@@ -133,6 +148,7 @@ def test_block_weight_checks_its_blocks():
     assert w.shape == (4, 64) and w.dtype == jnp.float32 and w.nbytes == 272
 
 
+@needs_blocks
 @pytest.mark.real_model
 def test_default_model_blocks_are_its_float32_weights(smollm2_path, monkeypatch):
     """Every tensor type of the shipped GGUF (Q4_1 projections, a Q8_0 tied embedding, F32 norms)."""
@@ -151,6 +167,7 @@ def test_default_model_blocks_are_its_float32_weights(smollm2_path, monkeypatch)
             np.testing.assert_array_equal(np.asarray(w), np.asarray(d[key]), err_msg=key)
 
 
+@needs_blocks
 @pytest.mark.real_model
 def test_check_and_bench_compare_the_blocks_with_the_float32_model(smollm2_path, tmp_path, capsys):
     """medusa-check --reference-weights and medusa-bench --compare-weights on the shipped model:
@@ -172,6 +189,7 @@ def test_check_and_bench_compare_the_blocks_with_the_float32_model(smollm2_path,
     assert result["summary"]["all"]["ref_identical"] == 2
 
 
+@needs_blocks
 def test_tune_on_blocks_keeps_a_report_per_kind_of_weights(tmp_path):
     """medusa-tune on a GGUF file's blocks (hydra heads read the embedding's blocks row by row):
     its report says so; a second tune on float32 weights keeps it beside its own."""
