@@ -42,6 +42,13 @@ def test_kernels_are_used_where_they_can_be():
         assert kernels.status().startswith("XLA")
 
 
+def test_status_names_xla_off_the_cpu_backend(monkeypatch):
+    """On a GPU the products are XLA's whether or not the CPU kernels load (`platform_dependent`):
+    tune's report said "weight-streaming CPU kernels" on the H200 (2026-12-04)."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert kernels.status().startswith("XLA's gpu products")
+
+
 @needs_kernels
 @pytest.mark.parametrize("M", [1, 2, 3, 4, 5, 7, 16])
 @pytest.mark.parametrize("K,N", [(1, 1), (7, 3), (8, 4), (13, 5), (33, 12), (64, 13), (577, 203), (576, 1537)])

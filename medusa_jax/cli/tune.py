@@ -195,11 +195,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     cache_sizes = sorted({int(s) for s in args.cost_cache_sizes.split(",")})
     by_size, dynamic_by_size = {}, {}
     # the roofline beside the timings (issue 13): the weights a plain step streams over its time,
-    # against this machine's read bandwidth measured before each cache size's timings
+    # against this machine's read bandwidth measured before each cache size's timings (the CPU's
+    # memory: none on another backend, whose weights live in the device's own memory)
     weight_bytes = tree_bytes(model.params)
     bandwidth = {}
+    on_cpu = jax.default_backend() == "cpu"
     for S in cache_sizes:
-        bandwidth[S] = kernels.read_bandwidth() if kernels.available() else None
+        bandwidth[S] = kernels.read_bandwidth() if on_cpu and kernels.available() else None
         by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
                                 S, progress)
         if dynamic:

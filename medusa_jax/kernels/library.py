@@ -118,7 +118,11 @@ def available() -> bool:
 
 
 def status() -> str:
-    """One line for the user: which path few-row products take on the CPU, and why."""
+    """One line for the user: which path few-row products take on the default backend, and why
+    (the kernels are registered for the CPU only; elsewhere, a GPU say, XLA's products run)."""
+    backend = jax.default_backend()
+    if backend != "cpu":
+        return f"XLA's {backend} products (the weight-streaming kernels are for the CPU backend)"
     lib, why = load_library()
     if lib is not None:
         return f"weight-streaming CPU kernels (AVX2+FMA, <= {MAX_ROWS} rows; {_library_path().name})"
