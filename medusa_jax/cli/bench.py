@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     predicted = resolve.predicted_tokens_per_step(tree, resolve.heads_calibration(args.heads, weights_of(params)))
     overall = summary.get("overall", summary.get("all"))
     tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
-                + (f"{predicted[0]:.3f} ({predicted[1]})" if predicted else "n/a (heads not tuned)")
+                + (f"{predicted[0]:.3f} ({predicted[1]})" if predicted else "n/a (tune made no figure for this tree)")
                 + f"; tree of {tree.size} tokens"
                 + (f", prompt lookup {tree.lookup_settings}" if tree.lookup else ", no prompt lookup")
                 + "; acceptance per depth "
