@@ -6,7 +6,7 @@ SmolLM2-135M-Instruct with the shipped heads and their tree, and of plain decodi
 HLO: which products, attention calls and heads' products make the tree step dearer than the plain
 one (docs/performance.md, issue 13 third pass). Also prints XLA's own ops outside the kernels.
 
-    .venv/bin/python scripts/step_profile.py [--cache-size 256] [--prompt-tokens 100]
+    .venv/bin/python scripts/step_profile.py [--cache-size 256] [--prompt-tokens 100] [--weights as-stored]
 """
 from __future__ import annotations
 
@@ -57,8 +57,10 @@ def main() -> None:
     p.add_argument("--cache-size", type=int, default=256, help="KV cache slots")
     p.add_argument("--prompt-tokens", type=int, default=100, help="length of the prefilled prompt")
     p.add_argument("--steps", type=int, default=8, help="steps per traced call")
+    p.add_argument("--weights", choices=("float32", "as-stored"), default="float32",
+                   help="the GGUF's weights dequantized at load, or kept as its blocks (the block kernels)")
     args = p.parse_args()
-    model = load_model()
+    model = load_model(weights=args.weights)
     heads, tree, _ = resolve_heads(model, None)
     params = decoding_params(model.params)
     state = start_state(model.cfg, params, [list(range(100, 100 + args.prompt_tokens))], args.cache_size,
