@@ -453,7 +453,8 @@ class Workers {
 };
 
 // Splits [0, N) into chunks of whole `align`-column units of about MEDUSA_JAX_CHUNK_KB (default
-// 256) KiB of weights each (`row_bytes` per column), and runs fn(begin, end) on them across the workers.
+// 256) KiB each (`row_bytes` per column: the caller's measure of a column's work), and runs
+// fn(begin, end) on them across the workers.
 void parallel_columns(int64_t N, int64_t row_bytes, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
   static const int64_t chunk_bytes = int64_t{1024} * std::max(4, env_int("MEDUSA_JAX_CHUNK_KB", 256));
   Workers& workers = Workers::get();
@@ -492,7 +493,12 @@ ffi::Error run_nt(const ffi::Buffer<ffi::F32>& x, const WBuffer& w, ffi::ResultB
   const float* xp = x.typed_data();
   const void* wp = w.untyped_data();
   float* yp = y->typed_data();
-  parallel_columns(N, WF::row_bytes(K), 12, [&](int64_t b, int64_t e) { nt_rows<WF>(xp, wp, yp, M, K, N, b, e); });
+  // Chunks are sized by a column's work, K multiply-adds, as float32 bytes (4 K), not by the bytes its
+  // format stores: the block kernels are bound by arithmetic, and sized by their bytes (0.625 K for
+  // Q4_1) a step's q/k/v and o products (345 and 207 KB of Q4_1) fell under the two-chunk threshold
+  // and ran on one thread (docs/performance.md, session 21). The outputs do not depend on the split.
+  parallel_columns(N, int64_t(sizeof(float)) * K, 12,
+                   [&](int64_t b, int64_t e) { nt_rows<WF>(xp, wp, yp, M, K, N, b, e); });
   return ffi::Error::Success();
 }
 
