@@ -18,7 +18,8 @@ Where it cannot be used (no C++ compiler, a CPU without AVX2/FMA, not x86-64, a 
 round-off; `status()` says which path runs and why. Environment: ``MEDUSA_JAX_THREADS=N`` caps
 the threads one product uses (default: the CPUs this process may run on); ``MEDUSA_JAX_SPIN_US``
 is how long an idle worker spins before it sleeps (default 200); ``MEDUSA_JAX_CHUNK_KB`` the
-weights per claimed chunk of columns (default 256); ``MEDUSA_JAX_HUGE_PAGES=0`` keeps the decoding
+work per claimed chunk of columns, as KB of float32 weights (default 256; blocks count their
+weights, not their bytes); ``MEDUSA_JAX_HUGE_PAGES=0`` keeps the decoding
 weights on ordinary 4 KB pages (`on_huge_pages`).
 
 Public API:
