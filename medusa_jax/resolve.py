@@ -230,10 +230,8 @@ def _replayed_dynamic(tree: TreeBuffers, calibration: dict, lookup) -> Optional[
     """tune's replayed tokens per step for dynamic `tree` (its ``dynamic_rows`` entry of the same
     budget and width), heads alone or with the prompt lookup tune replayed (its ``prompt_lookup``
     with `DYNAMIC_LOOKUP_MATCHES` matches); else None."""
-    spec = tree.dynamic
-    row = next((r for r in calibration.get("dynamic_rows") or []
-                if (r.get("dynamic") or {}).get("budget") == spec.budget
-                and (r.get("dynamic") or {}).get("width") == spec.width), None)
+    replayed = {"budget": tree.dynamic.budget, "width": tree.dynamic.width}  # as tune writes a row's tree
+    row = next((r for r in calibration.get("dynamic_rows") or [] if r.get("dynamic") == replayed), None)
     if row is None:
         return None
     if lookup is None:

@@ -34,18 +34,17 @@ sys.path.insert(0, ROOT)
 import numpy as np  # noqa: E402
 
 
-def stand_in_heads(model_path, layers: int, scale: float, seed: int = 0) -> str:
-    """A heads directory (a copy of the shipped heads) holding the top `layers` decoder layers of the
-    base, each weight tensor plus normal(0, `scale` * its std) noise, as Medusa-2 tuned layers."""
+def stand_in_heads(base, model_path, layers: int, scale: float, seed: int = 0) -> str:
+    """A heads directory (a copy of the shipped heads) holding the top `layers` decoder layers of
+    `base` (a `LoadedModel` of `model_path`), each weight tensor plus normal(0, `scale` * its std)
+    noise, as Medusa-2 tuned layers."""
     import shutil
 
     import jax
 
-    from medusa_jax.convert.load import load_model
     from medusa_jax.convert.tuned_layers import save_tuned_layers
     from medusa_jax.resolve import DEFAULT_HEADS_DIR
 
-    base = load_model(model_path)
     chosen = list(range(base.cfg.num_layers - layers, base.cfg.num_layers))
     rng = np.random.default_rng(seed)
 
@@ -104,12 +103,12 @@ def main() -> int:
                 worst[key] = max(worst[key], float(np.abs(d).max()))
         return worst
 
-    heads = args.heads or stand_in_heads(args.model, args.stand_in_layers, args.stand_in_scale)
+    base = load_model(args.model)
+    heads = args.heads or stand_in_heads(base, args.model, args.stand_in_layers, args.stand_in_scale)
     tuned = load_backbone(args.model, heads, "float32")
     out = args.out or tempfile.mkdtemp(prefix="medusa2_merged_")
     merge_to_hf(tuned, out)
     merged = compare(tuned, out)
-    base = load_model(args.model)
     base_dir = tempfile.mkdtemp(prefix="medusa2_base_")
     save_hf(base_dir, base.cfg, base.params, base.tokenizer)
     print(json.dumps({"merged": out, "heads": heads, "chats": len(chats), "tokens": sum(c.shape[1] for c in chats),

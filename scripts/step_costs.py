@@ -94,14 +94,15 @@ def main(argv=None) -> int:
 
     device = f"{jax.default_backend()} {jax.devices()[0].device_kind}"
     print(f"device: {device}, jax {jax.__version__}, dtype {args.dtype}", flush=True)
+    specs = [t for t in args.trees.split(",") if t]
     results = {"device": device, "jax": jax.__version__, "dtype": args.dtype, "models": {}}
     for name in [m for m in args.model.split(",") if m]:
         t0 = time.perf_counter()
         cfg, params, heads = random_model(name, jnp.dtype(args.dtype))
-        trees = [get_tree(t, topk=10, num_heads=heads[0].num_heads) for t in args.trees.split(",") if t]
+        trees = [get_tree(t, topk=10, num_heads=heads[0].num_heads) for t in specs]
         prompt = np.random.default_rng(0).integers(3, cfg.vocab_size, args.prompt_len).tolist()
         rows = []
-        for spec, tree in zip(args.trees.split(","), trees):  # one call each: step_costs keys trees by T
+        for spec, tree in zip(specs, trees):  # one call each: step_costs keys trees by T
             r = step_costs(cfg, params, heads, [tree], prompt, steps=args.steps, repeats=args.repeats,
                            cache_size=args.cache_size, progress=False)
             T = tree.size

@@ -132,9 +132,10 @@ def test_weights_argument(tmp_path, monkeypatch):
     assert not stored_weights_apply()
     gpu = load_model(path, with_tokenizer=False, weights="as-stored")
     dense = load_model(path, with_tokenizer=False, weights="float32")
-    assert not any(isinstance(w, kernels.BlockWeight) for w in flat(gpu.params).values())
+    got = flat(gpu.params)
+    assert not any(isinstance(w, kernels.BlockWeight) for w in got.values())
     for key, w in flat(dense.params).items():
-        np.testing.assert_array_equal(np.asarray(flat(gpu.params)[key]), np.asarray(w), err_msg=key)
+        np.testing.assert_array_equal(np.asarray(got[key]), np.asarray(w), err_msg=key)
 
 
 def test_block_weight_checks_its_blocks():

@@ -199,9 +199,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # memory: none on another backend, whose weights live in the device's own memory)
     weight_bytes = tree_bytes(model.params)
     bandwidth = {}
-    on_cpu = jax.default_backend() == "cpu"
     for S in cache_sizes:
-        bandwidth[S] = kernels.read_bandwidth() if on_cpu and kernels.available() else None
+        bandwidth[S] = kernels.read_bandwidth() if kernels.in_use() else None
         by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
                                 S, progress)
         if dynamic:

@@ -245,7 +245,7 @@ def stored_weights_apply(dtype=np.float32) -> bool:
     """Whether ``weights="as-stored"`` keeps blocks in this process: float32 params, the CPU
     backend and the block kernels available (`kernels.status`). Elsewhere (GPUs, bfloat16,
     XLA's products) the weights are dequantized at load, as with "float32"."""
-    return np.dtype(dtype) == np.float32 and jax.default_backend() == "cpu" and kernels.available()
+    return np.dtype(dtype) == np.float32 and kernels.in_use()
 
 
 def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: bool = True,

@@ -23,7 +23,7 @@ weights, not their bytes); ``MEDUSA_JAX_HUGE_PAGES=0`` keeps the decoding
 weights on ordinary 4 KB pages (`on_huge_pages`).
 
 Public API:
-  available() -> bool;  status() -> str
+  available() -> bool;  in_use() -> bool (available and the CPU backend);  status() -> str
   matmul_nt(x [..., K], w [N, K]) -> [..., N]  (x @ w.T; float32 kernel for <= MAX_ROWS rows, w float32
       or bfloat16);  weight_for(w, dtype): a weight as matmul_nt takes it (bfloat16 kept as it is)
   cache_attention(q, k, v, mask, lengths, layer, fallback) -> [B, T, H * Dh]  (attention over the
@@ -47,6 +47,7 @@ from medusa_jax.kernels.library import (
                                        build,
                                        cache_dir,
                                        cpu_supported,
+                                       in_use,
                                        load_library,
                                        read_bandwidth,
                                        status,
@@ -64,5 +65,5 @@ from medusa_jax.kernels.ops import (
 )
 
 __all__ = ["BLOCK_BYTES", "BlockWeight", "FLAGS", "MAX_ROWS", "SOURCE", "TARGETS", "argmax", "attention_applies", "available", "build",
-           "cache_attention", "cache_dir", "cpu_supported", "dequantize_blocks", "load_library", "matmul_nt",
+           "cache_attention", "cache_dir", "cpu_supported", "dequantize_blocks", "in_use", "load_library", "matmul_nt",
            "matmul_nt_blocks", "on_huge_pages", "read_bandwidth", "status", "take_rows", "weight_for", "xla_nt"]

@@ -117,6 +117,12 @@ def available() -> bool:
     return load_library()[0] is not None
 
 
+def in_use() -> bool:
+    """True when decoding's products run the kernels in this process: the default backend is the
+    CPU (elsewhere `jax.lax.platform_dependent` picks XLA's products) and `available()`."""
+    return jax.default_backend() == "cpu" and available()
+
+
 def status() -> str:
     """One line for the user: which path few-row products take on the default backend, and why
     (the kernels are registered for the CPU only; elsewhere, a GPU say, XLA's products run)."""

@@ -32,12 +32,13 @@ def decoding_params(params: dict) -> dict:
     checkpoints use it). Matrices a GGUF file's blocks hold (`kernels.BlockWeight`, loaded with
     ``weights="as-stored"``) are already ``kernel_t``; they fuse with blocks of their format.
 
-    Returns `params` unchanged off the CPU, when the streaming kernels are unavailable
-    (`kernels.status`), for params placed on a device mesh (`medusa_jax.sharding`), or when the
-    tree is already in decoding layout. The result is cached per params tree (while its embedding
-    array lives), so the decoding entry points may call this on every request.
+    Returns `params` unchanged off the CPU or when the streaming kernels are unavailable
+    (`kernels.in_use`, `kernels.status`), for params placed on a device mesh
+    (`medusa_jax.sharding`), or when the tree is already in decoding layout. The result is cached
+    per params tree (while its embedding array lives), so the decoding entry points may call this
+    on every request.
     """
-    if (jax.default_backend() != "cpu" or not kernels.available() or _in_decoding_layout(params)
+    if (not kernels.in_use() or _in_decoding_layout(params)
             or sharding.mesh_of(params["embed"]["embedding"]) is not None):
         return params
     leaf = params["embed"]["embedding"]
