@@ -104,19 +104,28 @@ struct PlainW {  // float32, or uint16_t holding bfloat16
 using F32W = PlainW<float>;
 using BF16W = PlainW<uint16_t>;
 
-inline float half_at(const uint8_t* p) {  // a float16 scale, widened exactly
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // A block of 32 weights: its float16 scales widened once (`scales`), then its 4 vectors of 8
 // (`vec(b, s, h)`: weights 8h..8h+7 of the block at b), each read from the block's bytes as it is
 // needed, so that a product keeps only the vector it multiplies in a register. Each value is
 // computed exactly as the gguf package computes it (below, per format).
 struct Scales {
-  float d, m;
+  __m256 d, m;  // the block's scale and offset, in every lane
 };
+
+// A block's float16 scale d (its first 2 bytes), or d and m (its first 4), widened exactly and
+// broadcast: one load and one conversion for both (a scalar conversion and a broadcast for each
+// made the one-row Q4_1 product 1.18x slower, docs/performance.md, session 22).
+inline Scales half_d(const uint8_t* b) {
+  int16_t h;
+  std::memcpy(&h, b, 2);
+  return {_mm256_cvtph_ps(_mm_set1_epi16(h)), _mm256_setzero_ps()};
+}
+inline Scales half_dm(const uint8_t* b) {
+  float dm;  // d and m, 2 + 2 bytes
+  std::memcpy(&dm, b, 4);
+  const __m256 v = _mm256_cvtph_ps(_mm_castps_si128(_mm_set1_ps(dm)));  // d, m, d, m, ...
+  return {_mm256_moveldup_ps(v), _mm256_movehdup_ps(v)};
+}
 
 template <int64_t BYTES>
 struct BlockW {
@@ -137,19 +146,19 @@ inline __m256i nibbles8(const uint8_t* qs, int h) {
 
 // Q8_0: float16 d, 32 int8 q; w = float(q) * d.
 struct Q8_0W : BlockW<34> {
-  static Scales scales(const uint8_t* b) { return {half_at(b), 0.f}; }
+  static Scales scales(const uint8_t* b) { return half_d(b); }
   static __m256 vec(const uint8_t* b, Scales s, int h) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h));
-    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), _mm256_set1_ps(s.d));
+    return _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), s.d);
   }
 };
 
 // Q4_0: float16 d, 32 4-bit q; w = d * float(q - 8).
 struct Q4_0W : BlockW<18> {
-  static Scales scales(const uint8_t* b) { return {half_at(b), 0.f}; }
+  static Scales scales(const uint8_t* b) { return half_d(b); }
   static __m256 vec(const uint8_t* b, Scales s, int h) {
     const __m256i q = _mm256_sub_epi32(nibbles8(b + 2, h), _mm256_set1_epi32(8));
-    return _mm256_mul_ps(_mm256_set1_ps(s.d), _mm256_cvtepi32_ps(q));
+    return _mm256_mul_ps(s.d, _mm256_cvtepi32_ps(q));
   }
 };
 
@@ -157,9 +166,9 @@ struct Q4_0W : BlockW<18> {
 // as one fused multiply-add with the same result: d has 11 significant bits and q at most 4, so
 // d * q is exact in float32 and only the add rounds, as in the fused operation.
 struct Q4_1W : BlockW<20> {
-  static Scales scales(const uint8_t* b) { return {half_at(b), half_at(b + 2)}; }
+  static Scales scales(const uint8_t* b) { return half_dm(b); }
   static __m256 vec(const uint8_t* b, Scales s, int h) {
-    return _mm256_fmadd_ps(_mm256_set1_ps(s.d), _mm256_cvtepi32_ps(nibbles8(b + 4, h)), _mm256_set1_ps(s.m));
+    return _mm256_fmadd_ps(s.d, _mm256_cvtepi32_ps(nibbles8(b + 4, h)), s.m);
   }
 };
 
@@ -207,7 +216,28 @@ inline void nt_block(const float* x, const void* w, int64_t wn, float* y, int64_
         b[j] = static_cast<const uint8_t*>(WF::at(e + j * rs, k));
         s[j] = WF::scales(b[j]);
       }
-      for (int h = 0; h < 4; ++h) {
+      if constexpr (TB == 1) {  // one row: weight row by weight row, few registers live (the 4
+                                // rows' vectors interleaved spilled registers: 1.25x slower)
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 4; ++h)
+            acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + k + 8 * h), WF::vec(b[j], s[j], h), acc[0][j]);
+      } else if constexpr (TB > 2) {
+        // 3 or 4 rows: the block's NB x 32 weights dequantized into L1 first, then multiplied as
+        // float32 weights are; dequantizing in registers here needs more than the 16 vector
+        // registers (scales, vectors and 12 accumulators), and the spills cost more.
+        alignas(32) float ub[NB][32];
+        for (int j = 0; j < NB; ++j)
+          for (int h = 0; h < 4; ++h) _mm256_store_ps(ub[j] + 8 * h, WF::vec(b[j], s[j], h));
+        for (int h = 0; h < 4; ++h) {
+          __m256 u[NB];
+          for (int j = 0; j < NB; ++j) u[j] = _mm256_load_ps(ub[j] + 8 * h);
+          for (int i = 0; i < TB; ++i) {
+            const __m256 v = _mm256_loadu_ps(xs + i * K + k + 8 * h);
+            for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
+          }
+        }
+      } else
+      for (int h = 0; h < 4; ++h) {  // 2 rows: each vector dequantized in registers, used twice
         __m256 u[NB];
         for (int j = 0; j < NB; ++j) u[j] = WF::vec(b[j], s[j], h);
         for (int i = 0; i < TB; ++i) {
@@ -309,13 +339,14 @@ void nt_rows_blocked(const float* x, const void* w, float* y, int64_t M, int64_t
 }
 
 // The blocking by M, measured on this project's AVX2 CPU (docs/performance.md): one row, 4 outputs
-// per block (memory-bound); two rows, 2 x 4; more, 4 x 3 accumulators (12 of the 16 registers).
+// per block (memory-bound); two rows, 2 x 4 (GGUF blocks: 2 x 2, which leaves registers for the
+// scales and the dequantized vectors); more, 4 x 3 accumulators (12 of the 16 registers).
 // Every output is the same dot product, summed in the same order, whatever the blocking.
 template <typename WF>
 void nt_rows(const float* x, const void* w, float* y, int64_t M, int64_t K, int64_t N, int64_t n0, int64_t n1) {
   const __m256i tail = tail_mask(K % 8);
   if (M == 1) nt_rows_blocked<WF, 1, 4>(x, w, y, M, K, N, n0, n1, tail);
-  else if (M == 2) nt_rows_blocked<WF, 2, 4>(x, w, y, M, K, N, n0, n1, tail);
+  else if (M == 2) nt_rows_blocked<WF, 2, (WF::kBlock > 1 ? 2 : 4)>(x, w, y, M, K, N, n0, n1, tail);
   else nt_rows_blocked<WF, 4, 3>(x, w, y, M, K, N, n0, n1, tail);
 }
 
