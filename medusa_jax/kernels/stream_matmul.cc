@@ -221,28 +221,22 @@ inline void nt_block(const float* x, const void* w, int64_t wn, float* y, int64_
         for (int j = 0; j < NB; ++j)
           for (int h = 0; h < 4; ++h)
             acc[0][j] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + k + 8 * h), WF::vec(b[j], s[j], h), acc[0][j]);
-      } else if constexpr (TB > 2) {
-        // 3 or 4 rows: the block's NB x 32 weights dequantized into L1 first, then multiplied as
-        // float32 weights are; dequantizing in registers here needs more than the 16 vector
-        // registers (scales, vectors and 12 accumulators), and the spills cost more.
+      } else {
+        // 2 rows: each vector dequantized in registers and used twice. 3 or 4 rows: the block's
+        // NB x 32 weights dequantized into L1 first (`ub`), then multiplied as float32 weights
+        // are; dequantizing in registers there needs more than the 16 vector registers (scales,
+        // vectors and 12 accumulators), and the spills cost more.
         alignas(32) float ub[NB][32];
-        for (int j = 0; j < NB; ++j)
-          for (int h = 0; h < 4; ++h) _mm256_store_ps(ub[j] + 8 * h, WF::vec(b[j], s[j], h));
+        if constexpr (TB > 2)
+          for (int j = 0; j < NB; ++j)
+            for (int h = 0; h < 4; ++h) _mm256_store_ps(ub[j] + 8 * h, WF::vec(b[j], s[j], h));
         for (int h = 0; h < 4; ++h) {
           __m256 u[NB];
-          for (int j = 0; j < NB; ++j) u[j] = _mm256_load_ps(ub[j] + 8 * h);
+          for (int j = 0; j < NB; ++j) u[j] = TB > 2 ? _mm256_load_ps(ub[j] + 8 * h) : WF::vec(b[j], s[j], h);
           for (int i = 0; i < TB; ++i) {
             const __m256 v = _mm256_loadu_ps(xs + i * K + k + 8 * h);
             for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
           }
-        }
-      } else
-      for (int h = 0; h < 4; ++h) {  // 2 rows: each vector dequantized in registers, used twice
-        __m256 u[NB];
-        for (int j = 0; j < NB; ++j) u[j] = WF::vec(b[j], s[j], h);
-        for (int i = 0; i < TB; ++i) {
-          const __m256 v = _mm256_loadu_ps(xs + i * K + k + 8 * h);
-          for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(v, u[j], acc[i][j]);
         }
       }
     }
