@@ -16,7 +16,7 @@ from medusa_jax.decoding.tree import PRESETS, TreeBuffers, dynamic_tree, get_tre
 from medusa_jax.decoding.tree_estimates import expected_acceptance_length
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import check_heads_match, init_heads, prepare_heads
-from medusa_jax.models.llama import compute_dtype, lm_head_matrix
+from medusa_jax.models.llama import compute_dtype, lm_head_blocks, lm_head_matrix
 
 _ASSET_HEADS = os.path.join(os.path.dirname(__file__), "assets", "heads")
 
@@ -169,7 +169,8 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
     base = lm_head_matrix(model.cfg, model.params) if need_base else None
-    heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1))
+    heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1),
+                                      lm_head_blocks=lm_head_blocks(model.cfg, model.params))
     # once, here, for a model on a device mesh (`place_on_mesh`): decoding would otherwise place them every call
     params = sharding.shard_params(params, sharding.mesh_of(getattr(model, "params", None)))
     return (heads_cfg, params), tree, ""

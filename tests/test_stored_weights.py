@@ -215,3 +215,43 @@ def test_tune_on_blocks_keeps_a_report_per_kind_of_weights(tmp_path):
     assert raw["tree_search_by_weights"]["as-stored"] == first
     assert heads_calibration(str(tmp_path / "t2"), "as-stored") == first
     assert heads_calibration(str(tmp_path / "t2"), "float32")["weights"] == "float32"
+
+
+@needs_blocks
+@pytest.mark.parametrize("fmt", ["q8_0", "q4_1"])
+def test_proposal_projection_keeps_the_lm_heads_blocks(tmp_path, fmt, monkeypatch):
+    """Shared heads with a proposal vocabulary over a backbone whose tied lm_head is GGUF blocks:
+    the proposal projection is those rows' blocks (not a bfloat16 copy), their values the float32
+    columns bit for bit, the proposals and log-probabilities those of a float32 projection exactly,
+    and Medusa greedy decoding with them is plain greedy."""
+    from medusa_jax.heads.medusa import prepare_heads
+    from medusa_jax.heads.topk import states_topk
+    from medusa_jax.models.llama import lm_head_blocks
+
+    monkeypatch.setenv("MEDUSA_JAX_NO_CACHE", "1")
+    path = tiny_gguf(tmp_path, fmt, "qwen2", tie_word_embeddings=True)
+    stored = load_model(path, with_tokenizer=False, weights="as-stored")
+    cfg = stored.cfg
+    hcfg, hp = random_heads(cfg, stored.params, head_type="medusa")
+    ids = np.asarray([3, 60, 7, 1, 12, 40, 9, 33, 2, 50, 18, 27], np.int32)
+    hcfg, hp = hcfg.replace(proposal_vocab_size=len(ids), topk=4), {**hp, "proposal_ids": ids}
+    lm = lm_head_matrix(cfg, stored.params)
+    blocks = lm_head_blocks(cfg, stored.params)
+    assert isinstance(blocks, kernels.BlockWeight) and blocks.fmt == fmt
+    got_cfg, got = prepare_heads(hcfg, hp, lm, lm_head_blocks=blocks)
+    _, want = prepare_heads(hcfg, hp, lm, draft_dtype=jnp.float32)
+    w = got["proposal_lm_head_t"]
+    assert isinstance(w, kernels.BlockWeight) and w.fmt == fmt and w.shape == (len(ids), cfg.hidden_size)
+    np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(lm).T[ids])
+    assert lm_head_blocks(cfg, load_model(path, with_tokenizer=False).params) is None  # float32 load: no blocks
+    states = jax.random.normal(jax.random.PRNGKey(0), (3, 2, cfg.hidden_size))
+    t_got, lp_got = states_topk(got_cfg, got, states, lm, 4, logprobs=True)
+    t_want, lp_want = states_topk(got_cfg, want, states, lm, 4, logprobs=True)
+    np.testing.assert_array_equal(np.asarray(t_got), np.asarray(t_want))
+    np.testing.assert_array_equal(np.asarray(lp_got), np.asarray(lp_want))
+    tree = get_tree("small_8", num_heads=3)
+    prompt = list(range(3, 30))
+    plain = generate(cfg, stored.params, prompt, max_new_tokens=24, progress=False).tokens
+    med = generate_device(cfg, stored.params, [prompt], max_new_tokens=24, heads=(hcfg, hp), tree=tree,
+                          progress=False)
+    assert med.tokens[0, :med.count[0]].tolist() == plain

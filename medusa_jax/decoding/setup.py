@@ -9,7 +9,7 @@ from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
 from medusa_jax.heads.medusa import prepare_heads
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.layout import decoding_params
-from medusa_jax.models.llama import lm_head_matrix
+from medusa_jax.models.llama import lm_head_blocks, lm_head_matrix
 
 
 def decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers]):
@@ -34,7 +34,7 @@ def decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers])
     heads_cfg, head_params = heads
     if tree.max_depth > 0:
         heads_cfg, head_params = prepare_heads(heads_cfg, head_params, lm_head_matrix(cfg, params),
-                                               depth=tree.max_depth)
+                                               depth=tree.max_depth, lm_head_blocks=lm_head_blocks(cfg, params))
     if mesh is not None and sharding.mesh_of(head_params) != mesh:
         head_params = sharding.shard_params(head_params, mesh)
     return params, heads_cfg, head_params, tree

@@ -141,7 +141,7 @@ class MedusaHeads(nn.Module):
           [K, ..., V] float32; entry k at position t scores token t+k+2.
         Raises:
           ValueError: shared lm_head and base_lm_head is None.
-          HeadsMismatchError: base_lm_head is not [D, V].
+          HeadsMismatchError: base_lm_head is not [D, V], or lm_head_blocks not [V, D].
         """
         x = self.head_states(hidden)
         if self.cfg.shared_lm_head:
@@ -175,7 +175,7 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
       which keep the same starting logits.
     Raises:
       ValueError: not shared and base_lm_head is None.
-      HeadsMismatchError: base_lm_head is not [D, V].
+      HeadsMismatchError: base_lm_head is not [D, V], or lm_head_blocks not [V, D].
     """
     K, L, D = cfg.num_heads, cfg.num_layers, cfg.hidden_size
     params = {"blocks_kernel": jnp.zeros((K, L, D, D), dtype), "blocks_bias": jnp.zeros((K, L, D), dtype)}
@@ -233,8 +233,9 @@ _PER_HEAD_KEYS = BLOCK_KEYS + ("lm_head",)
 DRAFT_DTYPE = jnp.bfloat16
 
 
-def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
-                  depth: Optional[int] = None, draft_dtype=DRAFT_DTYPE) -> Tuple[MedusaConfig, dict]:
+def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None, depth: Optional[int] = None,
+                  draft_dtype=DRAFT_DTYPE, lm_head_blocks: Optional[kernels.BlockWeight] = None
+                  ) -> Tuple[MedusaConfig, dict]:
     """Heads made ready for decoding once, at load time, so that the jitted step (`heads.topk.head_topk`)
     slices and gathers no big weight, whatever the head file's layout.
 
@@ -251,7 +252,9 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
        (`proposal_projection`) and stored as ``"proposal_lm_head_t"`` [N, D] when shared: the
        ``[out, in]`` layout that `medusa_jax.kernels` streams, in `draft_dtype` (bfloat16 by
        default: the heads' top-k only proposes candidates, which the backbone verifies, so greedy
-       output does not depend on it), on 2 MB pages (`kernels.on_huge_pages`). Own lm_heads get
+       output does not depend on it), on 2 MB pages (`kernels.on_huge_pages`); or, when the
+       backbone keeps its lm_head as GGUF blocks (`lm_head_blocks`), as those rows' blocks: the
+       exact weights in about half of bfloat16's bytes (Q8_0: 34 bytes per 32). Own lm_heads get
        ``"proposal_lm_head"`` [depth, D, N]; the own lm_heads [depth, D, V], which decoding then
        never reads, are dropped.
     4. Hydra heads get their matrices in decoding layout (`heads.hydra.decoding_layout`: one
@@ -267,6 +270,9 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
       depth: heads to keep, 1 <= depth <= cfg.num_heads; None keeps all.
       draft_dtype: dtype of the matrices made for the draft in steps 3 and 4 (float32 or bfloat16;
         default `DRAFT_DTYPE`). Greedy output does not depend on it; tokens per step barely does.
+      lm_head_blocks: [V, D] the backbone's lm_head when held as GGUF blocks
+        (`models.llama.lm_head_blocks`), or None; shared heads with a proposal vocabulary then keep
+        their projection as its rows' blocks (step 3).
     Returns:
       (cfg with num_heads = depth and medusa_choices cut to that depth, shared_lm_head set by step 2;
       params as jax arrays). For decoding (`heads.topk.head_topk`, `generate`); the full-vocabulary
@@ -274,7 +280,7 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
     Raises:
       ValueError: depth outside [1, cfg.num_heads]; a shared-lm_head proposal vocabulary without
         base_lm_head; proposal ids missing; hydra heads whose path params are missing or mis-shaped.
-      HeadsMismatchError: base_lm_head is not [D, V].
+      HeadsMismatchError: base_lm_head is not [D, V], or lm_head_blocks not [V, D].
     """
     if "params" in params and "blocks_kernel" not in params:
         params = params["params"]
@@ -298,8 +304,15 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None,
         if all(np.array_equal(np.asarray(p["lm_head"][k]), base) for k in range(depth)):
             cfg = cfg.replace(shared_lm_head=True)
             p = {k: v for k, v in p.items() if k not in ("lm_head", "proposal_lm_head")}
-    p = {k: jnp.asarray(v) for k, v in p.items()}
+    p = {k: v if isinstance(v, kernels.BlockWeight) else jnp.asarray(v) for k, v in p.items()}
     if cfg.proposal_vocab_size:
+        if "proposal_lm_head_t" not in p and cfg.shared_lm_head and lm_head_blocks is not None:
+            if tuple(lm_head_blocks.shape) != (cfg.vocab_size, cfg.hidden_size):
+                raise HeadsMismatchError(f"lm_head_blocks is {tuple(lm_head_blocks.shape)}, the heads need "
+                                         f"[V={cfg.vocab_size}, D={cfg.hidden_size}]")
+            rows = jnp.take(jnp.asarray(lm_head_blocks.blocks), jnp.asarray(p["proposal_ids"], jnp.int32), axis=0)
+            p["proposal_lm_head_t"] = kernels.BlockWeight(kernels.on_huge_pages(rows), lm_head_blocks.fmt)  # [N, D]
+            p.pop("proposal_lm_head", None)
         if "proposal_lm_head_t" not in p:
             proj = p.pop("proposal_lm_head", None)
             if proj is None:

@@ -21,10 +21,11 @@ def states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm
     (the draft probabilities a dynamic tree ranks its nodes by: `decoding.dynamic`)."""
     J = states.shape[0]
     ids = None
-    if "proposal_lm_head_t" in head_params:  # [N, D] shared proposal projection (heads.prepare_heads)
-        ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
-        proj = head_params["proposal_lm_head_t"].T  # .T gives back the stored [N, D] to matmul_nt below
-    elif heads_cfg.proposal_vocab_size:
+    if "proposal_lm_head_t" in head_params:  # [N, D] shared proposal projection (heads.prepare_heads):
+        ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)  # an array or GGUF blocks, streamed as stored
+        logits = kernels.matmul_nt(states, kernels.weight_for(head_params["proposal_lm_head_t"], states.dtype))
+        return _top(logits, ids, topk, logprobs)
+    if heads_cfg.proposal_vocab_size:
         ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
         proj = head_params.get("proposal_lm_head")
         if proj is None:
@@ -37,11 +38,16 @@ def states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm
     else:
         proj = head_params["lm_head"]
     if heads_cfg.shared_lm_head:
-        # proj [D, N] is the transpose of a stored [N, D] (the embedding of a tied lm_head, the
-        # prepared proposal projection): .T gives the stored array back, streamed as it lies
+        # proj [D, V] is the transpose of a stored [V, D] (the embedding of a tied lm_head): .T
+        # gives the stored array back, streamed as it lies
         logits = kernels.matmul_nt(states, kernels.weight_for(proj.T, states.dtype))
     else:
         logits = jnp.einsum("k...d,kdv->k...v", states, proj[first:first + J].astype(states.dtype))
+    return _top(logits, ids, topk, logprobs)
+
+
+def _top(logits: jax.Array, ids: Optional[jax.Array], topk: int, logprobs: bool):
+    """`states_topk`'s result from the logits [..., N] over ``ids`` [N] (None: the whole vocabulary)."""
     logits = logits.astype(jnp.float32)
     top, idx = jax.lax.top_k(logits, topk)
     idx = idx.astype(jnp.int32)

@@ -506,6 +506,14 @@ def lm_head_matrix(cfg: ModelConfig, params) -> jax.Array:
     return params["lm_head"]["kernel"]
 
 
+def lm_head_blocks(cfg: ModelConfig, params) -> Optional[kernels.BlockWeight]:
+    """The base model's output projection as the params hold it when that is GGUF blocks: the
+    [V, D] `kernels.BlockWeight` (the tied embedding, or ``lm_head/kernel_t``); None otherwise.
+    The heads' proposal projection takes its rows from it as blocks (`heads.medusa.prepare_heads`)."""
+    w = params["embed"]["embedding"] if cfg.tie_word_embeddings else params["lm_head"].get("kernel_t")
+    return w if isinstance(w, kernels.BlockWeight) else None
+
+
 def _dense(w):
     """A weight as an array: GGUF blocks (`kernels.BlockWeight`) dequantized to float32."""
     return w.dequantize() if isinstance(w, kernels.BlockWeight) else w

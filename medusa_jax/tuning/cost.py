@@ -29,7 +29,7 @@ from medusa_jax.heads.medusa import prepare_heads
 from medusa_jax.heads.topk import head_topk
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.layout import decoding_params
-from medusa_jax.models.llama import LlamaModel, lm_head_matrix
+from medusa_jax.models.llama import LlamaModel, lm_head_blocks, lm_head_matrix
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3))
@@ -92,7 +92,8 @@ def prepared_heads(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig,
     """`heads` as decoding runs them with `tree` (`heads.medusa.prepare_heads` to its depth), or (None, None)."""
     if heads is None:
         return None, None
-    return prepare_heads(heads[0], heads[1], lm_head_matrix(cfg, params), depth=max(tree.max_depth, 1))
+    return prepare_heads(heads[0], heads[1], lm_head_matrix(cfg, params), depth=max(tree.max_depth, 1),
+                         lm_head_blocks=lm_head_blocks(cfg, params))
 
 
 def _step_call(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
