@@ -224,7 +224,7 @@ def test_proposal_projection_keeps_the_lm_heads_blocks(tmp_path, fmt, monkeypatc
     the proposal projection is those rows' blocks (not a bfloat16 copy), their values the float32
     columns bit for bit, the proposals and log-probabilities those of a float32 projection exactly,
     and Medusa greedy decoding with them is plain greedy."""
-    from medusa_jax.heads.medusa import prepare_heads
+    from medusa_jax.heads.medusa import HeadsMismatchError, prepare_heads
     from medusa_jax.heads.topk import states_topk
     from medusa_jax.models.llama import lm_head_blocks
 
@@ -244,6 +244,8 @@ def test_proposal_projection_keeps_the_lm_heads_blocks(tmp_path, fmt, monkeypatc
     assert isinstance(w, kernels.BlockWeight) and w.fmt == fmt and w.shape == (len(ids), cfg.hidden_size)
     np.testing.assert_array_equal(np.asarray(w.dequantize()), np.asarray(lm).T[ids])
     assert lm_head_blocks(cfg, load_model(path, with_tokenizer=False).params) is None  # float32 load: no blocks
+    with pytest.raises(HeadsMismatchError, match=r"\[V=64, D="):  # blocks of another vocabulary
+        prepare_heads(hcfg, hp, lm, lm_head_blocks=kernels.BlockWeight(np.asarray(blocks.blocks)[:10], fmt))
     states = jax.random.normal(jax.random.PRNGKey(0), (3, 2, cfg.hidden_size))
     t_got, lp_got = states_topk(got_cfg, got, states, lm, 4, logprobs=True)
     t_want, lp_want = states_topk(got_cfg, want, states, lm, 4, logprobs=True)

@@ -141,7 +141,7 @@ class MedusaHeads(nn.Module):
           [K, ..., V] float32; entry k at position t scores token t+k+2.
         Raises:
           ValueError: shared lm_head and base_lm_head is None.
-          HeadsMismatchError: base_lm_head is not [D, V], or lm_head_blocks not [V, D].
+          HeadsMismatchError: base_lm_head is not [D, V].
         """
         x = self.head_states(hidden)
         if self.cfg.shared_lm_head:
@@ -175,7 +175,7 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
       which keep the same starting logits.
     Raises:
       ValueError: not shared and base_lm_head is None.
-      HeadsMismatchError: base_lm_head is not [D, V], or lm_head_blocks not [V, D].
+      HeadsMismatchError: base_lm_head is not [D, V].
     """
     K, L, D = cfg.num_heads, cfg.num_layers, cfg.hidden_size
     params = {"blocks_kernel": jnp.zeros((K, L, D, D), dtype), "blocks_bias": jnp.zeros((K, L, D), dtype)}
