@@ -10,14 +10,44 @@ from typing import List, Optional, Sequence
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
-#: The roles a chat message may have.
-ROLES = ("system", "user", "assistant")
+#: The roles a chat message may have ("developer", OpenAI's name for the system message of its
+#: newer models, is taken as "system": chat templates know only the three).
+ROLES = ("system", "user", "assistant", "developer")
+
+
+def check_text(text: str, where: str) -> str:
+    """`text` if it is valid Unicode (encodable as UTF-8); else ValueError naming `where` and the
+    position (a lone surrogate such as ``"\\ud800"`` in a JSON string decodes to such a str)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: not valid Unicode text ({e.reason} at character {e.start})") from None
+    return text
+
+
+def _content(content, where: str) -> str:
+    """A message's content: a string, or OpenAI's list of content parts, all of type "text"
+    (joined with newlines, as vLLM joins them)."""
+    if isinstance(content, list) and content:
+        texts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are "
+                                 f"supported, got {kind!r}")
+            texts.append(part["text"])
+        content = "\n".join(texts)
+    if not isinstance(content, str):
+        raise ValueError(f"{where}.content: expected a string or a list of text parts, got {type(content).__name__}")
+    return check_text(content, f"{where}.content")
 
 
 def check_messages(messages: Sequence[dict]) -> List[dict]:
     """``[{"role", "content"}, ...]`` as plain dicts, checked: a non-empty list of messages whose
-    role is one of `ROLES` and whose content is a string (an assistant's may be empty), the last
-    one the user's. Raises ValueError naming the message and the field (``messages[2].role``)."""
+    role is one of `ROLES` ("developer" becomes "system") and whose content is a string or a list
+    of text parts (OpenAI's; joined with newlines) of valid Unicode (an assistant's may be empty),
+    the last one the user's. Raises ValueError naming the message and the field
+    (``messages[2].role``)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: give a non-empty list of {'role', 'content'} messages")
     out = []
@@ -25,11 +55,11 @@ def check_messages(messages: Sequence[dict]) -> List[dict]:
         where = f"messages[{i}]"
         if not isinstance(m, dict):
             raise ValueError(f"{where}: expected an object with 'role' and 'content', got {type(m).__name__}")
-        role, content = m.get("role"), m.get("content")
+        role = m.get("role")
         if role not in ROLES:
             raise ValueError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
-        if not isinstance(content, str):
-            raise ValueError(f"{where}.content: expected a string, got {type(content).__name__}")
+        role = "system" if role == "developer" else role
+        content = _content(m.get("content"), where)
         if role != "assistant" and not content.strip():
             raise ValueError(f"{where}.content: the {role} message is empty")
         out.append({"role": role, "content": content})

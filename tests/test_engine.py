@@ -113,6 +113,19 @@ def test_cancel_frees_the_row_and_the_others_finish(tiny):
     assert engine.stats["finished"]["cancelled"] == 1 and engine.idle()
 
 
+def test_queued_counts_only_requests_beyond_the_free_rows(tiny):
+    """What a server's queue limit counts: a burst that the free rows will take is not queued, in
+    the inbox, being prefilled or decoding."""
+    cfg, params, heads, prompts = tiny
+    engine = Engine(cfg, params, max_batch=4)
+    handles = [engine.submit(Request(p, 30)) for p in prompts[:6]]
+    assert (engine.waiting, engine.queued) == (6, 2)  # all in the inbox: 4 will get a row
+    engine.step()  # rows admitted or being prefilled: still 2 beyond the 4 rows
+    assert engine.live >= 1 and engine.queued == 2
+    engine.run()
+    assert engine.queued == 0 and all(h.finished is not None for h in handles)
+
+
 def test_background_thread_serves_concurrent_submitters(tiny):
     cfg, params, heads, prompts = tiny
     engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=4).start()

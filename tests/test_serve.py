@@ -162,6 +162,22 @@ def test_a_client_that_disconnects_frees_its_row(client, server):
     assert httpx.get(url + "/health").json()["running"] == 0
 
 
+def test_a_non_streaming_client_that_disconnects_frees_its_row(server):
+    """A client that gives up on a non-streaming answer (its own timeout) ends the request: its
+    row is freed within seconds, not after the rest of its max_tokens."""
+    url = server[0]
+    before = cancelled(url)
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Write a very long essay about Rome."}],
+            "max_tokens": 3000, "temperature": 0}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(url + "/v1/chat/completions", json=body, timeout=3)
+    deadline = time.time() + 20
+    while cancelled(url) <= before and time.time() < deadline:
+        time.sleep(0.5)
+    assert cancelled(url) == before + 1
+    assert httpx.get(url + "/health").json()["running"] == 0
+
+
 def cancelled(url) -> float:
     m = re.search(r'vllm:request_success_total\{finished_reason="cancelled"[^}]*\} (\S+)', httpx.get(url + "/metrics").text)
     return float(m.group(1))
@@ -181,6 +197,10 @@ BAD = [
     ("prompt beyond the context", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
     ("temperature a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
     ("completions without a prompt", {"model": MODEL}, 400),
+    ("completions prompt not valid Unicode", b'{"model": "%s", "prompt": "abc \\ud800x", "max_tokens": 4}' % MODEL.encode(),
+     400),
+    ("image content part", {"model": MODEL, "messages": [
+        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
 ]
 
 
@@ -193,6 +213,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body,
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["message"] and err["type"]
+    if "Unicode" in what:
+        assert err["param"] == "prompt" and "not valid Unicode" in err["message"], err
     good = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                           temperature=0)
     assert good.choices[0].message.content
@@ -214,11 +236,27 @@ def test_second_turn_reuses_the_first_and_answers_as_without(client, smollm2):
     assert second.choices[0].message.content == smollm2.tokenizer.decode(alone.tokens, skip_special_tokens=True)
 
 
+def test_content_parts_and_developer_role_answer_as_plain_strings(client):
+    """OpenAI's list-of-text-parts content and "developer" role (what newer clients send) give the
+    answer of the same chat as strings and a "system" message."""
+    parts = [{"role": "developer", "content": "Answer in one short sentence."},
+             {"role": "user", "content": [{"type": "text", "text": "What is the capital"},
+                                          {"type": "text", "text": "of Italy?"}]}]
+    plain = [{"role": "system", "content": "Answer in one short sentence."},
+             {"role": "user", "content": "What is the capital\nof Italy?"}]
+    a, b = (client.chat.completions.create(model=MODEL, messages=m, max_tokens=16, temperature=0) for m in (parts, plain))
+    assert a.choices[0].message.content == b.choices[0].message.content
+    assert a.usage.prompt_tokens == b.usage.prompt_tokens
+
+
 def test_completions_stop_sequences_and_models(client, server):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0,
                                   stop=["."])
     assert r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    missing = httpx.get(server[0] + "/v1/models/nope")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     metrics = httpx.get(server[0] + "/metrics").text
     for name in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds",
                  "vllm:inter_token_latency_seconds", "vllm:spec_decode_num_drafts", "vllm:spec_decode_num_draft_tokens",

@@ -218,6 +218,12 @@ class Engine:
         """Requests submitted or queued that have no row yet."""
         return self.inbox.qsize() + len(self.pending) + len(self.jobs)
 
+    @property
+    def queued(self) -> int:
+        """Requests that will wait for a row: those without one beyond the rows still free (what a
+        server's queue limit counts; a burst that the free rows will take is not queued)."""
+        return max(0, self.waiting - max(0, self.max_batch - self.live))
+
     def idle(self) -> bool:
         return not self.live and not self.waiting
 

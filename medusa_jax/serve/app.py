@@ -116,10 +116,19 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             return error(503, "the server is shutting down", "server_error")
         return {"status": "ok", "running": engine.live, "waiting": engine.waiting}
 
+    model_card = {"id": model_name, "object": "model", "created": int(state["started"]), "owned_by": "medusa_jax",
+                  "max_model_len": context}
+
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": int(state["started"]),
-                                            "owned_by": "medusa_jax", "max_model_len": context}]}
+        return {"object": "list", "data": [model_card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise RequestError(f"the model {model_id!r} does not exist; this server serves {model_name}", "model",
+                               status=404, code="model_not_found")
+        return model_card
 
     @app.get("/metrics")
     async def prometheus():
@@ -141,11 +150,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise RequestError(f"the request body is not valid JSON ({e})") from None
         gen = protocol.check_request(body, [model_name], context, chat)
+        field = "messages" if chat else "prompt"
         try:
             ids = render_chat(tokenizer, gen.messages) if chat else list(tokenizer.encode(gen.prompt))
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
-            raise RequestError(f"the chat template could not render these messages: {e}", "messages") from None
-        field = "messages" if chat else "prompt"
+            what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
+            raise RequestError(f"{what}: {e}", field) from None
         if len(ids) + 1 >= context:
             raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {context}; shorten it",
                                field, code="context_length_exceeded")
@@ -156,9 +166,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                f"context is {context}, so at most {budget} new tokens fit",
                                "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                                code="context_length_exceeded")
-        if engine.waiting >= max_waiting:
-            return error(429, f"{engine.waiting} requests are waiting; try again shortly", "rate_limit_error",
-                         code="queue_full", headers={"Retry-After": "1"})
+        if engine.queued >= max_waiting:
+            return error(429, f"{engine.queued} requests are waiting for a row; try again shortly",
+                         "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue" = asyncio.Queue()
         sampling = SamplingParams(gen.temperature, gen.top_p, gen.seed)
@@ -211,13 +221,20 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
 
     async def _events(request: Request, events: "asyncio.Queue") -> AsyncIterator[tuple]:
         """The engine's events of one request until ("done", Finished); stops early (the caller
-        cancels) when the client disconnects."""
+        cancels) when the client disconnects, which is checked at least once a second whether
+        or not tokens are flowing (a non-streaming request's client is heard from no other way)."""
+        loop = asyncio.get_running_loop()
+        checked = loop.time()
         while True:
             try:
                 kind, payload = await asyncio.wait_for(events.get(), timeout=1.0)
             except asyncio.TimeoutError:
+                kind = None
+            if kind != "done" and loop.time() - checked >= 1.0:
+                checked = loop.time()
                 if await request.is_disconnected():
                     return
+            if kind is None:
                 continue
             yield kind, payload
             if kind == "done":

@@ -13,7 +13,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
-from medusa_jax.chat import check_messages
+from medusa_jax.chat import check_messages, check_text
 
 #: Fields of OpenAI's requests that this server cannot honour: refused with a 400 rather than ignored.
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities",
@@ -136,6 +136,10 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
                                "prompt")
         if not prompt:
             raise RequestError("prompt is empty", "prompt")
+        try:
+            check_text(prompt, "prompt")
+        except ValueError as e:
+            raise RequestError(str(e), "prompt") from None
     max_tokens = _integer(body, "max_completion_tokens", 1, context) if chat else None
     if max_tokens is None:
         max_tokens = _integer(body, "max_tokens", 1, context)

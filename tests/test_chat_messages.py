@@ -1,0 +1,33 @@
+"""`chat.check_messages`, the messages the server and the library accept: OpenAI's content parts
+and "developer" role, and text that is not valid Unicode refused with the field named."""
+import pytest
+
+from medusa_jax.chat import check_messages, check_text
+
+
+def test_content_parts_and_the_developer_role():
+    got = check_messages([{"role": "developer", "content": "Be terse."},
+                          {"role": "user", "content": [{"type": "text", "text": "What is"},
+                                                       {"type": "text", "text": "2 + 2?"}]}])
+    assert got == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is\n2 + 2?"}]
+
+
+@pytest.mark.parametrize("messages,match", [
+    ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
+     r"messages\[0\]\.content\[0\]: only text parts .* got 'image_url'"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"messages\[0\]\.content\[0\]: only text parts"),
+    ([{"role": "user", "content": []}], r"messages\[0\]\.content: expected a string or a list of text parts"),
+    ([{"role": "user", "content": 5}], r"messages\[0\]\.content: expected a string"),
+    ([{"role": "system", "content": "ok"}, {"role": "user", "content": "abc \ud800x"}],
+     r"messages\[1\]\.content: not valid Unicode text \(surrogates not allowed at character 4\)"),
+    ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role: 'robot' is not one of"),
+])
+def test_bad_messages_name_the_field(messages, match):
+    with pytest.raises(ValueError, match=match):
+        check_messages(messages)
+
+
+def test_check_text():
+    assert check_text("héllo 👋", "prompt") == "héllo 👋"
+    with pytest.raises(ValueError, match=r"^prompt: not valid Unicode text"):
+        check_text("a\udfffb", "prompt")
