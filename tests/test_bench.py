@@ -89,6 +89,30 @@ def test_torch_threads_checked_before_anything_loads(capsys):
         speed.load_hf_peer("unused", 0)
 
 
+def test_out_and_prompt_choice_checked_before_anything_loads(tmp_path, capsys, monkeypatch):
+    """--out that cannot be a directory, and --limit with --per-category, exit 2 with one line
+    before the model is loaded (the model path does not exist)."""
+    monkeypatch.chdir(tmp_path)  # where the default --out would go
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Hi"}\n')
+    taken = tmp_path / "taken"
+    taken.write_text("x")
+    for argv, message in [(["--out", str(taken)], f"--out {taken}: exists and is not a directory"),
+                          (["--out", str(taken / "sub")], f"--out {taken / 'sub'}: cannot create the directory"),
+                          (["--limit", "1", "--per-category", "1"],
+                           "--limit and --per-category both choose the prompts: give one or the other"),
+                          (["--batch-size", "1,x"], "--batch-size takes integers >= 1 separated by commas")]:
+        with pytest.raises(SystemExit) as e:
+            bench.main(["--prompts", str(prompts), "--model", str(tmp_path / "no-model")] + argv)
+        assert e.value.code == 2, argv
+        err = capsys.readouterr().err.strip().splitlines()[-1]
+        assert err.startswith("medusa-bench: error: " + message), (argv, err)
+    assert taken.read_text() == "x" and not (tmp_path / "bench_out").exists()
+    out = tmp_path / "new" / "out"  # created up front; the missing model then fails the run
+    assert bench.main(["--prompts", str(prompts), "--model", str(tmp_path / "no-model"), "--out", str(out)]) == 2
+    assert out.is_dir() and "--model" in capsys.readouterr().err
+
+
 def test_summary_of_plain_greedy_on_the_other_weights():
     rows = []
     for cat, n, s in (("a", 100, 1.0), ("b", 50, 0.5)):

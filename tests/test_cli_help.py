@@ -40,3 +40,15 @@ def test_help_names_the_command_and_explains_every_flag(prog, capsys, monkeypatc
         assert help_text.lower().count("default:") <= 1, (flag, help_text)
         assert "(default: None)" not in help_text and "(default: False)" not in help_text, (flag, help_text)
         assert re.sub(r"\(default: [^)]*\)", "", help_text).strip(), f"{prog} {flag} has no help text"
+
+
+def test_seed_help_says_how_each_command_seeds(capsys, monkeypatch):
+    """chat has no prompt file: its --seed help speaks of the session's answers; decode's of the prompts."""
+    monkeypatch.setenv("COLUMNS", "100")
+    texts = {}
+    for prog in ("medusa-chat", "python decode.py"):
+        with pytest.raises(SystemExit):
+            _mains()[prog](["--help"])
+        texts[prog] = _option_entries(capsys.readouterr().out)["--seed SEED"]
+    assert "prompt file" not in texts["medusa-chat"] and "answer i of the session" in texts["medusa-chat"]
+    assert "prompt i of a prompt file uses (seed + i) mod 2**31" in texts["python decode.py"]

@@ -202,3 +202,26 @@ def test_train_mesh_and_distributed_misuse(capsys, monkeypatch):
         with pytest.raises(ValueError, match=message):
             distributed.initialize(**kw)
     assert distributed.initialize() is False  # no settings: one process
+
+
+@pytest.mark.parametrize("prog, argv, message", [
+    ("medusa-check", ["--tie-gap", "-1"], "--tie-gap must be a finite number >= 0"),
+    ("medusa-check", ["--tie-gap", "nan"], "--tie-gap must be a finite number >= 0"),
+    ("medusa-check", ["--out", "{tmp}/no-dir/x.json"], "--out {tmp}/no-dir/x.json: no such directory to write it in"),
+    ("medusa-check", ["--out", "{tmp}"], "--out {tmp}: is a directory; give a file name"),
+    ("medusa-serve", ["--shutdown-grace", "-1"], "--shutdown-grace must be a finite number of seconds >= 0"),
+])
+def test_check_and_serve_flag_misuse(prog, argv, message, tmp_path, capsys):
+    """Bad flags of medusa-check and medusa-serve exit 2 with one line before anything loads (the
+    prompts file and the model do not exist)."""
+    from medusa_jax.cli import check, serve
+
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv] + ["--model", str(tmp_path / "no-model")]
+    with pytest.raises(SystemExit) as e:
+        if prog == "medusa-check":
+            check.main(["--prompts", str(tmp_path / "no-prompts.jsonl")] + argv)
+        else:
+            serve.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith(f"{prog}: error: " + message.replace("{tmp}", str(tmp_path))), err

@@ -193,6 +193,18 @@ def test_get_tree_files(tmp_path):
     assert tree_to_json([(1,), (0,)]) == '{"medusa_choices": [[0], [1]], "topk": 10}'
 
 
+def test_unparsable_tree_files_name_the_file(tmp_path):
+    """A tree file that is not JSON (or YAML) is a ValueError naming the file, in one line."""
+    for name, text, message in [("bad.json", "[[0],[0,\n", "not valid JSON: Expecting value: line 2 column 1"),
+                                ("bad.yaml", "a: [b\n", "not valid YAML: expected ',' or ']'"),
+                                ("bin.json", b"\xff\xfe", "not valid JSON: 'utf-8' codec can't decode")]:
+        path = tmp_path / name
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        with pytest.raises(ValueError) as e:
+            get_tree(str(path))
+        assert str(e.value).startswith(f"{path}: {message}") and "\n" not in str(e.value), str(e.value)
+
+
 def test_get_tree_passthrough_and_heads():
     t = get_tree("chain3")
     assert get_tree(t) is t

@@ -277,6 +277,26 @@ def test_tune_output_never_defaults_into_the_package(tmp_path, monkeypatch):
         output_dir(None, "x", update_shipped=True)
 
 
+@pytest.mark.parametrize("argv, message", [
+    (["--sizes", "abc"], "--sizes takes integers >= 1 separated by commas, got 'abc'"),
+    (["--sizes", "4,0"], "--sizes takes integers >= 1 separated by commas"),
+    (["--sizes", "1", "--prompt-lookup", "0"], "--sizes 1: no tree of 2 tokens or more"),
+    (["--cost-cache-sizes", "256,x"], "--cost-cache-sizes takes integers >= 1 separated by commas"),
+    (["--val-fraction", "2"], "--val-fraction must be in (0, 1)"),
+    (["--val-fraction", "0"], "--val-fraction must be in (0, 1)"),
+    (["--data", "no-such-dir"], "--data no-such-dir: no samples.jsonl there"),
+])
+def test_tune_flags_checked_before_anything_loads(argv, message, tmp_path, capsys):
+    """Bad flags exit 2 with one line before the model is loaded (the model path does not exist)."""
+    from medusa_jax.cli import tune
+
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--model", str(tmp_path / "no-model"), "--dry-run", "--no-progress"] + argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("medusa-tune: error: " + message), err
+
+
 def test_tune_command_refuses_out_inside_the_package(capsys):
     """Refused before anything is loaded; the shipped heads and the package are untouched."""
     import medusa_jax

@@ -40,11 +40,13 @@ def main(argv=None) -> int:
                                 description="Plain vs Medusa greedy speed, side by side (what is measured: medusa_jax.evals.speed).",
                                 formatter_class=HelpFormatter)
     p.add_argument("--prompts", required=True, help="MT-bench / Spec-Bench JSONL (first turns are used)")
-    p.add_argument("--limit", type=int, default=None, help="only the first N prompts (default: all)")
+    p.add_argument("--limit", type=int, default=None,
+                   help="only the first N prompts (default: all); not with --per-category")
     p.add_argument("--per-category", type=int, default=None,
                    help="take N prompts of every category, evenly spaced, instead of --limit (Spec-Bench: its "
-                        "six tasks, MT-bench's questions counting as one)")
-    p.add_argument("--out", default="bench_out", help="directory for results.json, results.md, speed.png")
+                        "six tasks, MT-bench's questions counting as one); not with --limit")
+    p.add_argument("--out", default="bench_out",
+                   help="directory for results.json, results.md, speed.png (created before the benchmark runs)")
     p.add_argument("--hf", action="store_true",
                    help="also time transformers' greedy generate on the same weights (the peer; needs torch)")
     p.add_argument("--torch-threads", type=int, default=1,
@@ -70,17 +72,13 @@ def main(argv=None) -> int:
     common.add_lookup_arg(p)
     args = p.parse_args(argv)
     acc = common.acceptance_from_args(p, args)
-    try:
-        batch_sizes = [int(x) for x in args.batch_size.split(",") if x.strip()]
-    except ValueError:
-        p.error(f"--batch-size takes integers separated by commas, got {args.batch_size!r}")
-    if not batch_sizes or min(batch_sizes) < 1:
-        p.error(f"--batch-size sizes must be >= 1, got {args.batch_size!r}")
-    batch_sizes = sorted(set(n for n in batch_sizes if n > 1))
+    batch_sizes = sorted(set(n for n in common.int_list(p, "--batch-size", args.batch_size) if n > 1))
     if args.limit is not None and args.limit < 1:
         p.error(f"--limit must be >= 1, got {args.limit}")
     if args.per_category is not None and args.per_category < 1:
         p.error(f"--per-category must be >= 1, got {args.per_category}")
+    if args.limit is not None and args.per_category is not None:
+        p.error("--limit and --per-category both choose the prompts: give one or the other")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.hf and acc.mode != "greedy":
@@ -100,7 +98,7 @@ def main(argv=None) -> int:
     from medusa_jax.evals.lossless import Comparison, compare
 
     try:  # before the slow load
-        records = load_first_turns(args.prompts, None if args.per_category else args.limit)
+        records = load_first_turns(args.prompts, args.limit)
     except ValueError as e:
         p.error(f"--prompts {e}")
     records = spec_bench_groups(records)
@@ -108,6 +106,7 @@ def main(argv=None) -> int:
         records = per_category(records, args.per_category)
     if not records:
         p.error(f"--prompts {args.prompts}: no prompts in the file")
+    common.make_out_dir(p, args.out)  # before the slow work, which would otherwise fail only at the end
 
     try:  # paths, heads, tree and mesh are checked before the slow model load
         model, heads, tree, note, mesh = common.setup_decoding(args)
@@ -187,7 +186,6 @@ def main(argv=None) -> int:
     if hf_model is not None:
         timing_line += (f", transformers {overall['hf_prefill_s']:.2f} s; transformers with "
                         f"{args.torch_threads} torch thread(s), {conditions['cpu_cores']} cores")
-    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "results.json"), "w") as f:
         json.dump({"summary": summary, "batches": batches, "acceptance": acc._asdict(),
                    "tree": [list(c) for c in tree.medusa_choices],

@@ -27,7 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prefix-cache-mb", type=int, default=512,
                    help="memory for the conversation's KV cache between turns, in MiB (0: prefill every turn anew)")
     common.add_dtype_arg(p)
-    common.add_acceptance_args(p)
+    common.add_acceptance_args(p, seeds_help="answer i of the session (counting from 0, across /reset) uses "
+                                             "(seed + i) mod 2**31")
     common.add_lookup_arg(p)
     return p
 
@@ -46,6 +47,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from medusa_jax.chat import render_chat
     from medusa_jax.decoding.engine import Engine
     from medusa_jax.decoding.requests import Request, SamplingParams
+    from medusa_jax.decoding.sampling import prompt_seed
 
     try:
         model, heads, tree, note, _ = common.setup_decoding(args, use_medusa=not args.no_medusa)
@@ -89,7 +91,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 continue
             messages.append({"role": "user", "content": text})
             prompt = render_chat(model.tokenizer, ([{"role": "system", "content": system}] if system else []) + messages)
-            request = Request(prompt, args.max_new_tokens, SamplingParams(acc.temperature, acc.top_p, args.seed + turn))
+            request = Request(prompt, args.max_new_tokens,
+                              SamplingParams(acc.temperature, acc.top_p, prompt_seed(args.seed, turn)))
             printer = common.TextStreamer(model.tokenizer)
             try:
                 handle = engine.submit(request)

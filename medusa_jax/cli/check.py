@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import asdict
 
@@ -48,7 +49,8 @@ def main(argv=None) -> int:
                    help="decode the plain greedy reference from a second copy of the model loaded with these "
                         "--weights: '--weights as-stored --reference-weights float32' checks Medusa on the GGUF "
                         "blocks against plain decoding of the dequantized model (default: the same weights)")
-    p.add_argument("--out", default=None, help="also write per-prompt results as JSON to this file")
+    p.add_argument("--out", default=None,
+                   help="also write per-prompt results as JSON to this file (its directory must exist)")
     common.add_acceptance_args(p, temperature_help="0: the lossless check (Medusa greedy against plain greedy); "
                                                     "> 0: Medusa sampling's tokens/step, no comparison")
     common.add_lookup_arg(p)
@@ -58,6 +60,10 @@ def main(argv=None) -> int:
         p.error(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.tie_gap is not None and not (math.isfinite(args.tie_gap) and args.tie_gap >= 0):
+        p.error(f"--tie-gap must be a finite number >= 0 (0: no difference is a near-tie), got {args.tie_gap}")
+    if args.out is not None:
+        common.check_out_file(p, args.out)
 
     from tqdm import tqdm
 

@@ -158,6 +158,48 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
     return tree
 
 
+def make_out_dir(p, path: str, flag: str = "--out") -> None:
+    """Create the output directory `path` of `flag` now, before anything slow runs, so that a path
+    that cannot hold the results fails at once rather than after the work. A directory that exists
+    is kept as it is. Bad paths (an existing file, a directory that cannot be created or written)
+    exit through ``p.error`` (status 2) with a one-line message."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        p.error(f"{flag} {path}: exists and is not a directory; give a directory (it is created if missing)")
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        p.error(f"{flag} {path}: cannot create the directory ({e.strerror}); give a directory that exists or "
+                "can be created")
+    if not os.access(path, os.W_OK | os.X_OK):
+        p.error(f"{flag} {path}: the directory is not writable; give another")
+
+
+def check_out_file(p, path: str, flag: str = "--out") -> None:
+    """Check before anything slow runs that the output file `path` of `flag` can be written: its
+    directory exists (it is not created) and `path` is not a directory. Bad paths exit through
+    ``p.error`` (status 2) with a one-line message."""
+    if os.path.isdir(path):
+        p.error(f"{flag} {path}: is a directory; give a file name (e.g. {os.path.join(path, 'results.json')})")
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        p.error(f"{flag} {path}: no such directory to write it in ({parent}); create it or give another path")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        p.error(f"{flag} {path}: the directory {parent} is not writable; give another path")
+
+
+def int_list(p, flag: str, text: str, minimum: int = 1) -> list:
+    """The integers of a comma-separated flag value (``--batch-size 1,4``, ``--sizes 2,4,8``), in the
+    order given. Anything else (a non-integer, a value below `minimum`, no value at all) exits
+    through ``p.error`` (status 2) with a one-line message."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        values = None
+    if not values or min(values) < minimum:
+        p.error(f"{flag} takes integers >= {minimum} separated by commas, got {text!r}")
+    return values
+
+
 #: --tree's help, shared by the decoding commands.
 TREE_HELP = ("Medusa tree: a preset name (e.g. mc_sim_7b_63, chain3), a JSON/YAML file of medusa_choices, or "
              "dynamic:T[:W], a tree of T nodes (root included) chosen every step from the heads' proposals by "
@@ -249,8 +291,15 @@ def add_model_args(p, zero: bool = True, no_medusa: bool = True) -> None:
     p.add_argument("--tree", default=None, help=TREE_HELP)
 
 
-def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (see --acceptance)") -> None:
-    """The sampling and acceptance flags of decode.py, check and bench (`acceptance_from_args`)."""
+#: --seed's help after its range: how the seed of each prompt follows (`decoding.sampling.prompt_seed`).
+PROMPT_SEEDS_HELP = ("prompt i of a prompt file uses (seed + i) mod 2**31, so its answer does not depend on the batch "
+                     "it runs in")
+
+
+def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (see --acceptance)",
+                        seeds_help: str = PROMPT_SEEDS_HELP) -> None:
+    """The sampling and acceptance flags of decode.py, check, bench and chat (`acceptance_from_args`);
+    `seeds_help`: how the command seeds its prompts or answers from --seed (ends --seed's help)."""
     p.add_argument("--temperature", type=float, default=0.0, help=temperature_help)
     p.add_argument("--acceptance", choices=("greedy", "typical", "exact"), default=None,
                    help="how Medusa accepts candidates: 'greedy' (temperature 0); 'exact': speculative sampling over "
@@ -263,9 +312,7 @@ def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (
     p.add_argument("--posterior-alpha", type=float, default=0.3,
                    help="typical acceptance: entropy-scaled threshold factor delta (accept if "
                         "p > min(threshold, alpha * exp(-entropy)))")
-    p.add_argument("--seed", type=int, default=0,
-                   help="PRNG seed for sampling, in [0, 2**31); prompt i of a prompt file uses (seed + i) mod "
-                        "2**31, so its answer does not depend on the batch it runs in")
+    p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling, in [0, 2**31); " + seeds_help)
 
 
 def acceptance_from_args(p, args):

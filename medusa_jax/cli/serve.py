@@ -14,6 +14,7 @@ SIGTERM or Ctrl-C: the server stops taking requests, lets running ones finish fo
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -46,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how sampled requests accept candidates: 'exact' keeps the model's distribution (and "
                         "gives plain sampling's tokens for a seed); 'typical' accepts more and changes it")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
-                   help="seconds running requests may take to finish after SIGTERM")
+                   help="seconds running requests may take to finish after SIGTERM (>= 0)")
     common.add_dtype_arg(p)
     common.add_mesh_arg(p)
     common.add_lookup_arg(p)
@@ -76,6 +77,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.prefix_cache_mb < 0:
         p.error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 0):
+        p.error(f"--shutdown-grace must be a finite number of seconds >= 0, got {args.shutdown_grace}")
 
     import uvicorn
 

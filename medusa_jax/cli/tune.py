@@ -48,6 +48,7 @@ from tqdm import tqdm
 
 from medusa_jax import kernels
 from medusa_jax.decoding.tree import DEFAULT_DYNAMIC_WIDTH, build_tree, dynamic_tree, with_lookup
+from medusa_jax.train.distill import SAMPLES_FILE
 from medusa_jax.tuning.calibrate import (
     DEFAULT_OUT,
     DEFAULT_SIZES,
@@ -92,7 +93,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--data", default="data/distill/smollm2",
                    help="self-distillation directory (samples.jsonl); its held-out split calibrates the heads")
     p.add_argument("--val-fraction", type=float, default=0.04,
-                   help="held-out fraction of the chats; use the training config's so the heads never saw them")
+                   help="held-out fraction of the chats, in (0, 1); use the training config's so the heads never "
+                        "saw them")
     p.add_argument("--seed", type=int, default=0, help="split seed (the training config's)")
     p.add_argument("--max-seq-len", type=int, default=512, help="tokens per chat kept (the training config's)")
     p.add_argument("--max-positions", type=int, default=0,
@@ -101,7 +103,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="restrict proposals to the N most frequent training tokens (0 = whole vocabulary; "
                         "default: keep what the heads have)")
     p.add_argument("--sizes", default=",".join(map(str, DEFAULT_SIZES)),
-                   help="tree sizes T (tokens, root included) to time and compare")
+                   help="tree sizes T (tokens, root included; comma-separated) to time and compare; 1 is plain "
+                        "decoding, always compared")
     p.add_argument("--cost-cache-sizes", "--cost-cache-size", dest="cost_cache_sizes", default="256,512,1024",
                    help="KV cache sizes (slots, comma-separated) to time c(T) at; the tree is chosen by the mean "
                         "c(T) over them (short answers decode at 256 slots, long prompts at 512-2,048)")
@@ -125,11 +128,22 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.dynamic_width < 0:
         p.error(f"--dynamic-width must be >= 0, got {args.dynamic_width}")
+    if not 0.0 < args.val_fraction < 1.0:
+        p.error(f"--val-fraction must be in (0, 1) (the held-out chats calibrate the heads), got {args.val_fraction}")
+    lookup = resolve.tree_lookup(build_tree([]), args.prompt_lookup).lookup
+    sizes = sorted({s for s in common.int_list(p, "--sizes", args.sizes) if s > 1}
+                   | ({lookup.num_tokens + 1} if lookup else set()))
+    if not sizes:
+        p.error(f"--sizes {args.sizes}: no tree of 2 tokens or more to compare with plain decoding")
+    cache_sizes = sorted(set(common.int_list(p, "--cost-cache-sizes", args.cost_cache_sizes)))
     try:
         out_dir = None if args.dry_run else output_dir(args.heads, args.out, args.update_shipped_heads)
     except OutputDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not os.path.isfile(os.path.join(args.data, SAMPLES_FILE)):
+        p.error(f"--data {args.data}: no {SAMPLES_FILE} there; give a self-distillation directory "
+                f"(made by `medusa-distill --out {args.data}`)")
 
     from medusa_jax.convert.load import weights_of
     from medusa_jax.convert.medusa_format import load_heads, read_heads_config, save_heads
@@ -174,8 +188,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"  head {k}: top-1 {acc[k, 0]:.3f}  top-5 {acc[k, :5].sum():.3f}  ranks "
               + " ".join(f"{a:.3f}" for a in acc[k]))
 
-    lookup = resolve.tree_lookup(build_tree([]), args.prompt_lookup).lookup
-    sizes = sorted({int(s) for s in args.sizes.split(",") if int(s) > 1} | ({lookup.num_tokens + 1} if lookup else set()))
     # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
     order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
@@ -192,7 +204,6 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if tree.dynamic.candidates(tree.max_depth, hcfg.topk, hcfg.head_type == "hydra") >= T - 1:
             dynamic[T] = tree
     prompt = timing_prompt(val, args.cost_prompt_len)
-    cache_sizes = sorted({int(s) for s in args.cost_cache_sizes.split(",")})
     by_size, dynamic_by_size = {}, {}
     # the roofline beside the timings (issue 13): the weights a plain step streams over its time,
     # against this machine's read bandwidth measured before each cache size's timings (the CPU's

@@ -405,11 +405,17 @@ def _dynamic_from_name(name: str, topk: int | None, num_heads: int | None) -> Tr
 
 
 def _load_choices_file(path: str) -> tuple[Any, int | None, Any]:
-    with open(path) as f:
-        if path.endswith((".yaml", ".yml")):
-            data = yaml.safe_load(f)
-        else:
-            data = json.load(f)
+    is_yaml = path.endswith((".yaml", ".yml"))
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) if is_yaml else json.load(f)
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror}") from None
+    except (ValueError, yaml.YAMLError) as e:  # JSONDecodeError, UnicodeDecodeError (not text), YAML's errors
+        mark = getattr(e, "problem_mark", None)
+        detail = (f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"
+                  if mark is not None and getattr(e, "problem", None) else " ".join(str(e).split()))
+        raise ValueError(f"{path}: not valid {'YAML' if is_yaml else 'JSON'}: {detail}") from None
     topk = lookup = None
     if isinstance(data, Mapping) and "dynamic" in data:
         d = data["dynamic"]
