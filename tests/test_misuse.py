@@ -225,3 +225,21 @@ def test_check_and_serve_flag_misuse(prog, argv, message, tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith(f"{prog}: error: " + message.replace("{tmp}", str(tmp_path))), err
+
+
+def test_flags_that_have_no_effect_are_noted(capsys):
+    """Flags plain or greedy decoding ignores are said so on stderr, not silently dropped."""
+    from argparse import Namespace
+
+    from medusa_jax.cli import common
+    from medusa_jax.cli.decode import parse_args
+
+    args = Namespace(tree="chain3", acceptance="typical", heads=None)
+    assert common.unused_flag_notes(args, use_medusa=True) == []
+    notes = common.unused_flag_notes(args, use_medusa=False)
+    assert len(notes) == 2 and notes[0].startswith("--tree chain3 has no effect with --no-medusa")
+    assert "--acceptance typical has no effect" in notes[1]
+    parse_args(["--prompt", "hi", "--top-p", "0.5"])
+    assert "note: --top-p 0.5 has no effect at temperature 0" in capsys.readouterr().err
+    parse_args(["--prompt", "hi", "--top-p", "0.5", "--temperature", "0.7"])
+    assert "note:" not in capsys.readouterr().err

@@ -7,7 +7,7 @@ import argparse
 import math
 import os
 import sys
-from typing import Any, NamedTuple, Optional, Tuple
+from typing import Any, List, NamedTuple, Optional, Tuple
 
 import jax.numpy as jnp
 
@@ -267,6 +267,8 @@ def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progre
       FileNotFoundError, ValueError: anything the user must fix (a path, the tree, the mesh, heads
         made for another model); the message is one line that says what.
     """
+    for note in unused_flag_notes(args, use_medusa):
+        print(f"note: {note}", file=sys.stderr)
     heads_arg = args.heads if use_medusa else None
     tree = preflight(args.model, args.heads, args.tree if use_medusa else None, use_medusa=use_medusa,
                      zero_heads=zero_heads)
@@ -278,6 +280,19 @@ def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progre
     heads, tree, note = resolve_heads(model, heads_arg, tree, use_medusa=use_medusa, zero_heads=zero_heads,
                                       prompt_lookup=getattr(args, "prompt_lookup", None))
     return Setup(model, heads, tree, note, mesh)
+
+
+def unused_flag_notes(args, use_medusa: bool) -> List[str]:
+    """What the decoding flags in `args` ask for that plain decoding (`use_medusa` False) ignores,
+    one line each (`setup_decoding` prints them as notes): ``--tree``, ``--acceptance typical``."""
+    if use_medusa:
+        return []
+    notes = []
+    if getattr(args, "tree", None):
+        notes.append(f"--tree {args.tree} has no effect with --no-medusa (plain decoding drafts nothing)")
+    if getattr(args, "acceptance", None) == "typical":
+        notes.append("--acceptance typical has no effect with --no-medusa: plain decoding samples from the model")
+    return notes
 
 
 def add_model_args(p, zero: bool = True, no_medusa: bool = True) -> None:
@@ -331,6 +346,8 @@ def acceptance_from_args(p, args):
         p.error(f"--posterior-alpha must be a finite number >= 0, got {args.posterior_alpha}")
     if not 0 <= args.seed < 2 ** 31:
         p.error("--seed must be in [0, 2**31)")
+    if args.temperature == 0 and args.top_p != 1:
+        print(f"note: --top-p {args.top_p} has no effect at temperature 0 (greedy decoding)", file=sys.stderr)
     if args.acceptance is None:
         args.acceptance = "greedy" if args.temperature == 0 else "exact"
     elif args.acceptance == "greedy" and args.temperature > 0:
