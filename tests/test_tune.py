@@ -285,6 +285,9 @@ def test_tune_output_never_defaults_into_the_package(tmp_path, monkeypatch):
     (["--val-fraction", "2"], "--val-fraction must be in (0, 1)"),
     (["--val-fraction", "0"], "--val-fraction must be in (0, 1)"),
     (["--data", "no-such-dir"], "--data no-such-dir: no samples.jsonl there"),
+    (["--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--repeats", "-1"], "--repeats must be >= 1"),
+    (["--max-positions", "-5"], "--max-positions must be >= 0"),
 ])
 def test_tune_flags_checked_before_anything_loads(argv, message, tmp_path, capsys):
     """Bad flags exit 2 with one line before the model is loaded (the model path does not exist)."""

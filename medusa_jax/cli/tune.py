@@ -128,6 +128,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = p.parse_args(argv)
     if args.dynamic_width < 0:
         p.error(f"--dynamic-width must be >= 0, got {args.dynamic_width}")
+    for flag, low in (("max_seq_len", 2), ("max_positions", 0), ("cost_prompt_len", 1), ("steps", 1), ("repeats", 1)):
+        if getattr(args, flag) < low:
+            p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
     if not 0.0 < args.val_fraction < 1.0:
         p.error(f"--val-fraction must be in (0, 1) (the held-out chats calibrate the heads), got {args.val_fraction}")
     lookup = resolve.tree_lookup(build_tree([]), args.prompt_lookup).lookup
