@@ -169,8 +169,8 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
     base = lm_head_matrix(model.cfg, model.params) if need_base else None
-    heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1),
-                                      lm_head_blocks=lm_head_blocks(model.cfg, model.params))
+    blocks = lm_head_blocks(model.cfg, model.params) if need_base else None  # the draft reads them as stored
+    heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1), lm_head_blocks=blocks)
     # once, here, for a model on a device mesh (`place_on_mesh`): decoding would otherwise place them every call
     params = sharding.shard_params(params, sharding.mesh_of(getattr(model, "params", None)))
     return (heads_cfg, params), tree, ""
