@@ -2,6 +2,7 @@
 the tree saved with them or asked for, prompt lookup, and what `medusa_jax.tuning` calibrated for them."""
 from __future__ import annotations
 
+import functools
 import os
 from typing import Optional, Tuple
 
@@ -168,7 +169,7 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
                                        calibration.get("lookup_confidence")), prompt_lookup)
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
-    base = lm_head_matrix(model.cfg, model.params) if need_base else None
+    base = functools.partial(lm_head_matrix, model.cfg, model.params) if need_base else None  # built if needed
     blocks = lm_head_blocks(model.cfg, model.params) if need_base else None  # the draft reads them as stored
     heads_cfg, params = prepare_heads(heads_cfg, params, base, depth=max(tree.max_depth, 1), lm_head_blocks=blocks)
     # once, here, for a model on a device mesh (`place_on_mesh`): decoding would otherwise place them every call

@@ -483,6 +483,32 @@ def test_prepare_heads_folds_copies_of_the_base_lm_head_into_the_shared_one():
     assert prepare_heads(cfg, p, None, depth=3)[0].shared_lm_head is False  # no base: nothing to compare
 
 
+def test_prepare_heads_builds_a_lazy_base_lm_head_only_when_a_step_needs_it():
+    """A function given as base_lm_head is called at most once, and not at all for heads that need
+    no [D, V] matrix (already prepared, or shared without a proposal vocabulary): building it
+    dequantizes a GGUF table (~150 ms for SmolLM2) at every start-up otherwise."""
+    from medusa_jax.heads.medusa import prepare_heads
+
+    calls = []
+
+    def built():
+        calls.append(1)
+        return base
+
+    cfg, p, base = _own_heads_with_proposals()
+    p["lm_head"] = np.tile(base[None], (cfg.num_heads, 1, 1))  # copies of the base: step 2 compares them
+    pcfg, pp = prepare_heads(cfg, p, built, depth=3)
+    want_cfg, want = prepare_heads(cfg, p, base, depth=3)
+    assert len(calls) == 1 and pcfg == want_cfg and pcfg.shared_lm_head  # once for the comparison and the projection
+    np.testing.assert_array_equal(np.asarray(pp["proposal_lm_head_t"]), np.asarray(want["proposal_lm_head_t"]))
+    prepare_heads(pcfg, pp, built, depth=2)  # already prepared: nothing to build
+    scfg = cfg.replace(shared_lm_head=True, proposal_vocab_size=0)
+    prepare_heads(scfg, {k: v for k, v in p.items() if k not in ("lm_head", "proposal_ids")}, built, depth=2)
+    assert len(calls) == 1
+    with pytest.raises(HeadsMismatchError, match=r"expected \[D, V\]"):  # a built matrix is checked too
+        prepare_heads(cfg, p, lambda: base.T, depth=3)
+
+
 def test_prepare_heads_errors():
     from medusa_jax.heads.medusa import prepare_heads
 

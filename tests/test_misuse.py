@@ -227,6 +227,19 @@ def test_check_and_serve_flag_misuse(prog, argv, message, tmp_path, capsys):
     assert err[-1].startswith(f"{prog}: error: " + message.replace("{tmp}", str(tmp_path))), err
 
 
+@pytest.mark.parametrize("out, message", [("{tmp}/no-dir/q.json", "no such directory to write it in"),
+                                          ("{tmp}", "is a directory; give a file name")])
+def test_quality_json_flag_misuse(out, message, tmp_path, capsys):
+    """medusa-quality --json that cannot be written exits 2 with one line before anything loads."""
+    from medusa_jax.cli import quality
+
+    out = out.replace("{tmp}", str(tmp_path))
+    with pytest.raises(SystemExit) as e:
+        quality.main(["--tuned", str(tmp_path / "no-run"), "--json", out])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"medusa-quality: error: --json {out}: {message}")
+
+
 def test_flags_that_have_no_effect_are_noted(capsys):
     """Flags plain or greedy decoding ignores are said so on stderr, not silently dropped."""
     from argparse import Namespace

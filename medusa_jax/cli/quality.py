@@ -30,6 +30,8 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from medusa_jax.cli.common import check_out_file
+
 #: the file of a heads directory that holds tuned top layers (`convert.tuned_layers.LAYERS_FILE`,
 #: named here so that --help and the argument checks load no JAX)
 LAYERS_FILE = "backbone_layers.safetensors"
@@ -259,11 +261,11 @@ def report(summary: dict, rows: List[dict], tokenizer) -> str:
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
+    if args.json:
+        check_out_file(p, args.json, "--json")
     try:
         cfg_file = settings(args, p)
         kind = tuned_kind(args.tuned)
-        if args.json and not os.path.isdir(os.path.dirname(os.path.abspath(args.json))):
-            raise InputError(f"--json {args.json}: no such directory to write it in")
     except InputError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -2,6 +2,7 @@
 prepared for the tree (`decoding_setup`)."""
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 from medusa_jax import sharding
@@ -19,8 +20,8 @@ def decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers])
     The backbone's params go to decoding layout once (`models.layout.decoding_params`, cached per
     params tree: the weight-streaming kernels' ``[out, in]`` layout when they are available).
     Heads are readied for the tree once, here (`heads.medusa.prepare_heads`; heads from
-    `resolve.resolve_heads` pass through unchanged), so that heads straight from `load_heads` do
-    not slice or gather their weights in every step.
+    `resolve.resolve_heads` pass through unchanged, without building the backbone's [D, V] lm_head),
+    so that heads straight from `load_heads` do not slice or gather their weights in every step.
 
     Params placed on a device mesh (`sharding.shard_params`) keep their layout (the CPU kernels do
     not run on a mesh; XLA splits the products) and the heads are placed on the same mesh.
@@ -33,7 +34,7 @@ def decoding_setup(cfg: ModelConfig, params, heads, tree: Optional[TreeBuffers])
         return params, None, None, tree if tree is not None else PLAIN_TREE
     heads_cfg, head_params = heads
     if tree.max_depth > 0:
-        heads_cfg, head_params = prepare_heads(heads_cfg, head_params, lm_head_matrix(cfg, params),
+        heads_cfg, head_params = prepare_heads(heads_cfg, head_params, functools.partial(lm_head_matrix, cfg, params),
                                                depth=tree.max_depth, lm_head_blocks=lm_head_blocks(cfg, params))
     if mesh is not None and sharding.mesh_of(head_params) != mesh:
         head_params = sharding.shard_params(head_params, mesh)

@@ -40,7 +40,8 @@ Used pure-functionally, like the backbone::
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+import functools
+from typing import Callable, Optional, Tuple, Union
 
 import flax.linen as nn
 import jax
@@ -233,8 +234,9 @@ _PER_HEAD_KEYS = BLOCK_KEYS + ("lm_head",)
 DRAFT_DTYPE = jnp.bfloat16
 
 
-def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None, depth: Optional[int] = None,
-                  draft_dtype=DRAFT_DTYPE, lm_head_blocks: Optional[kernels.BlockWeight] = None
+def prepare_heads(cfg: MedusaConfig, params, base_lm_head: Union[jax.Array, Callable[[], jax.Array], None] = None,
+                  depth: Optional[int] = None, draft_dtype=DRAFT_DTYPE,
+                  lm_head_blocks: Optional[kernels.BlockWeight] = None
                   ) -> Tuple[MedusaConfig, dict]:
     """Heads made ready for decoding once, at load time, so that the jitted step (`heads.topk.head_topk`)
     slices and gathers no big weight, whatever the head file's layout.
@@ -265,8 +267,12 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None, depth: Optional[
     Args:
       cfg: the heads' config.
       params: their params (`MedusaHeads` layout, numpy or jax arrays, optionally ``{"params": ...}``).
-      base_lm_head: [D, V] the backbone's lm_head (`models.llama.lm_head_matrix`); needed for shared
-        heads with a proposal vocabulary, and for step 2 (skipped without it).
+      base_lm_head: [D, V] the backbone's lm_head (`models.llama.lm_head_matrix`), or a function of
+        no arguments returning it, called at most once and only when a step needs the matrix (for
+        a backbone held as GGUF blocks, building it dequantizes the whole table: ~150 ms and 113 MB
+        for SmolLM2, in vain for heads already prepared or projecting from `lm_head_blocks`);
+        needed for shared heads with a proposal vocabulary and no `lm_head_blocks`, and for step 2
+        (skipped without it).
       depth: heads to keep, 1 <= depth <= cfg.num_heads; None keeps all.
       draft_dtype: dtype of the matrices made for the draft in steps 3 and 4 (float32 or bfloat16;
         default `DRAFT_DTYPE`). Greedy output does not depend on it; tokens per step barely does.
@@ -289,8 +295,7 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None, depth: Optional[
     if not 1 <= depth <= K:
         raise ValueError(f"depth must be in [1, {K}] (the number of heads), got {depth}; use a tree no deeper "
                          "than the heads")
-    if base_lm_head is not None:
-        _check_lm_head(cfg, base_lm_head)
+    base_of = _lm_head_source(cfg, base_lm_head)  # built only if a step below needs it
     if cfg.head_type == "hydra":
         check_path_params(cfg, params, depth)
     p = {k: (v[:depth] if k in _PER_HEAD_KEYS or (k == "proposal_lm_head" and v.ndim == 3) else v)
@@ -299,8 +304,8 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None, depth: Optional[
     if choices is not None:
         choices = tuple(c for c in choices if len(c) <= depth) or None
     cfg = cfg.replace(num_heads=depth, medusa_choices=choices)
-    if not cfg.shared_lm_head and "lm_head" in p and base_lm_head is not None:
-        base = np.asarray(base_lm_head)
+    if not cfg.shared_lm_head and "lm_head" in p and base_of() is not None:
+        base = np.asarray(base_of())
         if all(np.array_equal(np.asarray(p["lm_head"][k]), base) for k in range(depth)):
             cfg = cfg.replace(shared_lm_head=True)
             p = {k: v for k, v in p.items() if k not in ("lm_head", "proposal_lm_head")}
@@ -316,7 +321,7 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None, depth: Optional[
         if "proposal_lm_head_t" not in p:
             proj = p.pop("proposal_lm_head", None)
             if proj is None:
-                proj = proposal_projection(cfg, p, base_lm_head)
+                proj = proposal_projection(cfg, p, base_of())
             if proj.ndim == 2:  # shared: stored [N, D], the layout the decoding step streams
                 p["proposal_lm_head_t"] = kernels.on_huge_pages(jnp.transpose(proj).astype(draft_dtype))
             else:
@@ -325,6 +330,24 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head=None, depth: Optional[
     if cfg.head_type == "hydra":  # 4. hydra heads' matrices in the layout the step streams
         p = hydra.decoding_layout(cfg, p, depth, draft_dtype)
     return cfg, p
+
+
+def _lm_head_source(cfg: MedusaConfig, base_lm_head) -> Callable[[], Optional[jax.Array]]:
+    """`prepare_heads`' base lm_head as a function of no arguments that builds it at most once
+    (`base_lm_head` an array, a function returning one, or None) and checks its shape: an array at
+    once, a function's result when first called. Raises HeadsMismatchError when it is not [D, V]."""
+    if not callable(base_lm_head):
+        if base_lm_head is not None:
+            _check_lm_head(cfg, base_lm_head)
+        return lambda: base_lm_head
+
+    @functools.cache
+    def built():
+        base = base_lm_head()
+        if base is not None:
+            _check_lm_head(cfg, base)
+        return base
+    return built
 
 
 def frequent_tokens(sequences, size: int, vocab_size: int) -> np.ndarray:

@@ -92,8 +92,8 @@ def prepared_heads(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig,
     """`heads` as decoding runs them with `tree` (`heads.medusa.prepare_heads` to its depth), or (None, None)."""
     if heads is None:
         return None, None
-    return prepare_heads(heads[0], heads[1], lm_head_matrix(cfg, params), depth=max(tree.max_depth, 1),
-                         lm_head_blocks=lm_head_blocks(cfg, params))
+    return prepare_heads(heads[0], heads[1], functools.partial(lm_head_matrix, cfg, params),
+                         depth=max(tree.max_depth, 1), lm_head_blocks=lm_head_blocks(cfg, params))
 
 
 def _step_call(cfg: ModelConfig, params, heads: Optional[Tuple[MedusaConfig, dict]], tree: TreeBuffers,
