@@ -345,6 +345,10 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     temp_b = int(mem.temp_size_in_bytes)
     dev = mesh_obj.devices.flat[0]
     notes = []
+    if data > 1 and B % data:
+        notes.append(f"batch {B} does not divide by the mesh's {data} data devices: the rows, the KV cache and "
+                     f"the decode state are replicated on every data device (each holds all {B} rows) instead "
+                     f"of split; a batch that divides by {data} splits them")
     if dev.platform == "cpu" and dt != jnp.float32:
         notes.append(f"XLA's CPU compiler runs {dt.name} products and cache updates in float32, converting whole "
                      "operands (weights, KV cache): temp_bytes holds float32 copies that a GPU or TPU compile does "

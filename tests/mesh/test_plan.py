@@ -108,7 +108,11 @@ def test_rows_that_do_not_divide_the_data_axis_are_replicated_and_plain_decoding
     assert r["kv_cache_bytes"] == kv_per_device(2, 4, 3, 4) == 2 * L * 3 * S * 1 * DH * 4
     assert r["params_bytes"] == params_per_device(4, 4)
     assert (r["heads_bytes"], r["tree_nodes"], r["tree_depth"], r["medusa_heads"]) == (0, 1, 0, 0)
-    assert r["notes"] == []  # float32: no upcast copies
+    # float32: no upcast copies; the replicated rows are said so
+    assert r["notes"] == ["batch 3 does not divide by the mesh's 2 data devices: the rows, the KV cache and the "
+                          "decode state are replicated on every data device (each holds all 3 rows) instead of "
+                          "split; a batch that divides by 2 splits them"]
+    assert memory.plan(HF, mesh="2x4", dtype="float32", max_len=S, batch=4, medusa_heads=0)["notes"] == []
 
 
 def test_model_axis_must_divide_the_heads(config_dir):
