@@ -31,10 +31,13 @@ def _content(content, where: str) -> str:
     if isinstance(content, list) and content:
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+            if not isinstance(part, dict) or part.get("type") != "text":
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are "
                                  f"supported, got {kind!r}")
+            if not isinstance(part.get("text"), str):
+                got = "nothing" if "text" not in part else type(part["text"]).__name__
+                raise ValueError(f"{where}.content[{j}].text: a text part needs a string 'text', got {got}")
             texts.append(part["text"])
         content = "\n".join(texts)
     if not isinstance(content, str):

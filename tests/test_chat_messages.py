@@ -15,7 +15,10 @@ def test_content_parts_and_the_developer_role():
 @pytest.mark.parametrize("messages,match", [
     ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}],
      r"messages\[0\]\.content\[0\]: only text parts .* got 'image_url'"),
-    ([{"role": "user", "content": [{"type": "text", "text": 5}]}], r"messages\[0\]\.content\[0\]: only text parts"),
+    ([{"role": "user", "content": [{"type": "text", "text": 5}]}],
+     r"messages\[0\]\.content\[0\]\.text: a text part needs a string 'text', got int"),
+    ([{"role": "user", "content": [{"type": "text"}]}],
+     r"messages\[0\]\.content\[0\]\.text: a text part needs a string 'text', got nothing"),
     ([{"role": "user", "content": []}], r"messages\[0\]\.content: expected a string or a list of text parts"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content: expected a string"),
     ([{"role": "system", "content": "ok"}, {"role": "user", "content": "abc \ud800x"}],

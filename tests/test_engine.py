@@ -113,6 +113,53 @@ def test_cancel_frees_the_row_and_the_others_finish(tiny):
     assert engine.stats["finished"]["cancelled"] == 1 and engine.idle()
 
 
+def test_a_long_prefill_lets_arrivals_in_and_cancelled_requests_out_between_its_chunks(tiny, monkeypatch):
+    """With no row decoding a prefill runs chunk after chunk in one engine iteration; a request that
+    arrives meanwhile is taken between two chunks (the shortest first: it is answered before the long
+    prompt's prefill ends), and a request cancelled meanwhile ends there, not after the whole prompt."""
+    from medusa_jax.decoding import prefill
+
+    cfg, params, _, prompts = tiny
+    engine = Engine(cfg, params, max_batch=4, prefill_chunk=16)
+    long_prompt = (prompts[0] * 40)[:400]
+    order, late = [], {}
+    real = prefill.PrefillJob.run_chunk
+
+    def run_chunk(job, max_tokens=None):
+        order.append(len(job.prompt))
+        if len(order) == 2:  # a short request and a cancellation arrive during the long prefill
+            late["short"] = engine.submit(Request(prompts[1], 8))
+            late["gone"] = engine.submit(Request(prompts[2], 8))
+            late["gone"].cancel()
+        return real(job, max_tokens)
+
+    monkeypatch.setattr(prefill.PrefillJob, "run_chunk", run_chunk)
+    long = engine.submit(Request(long_prompt, 8))
+    engine.step()  # the long prefill's first chunks, then the short prompt's whole prefill
+    assert order[:3] == [400, 400, len(prompts[1])], order
+    assert late["gone"].finished.reason == "cancelled" and long.finished is None
+    engine.run()
+    assert late["short"].finished.tokens == alone(cfg, params, prompts[1], 8)
+    assert long.finished.tokens == alone(cfg, params, long_prompt, 8)
+
+
+def test_cancel_all_ends_every_request_wherever_it_is(tiny):
+    """`Engine.cancel_all` (the server's shutdown): decoding, prefilling, waiting and just submitted
+    requests all end "cancelled"; one a stop sequence ended keeps its reason."""
+    cfg, params, _, prompts = tiny
+    engine = Engine(cfg, params, max_batch=2)
+    handles = [engine.submit(Request(p, 40)) for p in prompts[:4]]
+    for _ in range(3):
+        engine.step()
+    handles[0].cancel("stop")
+    late = engine.submit(Request(prompts[5], 40))  # still in the inbox
+    engine.cancel_all()
+    engine.run()
+    assert handles[0].finished.reason == "stop"
+    assert [h.finished.reason for h in handles[1:] + [late]] == ["cancelled"] * 4
+    assert engine.idle()
+
+
 def test_queued_counts_only_requests_beyond_the_free_rows(tiny):
     """What a server's queue limit counts: a burst that the free rows will take is not queued, in
     the inbox, being prefilled or decoding."""

@@ -277,3 +277,13 @@ def test_acceptance_settings_are_checked(model):
     with pytest.raises(ValueError, match="exact acceptance chooses each position.s token with the row.s key"):
         acceptance.evaluate_posterior(jnp.zeros((1, TREE_A.size, V)), jnp.zeros((1, TREE_A.size), jnp.int32), TREE_A,
                                   Acceptance(temperature=1.0))
+
+
+@pytest.mark.parametrize("top_p", [1e-9, 1e-40, 1e-45, 5e-324, 0.0])
+def test_the_nucleus_always_keeps_the_most_likely_token(top_p):
+    """A top_p so small that float32 holds a denormal or 0 (or a flush-to-zero CPU reads it as 0)
+    still leaves the most likely token: sampling is greedy then, never a NaN distribution."""
+    logits = jnp.asarray([[0.5, 3.0, -1.0, 2.9], [1.1, 1.0, 0.0, -2.0]], jnp.float32)
+    out = np.asarray(filtered_logits(logits, jnp.asarray([1.0, 0.5]), jnp.asarray([top_p, top_p])))
+    np.testing.assert_array_equal(np.isfinite(out), [[False, True, False, False], [True, False, False, False]])
+    assert np.isfinite(np.asarray(jax.nn.softmax(out, -1))).all()

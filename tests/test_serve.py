@@ -179,7 +179,7 @@ def test_a_non_streaming_client_that_disconnects_frees_its_row(server):
 
 
 def cancelled(url) -> float:
-    m = re.search(r'vllm:request_success_total\{finished_reason="cancelled"[^}]*\} (\S+)', httpx.get(url + "/metrics").text)
+    m = re.search(r'vllm:request_success_total\{finished_reason="abort"[^}]*\} (\S+)', httpx.get(url + "/metrics").text)
     return float(m.group(1))
 
 
@@ -199,6 +199,9 @@ BAD = [
     ("completions without a prompt", {"model": MODEL}, 400),
     ("completions prompt not valid Unicode", b'{"model": "%s", "prompt": "abc \\ud800x", "max_tokens": 4}' % MODEL.encode(),
      400),
+    ("JSON nested too deeply", b"[" * 100000 + b"]" * 100000, 400),
+    ("frequency_penalty a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                    "frequency_penalty": "abc"}, 400),
     ("image content part", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
 ]
@@ -215,6 +218,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body,
     assert err["message"] and err["type"]
     if "Unicode" in what:
         assert err["param"] == "prompt" and "not valid Unicode" in err["message"], err
+    if "frequency_penalty" in what:
+        assert err["param"] == "frequency_penalty" and "must be a number" in err["message"], err
     good = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                           temperature=0)
     assert good.choices[0].message.content
@@ -286,3 +291,108 @@ def test_readme_serving_examples_run_as_written(server):
                              capture_output=True, text=True, timeout=600)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip()
+
+
+def test_text_stream_stops_at_the_earliest_stop_sequence_however_the_tokens_arrive(smollm2):
+    """The answer a list of stop sequences leaves, and its token count, do not depend on how many
+    tokens a step delivered (plain decoding: one; a Medusa step: several)."""
+    from medusa_jax.serve.app import TextStream
+
+    tok = smollm2.tokenizer
+    ids = tok.encode("1. 1\n2. 2\n3. 3\n4. 4\n5. 5")
+    first = next(n for n in range(1, len(ids) + 1)
+                 if "2\n3" in tok.decode(ids[:n], skip_special_tokens=True))
+    for stop in (["\n3.", "2\n3"], ["2\n3", "\n3."], ["\n3.", "2\n3", "4"]):
+        for size in (1, 2, 3, 5, len(ids)):
+            ts, deltas, stopped = TextStream(tok, stop), [], False
+            for i in range(0, len(ids), size):
+                delta, stopped = ts.feed(ids[i:i + size])
+                deltas.append(delta)
+                if stopped:
+                    break
+            assert stopped and ts.text == "".join(deltas) == "1. 1\n2. ", (stop, size, ts.text)
+            assert ts.used == first, (stop, size)
+
+
+def test_sampling_without_a_seed_differs_between_requests_and_a_seed_repeats(client):
+    """OpenAI's behaviour: each unseeded request samples on its own; the same seed, the same answer."""
+    msgs = [{"role": "user", "content": "Tell me a short story about a cat."}]
+
+    def ask(**kw):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=12, temperature=1.0, **kw)
+        return r.choices[0].message.content
+
+    assert len({ask() for _ in range(4)}) > 1
+    assert ask(seed=7) == ask(seed=7)
+
+
+def test_405_says_which_methods_are_allowed_and_stop_counts_tokens_to_the_stop(client, server):
+    r = httpx.get(server[0] + "/v1/chat/completions")
+    assert r.status_code == 405 and "POST" in r.headers.get("allow", ""), r.headers
+    assert r.json()["error"]["message"]
+
+    def complete(**kw):
+        return client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0, **kw)
+
+    text = complete(max_tokens=24).choices[0].text
+    stop = text.strip()[:3]  # a stop sequence that the answer's first tokens complete
+    cut = complete(max_tokens=24, stop=[stop])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].text == text[:text.find(stop)]
+    # completion_tokens: the tokens up to the one that completed the stop (greedy: the first k of
+    # the full answer), not those the engine made after it
+    k = next(k for k in range(1, 25) if stop in complete(max_tokens=k).choices[0].text)
+    assert cut.usage.completion_tokens == k
+
+
+def test_requests_past_the_shutdown_grace_get_the_shutdown_error(smollm2_path):
+    """SIGTERM with --shutdown-grace 8 while two long requests run: shortly before the grace ends
+    they end with the server_shutdown error (a 503 body; an SSE error event, then [DONE]) instead of
+    uvicorn cutting them off (a bare 500, a broken stream); the process exits 0."""
+    port = free_port()
+    proc = subprocess.Popen([os.path.join(os.path.dirname(sys.executable), "medusa-serve"), "--port", str(port),
+                             "--shutdown-grace", "8", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 900
+        while time.time() < deadline:
+            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(1)
+        # a raw count goes on far past the grace (no end-of-turn to stop it)
+        body = {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10,", "max_tokens": 3000, "temperature": 0}
+        got = {}
+
+        def plain():
+            got["plain"] = httpx.post(url + "/v1/completions", json=body, timeout=300)
+
+        def streaming():
+            with httpx.stream("POST", url + "/v1/completions", json={**body, "stream": True}, timeout=300) as r:
+                got["stream"] = [line for line in r.iter_lines() if line]
+
+        def warm_up():  # the same shapes compiled first: the engine cannot be interrupted while it compiles
+            httpx.post(url + "/v1/completions", json={**body, "stop": [" 14,"]}, timeout=600).raise_for_status()
+
+        warm = [threading.Thread(target=warm_up) for _ in range(2)]
+        for t in warm:
+            t.start()
+        for t in warm:
+            t.join(600)
+        threads = [threading.Thread(target=plain), threading.Thread(target=streaming)]
+        for t in threads:
+            t.start()
+        time.sleep(3.0)
+        proc.send_signal(signal.SIGTERM)
+        for t in threads:
+            t.join(120)
+        assert proc.wait(timeout=60) == 0
+        r = got["plain"]
+        assert r.status_code == 503 and r.json()["error"]["code"] == "server_shutdown", r.text
+        lines = got["stream"]
+        assert lines[-1] == "data: [DONE]" and '"server_shutdown"' in lines[-2], lines[-3:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()

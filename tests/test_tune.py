@@ -288,6 +288,7 @@ def test_tune_output_never_defaults_into_the_package(tmp_path, monkeypatch):
     (["--steps", "0"], "--steps must be >= 1, got 0"),
     (["--repeats", "-1"], "--repeats must be >= 1"),
     (["--max-positions", "-5"], "--max-positions must be >= 0"),
+    (["--proposal-vocab", "-1"], "--proposal-vocab must be >= 0"),
 ])
 def test_tune_flags_checked_before_anything_loads(argv, message, tmp_path, capsys):
     """Bad flags exit 2 with one line before the model is loaded (the model path does not exist)."""
@@ -315,3 +316,24 @@ def test_tune_command_refuses_out_inside_the_package(capsys):
     assert "--update-shipped-heads" in err and len(err.strip().splitlines()) == 1
     assert tune.main(["--out", resolve.DEFAULT_HEADS_DIR, "--no-progress"]) == 2
     assert not os.path.exists(target) and _files(resolve.DEFAULT_HEADS_DIR) == before
+
+
+def test_tune_refuses_an_out_file_heads_of_another_model_and_a_proposal_vocab_past_the_vocabulary(tmp_path, capsys):
+    """One line and exit 2 each, before the calibration (--out: before anything loads)."""
+    from conftest import tiny_tune_run
+
+    from medusa_jax.cli import tune
+
+    (tmp_path / "file.yaml").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        tune.main(["--model", str(tmp_path / "no-model"), "--out", str(tmp_path / "file.yaml"), "--no-progress"])
+    assert e.value.code == 2
+    assert "--out " + str(tmp_path / "file.yaml") + ": exists and is not a directory" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        tiny_tune_run(tmp_path, args=["--proposal-vocab", "100000"])
+    assert e.value.code == 2
+    assert "--proposal-vocab 100000 is larger than the model's vocabulary" in capsys.readouterr().err
+    assert tune.main(["--model", str(tmp_path / "model"), "--heads", "medusa1", "--data", str(tmp_path / "data"),
+                      "--val-fraction", "0.3", "--dry-run", "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "vocab" in err[0], err

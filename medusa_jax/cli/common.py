@@ -284,12 +284,18 @@ def setup_decoding(args, *, use_medusa: bool = True, zero_heads: int = 4, progre
 
 def unused_flag_notes(args, use_medusa: bool) -> List[str]:
     """What the decoding flags in `args` ask for that plain decoding (`use_medusa` False) ignores,
-    one line each (`setup_decoding` prints them as notes): ``--tree``, ``--acceptance typical``."""
+    one line each (`setup_decoding` prints them as notes): ``--tree``, ``--heads``, ``--prompt-lookup``,
+    ``--acceptance typical``."""
     if use_medusa:
         return []
     notes = []
     if getattr(args, "tree", None):
         notes.append(f"--tree {args.tree} has no effect with --no-medusa (plain decoding drafts nothing)")
+    if getattr(args, "heads", None):
+        notes.append(f"--heads {args.heads} has no effect with --no-medusa (plain decoding runs no heads)")
+    if getattr(args, "prompt_lookup", None):  # None: not given; 0: off anyway
+        notes.append(f"--prompt-lookup {args.prompt_lookup} has no effect with --no-medusa (plain decoding drafts "
+                     "nothing)")
     if getattr(args, "acceptance", None) == "typical":
         notes.append("--acceptance typical has no effect with --no-medusa: plain decoding samples from the model")
     return notes
@@ -355,6 +361,11 @@ def acceptance_from_args(p, args):
                 "--acceptance exact (the model's own distribution) or typical")
     elif args.acceptance != "greedy" and args.temperature == 0:
         p.error(f"--acceptance {args.acceptance} samples: give a --temperature > 0 (0 is greedy)")
+    if args.acceptance != "typical":
+        for flag in ("posterior_threshold", "posterior_alpha"):
+            if getattr(args, flag) != p.get_default(flag):
+                print(f"note: --{flag.replace('_', '-')} {getattr(args, flag)} has no effect with --acceptance "
+                      f"{args.acceptance} (it sets typical acceptance)", file=sys.stderr)
     return Acceptance(temperature=args.temperature, posterior_threshold=args.posterior_threshold,
                       posterior_alpha=args.posterior_alpha, top_p=args.top_p,
                       method="exact" if args.acceptance == "greedy" else args.acceptance)

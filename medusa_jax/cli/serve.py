@@ -47,7 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how sampled requests accept candidates: 'exact' keeps the model's distribution (and "
                         "gives plain sampling's tokens for a seed); 'typical' accepts more and changes it")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
-                   help="seconds running requests may take to finish after SIGTERM (>= 0)")
+                   help="seconds running requests may take to finish after SIGTERM or Ctrl-C (>= 0); new requests "
+                        "get 503 at once, and those still running shortly before it ends (min(2 s, half of "
+                        "it)) get the server_shutdown error")
     common.add_dtype_arg(p)
     common.add_mesh_arg(p)
     common.add_lookup_arg(p)
@@ -112,20 +114,46 @@ def main(argv: Optional[List[str]] = None) -> int:
           flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace)
-    _server_class()(config).run()
+    _server_class(app.state.begin_shutdown)(config).run()
     return 0
 
 
-def _server_class():
+#: Seconds before the shutdown grace runs out at which the requests still running are ended with the
+#: server_shutdown error (at most half the grace): uvicorn cancels whatever is left at the deadline,
+#: and a cancelled handler can answer nothing.
+SHUTDOWN_MARGIN = 2.0
+
+
+def _server_class(begin_shutdown):
+    """uvicorn's Server class for `main`, with `begin_shutdown` (`serve.app.create_app`'s
+    ``app.state.begin_shutdown``) called when a shutdown starts and as its grace runs out."""
+    import asyncio
+
     import uvicorn
 
     class Server(uvicorn.Server):
-        """uvicorn's server, but a SIGTERM or Ctrl-C that shut it down gracefully ends the process with
-        status 0 (uvicorn re-raises the signal after the shutdown, which reports a kill)."""
+        """uvicorn's server, but (1) a SIGTERM or Ctrl-C that shut it down gracefully ends the process
+        with status 0 (uvicorn re-raises the signal after the shutdown, which reports a kill); (2) new
+        requests get 503 from the moment the shutdown starts; (3) requests still running shortly
+        before the grace ends are ended by the engine, so that each gets the server_shutdown error
+        (a 503 body, or an SSE error event and [DONE]) instead of being cut off by uvicorn."""
 
         def handle_exit(self, sig, frame) -> None:
             super().handle_exit(sig, frame)
             self._captured_signals.clear()
+
+        async def shutdown(self, sockets=None) -> None:
+            begin_shutdown()
+            grace = self.config.timeout_graceful_shutdown
+            timer = None
+            if grace is not None:
+                timer = asyncio.get_running_loop().call_later(max(grace - min(SHUTDOWN_MARGIN, grace / 2), 0.0),
+                                                              begin_shutdown, True)
+            try:
+                await super().shutdown(sockets)
+            finally:
+                if timer is not None:
+                    timer.cancel()
 
     return Server
 

@@ -131,6 +131,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for flag, low in (("max_seq_len", 2), ("max_positions", 0), ("cost_prompt_len", 1), ("steps", 1), ("repeats", 1)):
         if getattr(args, flag) < low:
             p.error(f"--{flag.replace('_', '-')} must be >= {low}, got {getattr(args, flag)}")
+    if args.proposal_vocab is not None and args.proposal_vocab < 0:
+        p.error(f"--proposal-vocab must be >= 0 (0: the whole vocabulary), got {args.proposal_vocab}")
     if not 0.0 < args.val_fraction < 1.0:
         p.error(f"--val-fraction must be in (0, 1) (the held-out chats calibrate the heads), got {args.val_fraction}")
     lookup = resolve.tree_lookup(build_tree([]), args.prompt_lookup).lookup
@@ -144,6 +146,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OutputDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if out_dir is not None:  # created now: a path that cannot hold the heads fails before the slow work
+        common.make_out_dir(p, out_dir)
     if not os.path.isfile(os.path.join(args.data, SAMPLES_FILE)):
         p.error(f"--data {args.data}: no {SAMPLES_FILE} there; give a self-distillation directory "
                 f"(made by `medusa-distill --out {args.data}`)")
@@ -169,7 +173,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    hcfg, hp = load_heads(heads_dir, model.cfg)
+    try:
+        hcfg, hp = load_heads(heads_dir, model.cfg)
+    except (OSError, ValueError) as e:  # HeadsMismatchError: heads of another model
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.proposal_vocab is not None and args.proposal_vocab > model.cfg.vocab_size:
+        p.error(f"--proposal-vocab {args.proposal_vocab} is larger than the model's vocabulary "
+                f"({model.cfg.vocab_size}); give at most that (0: the whole vocabulary)")
     lm = lm_head_matrix(model.cfg, model.params)
     progress = not args.no_progress
     train, val, chats, pos, sources = calibration_data(

@@ -156,6 +156,8 @@ class Engine:
         self.lengths = np.zeros((0,), np.int64)
         self.S = 0
         self.inbox: "queue.Queue[RequestHandle]" = queue.Queue()
+        self._open: set = set()  # every request submitted and not finished (`cancel_all`), under _open_lock
+        self._open_lock = threading.Lock()
         self.pending: List[RequestHandle] = []
         self.jobs: List[Tuple[RequestHandle, PrefillJob]] = []  # prefills under way
         self._ids = itertools.count()
@@ -205,6 +207,8 @@ class Engine:
         Raises: as `check` (nothing is queued then).
         """
         handle = RequestHandle(self.check(request), on_event)
+        with self._open_lock:
+            self._open.add(handle)
         self.inbox.put(handle)
         self._wake.set()
         return handle
@@ -252,21 +256,29 @@ class Engine:
             self._thread.start()
         return self
 
+    def cancel_all(self) -> None:
+        """Cancel every request submitted so far, running, prefilling or waiting: each ends
+        ("cancelled") at the loop's next iteration, or between two chunks of a prefill. Safe to call
+        from any thread (the server, as its shutdown grace runs out)."""
+        with self._open_lock:
+            handles = list(self._open)
+        for h in handles:
+            if not h.cancelled.is_set():  # one a stop sequence ended keeps its reason
+                h.cancel()
+        self._wake.set()
+
     def stop(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
         """End the background loop; with `cancel`, every request still running or waiting ends
         ("cancelled") first."""
         if cancel:
-            self._take_submissions()
-            for h in self.pending + [r.handle for r in self.rows if r is not None] + (
-                    [h for h, _ in self.jobs]):
-                h.cancel()
-            self._wake.set()
+            self.cancel_all()
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
             self._thread = None
         if cancel:
+            self._take_submissions()
             self._drop_cancelled()
 
     def _loop(self) -> None:
@@ -332,8 +344,12 @@ class Engine:
             if done:
                 self.jobs.remove((h, job))
                 self._admit(h, job)
-            if not whole or self.live:
+            if not whole or self.live or self._stop.is_set():
                 return
+            # between two chunks of a long prefill: requests that arrived meanwhile join (the
+            # shortest goes first) and cancelled ones leave, rather than after the whole prompt
+            self._take_submissions()
+            self._drop_cancelled()
 
     def _start_job(self, request: Request) -> PrefillJob:
         need = min(bucket(len(request.prompt) + self.step_size + 1, 128), self.max_len)
@@ -570,6 +586,8 @@ class Engine:
             self._regroup(_pow2(max(self.live, 1)), self.S)
 
     def _finish_handle(self, h: RequestHandle, fin: Finished) -> None:
+        with self._open_lock:
+            self._open.discard(h)
         self.stats["finished"][fin.reason] += 1
         h._emit("done", fin)
 

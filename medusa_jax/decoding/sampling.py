@@ -71,7 +71,7 @@ def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = T
       temperature: > 0: a float, or an array broadcastable to ``logits.shape[:-1]`` (per row).
       top_p: nucleus mass in (0, 1], a float or an array like `temperature`; 1 keeps every token. The
         nucleus is the smallest set of most likely tokens whose mass reaches top_p (Holtzman et al.
-        2020).
+        2020); it always holds the most likely token, however small top_p is.
       nucleus: static; False skips the nucleus (and its sort over the vocabulary) whatever top_p
         says: for steps where every row has top_p = 1.
     Returns:
@@ -81,8 +81,10 @@ def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = T
     if nucleus and not (isinstance(top_p, (int, float)) and top_p >= 1.0):
         sorted_logits = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)
         probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # keep tokens whose preceding mass is < top_p
+        # keep tokens whose preceding mass is < top_p, and always the most likely one (a top_p that
+        # underflows to 0 in float32, or that a flush-to-zero CPU reads as 0, must not empty the nucleus)
         keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < jnp.expand_dims(jnp.asarray(top_p, jnp.float32), -1)
+        keep_sorted = keep_sorted | (jnp.arange(keep_sorted.shape[-1]) == 0)
         cutoff = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
     return scaled

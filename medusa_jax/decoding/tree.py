@@ -257,7 +257,8 @@ def check_depth(depth: int, num_heads: int, what: str = "tree") -> None:
     if depth > num_heads:
         raise ValueError(f"{what} has depth {depth} but the heads have only {num_heads}; use a shallower tree (a "
                          f"preset such as chain{max(num_heads, 1)}, truncate_tree, or a medusa_choices file) or "
-                         "more heads")
+                         "more heads (heads from resolve_heads or prepare_heads keep only their tree's depth: pass "
+                         "the tree you decode with to resolve_heads(tree_spec=...))")
 
 
 def normalise_choices(medusa_choices: Iterable[Any], topk: int, num_heads: int | None) -> tuple[Path, ...]:

@@ -16,7 +16,9 @@ requests (503) and ends the engine's.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import functools
 import json
 import time
 from typing import AsyncIterator, List, Optional
@@ -38,24 +40,38 @@ from medusa_jax.serve.protocol import RequestError
 class TextStream:
     """Token ids in, text out, incrementally: the text of every token so far (special tokens
     skipped), handed out as deltas; a character split across tokens is held back until complete,
-    and so is the tail that could still become a stop sequence. `feed` returns (delta, stopped)."""
+    and so is the tail that could still become a stop sequence. `feed` returns (delta, stopped).
+
+    The text ends where the earliest of the stop sequences starts, whichever of them it is and
+    however many tokens a step delivered (one at a time or a Medusa step's several give the same
+    text); `used` is then the number of tokens up to the one that completed it (the usage's
+    completion_tokens: tokens the engine made after it are not the answer's)."""
 
     def __init__(self, tokenizer, stop: List[str]):
         self.tokenizer, self.stop = tokenizer, stop
         self.tokens: List[int] = []
         self.sent = 0
         self.text = ""
+        self.used: Optional[int] = None
         self.hold = max((len(s) for s in stop), default=1) - 1
 
+    def _stop_at(self, text: str) -> Optional[int]:
+        """Where the earliest stop sequence starts in `text` (past what was already sent), or None."""
+        found = [i for i in (text.find(s, max(self.sent - len(s) + 1, 0)) for s in self.stop) if i >= 0]
+        return min(found, default=None)
+
     def feed(self, tokens: List[int], final: bool = False) -> tuple:
+        before = len(self.tokens)
         self.tokens.extend(tokens)
         text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        for s in self.stop:  # the earliest stop sequence ends the text
-            i = text.find(s, max(self.sent - len(s) + 1, 0))
-            if i >= 0:
-                self.text = text[:i]
-                delta, self.sent = self.text[self.sent:], len(self.text)
-                return delta, True
+        i = self._stop_at(text)
+        if i is not None:
+            self.used = next(n for n in range(before + 1, len(self.tokens) + 1)
+                             if self._stop_at(self.tokenizer.decode(self.tokens[:n], skip_special_tokens=True))
+                             is not None)
+            self.text = text[:i]
+            delta, self.sent = self.text[self.sent:], len(self.text)
+            return delta, True
         if not final and text.endswith("\ufffd"):
             return "", False
         end = len(text) if final else max(len(text) - self.hold, self.sent)
@@ -79,6 +95,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     context = engine.max_len
     metrics = Metrics(engine, model_name)
     state = {"shutting_down": False, "started": time.time()}
+    # prompts are tokenized off the event loop, one at a time (a tokenizer is not made to be entered
+    # by several threads at once)
+    tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
+
+    def begin_shutdown(cancel: bool = False) -> None:
+        """Refuse new requests (503) from now on; with `cancel`, end the running and waiting ones too
+        (each gets the server_shutdown error), as the shutdown grace runs out."""
+        state["shutting_down"] = True
+        if cancel:
+            engine.cancel_all()
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -88,10 +114,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         finally:
             state["shutting_down"] = True
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
+            tokenize_pool.shutdown(wait=False)
 
     app = FastAPI(title="medusa_jax", description="OpenAI-compatible server with Medusa decoding",
                   lifespan=lifespan)
-    app.state.engine, app.state.metrics = engine, metrics
+    app.state.engine, app.state.metrics, app.state.begin_shutdown = engine, metrics, begin_shutdown
 
     def error(status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
               code: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
@@ -104,7 +131,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_request: Request, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error(e.status_code, str(e.detail), kind)
+        return error(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None))  # 405: Allow
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, e: Exception):
@@ -149,10 +176,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             body = await request.json()
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise RequestError(f"the request body is not valid JSON ({e})") from None
+        except RecursionError:
+            raise RequestError("the request body nests too deeply to parse") from None
         gen = protocol.check_request(body, [model_name], context, chat)
         field = "messages" if chat else "prompt"
-        try:
-            ids = render_chat(tokenizer, gen.messages) if chat else list(tokenizer.encode(gen.prompt))
+        if chat:
+            encode = functools.partial(render_chat, tokenizer, gen.messages)
+        else:
+            encode = lambda: list(tokenizer.encode(gen.prompt))  # noqa: E731
+        try:  # in a worker thread: a long prompt's tokenization must not stall the other requests' streams
+            ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, encode)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
             raise RequestError(f"{what}: {e}", field) from None
@@ -203,11 +236,14 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             return Response(status_code=499)
         if fin.reason == "error":
             return error(500, f"the request failed: {fin.error}", "server_error")
+        if fin.reason == "cancelled" and not stopped:  # ended by the server (shutdown)
+            return error(503, "the server is shutting down; the answer was cut", "server_error",
+                         code="server_shutdown")
         if not stopped:
             text.feed([], final=True)
         metrics.observe_end(time.perf_counter() - t0)
         reason = "stop" if stopped else protocol.finish_reason(fin.reason)
-        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin)
+        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin, text.used)
 
     def _observe(t0: float, tokens: List[int], handle) -> None:
         now = time.perf_counter()
@@ -279,8 +315,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             reason = "stop" if stopped else protocol.finish_reason(fin.reason)
             yield sse(protocol.chunk(rid, gen.model, chat, created, reason=reason))
             if gen.include_usage:
-                yield sse(protocol.chunk(rid, gen.model, chat, created,
-                                         usage_obj=protocol.usage(len(ids), len(fin.tokens)),
+                used = len(fin.tokens) if text.used is None else text.used
+                yield sse(protocol.chunk(rid, gen.model, chat, created, usage_obj=protocol.usage(len(ids), used),
                                          spec=protocol.speculation(fin)))
             metrics.observe_end(time.perf_counter() - t0)
             yield "data: [DONE]\n\n"

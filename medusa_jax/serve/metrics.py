@@ -9,6 +9,11 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+#: vLLM's ``finished_reason`` label of the engine's reasons (`decoding.engine.Finished.reason`): an
+#: answer ended by EOS or a stop string is "stop", by its budget or the cache "length", a request
+#: cancelled (its client left, the server shut down) "abort"; "error" keeps its name.
+FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length", "cache_full": "length", "cancelled": "abort"}
+
 _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                     7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -44,8 +49,12 @@ class EngineCollector:
         yield c
         c = CounterMetricFamily("vllm:request_success", "Finished requests, by finish reason.",
                                 labels=labels + ["finished_reason"])
+        by_reason: dict = {}
         for reason, value in st["finished"].items():
-            c.add_metric([self.model, reason], value)
+            label = FINISHED_REASON.get(reason, reason)
+            by_reason[label] = by_reason.get(label, 0) + value
+        for label, value in by_reason.items():
+            c.add_metric([self.model, label], value)
         yield c
 
 

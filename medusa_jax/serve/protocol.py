@@ -8,6 +8,7 @@ server adds a ``speculation`` object (steps, tokens per step, draft and accepted
 from __future__ import annotations
 
 import math
+import secrets
 import time
 import uuid
 from dataclasses import dataclass
@@ -108,7 +109,10 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
     if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
         raise RequestError("logprobs are not supported by this server", "logprobs", code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
-        if body.get(name) not in (None, 0, 0.0):
+        v = body.get(name)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+            raise RequestError(f"{name} must be a number, got {v!r}", name)
+        if v not in (None, 0, 0.0):
             raise RequestError(f"{name} is not supported by this server (only 0)", name,
                                code="unsupported_parameter")
     fmt = body.get("response_format")
@@ -163,9 +167,11 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
     if not isinstance(include_usage, bool):
         raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
     seed = _integer(body, "seed", 0, 2 ** 31 - 1)
+    if seed is None:  # each request samples on its own, as OpenAI's do; a seed makes it repeatable
+        seed = secrets.randbelow(2 ** 31)
     return Generation(messages=messages, prompt=prompt, max_tokens=max_tokens,
                       temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                      top_p=_top_p(body), seed=0 if seed is None else seed,
+                      top_p=_top_p(body), seed=seed,
                       stop=stop, stream=stream, include_usage=include_usage, model=model or models[0])
 
 
@@ -189,15 +195,18 @@ def speculation(fin) -> dict:
             "accepted_tokens": max(len(fin.tokens) - fin.steps, 0), "prompt_tokens_reused": fin.reused_tokens}
 
 
-def completion(rid: str, model: str, chat: bool, text: str, reason: str, prompt_tokens: int, fin) -> dict:
-    """The non-streaming response object."""
+def completion(rid: str, model: str, chat: bool, text: str, reason: str, prompt_tokens: int, fin,
+               completion_tokens: Optional[int] = None) -> dict:
+    """The non-streaming response object; `completion_tokens` (default: all of ``fin.tokens``) is the
+    answer's token count when a stop sequence ended it."""
     choice: Dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice], "usage": usage(prompt_tokens, len(fin.tokens)),
+            "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, len(fin.tokens) if completion_tokens is None else completion_tokens),
             "speculation": speculation(fin)}
 
 
