@@ -94,9 +94,12 @@ def apply_chat_template(tokenizer, prompt: str, system: Optional[str] = None) ->
       a list of int token ids, ending with the template's generation prompt
       (``add_generation_prompt=True``).
     Raises:
-      ValueError: empty or whitespace-only prompt, or a tokenizer without a chat template.
+      ValueError: a prompt that is not a str, empty or whitespace-only, or a tokenizer without a chat
+        template.
     """
-    if not isinstance(prompt, str) or not prompt.strip():
+    if not isinstance(prompt, str):
+        raise ValueError(f"the prompt must be a str (the user's message), got {type(prompt).__name__}")
+    if not prompt.strip():
         raise ValueError("the prompt is empty; give some text to answer")
     messages = ([{"role": "system", "content": system}] if system is not None else [])
     messages.append({"role": "user", "content": prompt})

@@ -34,3 +34,14 @@ def test_check_text():
     assert check_text("héllo 👋", "prompt") == "héllo 👋"
     with pytest.raises(ValueError, match=r"^prompt: not valid Unicode text"):
         check_text("a\udfffb", "prompt")
+
+
+@pytest.mark.real_model
+def test_apply_chat_template_names_a_prompt_that_is_not_text(smollm2):
+    from medusa_jax.chat import apply_chat_template
+
+    for bad, name in ((None, "NoneType"), (b"hi", "bytes"), (["hi"], "list")):
+        with pytest.raises(ValueError, match=f"the prompt must be a str .*got {name}"):
+            apply_chat_template(smollm2.tokenizer, bad)
+    with pytest.raises(ValueError, match="the prompt is empty"):
+        apply_chat_template(smollm2.tokenizer, "  ")

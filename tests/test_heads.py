@@ -561,3 +561,19 @@ def test_official_own_lm_heads_with_proposals_and_a_shallow_tree_are_lossless(tm
     dev = generate_device(mcfg, mparams, [prompt], max_new_tokens=60, heads=heads, tree=tree)
     assert med.tokens == plain.tokens == dev.tokens[0, :int(dev.count[0])].tolist()
     assert med.steps < len(med.tokens)  # the heads' candidates were accepted at some steps
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(topk=0), r"topk \(candidates per head\) must be in \[1, vocab_size=64\], got 0"),
+    (dict(topk=65), r"topk .* got 65"),
+    (dict(hidden_size=0), "need hidden_size >= 1 and vocab_size >= 1, got 0, 64"),
+    (dict(num_heads=0), "num_heads must be >= 1, got 0"),
+    (dict(num_layers=-1), "num_layers must be >= 0, got -1"),
+])
+def test_medusa_config_refuses_impossible_values(kw, message):
+    """A config that could not propose anything (topk 0: it used to decode, proposing nothing) is
+    refused when it is made, naming the field."""
+    from medusa_jax.heads.config import MedusaConfig
+
+    with pytest.raises(ValueError, match=message):
+        MedusaConfig(**{"hidden_size": 8, "vocab_size": 64, **kw})

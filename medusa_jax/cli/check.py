@@ -60,6 +60,8 @@ def main(argv=None) -> int:
         p.error(f"--limit must be >= 1, got {args.limit}")
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.num_heads < 1:
+        p.error(f"--num-heads must be >= 1 (the zero heads --heads zero makes), got {args.num_heads}")
     if args.tie_gap is not None and not (math.isfinite(args.tie_gap) and args.tie_gap >= 0):
         p.error(f"--tie-gap must be a finite number >= 0 (0: no difference is a near-tie), got {args.tie_gap}")
     if args.out is not None:

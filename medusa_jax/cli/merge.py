@@ -50,7 +50,7 @@ def main(argv=None) -> int:
     from medusa_jax.cli import common
     from medusa_jax.convert.hf import ConversionError
     from medusa_jax.convert.load import check_model_path, complete_eos_ids, load_tokenizer
-    from medusa_jax.convert.tuned_layers import LAYERS_FILE, merge_to_hf, tuned_layers_path
+    from medusa_jax.convert.tuned_layers import LAYERS_FILE, check_merge_target, merge_to_hf, tuned_layers_path
 
     heads = resolve.heads_location(args.heads)
     try:  # everything that names a file, before the slow model load
@@ -60,13 +60,9 @@ def main(argv=None) -> int:
             raise FileNotFoundError(f"--heads {args.heads}: no {LAYERS_FILE}: these heads were trained with a frozen "
                                     "backbone (Medusa-1), there are no tuned layers to merge; decode with the base "
                                     "model itself")
-        if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
-            raise FileExistsError(f"--out {args.out}: exists and is not empty; choose a new directory or pass "
-                                  "--overwrite")
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise FileExistsError(f"--out {args.out}: exists and is not a directory; choose a new directory")
         common.preflight(args.model, heads, None, use_medusa=False)  # the layers fit the model, are intact
         model_path = check_model_path(args.model)[0]
+        check_merge_target(args.out, model_path, args.overwrite)  # what merge_to_hf checks, before the load
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

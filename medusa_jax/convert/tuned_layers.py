@@ -395,10 +395,22 @@ def merge_to_hf(model: LoadedModel, out_dir: str, overwrite: bool = False) -> st
       ValueError: `out_dir` is the model's own directory or holds Medusa heads or tuned layers (it
         would overwrite them); a config transformers cannot express.
     """
+    check_merge_target(out_dir, model.path, overwrite)
+    return save_hf(out_dir, model.cfg, model.params, model.tokenizer)
+
+
+def check_merge_target(out_dir: str, model_path: str, overwrite: bool = False) -> None:
+    """What `merge_to_hf` checks before it writes into `out_dir` (``medusa-merge`` checks it before
+    the slow model load): `model_path` is the base model's file or directory.
+
+    Raises:
+      FileExistsError: `out_dir` is a file, or a non-empty directory without `overwrite`.
+      ValueError: `out_dir` is the base model's own directory, or holds Medusa heads or tuned layers.
+    """
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise FileExistsError(f"{out_dir}: exists and is not a directory; choose a new output directory")
     if os.path.isdir(out_dir):
-        if os.path.realpath(out_dir) == os.path.realpath(model.path):
+        if os.path.realpath(out_dir) == os.path.realpath(model_path):
             raise ValueError(f"{out_dir}: is the base model's own directory; writing there would overwrite it: "
                              "choose a new output directory")
         held = set(os.listdir(out_dir))
@@ -407,5 +419,4 @@ def merge_to_hf(model: LoadedModel, out_dir: str, overwrite: bool = False) -> st
                              "mix with (or overwrite, config.json); choose a new output directory")
         if held and not overwrite:
             raise FileExistsError(f"{out_dir}: exists and is not empty; choose a new output directory (or "
-                                  "overwrite it)")
-    return save_hf(out_dir, model.cfg, model.params, model.tokenizer)
+                                  "overwrite it: --overwrite, or overwrite=True)")

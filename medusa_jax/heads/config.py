@@ -45,8 +45,15 @@ class MedusaConfig:
     head_type: str = "medusa"
 
     def __post_init__(self):
-        if self.num_heads < 1 or self.num_layers < 0:
-            raise ValueError(f"need num_heads >= 1 and num_layers >= 0, got {self.num_heads}, {self.num_layers}")
+        if self.hidden_size < 1 or self.vocab_size < 1:
+            raise ValueError(f"need hidden_size >= 1 and vocab_size >= 1, got {self.hidden_size}, {self.vocab_size}")
+        if self.num_heads < 1:
+            raise ValueError(f"num_heads must be >= 1, got {self.num_heads}")
+        if self.num_layers < 0:
+            raise ValueError(f"num_layers must be >= 0, got {self.num_layers}")
+        if not 1 <= self.topk <= self.vocab_size:
+            raise ValueError(f"topk (candidates per head) must be in [1, vocab_size={self.vocab_size}], "
+                             f"got {self.topk}")
         if self.head_type not in HEAD_TYPES:
             raise ValueError(f"head_type must be one of {HEAD_TYPES}, got {self.head_type!r}")
         if self.head_type == "hydra" and self.num_layers < 1:
