@@ -160,6 +160,25 @@ def test_cancel_all_ends_every_request_wherever_it_is(tiny):
     assert engine.idle()
 
 
+def test_a_turn_that_fills_the_context_is_reused_by_the_next(tiny):
+    """A chat turn cut because the context is full ("cache_full") leaves its K/V in the prefix cache
+    like any other; the next turn (most of it that turn) is not prefilled again, and answers as without."""
+    cfg, params, _, prompts = tiny
+    first_prompt = (prompts[0] * 10)[:110]
+    answers = {}
+    for budget in (0, 64 << 20):
+        engine = Engine(cfg, params, max_batch=2, max_len=128, prefix_cache_bytes=budget)
+        first = engine.submit(Request(first_prompt, 64))
+        engine.run()
+        assert first.finished.reason == "cache_full" and 0 < len(first.finished.tokens) < 64
+        turn2 = first_prompt + first.finished.tokens[:-6] + prompts[1][:2]  # an edited turn that fits
+        second = engine.submit(Request(turn2, 2))
+        engine.run()
+        answers[budget] = (second.finished.tokens, second.finished.reused_tokens)
+    assert answers[0][0] == answers[64 << 20][0] and answers[0][1] == 0
+    assert answers[64 << 20][1] >= len(first_prompt)
+
+
 def test_queued_counts_only_requests_beyond_the_free_rows(tiny):
     """What a server's queue limit counts: a burst that the free rows will take is not queued, in
     the inbox, being prefilled or decoding."""

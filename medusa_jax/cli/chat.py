@@ -113,9 +113,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             messages.append({"role": "assistant", "content": answer})
             turn += 1
             rate = len(fin.tokens) / fin.decode_s if fin.decode_s > 0 else 0.0
+            cut = {"length": "; cut at --max-new-tokens",
+                   "cache_full": "; cut: the conversation fills the model's context (/reset starts a new one)"}
             print(f"[{len(fin.tokens)} tokens, {rate:.1f} tok/s, {fin.tokens_per_step:.2f} tokens/step, "
                   f"{fin.reused_tokens} of {fin.prompt_tokens} prompt tokens reused, first token after "
-                  f"{fin.first_token_s:.2f}s]", file=sys.stderr, flush=True)
+                  f"{fin.first_token_s:.2f}s{cut.get(fin.reason, '')}]", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         print("", file=sys.stderr)
     finally:

@@ -563,7 +563,7 @@ class Engine:
     def _retire(self, b: int, reason: str) -> None:
         row = self.rows[b]
         self.rows[b] = None
-        if self.prefix.enabled and reason in ("eos", "length", "cancelled", "stop"):
+        if self.prefix.enabled and reason != "error":  # a turn that filled the context is kept too
             n = int(min(self.lengths[b], len(row.request.prompt) + len(row.tokens)))
             if n > 0:
                 k, v = snapshot(self.state.cache, b, n)
