@@ -209,6 +209,7 @@ def test_train_mesh_and_distributed_misuse(capsys, monkeypatch):
     ("medusa-check", ["--tie-gap", "nan"], "--tie-gap must be a finite number >= 0"),
     ("medusa-check", ["--out", "{tmp}/no-dir/x.json"], "--out {tmp}/no-dir/x.json: no such directory to write it in"),
     ("medusa-check", ["--out", "{tmp}"], "--out {tmp}: is a directory; give a file name"),
+    ("medusa-check", ["--heads", "zero", "--num-heads", "0"], "--num-heads must be >= 1"),
     ("medusa-serve", ["--shutdown-grace", "-1"], "--shutdown-grace must be a finite number of seconds >= 0"),
 ])
 def test_check_and_serve_flag_misuse(prog, argv, message, tmp_path, capsys):
@@ -252,7 +253,169 @@ def test_flags_that_have_no_effect_are_noted(capsys):
     notes = common.unused_flag_notes(args, use_medusa=False)
     assert len(notes) == 2 and notes[0].startswith("--tree chain3 has no effect with --no-medusa")
     assert "--acceptance typical has no effect" in notes[1]
+    notes = common.unused_flag_notes(Namespace(tree=None, heads="medusa1", prompt_lookup=3), use_medusa=False)
+    assert notes == ["--heads medusa1 has no effect with --no-medusa (plain decoding runs no heads)",
+                     "--prompt-lookup 3 has no effect with --no-medusa (plain decoding drafts nothing)"]
+    assert common.unused_flag_notes(Namespace(prompt_lookup=0), use_medusa=False) == []  # off anyway
+    parse_args(["--prompt", "hi", "--posterior-threshold", "0.2"])
+    assert "note: --posterior-threshold 0.2 has no effect with --acceptance greedy" in capsys.readouterr().err
+    parse_args(["--prompt", "hi", "--temperature", "0.7", "--acceptance", "typical", "--posterior-alpha", "0.5"])
+    assert "note:" not in capsys.readouterr().err
     parse_args(["--prompt", "hi", "--top-p", "0.5"])
     assert "note: --top-p 0.5 has no effect at temperature 0" in capsys.readouterr().err
     parse_args(["--prompt", "hi", "--top-p", "0.5", "--temperature", "0.7"])
     assert "note:" not in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("settings, message", [
+    (["tree=nosuch"], "invalid training config: tree: unknown tree 'nosuch': not a file; presets are"),
+    (["tree=chain5"], "invalid training config: tree 'chain5' has depth 5 but num_heads is 4: give a tree at most "
+                      "4 deep (e.g. chain4) or num_heads >= 5"),
+    (["tree={tmp}"], "invalid training config: tree: unknown tree '{tmp}': not a file"),
+    (["tree=[1"], "--set tree=[1: the value is not valid YAML: expected ',' or ']'"),
+    (["tree=dynamic:8"], "invalid training config: tree: 'dynamic:8' is chosen per step while decoding"),
+    (["out_dir={tmp}/file"], "out_dir {tmp}/file: exists and is not a directory; give a directory"),
+    (["out_dir={tmp}/file/run"], "out_dir {tmp}/file/run: cannot create the directory"),
+    (["hidden_dir={tmp}/file"], "hidden_dir {tmp}/file: exists and is not a directory"),
+])
+def test_train_settings_refused_before_training(settings, message, tmp_path, capsys, monkeypatch):
+    """A tree the export could not store and an out_dir that cannot hold the run are refused with one
+    line and exit 2 before the model loads or anything trains."""
+    from medusa_jax.cli import train
+    from medusa_jax.train import trainer
+
+    monkeypatch.setattr(trainer, "train", lambda *a, **k: pytest.fail("trained with bad settings"))
+    (tmp_path / "file").write_text("x")
+    settings = [s.replace("{tmp}", str(tmp_path)) for s in settings]
+    argv = ["--config", "configs/tiny.yaml", "--no-progress", "--set", f"out_dir={tmp_path / 'run'}", *settings]
+    assert train.main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.strip().splitlines()) == 1 and "Traceback" not in err
+    assert err.startswith("error: " + message.replace("{tmp}", str(tmp_path))), err
+
+
+def test_train_config_file_misuse(tmp_path, capsys):
+    """--config that is a directory, missing or not valid YAML: one line naming the file, exit 2."""
+    from medusa_jax.cli import train
+    from medusa_jax.train.config import TrainConfig, TrainConfigError
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("steps: [1,\nfoo: : :\n")
+    for path, message in [(tmp_path, "cannot read the training config (is a directory); give a YAML file"),
+                          (tmp_path / "none.yaml", "cannot read the training config (no such file or directory)"),
+                          (bad, "not valid YAML: expected the node content, but found ':' (line 2, column 6)")]:
+        assert train.main(["--config", str(path), "--print-config"]) == 2
+        out, err = capsys.readouterr()
+        assert out == "" and len(err.strip().splitlines()) == 1 and err.startswith(f"error: {path}: {message}"), err
+        with pytest.raises(TrainConfigError, match="^" + str(path)):
+            TrainConfig.from_yaml(str(path))
+
+
+def test_train_stop_at_step_must_be_positive(capsys):
+    from medusa_jax.cli import train
+
+    for value in ("0", "-1"):
+        with pytest.raises(SystemExit) as e:
+            train.main(["--config", "configs/tiny.yaml", "--stop-at-step", value])
+        assert e.value.code == 2
+        assert capsys.readouterr().err.strip().splitlines()[-1] == \
+            f"train.py: error: --stop-at-step must be >= 1 (the steps to run before stopping), got {value}"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be an integer >= 1"),
+    (["--temperature", "-1"], "--temperature must be a finite number >= 0 (0 = greedy), got -1.0"),
+    (["--temperature", "nan"], "--temperature must be a finite number >= 0"),
+    (["--batch-size", "0"], "--batch-size must be an integer >= 1"),
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**31), got -1"),
+    (["--limit", "-3"], "--limit must be an integer >= 1"),
+    (["--limit", "0"], "--limit must be an integer >= 1"),
+    (["--target-tokens", "0"], "--target-tokens must be an integer >= 1"),
+    (["--target-tokens", "-5"], "--target-tokens must be an integer >= 1"),
+    (["--max-prompt-tokens", "0"], "--max-prompt-tokens must be an integer >= 1"),
+    (["--prompts", "{tmp}"], "--prompts {tmp}: is a directory; give a JSONL file"),
+    (["--prompts", "{tmp}/none.jsonl"], "--prompts {tmp}/none.jsonl: no such file"),
+    (["--out", "{tmp}/file"], "--out {tmp}/file: exists and is not a directory"),
+])
+def test_distill_flag_misuse(argv, message, tmp_path, capsys, monkeypatch):
+    """medusa-distill refuses bad flags by name with exit 2 before the model loads, and writes no
+    meta.json, so the corrected command is not refused as "made with different settings"."""
+    from medusa_jax.cli import distill as cli
+    from medusa_jax.train import distill
+
+    monkeypatch.setattr(distill, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    (tmp_path / "file").write_text("x")
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text('{"prompt": "hi"}\n')
+    argv = ["--out", str(tmp_path / "out"), "--prompts", str(pool)] + [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("medusa-distill: error: " + message.replace("{tmp}", str(tmp_path))), err
+    assert not (tmp_path / "out" / distill.META_FILE).exists()
+
+
+def test_distill_settings_are_checked_before_the_model_loads(tmp_path, monkeypatch):
+    """distill() itself refuses bad settings, an --out that is a file and a pool of no prompts before
+    loading the model or writing meta.json."""
+    from medusa_jax.train import distill
+
+    monkeypatch.setattr(distill, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "out"
+    for kw, message in [(dict(max_new_tokens=0), r"distill\(\): max_new_tokens must be an integer >= 1"),
+                        (dict(seed=-1), r"distill\(\): seed must be an integer in \[0, 2\*\*31\)"),
+                        (dict(temperature=float("inf")), r"distill\(\): temperature must be a finite number"),
+                        (dict(limit=0), r"distill\(\): limit must be an integer >= 1")]:
+        with pytest.raises(ValueError, match=message):
+            distill.distill(str(out), prompts=str(pool), **kw)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="exists and is not a directory"):
+        distill.distill(str(tmp_path / "file"), prompts=str(pool))
+    with pytest.raises(ValueError, match="is a directory; give a JSONL file"):
+        distill.distill(str(out), prompts=str(tmp_path))
+    for text, message in [("", "no prompts in"), ("\n\n", "no prompts in"), ("[1]\n", ":1: no 'prompt' string field"),
+                          ('{"prompt": "a"}\nnot json\n', ":2: not valid JSON")]:
+        pool.write_text(text)
+        with pytest.raises(ValueError, match=message):
+            distill.distill(str(out), prompts=str(pool))
+    assert not (out / distill.META_FILE).exists()
+
+
+def test_distill_empty_pool_is_an_error(tmp_path, capsys, monkeypatch):
+    """An empty prompts file is said so (exit 2) rather than a silent success that writes nothing."""
+    from medusa_jax.cli import distill as cli
+    from medusa_jax.train import distill
+
+    monkeypatch.setattr(distill, "load_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    pool = tmp_path / "empty.jsonl"
+    pool.write_text("")
+    assert cli.main(["--out", str(tmp_path / "out"), "--prompts", str(pool)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.strip() == f"error: no prompts in {pool}: give a JSONL file with a 'prompt' field per line"
+    assert not (tmp_path / "out" / distill.META_FILE).exists()
+
+
+def test_distill_no_prompt_that_fits_is_an_error(tmp_path, capsys, monkeypatch):
+    """A pool none of whose prompts fits --max-prompt-tokens is said so (exit 2), and the run's empty
+    meta.json and samples.jsonl are removed, so the command with a larger limit runs there."""
+    import os
+    from types import SimpleNamespace
+
+    from medusa_jax.cli import distill as cli
+    from medusa_jax.train import distill
+
+    cfg = SimpleNamespace(eos_token_ids=(2,), max_position_embeddings=512)
+    monkeypatch.setattr(distill, "load_model", lambda *a, **k: SimpleNamespace(path="/m/x.gguf", cfg=cfg,
+                                                                              params=None, tokenizer=None))
+    monkeypatch.setattr(distill, "apply_chat_template", lambda tok, text: [1] * 10)
+    monkeypatch.setattr(distill, "generate_batch", lambda *a, **k: iter(()))
+    pool = tmp_path / "pool.jsonl"
+    pool.write_text('{"prompt": "hi"}\n')
+    out = tmp_path / "out"
+    assert cli.main(["--out", str(out), "--prompts", str(pool), "--max-prompt-tokens", "4"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
+    assert err.startswith(f"error: nothing to distill: no prompt of {pool} fits in --max-prompt-tokens 4 tokens"), err
+    assert sorted(os.listdir(out)) == []

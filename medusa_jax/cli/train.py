@@ -18,7 +18,9 @@ Outputs go to ``out_dir``: metrics.jsonl, accuracy.png, checkpoints/, heads/ (lo
 ``python decode.py --heads OUT_DIR/heads``) and, in joint mode over the whole backbone, backbone/;
 with ``train_layers: N`` the N tuned layers go beside the heads (backbone_layers.safetensors), and
 ``--heads OUT_DIR/heads`` loads them onto the base model. A joint run whose backbone drifted beyond
-``max_kl`` exports nothing and exits with code 1 (the message says what to change).
+``max_kl`` exports nothing and exits with code 1 (the message says what to change). A config that
+cannot be read or holds an invalid value (a ``tree`` the export could not store included) and an
+``out_dir`` that cannot be created are refused at once, before the model loads (exit code 2).
 """
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--resume", action=argparse.BooleanOptionalAction, default=True,
                    help="continue the run in out_dir from its latest checkpoint; --no-resume deletes its "
                         "checkpoints and metrics and starts over")
-    p.add_argument("--stop-at-step", type=int, default=None,
-                   help="stop after this many steps without a final checkpoint or export, as if killed "
+    p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
+                   help="stop after N >= 1 steps without a final checkpoint or export, as if killed "
                         "(to try resumption)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
@@ -52,7 +54,20 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "Megatron-style on 'model'. On a CPU, simulate N devices with "
                         "XLA_FLAGS=--xla_force_host_platform_device_count=N")
     distributed.add_args(p)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.stop_at_step is not None and args.stop_at_step < 1:
+        p.error(f"--stop-at-step must be >= 1 (the steps to run before stopping), got {args.stop_at_step}")
+    return args
+
+
+class _AsConfigError:
+    """Stands in for the parser in `common.make_out_dir`: its one-line message about a config field
+    (out_dir) becomes a `TrainConfigError`, reported like the config's other errors."""
+
+    @staticmethod
+    def error(message: str):
+        from medusa_jax.train.config import TrainConfigError
+        raise TrainConfigError(message)
 
 
 def main(argv=None) -> int:
@@ -70,9 +85,17 @@ def main(argv=None) -> int:
     if args.print_config:
         print(json.dumps(tc.to_dict(), indent=2))
         return 0
-    from medusa_jax.cli.common import enable_compilation_cache
+    from medusa_jax.cli.common import enable_compilation_cache, make_out_dir
     from medusa_jax.train.trainer import ResumeConflictError, train
 
+    try:  # created now: an out_dir that cannot hold the run fails before the model loads
+        make_out_dir(_AsConfigError, tc.out_dir, flag="out_dir")
+        if tc.hidden_dir and os.path.exists(tc.hidden_dir) and not os.path.isdir(tc.hidden_dir):
+            raise TrainConfigError(f"hidden_dir {tc.hidden_dir}: exists and is not a directory; give a directory "
+                                   "(it is created if missing) or null (out_dir/hidden)")
+    except TrainConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     enable_compilation_cache()
     try:
         res = train(tc, resume=args.resume, stop_at_step=args.stop_at_step, progress=not args.no_progress)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 import re
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Tuple
 
 import yaml
 
+from medusa_jax.decoding.tree import get_tree
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.sharding import parse_mesh
 
@@ -80,7 +82,9 @@ class TrainConfig:
     topk: int = 10
     #: tree stored with the exported heads: None (none), a preset name of
     #: `medusa_jax.decoding.tree.PRESETS`, a tree file, or "search" (greedy search from the final
-    #: validation rank accuracies, Medusa Sec. 3.3.1, with tree_nodes tree tokens).
+    #: validation rank accuracies, Medusa Sec. 3.3.1, with tree_nodes tree tokens). A name or file is
+    #: resolved when the config is built (`get_tree` with topk and num_heads, as the export does), so
+    #: an unknown one, or one deeper than num_heads, is refused before training.
     tree: Optional[str] = None
     #: tree tokens (root included) for tree="search".
     tree_nodes: int = 16
@@ -232,6 +236,23 @@ class TrainConfig:
                          proposal_vocab_size=self.proposal_vocab if proposal_ok else 0, head_type=self.head_type)
         except ValueError as e:
             problems.append(str(e).replace("proposal_vocab_size", "proposal_vocab"))
+        if isinstance(self.tree, str) and self.tree.startswith("dynamic:"):
+            problems.append(f"tree: {self.tree!r} is chosen per step while decoding and cannot be stored with the "
+                            "heads; give a static tree (a preset, a file or 'search') and decode with "
+                            f"--tree {self.tree}, or let medusa-tune choose")
+        elif self.tree is not None and self.tree != "search" and self.topk >= 1 and self.num_heads >= 1:
+            try:  # the export's own call (checkpoint.export), so a tree that passes here is stored at the end
+                get_tree(self.tree, self.topk, self.num_heads)
+            except ValueError as e:
+                try:  # a good tree, too deep for the heads?
+                    depth = get_tree(self.tree, self.topk).max_depth
+                except ValueError:
+                    problems.append(f"tree: {e} (tree also takes 'search', a search on the validation accuracies, "
+                                    "or null, no tree)")
+                else:
+                    chain = f" (e.g. chain{self.num_heads})" if self.num_heads <= 5 else ""
+                    problems.append(f"tree {self.tree!r} has depth {depth} but num_heads is {self.num_heads}: give a "
+                                    f"tree at most {self.num_heads} deep{chain} or num_heads >= {depth}")
         if not 0.0 <= self.loop_weight <= 1.0:
             problems.append(f"loop_weight must be in [0, 1], got {self.loop_weight}")
         if self.train_layers < 0:
@@ -305,16 +326,24 @@ class TrainConfig:
         ``learning_rate=3e-4``) and win over the file. Errors about a file key name the file and
         the key's line; errors about an override name ``overrides_label`` and the override.
         Raises:
-          FileNotFoundError: no such file. TrainConfigError: not a mapping, an override without
-            '=', or any `from_dict` error.
+          TrainConfigError: a file that cannot be read (missing, a directory) or is not valid YAML,
+            not a mapping, an override without '=' or whose value is not valid YAML, or any
+            `from_dict` error; the message is one line.
         """
 
         d: dict = {}
         sources: dict = {}
         if path is not None:
-            with open(path) as f:
-                text = f.read()
-            loaded = yaml.safe_load(text)
+            try:
+                with open(path) as f:
+                    text = f.read()
+            except OSError as e:
+                what = "is a directory" if os.path.isdir(path) else (e.strerror or str(e)).lower()
+                raise TrainConfigError(f"{path}: cannot read the training config ({what}); give a YAML file such "
+                                       "as configs/tiny.yaml") from None
+            except ValueError as e:  # UnicodeDecodeError: not a text file
+                raise TrainConfigError(f"{path}: not a text file ({e}); give a YAML training config") from None
+            loaded = _load_yaml(text, f"{path}: not valid YAML")
             if loaded is not None and not isinstance(loaded, dict):
                 raise TrainConfigError(f"{path}: expected a mapping of training config fields, got "
                                        f"{type(loaded).__name__}")
@@ -326,7 +355,7 @@ class TrainConfig:
                                        f"{overrides_label} steps=100")
             k, v = item.split("=", 1)
             k = k.strip()
-            d[k] = yaml.safe_load(v) if v.strip() else ""
+            d[k] = _load_yaml(v, f"{overrides_label} {item}: the value is not valid YAML") if v.strip() else ""
             sources[k] = f"{overrides_label} {item}"
         return cls.from_dict(d, source=path or "config", sources=sources)
 
@@ -347,6 +376,18 @@ def unknown_key_message(key: str, known, source: str) -> str:
             "no known key is close to it")
     return (f"{source}: unknown training config key {key!r}; {hint} (`train.py --print-config` lists every "
             "key; medusa_jax.train.config.TrainConfig documents them)")
+
+
+def _load_yaml(text: str, what: str) -> Any:
+    """``yaml.safe_load(text)``; a syntax error raises `TrainConfigError` with one line: `what`, then the
+    problem and where it is."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        detail = (f"{e.problem} (line {mark.line + 1}, column {mark.column + 1})"
+                  if mark is not None and getattr(e, "problem", None) else " ".join(str(e).split()))
+        raise TrainConfigError(f"{what}: {detail}") from None
 
 
 def _yaml_key_location(path: str, text: str, key: str) -> str:

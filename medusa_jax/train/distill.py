@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import sys
 import time
@@ -73,19 +74,33 @@ def check_not_eval_set(path: str) -> None:
 def read_prompt_pool(path: str) -> List[Tuple[str, str]]:
     """[(id, prompt text)] from a JSONL file with a ``prompt`` field (``id`` defaults to the line number).
 
-    Raises: EvalSetError for an evaluation set, FileNotFoundError, ValueError for a line without
-      a ``prompt`` string.
+    Raises: EvalSetError for an evaluation set, FileNotFoundError (no such file), ValueError for a
+      path that is not a readable file, a line that is not a JSON object with a ``prompt`` string;
+      the messages are one line.
     """
     check_not_eval_set(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{path}: no such prompts file; give a JSONL file with a 'prompt' field per line")
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory; give a JSONL file with a 'prompt' field per line")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for i, line in enumerate(f):
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            if not isinstance(rec.get("prompt"), str):
-                raise ValueError(f"{path}:{i + 1}: no 'prompt' string field")
-            out.append((str(rec.get("id", i)), rec["prompt"]))
+    try:
+        with open(path, encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"{path}:{i + 1}: not valid JSON ({e.msg}); each line holds one object "
+                                     "with a 'prompt' string") from None
+                if not isinstance(rec, dict) or not isinstance(rec.get("prompt"), str):
+                    raise ValueError(f"{path}:{i + 1}: no 'prompt' string field")
+                out.append((str(rec.get("id", i)), rec["prompt"]))
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read the prompts ({e.strerror})") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not a UTF-8 text file; give a JSONL file with a 'prompt' field per line") from None
     return out
 
 
@@ -229,6 +244,36 @@ def tokenized_prompts(tokenizer, pool: Sequence[Tuple[str, str]], seed: int, max
             yield pid, ids
 
 
+def check_settings(*, target_tokens: Optional[int] = None, max_new_tokens: int = 256, batch_size: int = 128,
+                   temperature: float = 0.0, seed: int = 0, limit: Optional[int] = None,
+                   max_prompt_tokens: int = 256, flags: bool = False) -> None:
+    """Check `distill`'s settings before anything loads or is written (meta.json records them).
+
+    `flags`: name them as ``medusa-distill``'s flags (``--max-new-tokens``) rather than as
+    ``distill()``'s arguments. Raises: ValueError, one line naming the first bad setting and what it
+    takes.
+    """
+    def name(arg: str) -> str:
+        return "--" + arg.replace("_", "-") if flags else f"distill(): {arg}"
+
+    def integer(arg: str, value, low: int, what: str) -> None:
+        if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
+            raise ValueError(f"{name(arg)} must be an integer >= {low} ({what}), got {value!r}")
+
+    integer("max_new_tokens", max_new_tokens, 1, "response tokens per prompt at most")
+    integer("batch_size", batch_size, 1, "prompts decoded together")
+    integer("max_prompt_tokens", max_prompt_tokens, 1, "the longest prompt kept, in tokens")
+    if target_tokens is not None:
+        integer("target_tokens", target_tokens, 1, "response tokens to collect")
+    if limit is not None:
+        integer("limit", limit, 1, "prompts of the shuffled pool to take")
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or not 0 <= seed < 2 ** 31:
+        raise ValueError(f"{name('seed')} must be an integer in [0, 2**31), got {seed!r}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float, np.floating, np.integer)) \
+            or not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"{name('temperature')} must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+
+
 def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None,
             target_tokens: Optional[int] = None, max_new_tokens: int = 256, batch_size: int = 128,
             temperature: float = 0.0, seed: int = 0, limit: Optional[int] = None,
@@ -244,17 +289,32 @@ def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None
       max_new_tokens, batch_size, temperature, seed, limit: see `generate_samples`; `seed` also
         fixes the pool's shuffle.
       max_prompt_tokens: skip prompts longer than this after the chat template.
-    Returns: `generate_samples`'s summary.
+    The settings (`check_settings`), ``out`` and the prompts are checked before the model loads and
+    before meta.json is written, so a refused run leaves no settings behind.
+    Returns: `generate_samples`'s summary (``written`` 0 and ``total_tokens`` 0: no prompt of the pool
+      fits ``max_prompt_tokens`` after the chat template; meta.json is written all the same).
     Raises:
       EvalSetError: `prompts` names an evaluation set.
-      ValueError: ``out`` holds a meta.json made with different settings.
+      FileNotFoundError: no such prompts file.
+      ValueError: a bad setting; ``out`` is not a directory; a prompts file that is not a readable
+        JSONL file of prompts or holds none; max_new_tokens that leaves no room for a prompt in the
+        model's context; ``out`` holds a meta.json made with different settings.
     """
 
+    check_settings(target_tokens=target_tokens, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                   temperature=temperature, seed=seed, limit=limit, max_prompt_tokens=max_prompt_tokens)
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise ValueError(f"{out}: exists and is not a directory; give an output directory (it is created if missing)")
     prompts_given = prompts is not None
     prompts = os.path.abspath(prompts or default_prompts_path())
     check_not_eval_set(prompts)
     pool = read_prompt_pool(prompts)
+    if not pool:
+        raise ValueError(f"no prompts in {prompts}: give a JSONL file with a 'prompt' field per line")
     lm = load_model(model)
+    if max_new_tokens >= lm.cfg.max_position_embeddings:
+        raise ValueError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in the model's context of "
+                         f"{lm.cfg.max_position_embeddings} tokens; give fewer")
     # the defaults by file name (this machine's install and checkout paths would not travel with the data)
     meta = {"model": os.path.abspath(lm.path) if model else os.path.basename(lm.path),
             "max_new_tokens": int(max_new_tokens), "temperature": float(temperature), "seed": int(seed),
