@@ -277,6 +277,7 @@ def test_flags_that_have_no_effect_are_noted(capsys):
     (["out_dir={tmp}/file"], "out_dir {tmp}/file: exists and is not a directory; give a directory"),
     (["out_dir={tmp}/file/run"], "out_dir {tmp}/file/run: cannot create the directory"),
     (["hidden_dir={tmp}/file"], "hidden_dir {tmp}/file: exists and is not a directory"),
+    (["data={tmp}/no-data"], "data {tmp}/no-data: no samples.jsonl there; make it with `medusa-distill --out"),
 ])
 def test_train_settings_refused_before_training(settings, message, tmp_path, capsys, monkeypatch):
     """A tree the export could not store and an out_dir that cannot hold the run are refused with one

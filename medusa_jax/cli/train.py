@@ -86,14 +86,15 @@ def main(argv=None) -> int:
         print(json.dumps(tc.to_dict(), indent=2))
         return 0
     from medusa_jax.cli.common import enable_compilation_cache, make_out_dir
-    from medusa_jax.train.trainer import ResumeConflictError, train
+    from medusa_jax.train.trainer import ResumeConflictError, check_run_inputs, train
 
-    try:  # created now: an out_dir that cannot hold the run fails before the model loads
+    try:  # checked (out_dir created) now: inputs that cannot make a run fail before the model loads
+        check_run_inputs(tc)
         make_out_dir(_AsConfigError, tc.out_dir, flag="out_dir")
         if tc.hidden_dir and os.path.exists(tc.hidden_dir) and not os.path.isdir(tc.hidden_dir):
             raise TrainConfigError(f"hidden_dir {tc.hidden_dir}: exists and is not a directory; give a directory "
                                    "(it is created if missing) or null (out_dir/hidden)")
-    except TrainConfigError as e:
+    except (TrainConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     enable_compilation_cache()

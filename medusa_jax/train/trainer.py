@@ -69,6 +69,7 @@ from medusa_jax.models.llama import lm_head_matrix
 from medusa_jax.train import data as D
 from medusa_jax.train.checkpoint import Checkpointer, MetricsLog, batch_indices, export
 from medusa_jax.train.config import TrainConfig
+from medusa_jax.train.distill import SAMPLES_FILE
 from medusa_jax.train.drift import measure_drift
 from medusa_jax.train.examples import load_examples, proposal_vocabulary
 from medusa_jax.train.hidden import (
@@ -282,6 +283,18 @@ def _record(tc: TrainConfig, acc: dict, step: int, n_items: int, seconds: float,
     return rec
 
 
+def check_run_inputs(tc: TrainConfig) -> None:
+    """What `train` checks before it loads or writes anything: the data directory holds the
+    self-distilled samples (unless ``data: synthetic``) and out_dir is not a file.
+    Raises: FileNotFoundError (no samples.jsonl in ``tc.data``), FileExistsError (out_dir a file)."""
+    if tc.data != "synthetic" and not os.path.isfile(os.path.join(tc.data, SAMPLES_FILE)):
+        raise FileNotFoundError(f"data {tc.data}: no {SAMPLES_FILE} there; make it with `medusa-distill --out "
+                                f"{tc.data}` (or set data: synthetic for a smoke test)")
+    if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
+        raise FileExistsError(f"out_dir {tc.out_dir}: exists and is not a directory; give a directory (it is "
+                              "created if missing)")
+
+
 def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = None,
           backbone: Optional[Backbone] = None, progress: bool = True) -> TrainResult:
     """Train Medusa heads as `tc` says (see the module docstring); resumable.
@@ -303,6 +316,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
       checked before anything is loaded or written), FileNotFoundError (model or data missing),
       ValueError (bad data, mismatched checkpoint or init_heads).
     """
+    check_run_inputs(tc)
     out_dir = os.path.abspath(tc.out_dir)
     ck_dir = os.path.join(out_dir, "checkpoints")
     if not resume:
