@@ -564,8 +564,7 @@ def test_official_own_lm_heads_with_proposals_and_a_shallow_tree_are_lossless(tm
 
 
 @pytest.mark.parametrize("kw, message", [
-    (dict(topk=0), r"topk \(candidates per head\) must be in \[1, vocab_size=64\], got 0"),
-    (dict(topk=65), r"topk .* got 65"),
+    (dict(topk=0), r"topk \(candidates per head\) must be >= 1, got 0"),
     (dict(hidden_size=0), "need hidden_size >= 1 and vocab_size >= 1, got 0, 64"),
     (dict(num_heads=0), "num_heads must be >= 1, got 0"),
     (dict(num_layers=-1), "num_layers must be >= 0, got -1"),
