@@ -156,8 +156,7 @@ class Engine:
         self.lengths = np.zeros((0,), np.int64)
         self.S = 0
         self.inbox: "queue.Queue[RequestHandle]" = queue.Queue()
-        self._open: set = set()  # every request submitted and not finished (`cancel_all`), under _open_lock
-        self._open_lock = threading.Lock()
+        self._open: set = set()  # requests submitted, not finished (`cancel_all`); each set call is atomic
         self.pending: List[RequestHandle] = []
         self.jobs: List[Tuple[RequestHandle, PrefillJob]] = []  # prefills under way
         self._ids = itertools.count()
@@ -207,8 +206,7 @@ class Engine:
         Raises: as `check` (nothing is queued then).
         """
         handle = RequestHandle(self.check(request), on_event)
-        with self._open_lock:
-            self._open.add(handle)
+        self._open.add(handle)
         self.inbox.put(handle)
         self._wake.set()
         return handle
@@ -260,9 +258,7 @@ class Engine:
         """Cancel every request submitted so far, running, prefilling or waiting: each ends
         ("cancelled") at the loop's next iteration, or between two chunks of a prefill. Safe to call
         from any thread (the server, as its shutdown grace runs out)."""
-        with self._open_lock:
-            handles = list(self._open)
-        for h in handles:
+        for h in set(self._open):  # a copy: the engine's thread removes finished ones
             if not h.cancelled.is_set():  # one a stop sequence ended keeps its reason
                 h.cancel()
         self._wake.set()
@@ -346,8 +342,7 @@ class Engine:
                 self._admit(h, job)
             if not whole or self.live or self._stop.is_set():
                 return
-            # between two chunks of a long prefill: requests that arrived meanwhile join (the
-            # shortest goes first) and cancelled ones leave, rather than after the whole prompt
+            # between two chunks: arrivals join (the shortest goes first), cancelled requests leave
             self._take_submissions()
             self._drop_cancelled()
 
@@ -586,8 +581,7 @@ class Engine:
             self._regroup(_pow2(max(self.live, 1)), self.S)
 
     def _finish_handle(self, h: RequestHandle, fin: Finished) -> None:
-        with self._open_lock:
-            self._open.discard(h)
+        self._open.discard(h)
         self.stats["finished"][fin.reason] += 1
         h._emit("done", fin)
 
