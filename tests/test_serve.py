@@ -36,7 +36,7 @@ def server(smollm2_path):
     port = free_port()
     bin_dir = os.path.dirname(sys.executable)
     proc = subprocess.Popen([os.path.join(bin_dir, "medusa-serve"), "--port", str(port), "--max-batch", "16",
-                             "--max-waiting", "64", "--log-level", "warning"],
+                             "--max-waiting", "64", "--max-request-mb", "1", "--log-level", "warning"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 900
@@ -202,6 +202,7 @@ BAD = [
     ("JSON nested too deeply", b"[" * 100000 + b"]" * 100000, 400),
     ("frequency_penalty a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                     "frequency_penalty": "abc"}, 400),
+    ("body over --max-request-mb", b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"word " * 300000), 413),
     ("image content part", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
 ]
@@ -218,6 +219,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body,
     assert err["message"] and err["type"]
     if "Unicode" in what:
         assert err["param"] == "prompt" and "not valid Unicode" in err["message"], err
+    if "max-request-mb" in what:
+        assert err["code"] == "request_too_large" and str(1 << 20) in err["message"], err
     if "frequency_penalty" in what:
         assert err["param"] == "frequency_penalty" and "must be a number" in err["message"], err
     good = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,

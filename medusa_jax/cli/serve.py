@@ -38,6 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests that may wait for a row; beyond it the server answers 429 with Retry-After")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="answer budget of a request without max_tokens (default: the rest of the context)")
+    p.add_argument("--max-request-mb", type=float, default=16.0,
+                   help="largest request body accepted, in MiB; a larger one gets 413 (nothing past the limit is kept)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024,
                    help="memory for reusing conversations' KV caches across turns, in MiB (0: off)")
     p.add_argument("--speculation", choices=SPECULATION, default="adaptive",
@@ -79,6 +81,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.prefix_cache_mb < 0:
         p.error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    if not (math.isfinite(args.max_request_mb) and args.max_request_mb > 0):
+        p.error(f"--max-request-mb must be a number of MiB > 0, got {args.max_request_mb}")
     if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 0):
         p.error(f"--shutdown-grace must be a finite number of seconds >= 0, got {args.shutdown_grace}")
 
@@ -108,7 +112,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if priors is not None and len(priors) != len(engine.chooser.trees):
         engine.chooser.gain = [1.0] * len(engine.chooser.trees)
     name = args.served_model_name or default_model_name(model.path)
-    app = create_app(engine, model.tokenizer, name, max_waiting=args.max_waiting, max_tokens_default=args.max_tokens)
+    app = create_app(engine, model.tokenizer, name, max_waiting=args.max_waiting, max_tokens_default=args.max_tokens,
+                     max_request_bytes=int(args.max_request_mb * (1 << 20)))
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, speculation "
           f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens)", file=sys.stderr,
           flush=True)

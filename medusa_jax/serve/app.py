@@ -80,8 +80,34 @@ class TextStream:
         return delta, False
 
 
+#: The largest request body read by default (bytes): far above any prompt that fits a context (a
+#: 32k-token prompt is ~150 KB of text), so only a runaway or hostile client reaches it (413).
+MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The request's body, at most `limit` bytes kept; a larger one is refused (RequestError, status
+    413) once read through (its bytes past the limit are discarded, not kept, so that the client
+    gets the 413 on a clean connection), or at once when it declares or sends more than twice the
+    limit (the connection is then closed under it)."""
+    too_large = f"the request body is larger than this server's limit of {limit} bytes; send a shorter prompt"
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > 2 * limit:
+        raise RequestError(too_large, status=413, code="request_too_large")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size <= limit:
+            chunks.append(chunk)
+        elif size > 2 * limit:
+            break
+    if size > limit:
+        raise RequestError(too_large, status=413, code="request_too_large")
+    return b"".join(chunks)
+
+
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
-               max_tokens_default: Optional[int] = None) -> FastAPI:
+               max_tokens_default: Optional[int] = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
     """The ASGI app serving `engine` (started by the app's lifespan if it is not running).
 
     Args:
@@ -91,6 +117,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
       max_waiting: requests that may wait for a row; one more is refused with 429.
       max_tokens_default: the budget of a request without ``max_tokens`` (default: the rest of the
         context).
+      max_request_bytes: the largest request body accepted; a larger one gets 413 (`read_body`).
     """
     context = engine.max_len
     metrics = Metrics(engine, model_name)
@@ -172,8 +199,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     async def generate(request: Request, chat: bool):
         if state["shutting_down"]:
             return error(503, "the server is shutting down", "server_error")
+        raw = await read_body(request, max_request_bytes)
         try:
-            body = await request.json()
+            body = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise RequestError(f"the request body is not valid JSON ({e})") from None
         except RecursionError:
