@@ -477,17 +477,23 @@ class Workers {
   std::condition_variable wake_;
 };
 
-// Splits [0, N) into chunks of whole `align`-column units of about MEDUSA_JAX_CHUNK_KB (default
-// 256) KiB each (`row_bytes` per column: the caller's measure of a column's work), and runs
-// fn(begin, end) on them across the workers.
+// Splits [0, N) into chunks of whole `align`-column units (`row_bytes` per column: the caller's
+// measure of a column's work) and runs fn(begin, end) on them across the workers. A chunk is about
+// MEDUSA_JAX_CHUNK_KB (default 256) KiB, or for a large product 1 / MEDUSA_JAX_CHUNKS_PER_THREAD
+// (default 16; 0: fixed-size chunks) of each thread's share, if that is more: every chunk starts
+// with rows that no earlier block prefetched, and at 256 KiB the 113 MB lm_head's ~450 chunks
+// streamed its Q8_0 blocks at 16-19 GB/s where 1 MiB chunks reached 21-28 (docs/performance.md,
+// session 25). Small products keep their two or more chunks, so both threads share them.
 void parallel_columns(int64_t N, int64_t row_bytes, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
   static const int64_t chunk_bytes = int64_t{1024} * std::max(4, env_int("MEDUSA_JAX_CHUNK_KB", 256));
+  static const int64_t per_thread = std::max(0, env_int("MEDUSA_JAX_CHUNKS_PER_THREAD", 16));
   Workers& workers = Workers::get();
   if (row_bytes * N < 2 * chunk_bytes || workers.threads() == 1) {
     fn(0, N);  // too small to be worth a hand-off
     return;
   }
-  const int64_t units = std::max<int64_t>(1, chunk_bytes / (row_bytes * align));
+  const int64_t share = per_thread ? row_bytes * N / (workers.threads() * per_thread) : 0;
+  const int64_t units = std::max<int64_t>(1, std::max(chunk_bytes, share) / (row_bytes * align));
   workers.run(N, units * align, fn);
 }
 
