@@ -481,9 +481,10 @@ class Workers {
 // measure of a column's work) and runs fn(begin, end) on them across the workers. A chunk is about
 // MEDUSA_JAX_CHUNK_KB (default 256) KiB, or for a large product 1 / MEDUSA_JAX_CHUNKS_PER_THREAD
 // (default 16; 0: fixed-size chunks) of each thread's share, if that is more: every chunk starts
-// with rows that no earlier block prefetched, and at 256 KiB the 113 MB lm_head's ~450 chunks
-// streamed its Q8_0 blocks at 16-19 GB/s where 1 MiB chunks reached 21-28 (docs/performance.md,
-// session 25). Small products keep their two or more chunks, so both threads share them.
+// with rows that no earlier block prefetched, and in 256 KiB chunks a one-row product over Q8_0
+// blocks streamed from memory at 19-23 GB/s where 1 MiB chunks reached 21-28 (docs/performance.md,
+// session 25; the lm_head, 113 MB of float32 work, had ~450 chunks). Small products keep their two
+// or more chunks, so both threads share them.
 void parallel_columns(int64_t N, int64_t row_bytes, int64_t align, const std::function<void(int64_t, int64_t)>& fn) {
   static const int64_t chunk_bytes = int64_t{1024} * std::max(4, env_int("MEDUSA_JAX_CHUNK_KB", 256));
   static const int64_t per_thread = std::max(0, env_int("MEDUSA_JAX_CHUNKS_PER_THREAD", 16));
