@@ -91,9 +91,6 @@ def main(argv=None) -> int:
     try:  # checked (out_dir created) now: inputs that cannot make a run fail before the model loads
         check_run_inputs(tc)
         make_out_dir(_AsConfigError, tc.out_dir, flag="out_dir")
-        if tc.hidden_dir and os.path.exists(tc.hidden_dir) and not os.path.isdir(tc.hidden_dir):
-            raise TrainConfigError(f"hidden_dir {tc.hidden_dir}: exists and is not a directory; give a directory "
-                                   "(it is created if missing) or null (out_dir/hidden)")
     except (TrainConfigError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -285,14 +285,18 @@ def _record(tc: TrainConfig, acc: dict, step: int, n_items: int, seconds: float,
 
 def check_run_inputs(tc: TrainConfig) -> None:
     """What `train` checks before it loads or writes anything: the data directory holds the
-    self-distilled samples (unless ``data: synthetic``) and out_dir is not a file.
-    Raises: FileNotFoundError (no samples.jsonl in ``tc.data``), FileExistsError (out_dir a file)."""
+    self-distilled samples (unless ``data: synthetic``), and neither out_dir nor hidden_dir is a file.
+    Raises: FileNotFoundError (no samples.jsonl in ``tc.data``), FileExistsError (out_dir or
+    hidden_dir a file)."""
     if tc.data != "synthetic" and not os.path.isfile(os.path.join(tc.data, SAMPLES_FILE)):
         raise FileNotFoundError(f"data {tc.data}: no {SAMPLES_FILE} there; make it with `medusa-distill --out "
                                 f"{tc.data}` (or set data: synthetic for a smoke test)")
     if os.path.exists(tc.out_dir) and not os.path.isdir(tc.out_dir):
         raise FileExistsError(f"out_dir {tc.out_dir}: exists and is not a directory; give a directory (it is "
                               "created if missing)")
+    if tc.hidden_dir and os.path.exists(tc.hidden_dir) and not os.path.isdir(tc.hidden_dir):
+        raise FileExistsError(f"hidden_dir {tc.hidden_dir}: exists and is not a directory; give a directory (it is "
+                              "created if missing) or null (out_dir/hidden)")
 
 
 def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = None,
