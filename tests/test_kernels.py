@@ -351,3 +351,35 @@ def test_block_kernels_stream_the_gguf_weights_bit_for_bit(fmt, K, N):
     assert f'custom_call_target="medusa_dequantize_{fmt}"' in hlo
     with pytest.raises(ValueError, match="needs"):
         kernels.matmul_nt_blocks(jnp.asarray(x[:, :K - 1]), jnp.asarray(blocks), fmt)
+
+
+_BLOCK_PRODUCTS = """
+import hashlib, sys
+import jax, jax.numpy as jnp, numpy as np
+from medusa_jax import kernels
+from test_kernels import _gguf_blocks
+assert kernels.available(), kernels.status()
+print(kernels.status())
+x = np.random.default_rng(0).standard_normal((16, 96)).astype(np.float32)
+prod = jax.jit(kernels.matmul_nt_blocks, static_argnums=2)
+for fmt in ("q8_0", "q4_0", "q4_1"):
+    blocks, _ = _gguf_blocks(fmt, 29, 96, 7)
+    for m in (1, 2, 3, 4, 16):
+        print(fmt, m, hashlib.sha256(np.asarray(prod(jnp.asarray(x[:m]), jnp.asarray(blocks), fmt)).tobytes()).hexdigest())
+"""
+
+
+@needs_kernels
+def test_the_avx2_and_avx512_builds_give_the_same_products(tmp_path):
+    """Where the CPU has AVX-512VL the kernels are built with it (4-bit blocks dequantized by a table
+    lookup); ``MEDUSA_JAX_KERNELS_AVX512=0`` asks for the AVX2 build. Both give every block format's
+    products bit for bit alike, at every row count (on an AVX2-only CPU both runs are the AVX2 build)."""
+    runs = {}
+    for flag in ("0", "1"):
+        env = {**os.environ, "MEDUSA_JAX_CACHE": str(tmp_path / "cache"), "MEDUSA_JAX_KERNELS_AVX512": flag}
+        out = subprocess.run([sys.executable, "-c", _BLOCK_PRODUCTS], cwd=ROOT / "tests", env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        status, *runs[flag] = out.stdout.strip().splitlines()
+        assert ("AVX-512VL" in status) == (flag == "1" and {"avx512f", "avx512vl"} <= kernels.library._cpu_flags())
+    assert len(runs["0"]) == 15 and runs["0"] == runs["1"]

@@ -20,7 +20,8 @@
 //
 //   medusa_argmax_rows: the greedy token of each row of logits, as jnp.argmax (below)
 //
-// The Python side (__init__.py) loads this library only on x86-64 CPUs with AVX2 and FMA. The
+// The Python side (__init__.py) loads this library only on x86-64 CPUs with AVX2 and FMA (built
+// with AVX-512VL too where the CPU has it: 32 vector registers, and `table16` below). The
 // output rows of w are split between the calling thread and the kernel's own workers (`Workers`).
 #include <immintrin.h>
 
@@ -146,6 +147,7 @@ inline __m256i nibbles8(const uint8_t* qs, int h) {
 
 // Q8_0: float16 d, 32 int8 q; w = float(q) * d.
 struct Q8_0W : BlockW<34> {
+  using Scales = ::Scales;
   static Scales scales(const uint8_t* b) { return half_d(b); }
   static __m256 vec(const uint8_t* b, Scales s, int h) {
     const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * h));
@@ -153,23 +155,59 @@ struct Q8_0W : BlockW<34> {
   }
 };
 
+#if defined(__AVX512VL__)
+// With AVX-512VL (library.py builds with it where the CPU has it), a 4-bit block's 16 possible
+// weights are computed once per block (`table16`: the same multiply, or multiply-add, per value as
+// the AVX2 build's per vector) and each vector of 8 is looked up in them by its nibbles
+// (`vpermt2ps`, a two-register table indexed by the low 4 bits of each lane, so the low nibbles
+// need no mask): a lookup in place of a conversion, a multiply(-add) and a mask per vector, the
+// same values (session 26: a step's Q4_1 products 5-8% faster at 1, 3 and 4 rows, docs/performance.md).
+struct Table16 {
+  __m256 lo, hi;  // the weights of q = 0..7 and 8..15
+};
+inline Table16 table16(Scales s, bool offset) {
+  const __m256 lo = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), hi = _mm256_setr_ps(8, 9, 10, 11, 12, 13, 14, 15);
+  if (offset) return {_mm256_fmadd_ps(s.d, lo, s.m), _mm256_fmadd_ps(s.d, hi, s.m)};  // Q4_1: d * q + m
+  const __m256 eight = _mm256_set1_ps(8);                                                // Q4_0: d * (q - 8)
+  return {_mm256_mul_ps(s.d, _mm256_sub_ps(lo, eight)), _mm256_mul_ps(s.d, _mm256_sub_ps(hi, eight))};
+}
+inline __m256 lookup16(const uint8_t* qs, Table16 t, int h) {  // vector h of the block, as `nibbles8`
+  const __m256i x = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * (h & 1))));
+  return _mm256_permutex2var_ps(t.lo, h < 2 ? x : _mm256_srli_epi32(x, 4), t.hi);
+}
+#endif
+
 // Q4_0: float16 d, 32 4-bit q; w = d * float(q - 8).
 struct Q4_0W : BlockW<18> {
+#if defined(__AVX512VL__)
+  using Scales = Table16;
+  static Scales scales(const uint8_t* b) { return table16(half_d(b), false); }
+  static __m256 vec(const uint8_t* b, Scales t, int h) { return lookup16(b + 2, t, h); }
+#else
+  using Scales = ::Scales;
   static Scales scales(const uint8_t* b) { return half_d(b); }
   static __m256 vec(const uint8_t* b, Scales s, int h) {
     const __m256i q = _mm256_sub_epi32(nibbles8(b + 2, h), _mm256_set1_epi32(8));
     return _mm256_mul_ps(s.d, _mm256_cvtepi32_ps(q));
   }
+#endif
 };
 
 // Q4_1: float16 d and m, 32 4-bit q; w = (d * float(q)) + m, a multiply then an add, computed here
 // as one fused multiply-add with the same result: d has 11 significant bits and q at most 4, so
 // d * q is exact in float32 and only the add rounds, as in the fused operation.
 struct Q4_1W : BlockW<20> {
+#if defined(__AVX512VL__)
+  using Scales = Table16;
+  static Scales scales(const uint8_t* b) { return table16(half_dm(b), true); }
+  static __m256 vec(const uint8_t* b, Scales t, int h) { return lookup16(b + 4, t, h); }
+#else
+  using Scales = ::Scales;
   static Scales scales(const uint8_t* b) { return half_dm(b); }
   static __m256 vec(const uint8_t* b, Scales s, int h) {
     return _mm256_fmadd_ps(s.d, _mm256_cvtepi32_ps(nibbles8(b + 4, h)), s.m);
   }
+#endif
 };
 
 // Rows n..n+R-1 of a GGUF-block weight as float32 in out [R, K] (each value as `WF::vec` gives
@@ -182,7 +220,7 @@ inline void dequantize_rows(const void* w, int64_t n, int64_t R, int64_t K, int6
     for (int64_t k = 0; k < K; k += 32) {
       if (ahead) _mm_prefetch(static_cast<const char*>(WF::at(WF::row(w, n + ahead + j, K), k)), _MM_HINT_T0);
       const uint8_t* b = static_cast<const uint8_t*>(WF::at(r, k));
-      const Scales s = WF::scales(b);
+      const typename WF::Scales s = WF::scales(b);
       for (int h = 0; h < 4; ++h) _mm256_storeu_ps(out + j * K + k + 8 * h, WF::vec(b, s, h));
     }
   }
@@ -211,7 +249,7 @@ inline void nt_block(const float* x, const void* w, int64_t wn, float* y, int64_
         for (int j = 0; j < NB; ++j)
           _mm_prefetch(static_cast<const char*>(WF::at(e + (ahead + j) * rs, k)), _MM_HINT_T0);
       const uint8_t* b[NB];
-      Scales s[NB];
+      typename WF::Scales s[NB];
       for (int j = 0; j < NB; ++j) {
         b[j] = static_cast<const uint8_t*>(WF::at(e + j * rs, k));
         s[j] = WF::scales(b[j]);
