@@ -402,3 +402,66 @@ def test_requests_past_the_shutdown_grace_get_the_shutdown_error(smollm2_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+class _CompilingEngine:
+    """An engine stuck in a compile: requests are taken, but no token or end comes out, and
+    `cancel_all` only marks them (the real engine acts on it at its next iteration)."""
+    max_len, queued, live, waiting, stats = 512, 0, 0, 0, {}
+
+    def __init__(self):
+        from medusa_jax.decoding.requests import RequestHandle
+        self.handles, self._handle = [], RequestHandle
+
+    def submit(self, request, on_event=None):
+        self.handles.append(self._handle(request, on_event))
+        return self.handles[-1]
+
+    def cancel_all(self):
+        for h in self.handles:
+            h.cancel()
+
+    def start(self):
+        pass
+
+    def stop(self, cancel=True, timeout=None):
+        pass
+
+
+class _Tokenizer:
+    def encode(self, text):
+        return [ord(c) % 100 for c in text]
+
+    def decode(self, ids, **_):
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+def test_the_grace_end_answers_requests_while_the_engine_is_compiling():
+    """At the end of the shutdown grace (`begin_shutdown(cancel=True)`), a request whose engine is
+    busy (compiling a new shape, which cannot be interrupted) still gets the server_shutdown error at
+    once (a 503 body; an SSE error event, then [DONE]), not uvicorn's bare 500 at the deadline."""
+    import asyncio
+
+    from medusa_jax.serve.app import create_app
+
+    engine = _CompilingEngine()
+    app = create_app(engine, _Tokenizer(), MODEL)
+    body = {"model": MODEL, "prompt": "count", "max_tokens": 50}
+
+    async def main():
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            plain = asyncio.create_task(client.post("/v1/completions", json=body))
+            streamed = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": True}))
+            while len(engine.handles) < 2:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.2)
+            assert not plain.done()  # nothing comes out of the engine
+            app.state.begin_shutdown(cancel=True)
+            return await asyncio.wait_for(asyncio.gather(plain, streamed), timeout=10)
+
+    plain, streamed = asyncio.run(main())
+    assert plain.status_code == 503 and plain.json()["error"]["code"] == "server_shutdown", plain.text
+    lines = [line for line in streamed.text.splitlines() if line]
+    assert lines[-1] == "data: [DONE]" and '"server_shutdown"' in lines[-2], lines[-3:]
+    assert all(h.cancelled.is_set() for h in engine.handles)  # and the engine frees their rows when it can

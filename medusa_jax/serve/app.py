@@ -30,6 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_jax.chat import render_chat
 from medusa_jax.decoding.engine import Engine
+from medusa_jax.decoding.requests import Finished
 from medusa_jax.decoding.requests import Request as EngineRequest
 from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
@@ -126,11 +127,20 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     # by several threads at once)
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
 
+    # each running request's event queue and engine handle: at the end of the shutdown grace the
+    # requests are answered from here, without waiting for the engine, which cannot be interrupted
+    # while it compiles a new shape
+    live: dict = {}
+
     def begin_shutdown(cancel: bool = False) -> None:
         """Refuse new requests (503) from now on; with `cancel`, end the running and waiting ones too
-        (each gets the server_shutdown error), as the shutdown grace runs out."""
+        (each gets the server_shutdown error at once, even while the engine is busy compiling), as
+        the shutdown grace runs out. Call it on the event loop's thread."""
         state["shutting_down"] = True
         if cancel:
+            for events, handle in list(live.items()):
+                if not handle.cancelled.is_set():  # one a stop sequence ended waits for its own end
+                    events.put_nowait(("done", Finished("cancelled", prompt_tokens=len(handle.request.prompt))))
             engine.cancel_all()
 
     @contextlib.asynccontextmanager
@@ -233,12 +243,17 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue" = asyncio.Queue()
         sampling = SamplingParams(gen.temperature, gen.top_p, gen.seed)
+
+        def on_event(kind: str, payload) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
+            if kind == "done":  # its end is in its queue: nothing left for a shutdown to answer
+                loop.call_soon_threadsafe(live.pop, events, None)
+
         try:
-            handle = engine.submit(EngineRequest(ids, max_tokens, sampling),
-                                   on_event=lambda kind, payload: loop.call_soon_threadsafe(
-                                       events.put_nowait, (kind, payload)))
+            handle = engine.submit(EngineRequest(ids, max_tokens, sampling), on_event=on_event)
         except ValueError as e:
             raise RequestError(str(e), field) from None
+        live[events] = handle
         rid = protocol.new_id(chat)
         t0 = time.perf_counter()
         if gen.stream:
@@ -258,6 +273,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 else:
                     fin = payload
         finally:
+            live.pop(events, None)
             if fin is None:
                 handle.cancel()
         if fin is None:  # the client went away
@@ -349,6 +365,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             metrics.observe_end(time.perf_counter() - t0)
             yield "data: [DONE]\n\n"
         finally:
+            live.pop(events, None)
             if fin is None:  # the client disconnected (or the server is cancelling this task)
                 handle.cancel()
 
