@@ -365,7 +365,8 @@ prod = jax.jit(kernels.matmul_nt_blocks, static_argnums=2)
 for fmt in ("q8_0", "q4_0", "q4_1"):
     blocks, _ = _gguf_blocks(fmt, 29, 96, 7)
     for m in (1, 2, 3, 4, 16):
-        print(fmt, m, hashlib.sha256(np.asarray(prod(jnp.asarray(x[:m]), jnp.asarray(blocks), fmt)).tobytes()).hexdigest())
+        y = np.asarray(prod(jnp.asarray(x[:m]), jnp.asarray(blocks), fmt))
+        print(fmt, m, hashlib.sha256(y.tobytes()).hexdigest())
 """
 
 

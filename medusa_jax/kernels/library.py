@@ -38,8 +38,6 @@ MAX_ROWS = 16
 AVX512_FLAGS = ("-mavx512f", "-mavx512vl")
 
 
-
-
 def cache_dir() -> Path:
     """Where the compiled kernels live: ``$MEDUSA_JAX_CACHE`` or ``~/.cache/medusa_jax``."""
     return Path(os.environ.get("MEDUSA_JAX_CACHE") or Path.home() / ".cache" / "medusa_jax")
@@ -52,7 +50,8 @@ def _cpu_flags() -> Optional[frozenset]:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return None
-    return frozenset(next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), []))
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return frozenset(flags)
 
 
 def cpu_supported() -> Tuple[bool, str]:

@@ -161,7 +161,7 @@ struct Q8_0W : BlockW<34> {
 // the AVX2 build's per vector) and each vector of 8 is looked up in them by its nibbles
 // (`vpermt2ps`, a two-register table indexed by the low 4 bits of each lane, so the low nibbles
 // need no mask): a lookup in place of a conversion, a multiply(-add) and a mask per vector, the
-// same values (session 26: a step's Q4_1 products 5-8% faster at 1, 3 and 4 rows, docs/performance.md).
+// same values (session 26: a step's Q4_1 products 2-6% faster at 1-4 rows, docs/performance.md).
 struct Table16 {
   __m256 lo, hi;  // the weights of q = 0..7 and 8..15
 };
