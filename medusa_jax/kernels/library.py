@@ -67,12 +67,18 @@ def cpu_supported() -> Tuple[bool, str]:
     return True, ""
 
 
+def _switched_off(name: str, *also: str) -> bool:
+    """True when environment variable `name` says no: 0, false, off (or one of `also`)."""
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "off", *also)
+
+
+@functools.lru_cache(maxsize=1)
 def build_flags() -> Tuple[str, ...]:
-    """The compiler flags for this CPU: FLAGS, plus AVX512_FLAGS where /proc/cpuinfo lists avx512f
-    and avx512vl, unless ``MEDUSA_JAX_KERNELS_AVX512=0`` (the AVX2 build everywhere)."""
-    off = os.environ.get("MEDUSA_JAX_KERNELS_AVX512", "1").strip().lower() in ("0", "false", "off")
+    """The compiler flags for this CPU, decided once per process (the library built and `status`
+    agree): FLAGS, plus AVX512_FLAGS where /proc/cpuinfo lists avx512f and avx512vl, unless
+    ``MEDUSA_JAX_KERNELS_AVX512=0`` (the AVX2 build everywhere)."""
     has = {"avx512f", "avx512vl"} <= (_cpu_flags() or frozenset())
-    return FLAGS + (AVX512_FLAGS if has and not off else ())
+    return FLAGS + (AVX512_FLAGS if has and not _switched_off("MEDUSA_JAX_KERNELS_AVX512") else ())
 
 
 @functools.lru_cache(maxsize=1)
@@ -115,7 +121,7 @@ def build(verbose: bool = False) -> Path:
 @functools.lru_cache(maxsize=1)
 def load_library() -> Tuple[Optional[ctypes.CDLL], str]:
     """(library or None, why not): build, load and register the kernels once per process."""
-    if os.environ.get("MEDUSA_JAX_KERNELS", "1").strip().lower() in ("0", "false", "off", "xla"):
+    if _switched_off("MEDUSA_JAX_KERNELS", "xla"):
         return None, "disabled by MEDUSA_JAX_KERNELS=0"
     ok, why = cpu_supported()
     if not ok:
