@@ -6,6 +6,7 @@ untuned base model written the same way (`convert.hf.save_hf`), the float32 agre
 
     .venv/bin/python scripts/merged_parity.py --heads runs/smollm2_medusa2/heads [--chats 4] [--out DIR]
     .venv/bin/python scripts/merged_parity.py --stand-in-layers 4 [--stand-in-scale 0.05]
+    .venv/bin/python scripts/merged_parity.py --stand-in-layers 4 --float64
 
 ``--stand-in-layers N`` needs no training run: the top N decoder layers of the base, every weight
 moved by normal noise of `--stand-in-scale` times that tensor's standard deviation (seeded), saved
@@ -16,6 +17,13 @@ Both float32 runs (ours and transformers') round differently over 30 layers, so 
 compared with transformers' float64 run of the same checkpoint (the exact logits up to float64
 round-off): ``ours_vs_float64`` beside ``transformers_float32_vs_float64`` says whether our logits
 are as close to the checkpoint's exact ones as transformers' own float32 logits are.
+
+transformers' float64 model is not float64 throughout: its RMSNorm, attention softmax and RoPE tables
+compute in float32 whatever the dtype (transformers 5's modeling_llama). ``--float64`` adds our own
+float64 forward (under ``jax.enable_x64``, params cast to float64: everything but the RoPE tables in
+float64, `models.llama.accumulation_dtype`): ``ours_float64_vs_transformers_float64`` compares the two
+implementations with little round-off left, ``ours_vs_ours_float64`` and
+``transformers_float32_vs_ours_float64`` say how far each float32 forward is from the float64 logits.
 
 Needs torch (the test extra). Prints one JSON line: max |logits difference| over every position, for
 the merged model and for the base.
@@ -72,9 +80,12 @@ def main() -> int:
     p.add_argument("--data", default=os.path.join(ROOT, "data", "distill", "smollm2"))
     p.add_argument("--chats", type=int, default=4, help="held-out chats to compare on")
     p.add_argument("--out", default=None, help="where to write the merged directory (default: a temporary one)")
+    p.add_argument("--float64", action="store_true",
+                   help="compare our float64 forward with transformers' float64 one (not float32's)")
     args = p.parse_args()
     if (args.heads is None) == (args.stand_in_layers is None):
         p.error("give one of --heads DIR and --stand-in-layers N")
+    import jax
     import jax.numpy as jnp
     import torch
     from transformers import AutoModelForCausalLM
@@ -88,19 +99,34 @@ def main() -> int:
     _, val = D.split_train_val(D.load_distilled(args.data), 0.04, 0)
     chats = [np.asarray(ids[:512], np.int32)[None] for ids, _ in val[:args.chats]]
 
+    def logits(model, ids, float64: bool = False) -> np.ndarray:
+        params = model.params
+        if float64:
+            params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
+        out = np.asarray(model.model.apply({"params": params}, jnp.asarray(ids),
+                                           jnp.arange(ids.shape[1], dtype=jnp.int32)[None])[0])
+        assert out.dtype == (np.float64 if float64 else np.float32), out.dtype
+        return out.astype(np.float64)
+
     def compare(model, hf_dir: str) -> dict:
-        worst = {"ours_vs_transformers": 0.0, "ours_vs_float64": 0.0, "transformers_float32_vs_float64": 0.0}
+        worst = {}
         hf32 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32, local_files_only=True).eval()
         hf64 = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float64, local_files_only=True).eval()
         for ids in chats:
-            ours = np.asarray(model.model.apply({"params": model.params}, jnp.asarray(ids),
-                                                jnp.arange(ids.shape[1], dtype=jnp.int32)[None])[0], np.float64)
+            ours = logits(model, ids)
             with torch.no_grad():
                 t = torch.from_numpy(ids.astype(np.int64))
-                theirs, exact = hf32(t).logits.double().numpy(), hf64(t).logits.numpy()
-            for key, d in (("ours_vs_transformers", ours - theirs), ("ours_vs_float64", ours - exact),
-                           ("transformers_float32_vs_float64", theirs - exact)):
-                worst[key] = max(worst[key], float(np.abs(d).max()))
+                theirs, theirs64 = hf32(t).logits.double().numpy(), hf64(t).logits.numpy()
+            diffs = {"ours_vs_transformers": ours - theirs, "ours_vs_float64": ours - theirs64,
+                     "transformers_float32_vs_float64": theirs - theirs64}
+            if args.float64:
+                with jax.enable_x64(True):
+                    ours64 = logits(model, ids, float64=True)
+                diffs.update({"ours_float64_vs_transformers_float64": ours64 - theirs64,
+                              "ours_vs_ours_float64": ours - ours64,
+                              "transformers_float32_vs_ours_float64": theirs - ours64})
+            for key, d in diffs.items():
+                worst[key] = max(worst.get(key, 0.0), float(np.abs(d).max()))
         return worst
 
     base = load_model(args.model)

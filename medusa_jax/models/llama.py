@@ -50,6 +50,14 @@ def rope_inv_freq(cfg: ModelConfig) -> np.ndarray:
     return np.where(medium, smoothed, scaled).astype(np.float32)
 
 
+def accumulation_dtype(dtype) -> jnp.dtype:
+    """The dtype RMSNorm, RoPE's rotation, attention's scores and softmax and the logits compute in
+    for activations of `dtype`: float32 for float32, bfloat16 and float16, float64 for float64
+    (params cast to float64 under ``jax_enable_x64``: a reference forward, as transformers'
+    ``model.double()``, whose RoPE tables stay float32 too)."""
+    return jnp.promote_types(dtype, jnp.float32)
+
+
 def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Tuple[jax.Array, jax.Array]:
     """Rotate-half RoPE's (cos, sin), each [B, T, 1, Dh] float32, for positions [B, T] int32.
 
@@ -70,7 +78,7 @@ def rope_tables(positions: jax.Array, inv_freq: np.ndarray) -> Tuple[jax.Array, 
 def apply_rope(x: jax.Array, rope: Tuple[jax.Array, jax.Array]) -> jax.Array:
     """Rotate-half RoPE. x: [B, T, H, Dh]; rope: (cos, sin) from `rope_tables`. Returns x's shape and dtype."""
     cos, sin = rope
-    xf = x.astype(jnp.float32)
+    xf = x.astype(accumulation_dtype(x.dtype))
     half = x.shape[-1] // 2
     rot = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
     return (xf * cos + rot * sin).astype(x.dtype)
@@ -133,7 +141,8 @@ class Embed(nn.Embed):
 
 
 class RMSNorm(nn.Module):
-    """RMSNorm over the last axis (computed in float32, as transformers' LlamaRMSNorm). x: [..., D];
+    """RMSNorm over the last axis (computed in float32, as transformers' LlamaRMSNorm; float64 for
+    float64 x, `accumulation_dtype`). x: [..., D];
     param ``scale [D]``. Qwen3's q/k norms apply it to [B, T, heads, Dh] (each head alone)."""
     eps: float
     dtype: jnp.dtype = jnp.float32
@@ -141,7 +150,7 @@ class RMSNorm(nn.Module):
     @nn.compact
     def __call__(self, x):
         scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), jnp.float32)
-        xf = x.astype(jnp.float32)
+        xf = x.astype(accumulation_dtype(x.dtype))
         xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
         return (scale.astype(self.dtype) * xf.astype(self.dtype))
 
@@ -185,7 +194,7 @@ def _grouped_queries(q: jax.Array, kv_heads: int) -> jax.Array:
     (B, KVH): on this project's CPU, XLA ran 256 queries over 2,048 slots about twice as fast in
     this layout as with the heads between the token axes."""
     B, T, H, Dh = q.shape
-    q = (q.astype(jnp.float32) * (1.0 / math.sqrt(Dh))).astype(q.dtype)
+    q = (q.astype(accumulation_dtype(q.dtype)) * (1.0 / math.sqrt(Dh))).astype(q.dtype)
     return q.reshape(B, T, kv_heads, H // kv_heads, Dh).transpose(0, 2, 3, 1, 4).reshape(B, kv_heads, -1, Dh)
 
 
@@ -206,7 +215,8 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
         mask: [B, T, S] bool (True = visible; a query that sees no key gets the mean of all values).
       dtype: the compute dtype of the output.
     Returns:
-      [B, T, H * Dh]: ``softmax(q k^T / sqrt(Dh)) v`` per head, scores and softmax in float32.
+      [B, T, H * Dh]: ``softmax(q k^T / sqrt(Dh)) v`` per head, scores and softmax in float32
+      (`accumulation_dtype`: float64 for float64 q).
 
     The softmax is normalised after the product with v (``(exp(s - max) v) / sum``), so the
     [B, H, T, S] scores are written once and read twice rather than five times.
@@ -214,13 +224,14 @@ def grouped_query_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.
     B, T, H, Dh = q.shape
     KVH, S = k.shape[1], k.shape[2]
     qg = _grouped_queries(q, KVH)
+    acc = accumulation_dtype(q.dtype)
     scores = jnp.einsum("bkqd,bksd->bkqs", qg, k.astype(q.dtype),
-                        preferred_element_type=jnp.float32).reshape(B, KVH, H // KVH, T, S)
-    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(jnp.float32).min)
+                        preferred_element_type=acc).reshape(B, KVH, H // KVH, T, S)
+    scores = jnp.where(mask[:, None, None, :, :], scores, jnp.finfo(acc).min)
     unnormalized = jnp.exp(scores - jnp.max(scores, axis=-1, keepdims=True))
     total = jnp.sum(unnormalized, axis=-1, keepdims=True)  # [B, KVH, g, T, 1], >= 1
     out = jnp.einsum("bkqs,bksd->bkqd", unnormalized.reshape(B, KVH, -1, S).astype(dtype),
-                     v.astype(dtype), preferred_element_type=jnp.float32)
+                     v.astype(dtype), preferred_element_type=acc)
     return _ungrouped((out.reshape(B, KVH, H // KVH, T, Dh) / total).astype(dtype))
 
 
@@ -250,24 +261,25 @@ def blockwise_attention(q: jax.Array, k: jax.Array, v: jax.Array, mask: jax.Arra
                          f"S={S}, block={block}")
     g = H // KVH
     qg = _grouped_queries(q, KVH)
-    low = jnp.finfo(jnp.float32).min
+    acc_dt = accumulation_dtype(q.dtype)
+    low = jnp.finfo(acc_dt).min
 
     def body(j, carry):
         top, total, acc = carry  # running max and sum [B, KVH, g, T, 1], output [B, KVH, g, T, Dh]
         kb = jax.lax.dynamic_slice_in_dim(k, j * block, block, axis=2).astype(q.dtype)
         vb = jax.lax.dynamic_slice_in_dim(v, j * block, block, axis=2).astype(dtype)
         mb = jax.lax.dynamic_slice_in_dim(mask, j * block, block, axis=2)
-        s = jnp.einsum("bkqd,bksd->bkqs", qg, kb, preferred_element_type=jnp.float32).reshape(B, KVH, g, T, block)
+        s = jnp.einsum("bkqd,bksd->bkqs", qg, kb, preferred_element_type=acc_dt).reshape(B, KVH, g, T, block)
         s = jnp.where(mb[:, None, None, :, :], s, low)
         new_top = jnp.maximum(top, jnp.max(s, axis=-1, keepdims=True))
         p = jnp.exp(s - new_top)
         rescale = jnp.exp(top - new_top)
         part = jnp.einsum("bkqs,bksd->bkqd", p.reshape(B, KVH, g * T, block).astype(dtype), vb,
-                          preferred_element_type=jnp.float32).reshape(B, KVH, g, T, Dh)
+                          preferred_element_type=acc_dt).reshape(B, KVH, g, T, Dh)
         return new_top, total * rescale + jnp.sum(p, axis=-1, keepdims=True), acc * rescale + part
 
-    init = (jnp.full((B, KVH, g, T, 1), low, jnp.float32), jnp.zeros((B, KVH, g, T, 1), jnp.float32),
-            jnp.zeros((B, KVH, g, T, Dh), jnp.float32))
+    init = (jnp.full((B, KVH, g, T, 1), low, acc_dt), jnp.zeros((B, KVH, g, T, 1), acc_dt),
+            jnp.zeros((B, KVH, g, T, Dh), acc_dt))
     blocks = jnp.clip((end + block - 1) // block, 1, S // block)
     _, total, acc = jax.lax.fori_loop(0, blocks, body, init)
     return _ungrouped((acc / total).astype(dtype))
@@ -378,7 +390,8 @@ class LlamaModel(nn.Module):
     None (the default): the params' own dtype (`compute_dtype`; float32 when initialising), so
     that float32 params compute in float32 and bfloat16 / float16 params (``load_model(dtype=...)``)
     in bfloat16 / float16. Logits are float32 whatever the dtype; RMSNorm, RoPE and the softmax of
-    attention compute in float32.
+    attention compute in float32 (float64 params under ``jax_enable_x64`` compute everything but
+    the RoPE tables in float64, logits included: `accumulation_dtype`).
     """
     cfg: ModelConfig
     dtype: Optional[jnp.dtype] = None
@@ -473,9 +486,10 @@ class LlamaModel(nn.Module):
         return (self.logits(hidden) if compute_logits else None), hidden
 
     def logits(self, hidden: jax.Array) -> jax.Array:
-        """lm_head projection: hidden [..., D] -> logits [..., V] float32. In bfloat16 / float16 the
-        product accumulates into float32 outputs (rounding logits to the low dtype would make exact
-        ties of nearby logits common, and greedy choices between them arbitrary)."""
+        """lm_head projection: hidden [..., D] -> logits [..., V] float32 (float64 for float64
+        params). In bfloat16 / float16 the product accumulates into float32 outputs (rounding
+        logits to the low dtype would make exact ties of nearby logits common, and greedy choices
+        between them arbitrary)."""
         dt = self.compute_dtype
         if self.cfg.tie_word_embeddings:  # the embedding [V, D] is already the [out, in] layout
             w = self.embed.embedding
@@ -487,7 +501,7 @@ class LlamaModel(nn.Module):
         if dt == jnp.float32:
             return kernels.matmul_nt(hidden.astype(dt), kernels.weight_for(w, dt)).astype(jnp.float32)
         return jax.lax.dot_general(hidden.astype(dt), w.astype(dt), (((hidden.ndim - 1,), (1,)), ((), ())),
-                                   preferred_element_type=jnp.float32)
+                                   preferred_element_type=accumulation_dtype(dt))
 
 
 def compute_dtype(params) -> jnp.dtype:
