@@ -3,13 +3,19 @@ MT-bench first turns with the shipped heads, each tree size T verified both ways
 answer equals plain greedy's.
 
     .venv/bin/python scripts/dynamic_bench.py [--sizes 4,8,16,32,64] [--limit 80] [--max-new-tokens 128]
-        [--widths 4] [--prompt-lookup 0]
+        [--widths 4] [--prompt-lookup 0] [--dynamic-lookup K,...] [--weights as-stored]
 
 - static T: the tree `tune` grows today (`tuning.replay.search_tree` over the heads' held-out
   calibration chats, replaying decoding), its first T - 1 nodes: the best static tree of that size
   tune knows how to build. The grown order is cached in ``--static-cache`` (it takes a few minutes).
-- dynamic T: ``dynamic:T:W`` (`decoding.dynamic`), chosen per step, for each width W in ``--widths``.
-Both without prompt lookup by default (the heads alone; ``--prompt-lookup K`` adds it to both).
+- dynamic T: ``dynamic:T:W`` (`decoding.dynamic`), chosen per step, for each width W in ``--widths``
+  (W = 0: T / 4, at least 4), scored by the confidences `tune` measured for the heads (as `check` does).
+Both without prompt lookup by default (the heads alone; ``--prompt-lookup K`` adds it to both; with
+``--dynamic-lookup K1,K2`` the dynamic trees copy each of those instead, one row per K).
+``--fit-lookup-confidence`` measures the copied tokens' acceptance per depth afresh, to the deepest K
+asked (`tuning.confidence.fit_lookup_confidence` on every held-out chat: n-gram matching, no model),
+in place of the saved one (tune's replay measures 3 depths; deeper tokens reuse the last).
+The model is loaded as `check` loads it (``--weights as-stored``: the GGUF blocks, by default).
 Prints one JSON line per (T, tree) and a table at the end. Tokens per step are those of greedy
 decoding, so they do not depend on the machine's load; the seconds do.
 """
@@ -17,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -33,8 +40,9 @@ from medusa_jax.evals.lossless import decode_one  # noqa: E402
 MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "FastChat_mt_bench_question.jsonl")
 
 
-def grown_order(model, max_size: int, cache: str, lookup_tokens: int):
-    """`search_tree`'s node order for the shipped heads (as `medusa_jax.cli.tune` grows it), cached."""
+def grown_order(max_size: int, cache: str, lookup_tokens: int):
+    """`search_tree`'s node order for the shipped heads (as `medusa_jax.cli.tune` grows it, on the
+    float32 model's hidden states), cached."""
     key = f"{max_size}:{lookup_tokens}"
     saved = json.load(open(cache)) if os.path.exists(cache) else {}
     if key in saved:
@@ -49,6 +57,7 @@ def grown_order(model, max_size: int, cache: str, lookup_tokens: int):
     from medusa_jax.tuning.calibrate import calibration_data
     from medusa_jax.tuning.replay import Replay, path_ranks, search_tree
 
+    model = mj.load_model(with_tokenizer=False)
     hcfg, hp = load_heads(resolve.DEFAULT_HEADS_DIR, model.cfg)
     lm = lm_head_matrix(model.cfg, model.params)
     _, _, chats, pos, sources = calibration_data(model, os.path.join(ROOT, "data", "distill", "smollm2"), 0.04, 0,
@@ -63,6 +72,23 @@ def grown_order(model, max_size: int, cache: str, lookup_tokens: int):
     return list(order)
 
 
+def held_out_lookup_confidence(num_tokens: int):
+    """`fit_lookup_confidence` for copies of `num_tokens` (the default n-grams and matches of a dynamic
+    tree) at every answer position of the held-out chats (as `tune` splits them)."""
+    import numpy as np
+
+    from medusa_jax.train import data as D
+    from medusa_jax.tuning.confidence import fit_lookup_confidence
+    from medusa_jax.tuning.replay import lookup_drafts
+
+    _, val = D.split_train_val(D.load_distilled(os.path.join(ROOT, "data", "distill", "smollm2")), 0.04, 0)
+    chats = [(np.asarray(e[0][:512]), np.asarray(e[1][:512], bool)) for e in val]
+    sources = np.asarray([(i, t) for i, (ids, mask) in enumerate(chats) for t in range(len(ids) - 2)
+                          if mask[t + 1] or mask[t + 2]])
+    lookup = resolve.DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens, matches=resolve.DYNAMIC_LOOKUP_MATCHES)
+    return fit_lookup_confidence(chats, sources, *lookup_drafts(chats, sources, lookup))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="4,8,16,32,64", help="tree sizes T (nodes per step, root included)")
@@ -70,15 +96,27 @@ def main() -> int:
     p.add_argument("--limit", type=int, default=80, help="MT-bench first turns (all 80 by default)")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--prompt-lookup", type=int, default=0, help="prompt lookup tokens on both trees (0: none)")
+    p.add_argument("--dynamic-lookup", default=None,
+                   help="comma-separated prompt lookup tokens for the dynamic trees (default: --prompt-lookup)")
+    p.add_argument("--fit-lookup-confidence", action="store_true",
+                   help="measure the copied tokens' acceptance per depth on the held-out chats, to the deepest K")
+    p.add_argument("--weights", default="as-stored", choices=["as-stored", "float32"],
+                   help="the GGUF's matrices as stored (check's default) or dequantized")
     p.add_argument("--static-cache", default=os.path.join(ROOT, "data", "static_tree_order.json"),
                    help="where the grown static tree order is kept between runs")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
-    model = mj.load_model()
+    model = mj.load_model(weights=args.weights)
+    calibration = resolve.heads_calibration(None, args.weights) or {}
+    dyn_lookup = [int(k) for k in (args.dynamic_lookup or str(args.prompt_lookup)).split(",")]
+    if args.fit_lookup_confidence:
+        calibration = {**calibration, "lookup_confidence": held_out_lookup_confidence(max(dyn_lookup))}
+        print(json.dumps({"lookup_acceptance": [[round(math.exp(x), 3) for x in r]
+                                                for r in calibration["lookup_confidence"]]}), flush=True)
     heads, _, _ = mj.resolve_heads(model, None, tree_spec=f"dynamic:{max(sizes)}", prompt_lookup=0)
     hcfg = heads[0]
     prompts = [mj.apply_chat_template(model.tokenizer, r["prompt"]) for r in load_first_turns(MT_BENCH)][:args.limit]
-    order = grown_order(model, max(sizes), args.static_cache, args.prompt_lookup)
+    order = grown_order(max(sizes), args.static_cache, args.prompt_lookup)
     t0 = time.perf_counter()
     plain = [decode_one(model, ids, args.max_new_tokens)[0] for ids in prompts]
     plain_s = time.perf_counter() - t0
@@ -87,9 +125,14 @@ def main() -> int:
     for T in sizes:
         trees = {"static": build_tree(order[:T - 1], hcfg.topk)}
         for w in (int(x) for x in args.widths.split(",")):
-            trees[f"dynamic W={w}"] = get_tree(f"dynamic:{T}:{w}", topk=hcfg.topk, num_heads=hcfg.num_heads)
+            w = w or max(4, T // 4)
+            tree = resolve.with_confidence(get_tree(f"dynamic:{T}:{w}", topk=hcfg.topk, num_heads=hcfg.num_heads),
+                                           calibration.get("confidence"), calibration.get("lookup_confidence"))
+            for k in dyn_lookup:
+                trees[f"dynamic W={w}" + (f" K={k}" if args.dynamic_lookup else "")] = (tree, k)
         for name, tree in trees.items():
-            tree = resolve.tree_lookup(tree, args.prompt_lookup)
+            tree, k = tree if isinstance(tree, tuple) else (tree, args.prompt_lookup)
+            tree = resolve.tree_lookup(tree, k)
             t0 = time.perf_counter()
             tokens = steps = same = 0
             for ids, want in zip(prompts, plain):

@@ -397,8 +397,17 @@ def test_tune_and_decode_with_hydra_heads(tmp_path):
     calibration = heads_calibration(str(tmp_path / "tuned"))
     assert predicted_tokens_per_step(tree, calibration) is None  # width 2 was never replayed
     replayed = get_tree("dynamic:4:4", topk=5, num_heads=3)
+    # decoding copies 8 tokens into a dynamic tree, tune replayed copies of 3: the same trees at T = 4
+    # (at most T - 1 = 3 copied tokens are ever kept), not at T = 6
+    assert (tree.lookup.num_tokens, report["prompt_lookup"]["num_tokens"]) == (8, 3)
     pred, basis = predicted_tokens_per_step(with_lookup(replayed, tree.lookup), calibration)
     assert pred == drows[1]["predicted_tokens_per_step_lookup"] and "with prompt lookup" in basis
+    six = get_tree("dynamic:6:4", topk=5, num_heads=3)
+    assert predicted_tokens_per_step(with_lookup(six, tree.lookup), calibration) is None
+    assert predicted_tokens_per_step(with_lookup(six, tree.lookup._replace(num_tokens=3)), calibration)[0] == \
+        drows[2]["predicted_tokens_per_step_lookup"]
+    # the copies' acceptance is measured to depth 8 (n-gram matching alone), deeper than the replay reaches
+    assert look and all(len(r) == 8 for r in look)
     pred, basis = predicted_tokens_per_step(replayed, calibration)
     assert pred == drows[1]["predicted_tokens_per_step"] and "heads alone" in basis
     med = generate(lm.cfg, lm.params, prompt, max_new_tokens=30, heads=heads, tree=tree, eos_token_ids=())

@@ -18,7 +18,7 @@ from medusa_jax.convert.tuned_layers import (apply_tuned_layers, check_before_lo
                                              tuned_layers_path)
 from medusa_jax.decoding.tree import TreeBuffers, check_depth, get_tree
 from medusa_jax.heads.config import MedusaConfig
-from medusa_jax.resolve import DEFAULT_PROMPT_LOOKUP, heads_location, resolve_heads
+from medusa_jax.resolve import DEFAULT_PROMPT_LOOKUP, DYNAMIC_LOOKUP_TOKENS, heads_location, resolve_heads
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -55,7 +55,8 @@ def add_lookup_arg(p) -> None:
                         "that followed it instead of the heads' tree (with a dynamic:T tree, the latest two matches' "
                         "copies, as more branches competing for its T nodes) (lossless, like the heads' candidates; fast "
                         "on summaries, translations, answers about a document); 0 = off; default: the tree "
-                        f"file's setting, else K={DEFAULT_PROMPT_LOOKUP.num_tokens}")
+                        f"file's setting, else K={DEFAULT_PROMPT_LOOKUP.num_tokens} "
+                        f"(K={DYNAMIC_LOOKUP_TOKENS} for a dynamic:T tree, which keeps at most T - 1 of them)")
 
 
 def heads_help(zero: bool = True) -> str:
