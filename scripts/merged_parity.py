@@ -14,12 +14,10 @@ beside a copy of the shipped heads as Medusa-2 tuned layers (`convert.tuned_laye
 the merge and the export do not care how the layers were tuned.
 
 Both float32 runs (ours and transformers') round differently over 30 layers, so each is also
-compared with transformers' float64 run of the same checkpoint (the exact logits up to float64
-round-off): ``ours_vs_float64`` beside ``transformers_float32_vs_float64`` says whether our logits
-are as close to the checkpoint's exact ones as transformers' own float32 logits are.
-
-transformers' float64 model is not float64 throughout: its RMSNorm, attention softmax and RoPE tables
-compute in float32 whatever the dtype (transformers 5's modeling_llama). ``--float64`` adds our own
+compared with transformers' float64 run of the same checkpoint: ``ours_vs_float64`` beside
+``transformers_float32_vs_float64``. That run is not float64 throughout, though: transformers'
+RMSNorm, attention softmax and RoPE tables compute in float32 whatever the dtype (transformers 5's
+modeling_llama), so its round-off partly matches its own float32 run's. ``--float64`` adds our own
 float64 forward (under ``jax.enable_x64``, params cast to float64: everything but the RoPE tables in
 float64, `models.llama.accumulation_dtype`): ``ours_float64_vs_transformers_float64`` compares the two
 implementations with little round-off left, ``ours_vs_ours_float64`` and
