@@ -252,7 +252,9 @@ def test_the_real_model_merged_gives_transformers_the_same_logits(smollm2, tmp_p
     positions = jnp.arange(ids.shape[1], dtype=jnp.int32)[None]
 
     def ours(model, float64=False):
-        params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64 if float64 else a.dtype), model.params)
+        params = model.params
+        if float64:
+            params = jax.tree_util.tree_map(lambda a: jnp.asarray(a, jnp.float64), params)
         return np.asarray(model.model.apply({"params": params}, jnp.asarray(ids), positions)[0], np.float64)
 
     with jax.enable_x64(True):

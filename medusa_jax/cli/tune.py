@@ -212,11 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         confidence = fit_confidence(*events)
         if lookup is not None:  # copies measured deeper than the replay reaches (n-gram matching alone), so
             # that a larger tree's longer copies score by their own acceptance (resolve.DYNAMIC_LOOKUP_TOKENS)
-            deep = lookup_drafts(chats, sources, dyn_lookup._replace(
+            copied, found = lookup_drafts(chats, sources, dyn_lookup._replace(
                 num_tokens=max(dyn_lookup.num_tokens, resolve.DYNAMIC_LOOKUP_TOKENS)))
-            lookup_conf = fit_lookup_confidence(chats, sources, *deep) if deep[1].any() else None
-        if lookup is not None and lookup.num_tokens <= hcfg.num_heads:  # the copies the replay can check
-            drafts = lookup_drafts(chats, sources, dyn_lookup)
+            lookup_conf = fit_lookup_confidence(chats, sources, copied, found) if found.any() else None
+            if lookup.num_tokens <= hcfg.num_heads:  # the copies the replay can check: a copy of k tokens is
+                drafts = (copied[..., :lookup.num_tokens], found)  # the first k of a longer one (lookup_matches)
     for T in sizes if args.dynamic_width else ():  # where the heads draft enough candidates for it
         tree = dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, args.dynamic_width, confidence, lookup_conf)
         if tree.dynamic.candidates(tree.max_depth, hcfg.topk, hcfg.head_type == "hydra") >= T - 1:
