@@ -47,6 +47,10 @@ DYNAMIC_LOOKUP_MATCHES = 2
 #: 8 against 3: docs/performance.md, "Longer copies in larger trees".
 DYNAMIC_LOOKUP_TOKENS = 8
 
+#: The longest n-gram a tree chosen per step matches (its shortest: `DEFAULT_PROMPT_LOOKUP`'s): the
+#: match's length tells how sure its copy is (`DynamicSpec.lookup_ngram_confidence`).
+DYNAMIC_LOOKUP_MAX_NGRAM = DEFAULT_PROMPT_LOOKUP.max_ngram
+
 
 def default_lookup(tree: TreeBuffers, num_tokens: Optional[int] = None) -> PromptLookup:
     """`DEFAULT_PROMPT_LOOKUP` copying `num_tokens` (None: its 3 for a static tree,
@@ -55,7 +59,10 @@ def default_lookup(tree: TreeBuffers, num_tokens: Optional[int] = None) -> Promp
     dynamic = tree.dynamic is not None
     if num_tokens is None:
         num_tokens = DYNAMIC_LOOKUP_TOKENS if dynamic else DEFAULT_PROMPT_LOOKUP.num_tokens
-    return DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens, matches=DYNAMIC_LOOKUP_MATCHES if dynamic else 1)
+    if not dynamic:
+        return DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens)
+    return DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens, matches=DYNAMIC_LOOKUP_MATCHES,
+                                          max_ngram=DYNAMIC_LOOKUP_MAX_NGRAM)
 
 
 def tree_lookup(tree: TreeBuffers, prompt_lookup: Optional[int] = None) -> TreeBuffers:
@@ -96,18 +103,21 @@ def resolve_tree(spec, heads_cfg: MedusaConfig) -> TreeBuffers:
     return get_tree(choices, topk=heads_cfg.topk, num_heads=heads_cfg.num_heads)
 
 
-def with_confidence(tree: TreeBuffers, confidence, lookup_confidence=None) -> TreeBuffers:
+def with_confidence(tree: TreeBuffers, confidence, lookup_confidence=None, lookup_ngram_confidence=None
+                    ) -> TreeBuffers:
     """A dynamic tree scoring its nodes by the heads' measured `confidence` and prompt lookup's
-    `lookup_confidence` (``tree_search.confidence`` and ``lookup_confidence``, saved by
-    `medusa_jax.cli.tune`: `tuning.confidence`), where it has none of its own; other trees as they are."""
+    `lookup_confidence` and `lookup_ngram_confidence` (``tree_search.confidence``,
+    ``lookup_confidence`` and ``lookup_ngram_confidence``, saved by `medusa_jax.cli.tune`:
+    `tuning.confidence`), where it has none of its own; other trees as they are."""
     d = tree.dynamic
     if d is None:
         return tree
     conf = d.confidence if d.confidence is not None else (confidence or None)
     look = d.lookup_confidence if d.lookup_confidence is not None else (lookup_confidence or None)
-    if (conf, look) == (d.confidence, d.lookup_confidence):
+    by_n = d.lookup_ngram_confidence if d.lookup_ngram_confidence is not None else (lookup_ngram_confidence or None)
+    if (conf, look, by_n) == (d.confidence, d.lookup_confidence, d.lookup_ngram_confidence):
         return tree
-    return with_lookup(dynamic_tree(d.budget, tree.max_depth, tree.topk, d.width, conf, look), tree.lookup)
+    return with_lookup(dynamic_tree(d.budget, tree.max_depth, tree.topk, d.width, conf, look, by_n), tree.lookup)
 
 
 def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: bool = True,
@@ -176,7 +186,8 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
     elif tree_spec is None and calibration.get("medusa_choices"):  # tune's static tree for these weights
         heads_cfg = heads_cfg.replace(medusa_choices=tuple(tuple(p) for p in calibration["medusa_choices"]))
     tree = tree_lookup(with_confidence(resolve_tree(tree_spec, heads_cfg), calibration.get("confidence"),
-                                       calibration.get("lookup_confidence")), prompt_lookup)
+                                       calibration.get("lookup_confidence"),
+                                       calibration.get("lookup_ngram_confidence")), prompt_lookup)
     # once, here, rather than every step: only the tree's heads, the proposal projection precomputed
     need_base = heads_cfg.proposal_vocab_size or not heads_cfg.shared_lm_head
     base = functools.partial(lm_head_matrix, model.cfg, model.params) if need_base else None  # built if needed
@@ -241,7 +252,7 @@ def predicted_tokens_per_step(tree: TreeBuffers, calibration: Optional[dict]) ->
 def _replayed_dynamic(tree: TreeBuffers, calibration: dict, lookup) -> Optional[Tuple[float, str]]:
     """tune's replayed tokens per step for dynamic `tree` (its ``dynamic_rows`` entry of the same
     budget and width), heads alone or with the prompt lookup tune replayed (its ``prompt_lookup``
-    with `DYNAMIC_LOOKUP_MATCHES` matches); else None."""
+    with `DYNAMIC_LOOKUP_MATCHES` matches and n-grams up to `DYNAMIC_LOOKUP_MAX_NGRAM`); else None."""
     replayed = {"budget": tree.dynamic.budget, "width": tree.dynamic.width}  # as tune writes a row's tree
     row = next((r for r in calibration.get("dynamic_rows") or [] if r.get("dynamic") == replayed), None)
     if row is None:
@@ -252,7 +263,9 @@ def _replayed_dynamic(tree: TreeBuffers, calibration: dict, lookup) -> Optional[
     # copied tokens past depth T - 1 are never kept (each would need T - 1 ancestors above it), so copies
     # of K and K' tokens draft the same trees when both are at least T - 1 long
     kept = lambda settings: dict(settings, num_tokens=min(int(settings["num_tokens"]), tree.size - 1))
-    if replayed_lookup and kept(lookup) == kept(dict(replayed_lookup, matches=DYNAMIC_LOOKUP_MATCHES)) \
+    replayed_lookup = replayed_lookup and dict(replayed_lookup, matches=DYNAMIC_LOOKUP_MATCHES, max_ngram=max(
+        int(replayed_lookup["max_ngram"]), DYNAMIC_LOOKUP_MAX_NGRAM))  # as tune replays a dynamic tree's
+    if replayed_lookup and kept(lookup) == kept(replayed_lookup) \
             and row.get("predicted_tokens_per_step_lookup"):
         return row["predicted_tokens_per_step_lookup"], "replayed on the held-out chats, with prompt lookup"
     return None

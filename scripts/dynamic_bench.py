@@ -73,20 +73,23 @@ def grown_order(max_size: int, cache: str, lookup_tokens: int):
 
 
 def held_out_lookup_confidence(num_tokens: int):
-    """`fit_lookup_confidence` for copies of `num_tokens` (the default n-grams and matches of a dynamic
-    tree) at every answer position of the held-out chats (as `tune` splits them)."""
+    """`fit_lookup_confidence` and `fit_lookup_ngram_confidence` for copies of `num_tokens` (the
+    default n-grams and matches of a dynamic tree) at every answer position of the held-out chats (as
+    `tune` splits them)."""
     import numpy as np
 
     from medusa_jax.train import data as D
-    from medusa_jax.tuning.confidence import fit_lookup_confidence
+    from medusa_jax.tuning.confidence import fit_lookup_confidence, fit_lookup_ngram_confidence
     from medusa_jax.tuning.replay import lookup_drafts
 
     _, val = D.split_train_val(D.load_distilled(os.path.join(ROOT, "data", "distill", "smollm2")), 0.04, 0)
     chats = [(np.asarray(e[0][:512]), np.asarray(e[1][:512], bool)) for e in val]
     sources = np.asarray([(i, t) for i, (ids, mask) in enumerate(chats) for t in range(len(ids) - 2)
                           if mask[t + 1] or mask[t + 2]])
-    lookup = resolve.DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens, matches=resolve.DYNAMIC_LOOKUP_MATCHES)
-    return fit_lookup_confidence(chats, sources, *lookup_drafts(chats, sources, lookup))
+    lookup = resolve.default_lookup(get_tree("dynamic:2"), num_tokens)
+    copied, found, ngram = lookup_drafts(chats, sources, lookup)
+    return (fit_lookup_confidence(chats, sources, copied, found),
+            fit_lookup_ngram_confidence(chats, sources, copied, found, ngram))
 
 
 def main() -> int:
@@ -104,30 +107,43 @@ def main() -> int:
                    help="the GGUF's matrices as stored (check's default) or dequantized")
     p.add_argument("--static-cache", default=os.path.join(ROOT, "data", "static_tree_order.json"),
                    help="where the grown static tree order is kept between runs")
+    p.add_argument("--max-ngram", type=int, default=0, help="the longest n-gram the dynamic trees' prompt lookup "
+                   "matches (0: resolve.DYNAMIC_LOOKUP_MAX_NGRAM)")
+    p.add_argument("--no-ngram-confidence", action="store_true", help="score every copy by the pooled lookup "
+                   "confidence, not by the length of the n-gram it matched")
+    p.add_argument("--no-static", action="store_true", help="decode with the dynamic trees only (the static ones "
+                   "measured before; every answer is still checked against plain greedy's)")
     args = p.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     model = mj.load_model(weights=args.weights)
     calibration = resolve.heads_calibration(None, args.weights) or {}
     dyn_lookup = [int(k) for k in (args.dynamic_lookup or str(args.prompt_lookup)).split(",")]
+    if args.max_ngram:
+        resolve.DYNAMIC_LOOKUP_MAX_NGRAM = args.max_ngram
     if args.fit_lookup_confidence:
-        calibration = {**calibration, "lookup_confidence": held_out_lookup_confidence(max(dyn_lookup))}
-        print(json.dumps({"lookup_acceptance": [[round(math.exp(x), 3) for x in r]
-                                                for r in calibration["lookup_confidence"]]}), flush=True)
+        rows, by_ngram = held_out_lookup_confidence(max(dyn_lookup))
+        calibration = {**calibration, "lookup_confidence": rows, "lookup_ngram_confidence": by_ngram}
+        print(json.dumps({"lookup_acceptance": [[round(math.exp(x), 3) for x in r] for r in rows],
+                          "by_ngram": {n: [round(math.exp(x), 3) for x in r] for n, r in by_ngram.items()}}),
+              flush=True)
+    if args.no_ngram_confidence:
+        calibration = {k: v for k, v in calibration.items() if k != "lookup_ngram_confidence"}
     heads, _, _ = mj.resolve_heads(model, None, tree_spec=f"dynamic:{max(sizes)}", prompt_lookup=0)
     hcfg = heads[0]
     prompts = [mj.apply_chat_template(model.tokenizer, r["prompt"]) for r in load_first_turns(MT_BENCH)][:args.limit]
-    order = grown_order(max(sizes), args.static_cache, args.prompt_lookup)
+    order = None if args.no_static else grown_order(max(sizes), args.static_cache, args.prompt_lookup)
     t0 = time.perf_counter()
     plain = [decode_one(model, ids, args.max_new_tokens)[0] for ids in prompts]
     plain_s = time.perf_counter() - t0
     print(json.dumps({"tree": "plain", "prompts": len(prompts), "seconds": round(plain_s, 1)}), flush=True)
     rows = []
     for T in sizes:
-        trees = {"static": build_tree(order[:T - 1], hcfg.topk)}
+        trees = {} if args.no_static else {"static": build_tree(order[:T - 1], hcfg.topk)}
         for w in (int(x) for x in args.widths.split(",")):
             w = w or max(4, T // 4)
             tree = resolve.with_confidence(get_tree(f"dynamic:{T}:{w}", topk=hcfg.topk, num_heads=hcfg.num_heads),
-                                           calibration.get("confidence"), calibration.get("lookup_confidence"))
+                                           calibration.get("confidence"), calibration.get("lookup_confidence"),
+                                           calibration.get("lookup_ngram_confidence"))
             for k in dyn_lookup:
                 trees[f"dynamic W={w}" + (f" K={k}" if args.dynamic_lookup else "")] = (tree, k)
         for name, tree in trees.items():
@@ -146,9 +162,9 @@ def main() -> int:
     print("\n| T | " + " | ".join(dict.fromkeys(r["tree"] for r in rows)) + " |")
     for T in sizes:
         cells = [f"{r['tokens_per_step']:.3f} ({r['identical']}/{r['prompts']})" for r in rows if r["T"] == T]
-        static = next(r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] == "static")
+        static = [r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] == "static"]
         best = max(r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] != "static")
-        print(f"| {T} | " + " | ".join(cells) + f" | dynamic/static {best / static:.3f} |")
+        print(f"| {T} | " + " | ".join(cells) + (f" | dynamic/static {best / static[0]:.3f} |" if static else " |"))
     return 0
 
 

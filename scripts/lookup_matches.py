@@ -51,7 +51,7 @@ def main() -> int:
     for m in (int(x) for x in args.matches.split(",")):
         lookup = resolve.DEFAULT_PROMPT_LOOKUP._replace(matches=m)
         drafts = lookup_drafts(chats, sources, lookup)
-        rates = fit_lookup_confidence(chats, sources, *drafts)
+        rates = fit_lookup_confidence(chats, sources, *drafts[:2])
         for T in (int(x) for x in args.sizes.split(",")):
             tree = with_lookup(dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, 4, confidence, rates), lookup)
             accepted = dynamic_accepted(hcfg, jhp, lm, pos, tree, emb, lookup_drafts=drafts)

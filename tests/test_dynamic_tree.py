@@ -274,61 +274,75 @@ def test_confidence_scores_nodes_and_travels_with_the_tree(tiny, tmp_path):
 
 
 def test_lookup_chain_competes_for_the_slots():
-    """Prompt lookup's copied chain joins the heads' candidates: under the heads' node with the same
-    first token when there is one (that node then scores the better estimate), beside them when not,
-    and not at all in a row whose n-gram did not occur. A node scores its parent's score plus its rate."""
-    from medusa_jax.decoding.dynamic import DEPTH_COST, add_lookup_chains
+    """Prompt lookup's copied chain joins the heads' candidates depth by depth: under the heads' node
+    with the same token when there is one (that node then scores the better estimate), beside them
+    when not, and not at all in a row whose n-gram did not occur. A node scores its parent's score
+    plus its rate."""
+    from medusa_jax.decoding.dynamic import add_chain_tokens
 
-    tokens = jnp.asarray([[10, 11, 12, 13]] * 3, jnp.int32)       # depth 1: 10, 11; depth 2 under 10: 12, 13
-    scores = jnp.asarray([[-0.1, -1.0, -0.3, -2.0]] * 3)
-    parents = jnp.asarray([[-1, -1, 0, 0]] * 3, jnp.int32)
-    depths = np.asarray([1, 1, 2, 2], np.int32)
-    copied = jnp.asarray([[11, 20, 21], [30, 31, 32], [10, 12, 14]], jnp.int32)[:, None]
-    found = jnp.asarray([True, True, False])[:, None]
-    cands = add_lookup_chains(tokens, scores, parents, depths, copied, found, [(-0.5, -0.1, -0.1)])
-    t, s, p, d = cands
     c = DEPTH_COST
-    assert d.tolist() == [1, 1, 2, 2, 1, 2, 3] and t.shape == (3, 7)
-    assert p[0].tolist() == [-1, -1, 0, 0, -1, 1, 5]                  # the chain goes on under the heads' 11
-    assert np.allclose(s[0, :4], [-0.1, -0.5 - c, -0.3, -2.0]) and s[0, 4] < -1e29
-    assert np.allclose(s[0, 5:], [-0.6 - 2 * c, -0.7 - 3 * c])
-    assert p[1].tolist() == [-1, -1, 0, 0, -1, 4, 5]                  # beside
-    assert np.allclose(s[1, 4:], [-0.5 - c, -0.6 - 2 * c, -0.7 - 3 * c])
-    assert (s[2, 4:] < -1e29).all() and np.allclose(s[2, :4], scores[2])  # no match: no chain
-    arrays, toks = select_tree(*cands, jnp.asarray([1, 2, 3]), 5, 3)
+    copied = jnp.asarray([[11, 20], [30, 31], [10, 12]], jnp.int32)[:, None]     # [B, m=1, 2]
+    found = jnp.asarray([True, True, False])[:, None]
+    # depth 1: the heads drafted 10, 11 under the root
+    t1, s1, p1, node, sc = add_chain_tokens(jnp.asarray([[10, 11]] * 3, jnp.int32), jnp.asarray([[-0.1, -1.0]] * 3),
+                                            jnp.full((3, 2), -1, jnp.int32), 0, jnp.full((3, 1), -1, jnp.int32),
+                                            jnp.zeros((3, 1)), copied[:, :, 0], found, [-0.5])
+    assert t1[0].tolist() == [10, 11, 11] and p1[0].tolist() == [-1, -1, -1]
+    assert np.allclose(s1[0, :2], [-0.1, -0.5 - c]) and s1[0, 2] < -1e29 and node[0, 0] == 1  # merged into 11
+    assert np.allclose(s1[1], [-0.1, -1.0, -0.5 - c]) and node[1, 0] == 2                        # beside
+    assert np.allclose(s1[2, :2], [-0.1, -1.0]) and s1[2, 2] < -1e29                           # no match: no node
+    # depth 2 (candidates 3..): the heads drafted 12, 13 under node 0; 20 and 31 hang under the chains' nodes
+    t2, s2, p2, node2, sc2 = add_chain_tokens(jnp.asarray([[12, 13]] * 3, jnp.int32), jnp.asarray([[-0.3, -2.0]] * 3),
+                                              jnp.zeros((3, 2), jnp.int32), 3, node, sc, copied[:, :, 1], found, [-0.1])
+    assert p2[0].tolist() == [0, 0, 1] and np.isclose(s2[0, 2], -0.6 - 2 * c) and node2[0, 0] == 5
+    assert p2[1].tolist() == [0, 0, 2] and np.isclose(s2[1, 2], -0.6 - 2 * c)
+    assert s2[2, 2] < -1e29 and np.allclose(s2[2, :2], [-0.3, -2.0])
+    tokens, scores = jnp.concatenate([t1, t2], 1), jnp.concatenate([s1, s2], 1)
+    arrays, toks = select_tree(tokens, scores, jnp.concatenate([p1, p2], 1), np.asarray([1, 1, 1, 2, 2, 2]),
+                               jnp.asarray([1, 2, 3]), 5, 2)
     assert toks[0].tolist() == [1, 10, 11, 12, 20] and arrays.parents[0].tolist() == [-1, 0, 0, 1, 2]
-    assert toks[1].tolist() == [2, 10, 12, 30, 31] and arrays.parents[1].tolist() == [-1, 0, 1, 0, 3]
+    assert toks[1].tolist() == [2, 10, 30, 12, 31] and arrays.parents[1].tolist() == [-1, 0, 0, 1, 2]
     assert toks[2].tolist() == [3, 10, 11, 12, 13]
 
 
 def test_several_lookup_matches_share_their_common_prefix():
     """Two copied chains (the latest match, then the one before): where the second repeats the first
-    (or the heads') tokens under the same parent it continues under that node, at its first own token
-    it branches, scored with the later matches' rate; a heads' node deeper than depth 1 is shared too."""
-    from medusa_jax.decoding.dynamic import DEPTH_COST, add_lookup_chains
+    (or the heads') token under the same parent it goes on from that node, at its first own token it
+    branches, scored with the later matches' rate."""
+    from medusa_jax.decoding.dynamic import add_chain_tokens
 
-    tokens = jnp.asarray([[10, 11, 12, 13]] * 3, jnp.int32)
-    scores = jnp.asarray([[-0.1, -1.0, -0.3, -2.0]] * 3)
-    parents = jnp.asarray([[-1, -1, 0, 0]] * 3, jnp.int32)
-    depths = np.asarray([1, 1, 2, 2], np.int32)
+    c = DEPTH_COST
     copied = jnp.asarray([[[30, 31, 32], [30, 31, 40]],           # the same first two tokens
                           [[30, 31, 32], [41, 42, 43]],           # nothing in common
-                          [[10, 12, 50], [30, 31, 32]]], jnp.int32)  # chain 0 follows the heads' 10 -> 12
+                          [[10, 12, 50], [30, 31, 32]]], jnp.int32)  # chain 0 follows the heads' 10
     found = jnp.asarray([[True, True], [True, True], [True, False]])
     rates = [(-0.5, -0.1, -0.1), (-1.0, -0.2, -0.3)]
-    t, s, p, d = add_lookup_chains(tokens, scores, parents, depths, copied, found, rates)
-    c = DEPTH_COST
-    assert d.tolist() == [1, 1, 2, 2, 1, 2, 3, 1, 2, 3]
-    # row 0: chain 1 is chain 0 for two tokens (slots 7, 8 unused), then 40 under chain 0's 31 (slot 5)
-    assert (s[0, 7:9] < -1e29).all() and p[0, 9] == 5 and t[0, 9] == 40
-    assert np.allclose(s[0, 4:7], [-0.5 - c, -0.6 - 2 * c, -0.7 - 3 * c]) and np.isclose(s[0, 9], -0.6 - 2 * c - 0.3 - c)
+    node, score = jnp.full((3, 2), -1, jnp.int32), jnp.zeros((3, 2))
+    heads = [([10, 11], [-0.1, -1.0], [-1, -1]), ([12, 13], [-0.3, -2.0], [0, 0]), ([], [], [])]
+    blocks, offset = [], 0
+    for d, (ht, hs, hp) in enumerate(heads):
+        blk = add_chain_tokens(jnp.asarray([ht] * 3, jnp.int32).reshape(3, -1),
+                               jnp.asarray([hs] * 3, jnp.float32).reshape(3, -1),
+                               jnp.asarray([hp] * 3, jnp.int32).reshape(3, -1), offset, node, score,
+                               copied[:, :, d], found, [r[d] for r in rates])
+        node, score = blk[3], blk[4]
+        blocks.append(blk[:3])
+        offset += blk[0].shape[1]
+    t, s, p = (jnp.concatenate([b[i] for b in blocks], 1) for i in range(3))
+    assert t.shape == (3, 10)   # depth 1: 10 11 c0 c1 (0-3); depth 2: 12 13 c0 c1 (4-7); depth 3: c0 c1 (8-9)
+    # row 0: chain 1 is chain 0 for two tokens (its slots unused), then 40 under chain 0's 31 (slot 6)
+    assert (s[0, [3, 7]] < -1e29).all() and p[0, 9] == 6 and t[0, 9] == 40
+    assert np.allclose(s[0, [2, 6, 8]], [-0.5 - c, -0.6 - 2 * c, -0.7 - 3 * c])
+    assert np.isclose(s[0, 9], -0.6 - 2 * c - 0.3 - c)
     # row 1: its own branch from the root, with the later rates
-    assert p[1, 7:].tolist() == [-1, 7, 8] and np.allclose(s[1, 7:], [-1.0 - c, -1.2 - 2 * c, -1.5 - 3 * c])
+    assert p[1, [3, 7, 9]].tolist() == [-1, 3, 7]
+    assert np.allclose(s[1, [3, 7, 9]], [-1.0 - c, -1.2 - 2 * c, -1.5 - 3 * c])
     # row 2: chain 0 shares the heads' 10 and 12 (12 raised to the better estimate), 50 hangs under 12
-    assert (s[2, 4:6] < -1e29).all() and p[2, 6] == 2 and np.isclose(s[2, 0], -0.1)
-    assert np.isclose(s[2, 2], -0.2 - c) and np.isclose(s[2, 6], -0.3 - 2 * c)
-    assert (s[2, 7:] < -1e29).all()  # the second match was not found
-    arrays, toks = select_tree(t, s, p, d, jnp.asarray([1, 2, 3]), 5, 3)
+    assert (s[2, [2, 6]] < -1e29).all() and p[2, 8] == 4 and np.isclose(s[2, 0], -0.1)
+    assert np.isclose(s[2, 4], -0.2 - c) and np.isclose(s[2, 8], -0.3 - 2 * c)
+    assert (s[2, [3, 7, 9]] < -1e29).all()  # the second match was not found
+    depths = np.asarray([1] * 4 + [2] * 4 + [3] * 2, np.int32)
+    arrays, toks = select_tree(t, s, p, depths, jnp.asarray([1, 2, 3]), 5, 3)
     for r in range(3):  # ancestor-closed, and no two siblings share a token
         kids = {}
         for n in range(1, 5):
@@ -336,5 +350,112 @@ def test_several_lookup_matches_share_their_common_prefix():
             assert 0 <= par < n
             kids.setdefault(par, []).append(int(toks[r, n]))
         assert all(len(v) == len(set(v)) for v in kids.values())
-    arrays, toks = select_tree(t[:1], s[:1], p[:1], d, jnp.asarray([1]), 8, 3)
-    assert toks[0].tolist() == [1, 10, 11, 12, 30, 31, 32, 40] and arrays.parents[0].tolist() == [-1, 0, 0, 1, 0, 4, 5, 5]
+    arrays, toks = select_tree(t[:1], s[:1], p[:1], depths, jnp.asarray([1]), 8, 3)
+    assert toks[0].tolist() == [1, 10, 11, 30, 12, 31, 32, 40]
+    assert arrays.parents[0].tolist() == [-1, 0, 0, 0, 1, 3, 5, 5]
+
+
+def reference_hydra_with_chains(hcfg, hp, lm, emb, hidden, root, D, k, W, T, chains, rates):
+    """`reference_hydra` with copied chains (each a token list, the latest match first), node by node,
+    nodes keyed by their paths: depth by depth, head d on each expanded path, then each chain's next
+    token under its own node (the same path keeps the better score), then the W best of the depth
+    (the heads' and the chains' alike) are expanded."""
+    drafted = {}
+    frontier = [(0.0, (int(root),))]
+    heads_at = [(int(root),)] * len(chains)
+    for d in range(max(D, max(len(ch) for ch in chains))):
+        level = {}
+        if d < D:
+            for score, path in frontier:
+                st = head_state(hcfg, hp, d, hidden[None], jnp.take(emb, jnp.asarray(path), axis=0)[None])
+                t, lp = states_topk(hcfg, hp, st[None], lm, k, first=d, logprobs=True)
+                for r in range(k):
+                    level[path + (int(t[0, 0, r]),)] = score + float(lp[0, 0, r]) - DEPTH_COST
+        for c, chain in enumerate(chains):
+            if d < len(chain):
+                parent = heads_at[c]
+                node = parent + (int(chain[d]),)
+                s = (drafted.get(parent, 0.0) if d else 0.0) + rates[c][d] - DEPTH_COST
+                level[node] = max(level.get(node, -1e30), s)
+                heads_at[c] = node
+        drafted.update(level)
+        frontier = [(s, p) for p, s in sorted(level.items(), key=lambda x: -x[1])[:min(W, T - 1 - d)]]
+    return {p for p, _ in sorted(drafted.items(), key=lambda x: -x[1])[:T - 1]}
+
+
+@pytest.mark.parametrize("budget,width", [(8, 2), (14, 3)])
+def test_hydra_heads_expand_copied_nodes(tiny, budget, width):
+    """With prompt lookup, the heads also draft below a copied token (node-by-node reference): the
+    chains' nodes compete for the expansion, the copy longer than the heads are deep goes on alone."""
+    cfg, params = tiny
+    hcfg, hp = random_hydra(cfg, params)
+    k, D = 4, 3
+    tree = dynamic_tree(budget, D, topk=k, width=width)
+    dparams, dhcfg, dhp, _ = decoding_setup(cfg, params, (hcfg, hp), tree)
+    hidden = jax.random.normal(jax.random.PRNGKey(7), (2, DM))
+    root = jnp.asarray([4, 9], jnp.int32)
+    lm, emb = lm_head_matrix(cfg, dparams), token_embeddings(dparams)
+    plain = [reference_hydra(dhcfg, dhp, lm, emb, hidden[b], root[b], D, k, width, budget) for b in range(2)]
+    # row 0: chain 0 follows the heads' best path for two tokens, chain 1 shares its first token;
+    # row 1: a chain of tokens the heads do not propose, and no second match
+    best = max(plain[0], key=len)
+    copied = np.asarray([[[best[1], best[2], 5, 6, 7], [best[1], 8, 9, 10, 11]],
+                         [[12, 13, 14, 15, 1], [0, 0, 0, 0, 0]]], np.int32)
+    found = np.asarray([[True, True], [True, False]])
+    rates = tree.dynamic.lookup_rates(5, 2)
+    state = state_for(cfg, params, hidden)
+    arrays, tokens = dynamic_draft(cfg, dhcfg, dhp, dparams, state, root, with_lookup(tree, PromptLookup(5, 2, 1, 2)),
+                                   (jnp.asarray(copied), jnp.asarray(found)))
+    rows = []
+    for b in range(2):
+        nodes = check_arrays(arrays, tokens, b)
+        chains = [copied[b, c].tolist() for c in range(2) if found[b, c]]
+        want = reference_hydra_with_chains(dhcfg, dhp, lm, emb, hidden[b], root[b], D, k, width, budget, chains, rates)
+        assert set(nodes[1:]) == want
+        rows.append(nodes)
+    assert any(len(n) == 6 for r in rows for n in r)                          # a copy deeper than the heads
+    copies = {(9,) + tuple(copied[1, 0, :j]) for j in range(1, 6)}
+    assert any(n[:2] == (9, 12) and n not in copies for n in rows[1])        # the heads' token below a copied one
+
+
+def test_copies_score_by_the_ngram_they_matched(tiny, tmp_path):
+    """`lookup_ngram_confidence`: the latest match's chain scores by the row of the n-gram size its row
+    matched (other sizes and later matches by `lookup_confidence`); a sure 3-gram copy takes the
+    budget, the same copy after a 1-gram none of it. The rows survive tree files, budgets, depth cuts
+    and `resolve.with_confidence`, and malformed ones are refused."""
+    from medusa_jax.resolve import with_confidence
+
+    cfg, params = tiny
+    hcfg, hp = random_hydra(cfg, params)
+    by_n = {3: [-0.001], 1: [-30.0]}
+    tree = dynamic_tree(6, 3, topk=4, width=2, lookup_confidence=[[-0.2, -0.1], [-1.0]], lookup_ngram_confidence=by_n)
+    assert tree.dynamic.lookup_ngram_confidence == ((1, (-30.0,)), (3, (-0.001,)))
+    table = tree.dynamic.lookup_rate_table(3, 2, 4)
+    assert table.shape == (2, 3, 5)
+    assert np.allclose(table[0, :, 3], -0.001) and np.allclose(table[0, :, 1], -30.0)
+    assert np.allclose(table[0, :, 2], [-0.2, -0.1, -0.1]) and np.allclose(table[1, :, 3], -1.0)  # no row: pooled
+    dparams, dhcfg, dhp, _ = decoding_setup(cfg, params, (hcfg, hp), tree)
+    hidden = jax.random.normal(jax.random.PRNGKey(8), (3, DM))
+    root = jnp.asarray([4, 9, 11], jnp.int32)
+    copied = jnp.asarray([[[50, 51, 52, 53, 54]]] * 3, jnp.int32)
+    found = jnp.ones((3, 1), bool)
+    ngram = jnp.asarray([3, 1, 2], jnp.int32)
+    lk = with_lookup(tree, PromptLookup(5, 3, 1))
+    arrays, tokens = dynamic_draft(cfg, dhcfg, dhp, dparams, state_for(cfg, params, hidden), root, lk,
+                                   (copied, found, ngram))
+    nodes = [check_arrays(arrays, tokens, b) for b in range(3)]
+    assert {(4, 50), (4, 50, 51), (4, 50, 51, 52), (4, 50, 51, 52, 53)} <= set(nodes[0])  # after a sure 3-gram
+    assert not any(n[1] == 50 for n in nodes[1][1:])                          # after a 1-gram: no copied node
+    pooled = dynamic_draft(cfg, dhcfg, dhp, dparams, state_for(cfg, params, hidden), root, lk, (copied, found))
+    assert np.asarray(pooled[1][2]).tolist() == np.asarray(tokens[2]).tolist()  # a size without a row: pooled
+    path = tmp_path / "t.json"
+    tree_to_json(lk, path)
+    assert json.loads(path.read_text())["dynamic"]["lookup_ngram_confidence"] == {"1": [-30.0], "3": [-0.001]}
+    assert get_tree(str(path), num_heads=3) == lk
+    assert tree_with_budget(tree, 4).dynamic.lookup_ngram_confidence == tree.dynamic.lookup_ngram_confidence
+    assert truncate_tree(tree, 2).dynamic.lookup_ngram_confidence == tree.dynamic.lookup_ngram_confidence
+    saved = with_confidence(dynamic_tree(6, 3, topk=4), None, None, {"3": [-0.001], "1": [-30.0]})
+    assert saved.dynamic.lookup_ngram_confidence == tree.dynamic.lookup_ngram_confidence
+    for bad in ({0: [-1.0]}, {2: []}, {2: [0.5]}, {"x": [-1.0]}, [(2,)]):
+        with pytest.raises(ValueError, match="lookup_ngram_confidence"):
+            dynamic_tree(6, 3, lookup_ngram_confidence=bad)

@@ -391,6 +391,9 @@ def test_tune_and_decode_with_hydra_heads(tmp_path):
     assert len(conf["values"]) == 3 and all(x <= 0 for v in conf["values"] for x in v)
     look = report["lookup_confidence"]
     assert tree.dynamic.lookup_confidence == (tuple(tuple(r) for r in look) if look else None)
+    by_n = report["lookup_ngram_confidence"]  # by the n-gram each copy matched: too few positions here
+    assert "lookup_ngram_confidence" in report and tree.dynamic.lookup_ngram_confidence == (
+        tuple(sorted((int(n), tuple(r)) for n, r in by_n.items())) if by_n else None)
     assert "Trees chosen per step" in (tmp_path / "tuned" / "tree_search.md").read_text()
     # bench's prediction for a dynamic tree: the figure tune replayed for its budget and width
     from medusa_jax.resolve import heads_calibration, predicted_tokens_per_step

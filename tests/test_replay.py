@@ -19,6 +19,7 @@ from medusa_jax.tuning.replay import (
     dynamic_accepted,
     lookup_drafts,
     lookup_draft,
+    lookup_match,
     lookup_matches,
     path_ranks,
     rank_accuracies_of,
@@ -78,9 +79,12 @@ def test_lookup_draft_matches_the_device_search(lookup):
             assert (got is not None) == bool(found[0])
             if got is not None:
                 assert got.tolist() == np.asarray(want_draft[0]).tolist()
-            drafts, founds = ngram_drafts(jnp.asarray(np.pad(seq[:L], (0, 64 - L)))[None], jnp.array([L]),
-                                          jnp.array([seq[L]]), lookup)
-            every = lookup_matches(seq[:L + 1], lookup)  # the latest first, as many as occurred
+            drafts, founds, ngram = ngram_drafts(jnp.asarray(np.pad(seq[:L], (0, 64 - L)))[None], jnp.array([L]),
+                                                 jnp.array([seq[L]]), lookup)
+            every, n = lookup_match(seq[:L + 1], lookup)  # the latest first, as many as occurred
+            assert [d.tolist() for d in lookup_matches(seq[:L + 1], lookup)] == [d.tolist() for d in every]
+            assert int(ngram[0]) == n and (n == 0) == (not every)
+            assert n == 0 or lookup.min_ngram <= n <= lookup.max_ngram
             assert np.asarray(founds[0]).tolist() == [c < len(every) for c in range(lookup.matches)]
             assert [d.tolist() for d in every] == np.asarray(drafts[0, :len(every)]).tolist()
 
@@ -154,7 +158,9 @@ def test_dynamic_replay_equals_greedy_decoding_of_the_models_own_answers(head_ty
         assert r["steps"] == sum(d.steps for d in decoded) and r["tokens"] == 180
     # prompt lookup's copied chain inside the budget: each position's copy found as decoding finds it
     for lk, tree in [(PromptLookup(2, 2, 1), dynamic_tree(6, 3, 10, width=2)), (PromptLookup(2, 2, 1), dynamic_tree(4, 3, 10)),
-                     (PromptLookup(2, 2, 1, matches=2), dynamic_tree(6, 3, 10, width=2))]:  # two chains in the budget
+                     (PromptLookup(2, 2, 1, matches=2), dynamic_tree(6, 3, 10, width=2)),  # two chains in the budget
+                     (PromptLookup(3, 3, 1, matches=2), dynamic_tree(  # copies scored by the n-gram they matched
+                         6, 3, 10, width=2, lookup_ngram_confidence={1: [-3.0], 3: [-0.01, -0.02]}))]:
         drafts = lookup_drafts(chats, sources, lk)
         assert drafts[1][:, 0].any() and not drafts[1][:, 0].all() and drafts[0].shape[1] == lk.matches
         tree = with_lookup(tree, lk)
@@ -202,3 +208,21 @@ def test_fit_lookup_confidence_by_hand():
     assert np.allclose(np.exp(got[0]), [2 / 3, 1 / 2, 1e-3]) and np.allclose(np.exp(got[1]), [1.0, 0.5, 0.5])
     with pytest.raises(ValueError, match="no copy"):
         fit_lookup_confidence(chats, sources, copied[:, None], np.zeros((3, 1), bool))
+
+
+def test_fit_lookup_ngram_confidence_by_hand():
+    """Per n-gram size, the latest match's row over the positions whose match was that long (sizes
+    seen at fewer than `min_positions` positions left out; the later matches ignored)."""
+    from medusa_jax.tuning.confidence import fit_lookup_ngram_confidence
+
+    chats = [(np.array([5, 6, 7, 8, 9, 10]), np.array([False, True, True, True, True, True]))]
+    sources = np.array([[0, 0], [0, 1], [0, 2]])
+    copied = np.array([[7, 8, 0], [8, 0, 10], [0, 10, 3]])  # truths 7 8 9 | 8 9 10 | 9 10 (then the end)
+    found = np.ones((3, 2), bool)
+    got = fit_lookup_ngram_confidence(chats, sources, np.stack([copied, copied], 1), found, np.array([3, 3, 2]),
+                                      min_positions=1)
+    assert sorted(got) == [2, 3]
+    assert np.allclose(np.exp(got[3]), [1.0, 1 / 2, 1e-3]) and np.allclose(np.exp(got[2]), [1e-3] * 3)
+    assert fit_lookup_ngram_confidence(chats, sources, copied[:, None], found[:, :1], np.array([3, 3, 2]),
+                                       min_positions=2) == {3: got[3]}
+    assert fit_lookup_ngram_confidence(chats, sources, copied[:, None], found[:, :1], np.zeros(3, int)) == {}

@@ -60,7 +60,7 @@ from medusa_jax.tuning.calibrate import (
     output_dir,
     timing_prompt,
 )
-from medusa_jax.tuning.confidence import fit_confidence, fit_lookup_confidence
+from medusa_jax.tuning.confidence import fit_confidence, fit_lookup_confidence, fit_lookup_ngram_confidence
 from medusa_jax.tuning.replay import (Replay, dynamic_accepted, lookup_drafts, proposal_events, rank_accuracies_of,
                                       ranks_of, search_tree)
 
@@ -205,20 +205,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
     order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
-    dynamic, confidence, lookup_conf, drafts = {}, None, None, None  # T -> the dynamic tree of T nodes
+    dynamic, confidence, lookup_conf, by_ngram, drafts = {}, None, None, None, None  # T -> the dynamic tree
     # a dynamic tree's lookup offers several matches (resolve.default_lookup), a static tree's one
-    dyn_lookup = lookup and lookup._replace(matches=resolve.DYNAMIC_LOOKUP_MATCHES)
+    dyn_lookup = lookup and lookup._replace(matches=resolve.DYNAMIC_LOOKUP_MATCHES,
+                                            max_ngram=max(lookup.max_ngram, resolve.DYNAMIC_LOOKUP_MAX_NGRAM))
     if args.dynamic_width:  # how often the drafts are accepted, by their probability (tuning.confidence)
         confidence = fit_confidence(*events)
         if lookup is not None:  # copies measured deeper than the replay reaches (n-gram matching alone), so
             # that a larger tree's longer copies score by their own acceptance (resolve.DYNAMIC_LOOKUP_TOKENS)
-            copied, found = lookup_drafts(chats, sources, dyn_lookup._replace(
+            copied, found, ngram = lookup_drafts(chats, sources, dyn_lookup._replace(
                 num_tokens=max(dyn_lookup.num_tokens, resolve.DYNAMIC_LOOKUP_TOKENS)))
-            lookup_conf = fit_lookup_confidence(chats, sources, copied, found) if found.any() else None
+            if found.any():  # pooled, and by the length of the n-gram matched
+                lookup_conf = fit_lookup_confidence(chats, sources, copied, found)
+                by_ngram = fit_lookup_ngram_confidence(chats, sources, copied, found, ngram) or None
             if lookup.num_tokens <= hcfg.num_heads:  # the copies the replay can check: a copy of k tokens is
-                drafts = (copied[..., :lookup.num_tokens], found)  # the first k of a longer one (lookup_matches)
+                drafts = (copied[..., :lookup.num_tokens], found, ngram)  # the first k of a longer one (lookup_matches)
     for T in sizes if args.dynamic_width else ():  # where the heads draft enough candidates for it
-        tree = dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, args.dynamic_width, confidence, lookup_conf)
+        tree = dynamic_tree(T, min(hcfg.num_heads, T - 1), hcfg.topk, args.dynamic_width, confidence, lookup_conf,
+                            by_ngram)
         if tree.dynamic.candidates(tree.max_depth, hcfg.topk, hcfg.head_type == "hydra") >= T - 1:
             dynamic[T] = tree
     prompt = timing_prompt(val, args.cost_prompt_len)
@@ -291,7 +295,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows],
               "dynamic_rows": drows, "dynamic_cost_by_cache_size": dynamic_by_size,
               "confidence": confidence and {"knots": list(confidence[0]), "values": [list(v) for v in confidence[1]]},
-              "lookup_confidence": lookup_conf and [list(r) for r in lookup_conf]}
+              "lookup_confidence": lookup_conf and [list(r) for r in lookup_conf],
+              "lookup_ngram_confidence": by_ngram and {str(n): list(r) for n, r in by_ngram.items()}}
     raw = read_heads_config(heads_dir)
     extras = format_extras(raw)
     extras["tree_search"] = report

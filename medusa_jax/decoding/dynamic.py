@@ -14,6 +14,10 @@ top T by draft confidence); here the confidence is the Medusa or Hydra heads' ow
 - Hydra heads (children drafted from the parent's own path, Ankner et al. 2024, Sec. 3): head d runs
   on the `width` W best depth-d nodes (a fixed width, so the shapes stay static), and the global
   top T - 1 are kept among everything drafted.
+- Prompt lookup's copied chains (`add_chain_tokens`) join the candidates depth by depth, scored by
+  their measured acceptance per depth, before each depth's expansion: a copied node may be among the
+  W expanded, so the heads also draft below a copied token (where a copy stops matching, the heads'
+  continuation of it is in the tree).
 
 The shapes are static (T nodes, T paths: every node ends one, depth D); the tree itself is data: the
 ancestor mask [B, T, T], depths (positions), parents and paths are built on the device from the
@@ -24,7 +28,7 @@ random numbers, exact acceptance stays exact.
 """
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -106,7 +110,7 @@ def select_tree(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths
 
 
 def dynamic_draft(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params, state: DecodeState,
-                  root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, jax.Array]] = None
+                  root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None
                   ) -> Tuple[TreeArrays, jax.Array]:
     """This step's tree and its tokens: `draft_tree` at ``state.hidden`` with the backbone's lm_head
     and input embeddings (`params`, in decoding layout; head_params prepared for the depth)."""
@@ -116,12 +120,12 @@ def dynamic_draft(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params
 
 
 def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, embeddings, hidden: jax.Array,
-               root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, jax.Array]] = None
+               root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None
                ) -> Tuple[TreeArrays, jax.Array]:
     """A tree chosen from the heads' proposals (module docstring): the heads' top-``tree.topk`` per
     expanded node, depth by depth to ``tree.max_depth``, then the best ``tree.size - 1``
-    (`select_tree`); with `lookup_draft`, prompt lookup's copied chain competes for the same slots
-    (`add_lookup_chains`).
+    (`select_tree`); with `lookup_draft`, prompt lookup's copied chains compete for the same slots
+    and for the heads' expansion (`draft_candidates`).
 
     Args:
       base_lm_head: [D, V] the backbone's lm_head (shared-lm_head heads project through it).
@@ -129,27 +133,34 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
       hidden: [B, D] the backbone's hidden state at the last accepted position.
       root: [B] int32 the root token (the next token after that position).
       tree: a dynamic tree (``tree.dynamic`` set: `decoding.tree.dynamic_tree`).
-      lookup_draft: (copied [B, m, k] int32, found [B, m] bool) from `decoding.lookup.ngram_drafts`,
-        or None.
+      lookup_draft: (copied [B, m, k] int32, found [B, m] bool, ngram [B] int32) from
+        `decoding.lookup.ngram_drafts` (without ngram, every copy scores by `lookup_confidence`), or None.
     Returns:
       (TreeArrays with a row axis, tokens [B, T] int32), as `select_tree`, paths as deep as
       ``tree.max_accepted``.
     Raises:
       ValueError: hydra heads whose width drafts fewer than T - 1 candidates.
     """
-    cands = draft_candidates(heads_cfg, head_params, base_lm_head, embeddings, hidden, root, tree)
-    if lookup_draft is not None:
-        m, k = lookup_draft[0].shape[1:]
-        cands = add_lookup_chains(*cands, *lookup_draft, tree.dynamic.lookup_rates(k, m))
+    cands = draft_candidates(heads_cfg, head_params, base_lm_head, embeddings, hidden, root, tree, lookup_draft)
     return select_tree(*cands, root, tree.dynamic.budget, tree.max_accepted)
 
 
 def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, embeddings, hidden: jax.Array,
-                     root: jax.Array, tree: TreeBuffers) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
-    """Everything the heads draft for a dynamic tree, before the selection (`draft_tree`'s args).
+                     root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None
+                     ) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
+    """Everything a dynamic tree drafts, before the selection (`draft_tree`'s args).
+
+    Depth by depth: the heads draft the top-k children of each node expanded at the depth above;
+    with `lookup_draft`, each copied chain adds its next token under its own node of the depth above
+    (`add_chain_tokens`: prompt lookup as branches of the same budget; scored by the length of the
+    n-gram that matched, `DynamicSpec.lookup_ngram_confidence`); then the ``width`` best nodes
+    of the depth, the heads' and the chains' alike, are the ones expanded next. So the heads also
+    draft below a copied token: where a copy stops matching, the heads' continuation of it is in the
+    tree (EAGLE-2's expansion, Li et al. 2024, Sec. 4, over both drafters' nodes).
 
     Returns: (tokens [B, C] int32, scores [B, C] float32, parents [B, C] int32, depths [C] numpy
-    int32), as `select_tree` takes them.
+    int32), as `select_tree` takes them, listed depth by depth (each depth: the heads' candidates,
+    then one slot per copied chain).
     """
     spec = tree.dynamic
     T, D, k = spec.budget, tree.max_depth, tree.topk
@@ -161,6 +172,16 @@ def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Arr
         raise ValueError(f"a dynamic tree of {T} nodes needs more candidates than hydra heads draft at depth {D}, "
                          f"topk {k} and width {spec.width} ({spec.candidates(D, k, hydra)}); raise the width "
                          f"(dynamic:{T}:W) or topk, or lower the budget")
+    m, L = (0, 0) if lookup_draft is None else lookup_draft[0].shape[1:]
+    if lookup_draft is not None:
+        copied, found = lookup_draft[0].astype(jnp.int32), lookup_draft[1]
+        # chain c's rates at depth d per row, by the n-gram its row matched ([L, B, m]); n past the
+        # table's last row takes its last column, which has no row of its own (`lookup_confidence`'s)
+        table = spec.lookup_rate_table(L, m, max([n for n, _ in spec.lookup_ngram_confidence or ()], default=0) + 1)
+        ngram = lookup_draft[2] if len(lookup_draft) > 2 else jnp.zeros((B,), jnp.int32)
+        rates = jnp.asarray(table).transpose(1, 2, 0)[:, jnp.minimum(ngram, table.shape[2] - 1)]  # [L, B, m]
+        chain_node = jnp.full((B, m), -1, jnp.int32)     # each chain's node at the depth above (-1: the root)
+        chain_score = jnp.zeros((B, m), jnp.float32)
     if hydra:
         h = hidden[:, None, :]
     else:
@@ -170,69 +191,89 @@ def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Arr
     path = root[:, None, None]                          # hydra: their paths' tokens [B, n, d+1]
     toks, scores, parents, depths = [], [], [], []
     offset = 0
-    for d in range(D):
-        n = score.shape[1]
-        if hydra:
-            states = head_state(heads_cfg, head_params, d, h, kernels.take_rows(embeddings, path))  # [B, n, D]
-            t, lp = (x[0] for x in states_topk(heads_cfg, head_params, states[None], lm, k, first=d, logprobs=True))
-        else:
-            t, lp = jnp.broadcast_to(ids[d][:, None], (B, n, k)), logp[d][:, None]
-        sc = (score[:, :, None] + node_confidence(spec, d, lp) - DEPTH_COST).reshape(B, n * k)
-        tok = t.reshape(B, n * k)
+    for d in range(max(D, L)):
+        tok = jnp.zeros((B, 0), jnp.int32)
+        sc = jnp.zeros((B, 0), jnp.float32)
+        par = jnp.zeros((B, 0), jnp.int32)
+        if d < D and score.shape[1]:  # the heads' children of the n expanded nodes
+            n = score.shape[1]
+            if hydra:
+                states = head_state(heads_cfg, head_params, d, h, kernels.take_rows(embeddings, path))  # [B, n, D]
+                t, lp = (x[0] for x in states_topk(heads_cfg, head_params, states[None], lm, k, first=d,
+                                                   logprobs=True))
+            else:
+                t, lp = jnp.broadcast_to(ids[d][:, None], (B, n, k)), logp[d][:, None]
+            sc = (score[:, :, None] + node_confidence(spec, d, lp) - DEPTH_COST).reshape(B, n * k)
+            tok = t.reshape(B, n * k).astype(jnp.int32)
+            par = jnp.repeat(index, k, axis=1)
+        heads_slots = tok.shape[1]
+        if d < L:  # each chain's token d + 1
+            tok, sc, par, chain_node, chain_score = add_chain_tokens(
+                tok, sc, par, offset, chain_node, chain_score, copied[:, :, d], found, rates[d])
         toks.append(tok)
         scores.append(sc)
-        parents.append(jnp.repeat(index, k, axis=1))
-        depths.append(np.full(n * k, d + 1, np.int32))
+        parents.append(par)
+        depths.append(np.full(tok.shape[1], d + 1, np.int32))
         if d + 1 < D:  # the next depth expands the `width` best of these, and never more than the tree
             # can hold at this depth (T - 1 - d: a node needs its d ancestors), the only ones that could be kept
-            score, best = jax.lax.top_k(sc, min(width, n * k, T - 1 - d))
+            score, best = jax.lax.top_k(sc, min(width, tok.shape[1], T - 1 - d))
             index = offset + best.astype(jnp.int32)
-            if hydra:
-                grown = jnp.concatenate([jnp.repeat(path, k, axis=1), tok[..., None]], axis=2)  # [B, n*k, d+2]
-                path = jnp.take_along_axis(grown, best[..., None], axis=1)
-        offset += n * k
+            if hydra:  # the heads' paths are their parents' and their own token; a copied node's, the root
+                # and its chain's first d + 1 tokens
+                grown = [jnp.concatenate([jnp.repeat(path, k, axis=1), tok[:, :heads_slots, None]], axis=2)]
+                if d < L:
+                    grown.append(jnp.concatenate([jnp.broadcast_to(root[:, None, None], (B, m, 1)),
+                                                  copied[:, :, :d + 1]], axis=2))
+                path = jnp.take_along_axis(jnp.concatenate(grown, axis=1), best[..., None], axis=1)  # [B, n', d+2]
+        offset += tok.shape[1]
     return (jnp.concatenate(toks, axis=1), jnp.concatenate(scores, axis=1), jnp.concatenate(parents, axis=1),
             np.concatenate(depths))
 
 
-def add_lookup_chains(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths: np.ndarray,
-                      copied: jax.Array, found: jax.Array, rates: Sequence[Sequence[float]]
-                      ) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
-    """Prompt lookup's copied chains as candidates beside the heads' (issue: lookup as branches of
-    the same node budget). Chain c's token j scores its parent's score plus ``rates[c][j]``, the
-    measured log-probability that it is accepted once its parent is, and competes with the heads'
-    nodes for the tree's slots; a chain whose n-gram did not occur (or not that often) gets no
-    nodes (score -1e30, never chosen while the heads draft enough). A copied token already drafted
-    under the same parent (a heads' proposal, or an earlier chain's token) is not drafted twice: the
-    chain continues under that node, which scores the better of the two estimates, so no token
-    appears twice among siblings.
+def add_chain_tokens(tokens: jax.Array, scores: jax.Array, parents: jax.Array, offset: int, chain_node: jax.Array,
+                     chain_score: jax.Array, next_tokens: jax.Array, found: jax.Array, rates
+                     ) -> Tuple[jax.Array, jax.Array, jax.Array, jax.Array, jax.Array]:
+    """One depth of prompt lookup's copied chains as candidates beside the heads' (issue 30: lookup as
+    branches of the same node budget). Chain c's token scores its node's score at the depth above
+    plus ``rates[c]``, the measured log-probability that it is accepted once its parent is, and
+    competes with the heads' nodes for the tree's slots; a chain whose n-gram did not occur (or not
+    that often) gets no node (score -1e30, never chosen while the heads draft enough). A copied token
+    already drafted under the same parent (a heads' proposal, or an earlier chain's token) is not
+    drafted twice: the chain goes on from that node, which scores the better of the two estimates,
+    so no token appears twice among siblings.
 
     Args:
-      tokens, scores, parents, depths: the heads' candidates (`draft_candidates`), C of them.
-      copied: [B, m, k] int32, found: [B, m] bool (`decoding.lookup.ngram_drafts`, latest match first).
-      rates: m rows of k log-probabilities <= 0 (`DynamicSpec.lookup_rates`).
-    Returns: C + m k candidates, as the arguments (depths [C + m k]), chain c's token j at C + c k + j.
+      tokens, scores, parents: [B, n] the depth's candidates so far (the heads'), parents as global
+        candidate indices (-1: the root).
+      offset: the global index of the depth's first candidate (static).
+      chain_node, chain_score: [B, m] int32 / float32 each chain's node at the depth above (a global
+        index, -1 for the root) and its score.
+      next_tokens: [B, m] int32 each chain's token at this depth; found: [B, m] bool whether the chain
+        exists (`decoding.lookup.ngram_drafts`, latest match first).
+      rates: [B, m] (or [m]) float32 log-probabilities <= 0, each chain's at this depth
+        (`DynamicSpec.lookup_rate_table`).
+    Returns: (tokens, scores, parents) [B, n + m], chain c's own slot at n + c (-1e30 where it is
+      merged or absent), and the chains' nodes and scores at this depth ([B, m] each).
     """
-    B, C = tokens.shape
-    m, k = copied.shape[1], copied.shape[2]
+    B, n = tokens.shape
+    m = next_tokens.shape[1]
     rows = jnp.arange(B)
-    copied = copied.astype(jnp.int32)
-    tokens = jnp.concatenate([tokens, copied.reshape(B, m * k)], axis=1)
-    scores = jnp.concatenate([scores, jnp.full((B, m * k), -1e30, scores.dtype)], axis=1)
-    parents = jnp.concatenate([parents, jnp.full((B, m * k), -1, jnp.int32)], axis=1)
+    next_tokens = next_tokens.astype(jnp.int32)
+    rates = jnp.broadcast_to(jnp.asarray(rates, jnp.float32), (B, m))
+    tokens = jnp.concatenate([tokens, next_tokens], axis=1)
+    scores = jnp.concatenate([scores, jnp.full((B, m), -1e30, scores.dtype)], axis=1)
+    parents = jnp.concatenate([parents, chain_node], axis=1)
+    nodes, node_scores = [], []
     for c in range(m):
-        parent, parent_score = jnp.full((B,), -1, jnp.int32), jnp.zeros((B,), scores.dtype)
-        live = found[:, c]
-        for j in range(k):
-            own = C + c * k + j
-            cand = parent_score + rates[c][j] - DEPTH_COST
-            same = (parents == parent[:, None]) & (tokens == copied[:, c, j][:, None]) & (scores > -1e29)  # [B, C+mk]
-            merged = jnp.any(same, axis=1)
-            target = jnp.where(merged, jnp.argmax(same, axis=1).astype(jnp.int32), own)
-            scores = scores.at[:, own].set(jnp.where(live & ~merged, cand, -1e30))
-            parents = parents.at[:, own].set(parent)
-            at = scores[rows, target]
-            raised = jnp.where(live & merged, jnp.maximum(at, cand), at)
-            scores = scores.at[rows, target].set(raised)
-            parent, parent_score = target, raised
-    return tokens, scores, parents, np.concatenate([depths, np.tile(np.arange(1, k + 1, dtype=np.int32), m)])
+        parent, live = chain_node[:, c], found[:, c]
+        cand = chain_score[:, c] + rates[:, c] - DEPTH_COST
+        same = (parents == parent[:, None]) & (tokens == next_tokens[:, c][:, None]) & (scores > -1e29)  # [B, n+m]
+        merged = jnp.any(same, axis=1)
+        target = jnp.where(merged, jnp.argmax(same, axis=1).astype(jnp.int32), n + c)
+        scores = scores.at[:, n + c].set(jnp.where(live & ~merged, cand, -1e30))
+        at = scores[rows, target]
+        raised = jnp.where(live & merged, jnp.maximum(at, cand), at)
+        scores = scores.at[rows, target].set(raised)
+        nodes.append(offset + target)
+        node_scores.append(raised)
+    return tokens, scores, parents, jnp.stack(nodes, axis=1), jnp.stack(node_scores, axis=1)

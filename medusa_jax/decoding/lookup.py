@@ -28,7 +28,7 @@ class PromptLookup(NamedTuple):
       (docs/performance.md): min_ngram 1 drafts more often and accepts less per draft.
     matches: how many occurrences of that n-gram are copied, the latest first (`ngram_drafts`):
       several chains, as llama.cpp's and SGLang's n-gram drafters offer, compete for a dynamic
-      tree's budget (`decoding.dynamic.add_lookup_chains`); a static tree verifies one (matches 1).
+      tree's budget (`decoding.dynamic.add_chain_tokens`); a static tree verifies one (matches 1).
     """
     num_tokens: int = 3
     max_ngram: int = 3
@@ -51,12 +51,12 @@ def ngram_draft(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
                 lookup: PromptLookup) -> Tuple[jax.Array, jax.Array]:
     """The prompt-lookup draft after each row's root token: `ngram_drafts`' first (latest) match.
     Returns (draft [B, k] int32, found [B] bool)."""
-    drafts, found = ngram_drafts(tokens, lengths, root, lookup._replace(matches=1))
+    drafts, found, _ = ngram_drafts(tokens, lengths, root, lookup._replace(matches=1))
     return drafts[:, 0], found[:, 0]
 
 
 def ngram_drafts(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
-                 lookup: PromptLookup) -> Tuple[jax.Array, jax.Array]:
+                 lookup: PromptLookup) -> Tuple[jax.Array, jax.Array, jax.Array]:
     """The prompt-lookup drafts after each row's root token, one per match, the latest first.
 
     The context of row b is ``tokens[b, :lengths[b]]`` followed by ``root[b]`` (at index
@@ -75,7 +75,9 @@ def ngram_drafts(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
     Returns:
       (drafts [B, m, k] int32, found [B, m] bool: whether the row's n-gram occurred that many
       times; where False the draft is filler: it is verified like any draft and only lowers
-      acceptance).
+      acceptance; ngram [B] int32: the n of the n-gram that matched, 0 where none did: a longer
+      match is a surer copy, and a dynamic tree scores its copies by it,
+      `DynamicSpec.lookup_ngram_confidence`).
     """
     B, S = tokens.shape
     m = lookup.matches
@@ -83,6 +85,7 @@ def ngram_drafts(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
     L = lengths.astype(jnp.int32)[:, None]                                          # [B, 1]
     ctx = jnp.where(pos == L, root.astype(jnp.int32)[:, None], tokens)
     ends = jnp.full((B, m), -1, jnp.int32)
+    ngram = jnp.zeros((B,), jnp.int32)
     for n in range(lookup.max_ngram, lookup.min_ngram - 1, -1):
         hit = (pos >= n - 1) & (pos < L)        # an earlier n-gram, ending at e < L (so L >= n: one at L too)
         for j in range(n):
@@ -91,6 +94,7 @@ def ngram_drafts(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
             hit = hit & (earlier == last)
         latest = jnp.where(hit, pos, -1)
         latest = jnp.max(latest, axis=1, keepdims=True) if m == 1 else jax.lax.top_k(latest, m)[0]
+        ngram = jnp.where((ends[:, 0] < 0) & (latest[:, 0] >= 0), n, ngram)
         ends = jnp.where(ends[:, :1] < 0, latest, ends)                              # [B, m]
     found = ends >= 0
     e = jnp.maximum(ends, 0)[:, :, None]                                            # [B, m, 1]
@@ -99,4 +103,4 @@ def ngram_drafts(tokens: jax.Array, lengths: jax.Array, root: jax.Array,
     over = idx - L[:, :, None]
     idx = jnp.where(over > 0, idx - period * ((over + period - 1) // period), idx)
     drafts = jnp.take_along_axis(ctx, jnp.clip(idx, 0, S - 1).reshape(B, -1), axis=1)
-    return drafts.reshape(B, m, lookup.num_tokens), found
+    return drafts.reshape(B, m, lookup.num_tokens), found, ngram

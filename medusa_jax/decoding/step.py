@@ -99,7 +99,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     A tree chosen per step (``tree.dynamic``, `medusa_jax.decoding.dynamic`) is drafted from the heads'
     proposals each step and verified the same way, as per-row arrays; with prompt lookup, the copied
     chains (one per match, ``tree.lookup.matches``) are more branches of it, competing with the heads'
-    nodes for its T slots (`decoding.dynamic.add_lookup_chains`), not a replacement for it.
+    nodes for its T slots (`decoding.dynamic.add_chain_tokens`), not a replacement for it.
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
@@ -126,7 +126,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
         verified, tokens = heads_draft(None)
         return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
     if tree.dynamic is not None:  # the copied chains compete with the heads' nodes for the T slots
-        drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m]
+        drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m], [B]
         verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts)
         return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
     copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool

@@ -105,7 +105,7 @@ def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=
 
 
 def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings=None,
-                     batch: int = 512, lookup_drafts: Optional[Tuple[np.ndarray, np.ndarray]] = None) -> np.ndarray:
+                     batch: int = 512, lookup_drafts: Optional[Tuple[np.ndarray, ...]] = None) -> np.ndarray:
     """What a tree chosen per step (``tree.dynamic``, `decoding.dynamic`) accepts at every position,
     exactly: the tree the heads draft there (its root the true token t+1, which greedy decoding of
     the self-distilled answer emits) and the longest of its paths whose tokens are the answer's next
@@ -113,8 +113,8 @@ def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings
     on the true tokens' ranks, so the draft itself runs at each position.
 
     Args: as `path_ranks`, `tree` a dynamic tree (`decoding.tree.dynamic_tree`), and with prompt
-      lookup `lookup_drafts` = (copied [P, m, k] int32, found [P, m] bool), each position's copied
-      chains (`lookup_drafts`), which compete for the tree's slots as in decoding.
+      lookup `lookup_drafts` = (copied [P, m, k] int32, found [P, m] bool[, ngram [P] int32]), each
+      position's copied chains (`lookup_drafts`), which compete for the tree's slots as in decoding.
     Returns: [P] int32 accepted candidates per position (feed `Replay.run` without lookup: the copy
       is inside the tree).
     """
@@ -135,17 +135,20 @@ def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings
 
 
 def lookup_drafts(chats: Sequence[Tuple[np.ndarray, np.ndarray]], sources: np.ndarray,
-                  lookup: PromptLookup) -> Tuple[np.ndarray, np.ndarray]:
+                  lookup: PromptLookup) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Prompt lookup's drafts at every source position (chat i, t: the context is the chat's tokens
-    up to the root t+1), as decoding finds them (`lookup_matches`).
-    Returns: (copied [P, m, k] int32, filler where none; found [P, m] bool), m = ``lookup.matches``."""
+    up to the root t+1), as decoding finds them (`lookup_match`).
+    Returns: (copied [P, m, k] int32, filler where none; found [P, m] bool; ngram [P] int32, the n
+    of the n-gram matched, 0 where none), m = ``lookup.matches``, as `decoding.lookup.ngram_drafts`."""
     src = np.asarray(sources).reshape(-1, 2)
     copied = np.zeros((len(src), lookup.matches, lookup.num_tokens), np.int32)
     found = np.zeros((len(src), lookup.matches), bool)
+    ngram = np.zeros(len(src), np.int32)
     for j, (i, t) in enumerate(src):
-        for c, d in enumerate(lookup_matches(np.asarray(chats[int(i)][0])[:int(t) + 2], lookup)):
+        drafts, ngram[j] = lookup_match(np.asarray(chats[int(i)][0])[:int(t) + 2], lookup)
+        for c, d in enumerate(drafts):
             copied[j, c], found[j, c] = d, True
-    return copied, found
+    return copied, found, ngram
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -233,6 +236,12 @@ def lookup_matches(context: np.ndarray, lookup: PromptLookup) -> List[np.ndarray
     `decoding.lookup.ngram_drafts` computes them on the device: for the ``matches`` latest earlier
     occurrences of the longest n-gram that occurred, latest first, the `num_tokens` tokens after it
     (continued periodically past the end); [] when none did."""
+    return lookup_match(context, lookup)[0]
+
+
+def lookup_match(context: np.ndarray, lookup: PromptLookup) -> Tuple[List[np.ndarray], int]:
+    """`lookup_matches`' drafts and the n of the n-gram they follow (0 when none occurred), as
+    `decoding.lookup.ngram_drafts` returns it."""
     ctx = np.asarray(context)
     L = len(ctx) - 1
     for n in range(lookup.max_ngram, lookup.min_ngram - 1, -1):
@@ -249,8 +258,8 @@ def lookup_matches(context: np.ndarray, lookup: PromptLookup) -> List[np.ndarray
                 period = L - e
                 over = idx - L
                 out.append(ctx[np.where(over > 0, idx - period * ((over + period - 1) // period), idx)])
-            return out
-    return []
+            return out, n
+    return [], 0
 
 
 class Replay:
