@@ -98,7 +98,8 @@ class DynamicSpec(NamedTuple):
       log-probabilities when the context's last n tokens matched (`decoding.lookup.ngram_drafts`'
       ngram; a longer match is a surer copy: on the shipped heads' held-out chats a copied token
       after a 6-gram is accepted 0.91 of the time, after a bare 2-gram 0.54); where it has no row for
-      n, `lookup_confidence`'s.
+      n, `lookup_confidence`'s. The rows hold for the n-gram range they were measured with: the
+      longest n there means "n or longer" (tune measures with decoding's, `resolve.default_lookup`).
     """
     budget: int
     width: int
