@@ -14,7 +14,9 @@ Both without prompt lookup by default (the heads alone; ``--prompt-lookup K`` ad
 ``--dynamic-lookup K1,K2`` the dynamic trees copy each of those instead, one row per K).
 ``--fit-lookup-confidence`` measures the copied tokens' acceptance per depth afresh, to the deepest K
 asked (`tuning.confidence.fit_lookup_confidence` on every held-out chat: n-gram matching, no model),
-in place of the saved one (tune's replay measures 3 depths; deeper tokens reuse the last).
+in place of the saved one (tune's replay measures 3 depths; deeper tokens reuse the last), pooled and
+per n-gram size (``--no-ngram-confidence`` scores every copy by the pooled rows; ``--max-ngram N``
+matches n-grams up to N). ``--no-static`` decodes with the dynamic trees only.
 The model is loaded as `check` loads it (``--weights as-stored``: the GGUF blocks, by default).
 Prints one JSON line per (T, tree) and a table at the end. Tokens per step are those of greedy
 decoding, so they do not depend on the machine's load; the seconds do.
