@@ -47,7 +47,8 @@ import numpy as np
 from tqdm import tqdm
 
 from medusa_jax import kernels
-from medusa_jax.decoding.tree import DEFAULT_DYNAMIC_WIDTH, build_tree, dynamic_tree, with_lookup
+from medusa_jax.decoding.dynamic_spec import DEFAULT_DYNAMIC_WIDTH
+from medusa_jax.decoding.tree import build_tree, dynamic_tree, with_lookup
 from medusa_jax.train.distill import SAMPLES_FILE
 from medusa_jax.tuning.calibrate import (
     DEFAULT_OUT,

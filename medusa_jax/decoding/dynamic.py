@@ -54,7 +54,7 @@ def node_confidence(spec, depth: int, logprob: jax.Array) -> jax.Array:
     """A depth-`depth` node's score: the log-probability that it is accepted once its parent is.
 
     Args:
-      spec: the tree's `decoding.tree.DynamicSpec`; without ``confidence`` the head's own
+      spec: the tree's `decoding.dynamic_spec.DynamicSpec`; without ``confidence`` the head's own
         log-probability is the score, with it the measured map (`tuning.confidence`) for that depth.
       depth: 0-based head index (static).
       logprob: [...] float32 the head's log-probabilities of the nodes' tokens.

@@ -83,7 +83,7 @@ def fit_lookup_confidence(chats: Sequence[Tuple[np.ndarray, np.ndarray]], source
       floor: the least probability a depth may get.
     Returns: 1 row (m = 1, or no later match's own token reached) or 2 rows of k log-probabilities
       <= 0 (depths never reached: the last measured one); a missing row means the default,
-      `decoding.tree.LOOKUP_CONFIDENCE`, as `DynamicSpec.lookup_rates` fills it.
+      `decoding.dynamic_spec.LOOKUP_CONFIDENCE`, as `DynamicSpec.lookup_rates` fills it.
     Raises ValueError when no position found a copy.
     """
     src = np.asarray(sources).reshape(-1, 2)
