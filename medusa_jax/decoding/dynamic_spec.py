@@ -10,7 +10,7 @@ import numpy as np
 
 
 class DynamicSpec(NamedTuple):
-    """A tree chosen per step (`dynamic_tree`, `medusa_jax.decoding.dynamic`).
+    """A tree chosen per step (`decoding.tree.dynamic_tree`, `medusa_jax.decoding.dynamic`).
 
     budget: T, the nodes one step verifies, root included (a static shape).
     width: W, the best nodes of a depth whose children are drafted (hydra heads run on W paths per
