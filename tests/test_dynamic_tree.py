@@ -100,20 +100,33 @@ def test_medusa_selection_is_the_best_first_top_t(tiny, budget):
         assert set(nodes[1:]) == {p for _, p in scored[:budget - 1]}
 
 
-def reference_hydra(hcfg, hp, lm, emb, hidden, root, D, k, W, T):
-    """Node by node: head d on each of the W best depth-d paths, then the best T - 1 of all drafted."""
-    drafted = []
+def reference_hydra(hcfg, hp, lm, emb, hidden, root, D, k, W, T, chains=(), rates=()):
+    """Node by node, nodes keyed by their paths: depth by depth, head d on each expanded path, then
+    each copied chain's next token under its own node (`chains`: token lists, the latest match first,
+    scored by `rates`; the same path keeps the better score), then the W best of the depth (the
+    heads' and the chains' alike; never more than the T - 1 - d a tree can hold there) are expanded;
+    the best T - 1 of all drafted."""
+    drafted = {}
     frontier = [(0.0, (int(root),))]
-    for d in range(D):
-        children = []
-        for score, path in frontier:
-            st = head_state(hcfg, hp, d, hidden[None], jnp.take(emb, jnp.asarray(path), axis=0)[None])
-            t, lp = states_topk(hcfg, hp, st[None], lm, k, first=d, logprobs=True)
-            for r in range(k):
-                children.append((score + float(lp[0, 0, r]) - DEPTH_COST, path + (int(t[0, 0, r]),)))
-        drafted += children
-        frontier = sorted(children, key=lambda x: -x[0])[:W]
-    return {p for _, p in sorted(drafted, key=lambda x: -x[0])[:T - 1]}
+    chain_at = [(int(root),)] * len(chains)
+    for d in range(max([D] + [len(ch) for ch in chains])):
+        level = {}
+        if d < D:
+            for score, path in frontier:
+                st = head_state(hcfg, hp, d, hidden[None], jnp.take(emb, jnp.asarray(path), axis=0)[None])
+                t, lp = states_topk(hcfg, hp, st[None], lm, k, first=d, logprobs=True)
+                for r in range(k):
+                    level[path + (int(t[0, 0, r]),)] = score + float(lp[0, 0, r]) - DEPTH_COST
+        for c, chain in enumerate(chains):
+            if d < len(chain):
+                parent = chain_at[c]
+                node = parent + (int(chain[d]),)
+                s = (drafted.get(parent, 0.0) if d else 0.0) + rates[c][d] - DEPTH_COST
+                level[node] = max(level.get(node, -1e30), s)
+                chain_at[c] = node
+        drafted.update(level)
+        frontier = [(s, p) for p, s in sorted(level.items(), key=lambda x: -x[1])[:min(W, T - 1 - d)]]
+    return {p for p, _ in sorted(drafted.items(), key=lambda x: -x[1])[:T - 1]}
 
 
 @pytest.mark.parametrize("budget,width", [(6, 1), (12, 2), (20, 3)])
@@ -355,34 +368,6 @@ def test_several_lookup_matches_share_their_common_prefix():
     assert arrays.parents[0].tolist() == [-1, 0, 0, 0, 1, 3, 5, 5]
 
 
-def reference_hydra_with_chains(hcfg, hp, lm, emb, hidden, root, D, k, W, T, chains, rates):
-    """`reference_hydra` with copied chains (each a token list, the latest match first), node by node,
-    nodes keyed by their paths: depth by depth, head d on each expanded path, then each chain's next
-    token under its own node (the same path keeps the better score), then the W best of the depth
-    (the heads' and the chains' alike) are expanded."""
-    drafted = {}
-    frontier = [(0.0, (int(root),))]
-    heads_at = [(int(root),)] * len(chains)
-    for d in range(max(D, max(len(ch) for ch in chains))):
-        level = {}
-        if d < D:
-            for score, path in frontier:
-                st = head_state(hcfg, hp, d, hidden[None], jnp.take(emb, jnp.asarray(path), axis=0)[None])
-                t, lp = states_topk(hcfg, hp, st[None], lm, k, first=d, logprobs=True)
-                for r in range(k):
-                    level[path + (int(t[0, 0, r]),)] = score + float(lp[0, 0, r]) - DEPTH_COST
-        for c, chain in enumerate(chains):
-            if d < len(chain):
-                parent = heads_at[c]
-                node = parent + (int(chain[d]),)
-                s = (drafted.get(parent, 0.0) if d else 0.0) + rates[c][d] - DEPTH_COST
-                level[node] = max(level.get(node, -1e30), s)
-                heads_at[c] = node
-        drafted.update(level)
-        frontier = [(s, p) for p, s in sorted(level.items(), key=lambda x: -x[1])[:min(W, T - 1 - d)]]
-    return {p for p, _ in sorted(drafted.items(), key=lambda x: -x[1])[:T - 1]}
-
-
 @pytest.mark.parametrize("budget,width", [(8, 2), (14, 3)])
 def test_hydra_heads_expand_copied_nodes(tiny, budget, width):
     """With prompt lookup, the heads also draft below a copied token (node-by-node reference): the
@@ -410,7 +395,7 @@ def test_hydra_heads_expand_copied_nodes(tiny, budget, width):
     for b in range(2):
         nodes = check_arrays(arrays, tokens, b)
         chains = [copied[b, c].tolist() for c in range(2) if found[b, c]]
-        want = reference_hydra_with_chains(dhcfg, dhp, lm, emb, hidden[b], root[b], D, k, width, budget, chains, rates)
+        want = reference_hydra(dhcfg, dhp, lm, emb, hidden[b], root[b], D, k, width, budget, chains, rates)
         assert set(nodes[1:]) == want
         rows.append(nodes)
     assert any(len(n) == 6 for r in rows for n in r)                          # a copy deeper than the heads
