@@ -59,8 +59,13 @@ def default_lookup(tree: TreeBuffers, num_tokens: Optional[int] = None) -> Promp
     dynamic = tree.dynamic is not None
     if num_tokens is None:
         num_tokens = DYNAMIC_LOOKUP_TOKENS if dynamic else DEFAULT_PROMPT_LOOKUP.num_tokens
-    if not dynamic:
-        return DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens)
+    return dynamic_lookup(num_tokens) if dynamic else DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens)
+
+
+def dynamic_lookup(num_tokens: int) -> PromptLookup:
+    """The prompt lookup of a tree chosen per step, copying `num_tokens`: `DEFAULT_PROMPT_LOOKUP`'s
+    n-grams up to `DYNAMIC_LOOKUP_MAX_NGRAM`, `DYNAMIC_LOOKUP_MATCHES` matches (decoding's, and what
+    tune replays and measures dynamic trees with)."""
     return DEFAULT_PROMPT_LOOKUP._replace(num_tokens=num_tokens, matches=DYNAMIC_LOOKUP_MATCHES,
                                           max_ngram=DYNAMIC_LOOKUP_MAX_NGRAM)
 
@@ -263,8 +268,7 @@ def _replayed_dynamic(tree: TreeBuffers, calibration: dict, lookup) -> Optional[
     # copied tokens past depth T - 1 are never kept (each would need T - 1 ancestors above it), so copies
     # of K and K' tokens draft the same trees when both are at least T - 1 long
     kept = lambda settings: dict(settings, num_tokens=min(int(settings["num_tokens"]), tree.size - 1))
-    replayed_lookup = replayed_lookup and dict(replayed_lookup, matches=DYNAMIC_LOOKUP_MATCHES, max_ngram=max(
-        int(replayed_lookup["max_ngram"]), DYNAMIC_LOOKUP_MAX_NGRAM))  # as tune replays a dynamic tree's
+    replayed_lookup = replayed_lookup and dynamic_lookup(int(replayed_lookup["num_tokens"]))._asdict()  # as tune does
     if replayed_lookup and kept(lookup) == kept(replayed_lookup) \
             and row.get("predicted_tokens_per_step_lookup"):
         return row["predicted_tokens_per_step_lookup"], "replayed on the held-out chats, with prompt lookup"

@@ -88,7 +88,7 @@ def held_out_lookup_confidence(num_tokens: int):
     chats = [(np.asarray(e[0][:512]), np.asarray(e[1][:512], bool)) for e in val]
     sources = np.asarray([(i, t) for i, (ids, mask) in enumerate(chats) for t in range(len(ids) - 2)
                           if mask[t + 1] or mask[t + 2]])
-    lookup = resolve.default_lookup(get_tree("dynamic:2"), num_tokens)
+    lookup = resolve.dynamic_lookup(num_tokens)
     copied, found, ngram = lookup_drafts(chats, sources, lookup)
     return (fit_lookup_confidence(chats, sources, copied, found),
             fit_lookup_ngram_confidence(chats, sources, copied, found, ngram))

@@ -208,8 +208,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
     dynamic, confidence, lookup_conf, by_ngram, drafts = {}, None, None, None, None  # T -> the dynamic tree
     # a dynamic tree's lookup offers several matches (resolve.default_lookup), a static tree's one
-    dyn_lookup = lookup and lookup._replace(matches=resolve.DYNAMIC_LOOKUP_MATCHES,
-                                            max_ngram=max(lookup.max_ngram, resolve.DYNAMIC_LOOKUP_MAX_NGRAM))
+    dyn_lookup = lookup and resolve.dynamic_lookup(lookup.num_tokens)
     if args.dynamic_width:  # how often the drafts are accepted, by their probability (tuning.confidence)
         confidence = fit_confidence(*events)
         if lookup is not None:  # copies measured deeper than the replay reaches (n-gram matching alone), so
