@@ -16,7 +16,8 @@ Both without prompt lookup by default (the heads alone; ``--prompt-lookup K`` ad
 asked (`tuning.confidence.fit_lookup_confidence` on every held-out chat: n-gram matching, no model),
 in place of the saved one (tune's replay measures 3 depths; deeper tokens reuse the last), pooled and
 per n-gram size (``--no-ngram-confidence`` scores every copy by the pooled rows; ``--max-ngram N``
-matches n-grams up to N). ``--no-static`` decodes with the dynamic trees only.
+matches n-grams up to N; ``--matches M`` offers the M latest matches). ``--no-static`` decodes with the
+dynamic trees only, ``--no-dynamic`` with the static ones only.
 The model is loaded as `check` loads it (``--weights as-stored``: the GGUF blocks, by default).
 Prints one JSON line per (T, tree) and a table at the end. Tokens per step are those of greedy
 decoding, so they do not depend on the machine's load; the seconds do.
@@ -36,7 +37,7 @@ sys.path.insert(0, ROOT)
 import medusa_jax as mj  # noqa: E402
 from medusa_jax import resolve  # noqa: E402
 from medusa_jax.chat import load_first_turns  # noqa: E402
-from medusa_jax.decoding.tree import build_tree, get_tree  # noqa: E402
+from medusa_jax.decoding.tree import build_tree, get_tree, with_lookup  # noqa: E402
 from medusa_jax.evals.lossless import decode_one  # noqa: E402
 
 MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "FastChat_mt_bench_question.jsonl")
@@ -74,10 +75,16 @@ def grown_order(max_size: int, cache: str, lookup_tokens: int):
     return list(order)
 
 
-def held_out_lookup_confidence(num_tokens: int):
-    """`fit_lookup_confidence` and `fit_lookup_ngram_confidence` for copies of `num_tokens` (the
-    default n-grams and matches of a dynamic tree) at every answer position of the held-out chats (as
-    `tune` splits them)."""
+def dynamic_trees_lookup(num_tokens: int, max_ngram: int = 0, matches: int = 0):
+    """`resolve.dynamic_lookup(num_tokens)`, decoding's for a dynamic tree, with this benchmark's
+    ``--max-ngram`` and ``--matches`` where given (0: decoding's)."""
+    lookup = resolve.dynamic_lookup(num_tokens)
+    return lookup._replace(max_ngram=max_ngram or lookup.max_ngram, matches=matches or lookup.matches)
+
+
+def held_out_lookup_confidence(lookup):
+    """`fit_lookup_confidence` and `fit_lookup_ngram_confidence` for the copies `lookup` drafts (a
+    `PromptLookup`) at every answer position of the held-out chats (as `tune` splits them)."""
     import numpy as np
 
     from medusa_jax.train import data as D
@@ -88,7 +95,6 @@ def held_out_lookup_confidence(num_tokens: int):
     chats = [(np.asarray(e[0][:512]), np.asarray(e[1][:512], bool)) for e in val]
     sources = np.asarray([(i, t) for i, (ids, mask) in enumerate(chats) for t in range(len(ids) - 2)
                           if mask[t + 1] or mask[t + 2]])
-    lookup = resolve.dynamic_lookup(num_tokens)
     copied, found, ngram = lookup_drafts(chats, sources, lookup)
     return (fit_lookup_confidence(chats, sources, copied, found),
             fit_lookup_ngram_confidence(chats, sources, copied, found, ngram))
@@ -115,15 +121,20 @@ def main() -> int:
                    "confidence, not by the length of the n-gram it matched")
     p.add_argument("--no-static", action="store_true", help="decode with the dynamic trees only (the static ones "
                    "measured before; every answer is still checked against plain greedy's)")
+    p.add_argument("--matches", type=int, default=0, help="prompt lookup matches offered to the dynamic trees "
+                   "(0: resolve.DYNAMIC_LOOKUP_MATCHES)")
+    p.add_argument("--no-dynamic", action="store_true", help="decode with the static trees only (the dynamic ones "
+                   "measured before)")
     args = p.parse_args()
+    if args.no_static and args.no_dynamic:
+        p.error("--no-static and --no-dynamic leave no tree to decode with")
     sizes = [int(s) for s in args.sizes.split(",")]
     model = mj.load_model(weights=args.weights)
     calibration = resolve.heads_calibration(None, args.weights) or {}
     dyn_lookup = [int(k) for k in (args.dynamic_lookup or str(args.prompt_lookup)).split(",")]
-    if args.max_ngram:
-        resolve.DYNAMIC_LOOKUP_MAX_NGRAM = args.max_ngram
+    dyn_trees_lookup = lambda k: dynamic_trees_lookup(k, args.max_ngram, args.matches)  # noqa: E731
     if args.fit_lookup_confidence:
-        rows, by_ngram = held_out_lookup_confidence(max(dyn_lookup))
+        rows, by_ngram = held_out_lookup_confidence(dyn_trees_lookup(max(dyn_lookup)))
         calibration = {**calibration, "lookup_confidence": rows, "lookup_ngram_confidence": by_ngram}
         print(json.dumps({"lookup_acceptance": [[round(math.exp(x), 3) for x in r] for r in rows],
                           "by_ngram": {n: [round(math.exp(x), 3) for x in r] for n, r in by_ngram.items()}}),
@@ -141,7 +152,7 @@ def main() -> int:
     rows = []
     for T in sizes:
         trees = {} if args.no_static else {"static": build_tree(order[:T - 1], hcfg.topk)}
-        for w in (int(x) for x in args.widths.split(",")):
+        for w in ([] if args.no_dynamic else (int(x) for x in args.widths.split(","))):
             w = w or max(4, T // 4)
             tree = resolve.with_confidence(get_tree(f"dynamic:{T}:{w}", topk=hcfg.topk, num_heads=hcfg.num_heads),
                                            calibration.get("confidence"), calibration.get("lookup_confidence"),
@@ -149,8 +160,11 @@ def main() -> int:
             for k in dyn_lookup:
                 trees[f"dynamic W={w}" + (f" K={k}" if args.dynamic_lookup else "")] = (tree, k)
         for name, tree in trees.items():
-            tree, k = tree if isinstance(tree, tuple) else (tree, args.prompt_lookup)
-            tree = resolve.tree_lookup(tree, k)
+            if isinstance(tree, tuple):  # a dynamic tree: its lookup with this run's settings
+                tree, k = tree
+                tree = with_lookup(tree, dyn_trees_lookup(k) if k else None)
+            else:
+                tree = resolve.tree_lookup(tree, args.prompt_lookup)
             t0 = time.perf_counter()
             tokens = steps = same = 0
             for ids, want in zip(prompts, plain):
@@ -165,8 +179,9 @@ def main() -> int:
     for T in sizes:
         cells = [f"{r['tokens_per_step']:.3f} ({r['identical']}/{r['prompts']})" for r in rows if r["T"] == T]
         static = [r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] == "static"]
-        best = max(r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] != "static")
-        print(f"| {T} | " + " | ".join(cells) + (f" | dynamic/static {best / static[0]:.3f} |" if static else " |"))
+        dynamic = [r["tokens_per_step"] for r in rows if r["T"] == T and r["tree"] != "static"]
+        ratio = f" | dynamic/static {max(dynamic) / static[0]:.3f} |" if static and dynamic else " |"
+        print(f"| {T} | " + " | ".join(cells) + ratio)
     return 0
 
 

@@ -4,6 +4,7 @@ consistency, lossless greedy decoding with and without prompt lookup (loops, on-
 engine), an oracle, and the tree spec's parsing, files and errors."""
 import itertools
 import json
+from types import SimpleNamespace
 
 import jax
 import jax.numpy as jnp
@@ -129,20 +130,28 @@ def reference_hydra(hcfg, hp, lm, emb, hidden, root, D, k, W, T, chains=(), rate
     return {p for p, _ in sorted(drafted.items(), key=lambda x: -x[1])[:T - 1]}
 
 
+def hydra_setup(tiny, budget, width, k, D, seed):
+    """What the hydra selection tests share: random hydra heads on the tiny backbone, a `dynamic:budget:width`
+    tree of depth D over the heads' top k, two rows' hidden states [2, DM] and roots [2], and the
+    reference's lm_head and embeddings."""
+    cfg, params = tiny
+    tree = dynamic_tree(budget, D, topk=k, width=width)
+    dparams, dhcfg, dhp, _ = decoding_setup(cfg, params, random_hydra(cfg, params), tree)
+    hidden = jax.random.normal(jax.random.PRNGKey(seed), (2, DM))
+    return SimpleNamespace(tree=tree, dparams=dparams, dhcfg=dhcfg, dhp=dhp, hidden=hidden,
+                           root=jnp.asarray([4, 9], jnp.int32), state=state_for(cfg, params, hidden),
+                           lm=lm_head_matrix(cfg, dparams), emb=token_embeddings(dparams))
+
+
 @pytest.mark.parametrize("budget,width", [(6, 1), (12, 2), (20, 3)])
 def test_hydra_selection_equals_node_by_node_reference(tiny, budget, width):
-    cfg, params = tiny
-    hcfg, hp = random_hydra(cfg, params)
     k, D = 5, 3
-    tree = dynamic_tree(budget, D, topk=k, width=width)
-    dparams, dhcfg, dhp, _ = decoding_setup(cfg, params, (hcfg, hp), tree)
-    hidden = jax.random.normal(jax.random.PRNGKey(6), (2, DM))
-    root = jnp.asarray([4, 9], jnp.int32)
-    arrays, tokens = dynamic_draft(cfg, dhcfg, dhp, dparams, state_for(cfg, params, hidden), root, tree)
-    lm, emb = lm_head_matrix(cfg, dparams), token_embeddings(dparams)
+    h = hydra_setup(tiny, budget, width, k, D, seed=6)
+    arrays, tokens = dynamic_draft(tiny[0], h.dhcfg, h.dhp, h.dparams, h.state, h.root, h.tree)
     for b in range(2):
         nodes = check_arrays(arrays, tokens, b)
-        assert set(nodes[1:]) == reference_hydra(dhcfg, dhp, lm, emb, hidden[b], root[b], D, k, width, budget)
+        assert set(nodes[1:]) == reference_hydra(h.dhcfg, h.dhp, h.lm, h.emb, h.hidden[b], h.root[b], D, k, width,
+                                                 budget)
 
 
 def test_select_tree_on_hand_made_scores():
@@ -372,31 +381,28 @@ def test_several_lookup_matches_share_their_common_prefix():
 def test_hydra_heads_expand_copied_nodes(tiny, budget, width):
     """With prompt lookup, the heads also draft below a copied token (node-by-node reference): the
     chains' nodes compete for the expansion, the copy longer than the heads are deep goes on alone."""
-    cfg, params = tiny
-    hcfg, hp = random_hydra(cfg, params)
     k, D = 4, 3
-    tree = dynamic_tree(budget, D, topk=k, width=width)
-    dparams, dhcfg, dhp, _ = decoding_setup(cfg, params, (hcfg, hp), tree)
-    hidden = jax.random.normal(jax.random.PRNGKey(7), (2, DM))
-    root = jnp.asarray([4, 9], jnp.int32)
-    lm, emb = lm_head_matrix(cfg, dparams), token_embeddings(dparams)
-    plain = [reference_hydra(dhcfg, dhp, lm, emb, hidden[b], root[b], D, k, width, budget) for b in range(2)]
+    h = hydra_setup(tiny, budget, width, k, D, seed=7)
+
+    def reference(b, *chains_and_rates):
+        return reference_hydra(h.dhcfg, h.dhp, h.lm, h.emb, h.hidden[b], h.root[b], D, k, width, budget,
+                               *chains_and_rates)
+
+    plain = [reference(b) for b in range(2)]
     # row 0: chain 0 follows the heads' best path for two tokens, chain 1 shares its first token;
     # row 1: a chain of tokens the heads do not propose, and no second match
     best = max(plain[0], key=len)
     copied = np.asarray([[[best[1], best[2], 5, 6, 7], [best[1], 8, 9, 10, 11]],
                          [[12, 13, 14, 15, 1], [0, 0, 0, 0, 0]]], np.int32)
     found = np.asarray([[True, True], [True, False]])
-    rates = tree.dynamic.lookup_rates(5, 2)
-    state = state_for(cfg, params, hidden)
-    arrays, tokens = dynamic_draft(cfg, dhcfg, dhp, dparams, state, root, with_lookup(tree, PromptLookup(5, 2, 1, 2)),
+    rates = h.tree.dynamic.lookup_rates(5, 2)
+    lk = with_lookup(h.tree, PromptLookup(5, 2, 1, 2))
+    arrays, tokens = dynamic_draft(tiny[0], h.dhcfg, h.dhp, h.dparams, h.state, h.root, lk,
                                    (jnp.asarray(copied), jnp.asarray(found)))
     rows = []
     for b in range(2):
         nodes = check_arrays(arrays, tokens, b)
-        chains = [copied[b, c].tolist() for c in range(2) if found[b, c]]
-        want = reference_hydra(dhcfg, dhp, lm, emb, hidden[b], root[b], D, k, width, budget, chains, rates)
-        assert set(nodes[1:]) == want
+        assert set(nodes[1:]) == reference(b, [copied[b, c].tolist() for c in range(2) if found[b, c]], rates)
         rows.append(nodes)
     assert any(len(n) == 6 for r in rows for n in r)                          # a copy deeper than the heads
     copies = {(9,) + tuple(copied[1, 0, :j]) for j in range(1, 6)}
