@@ -17,7 +17,9 @@ asked (`tuning.confidence.fit_lookup_confidence` on every held-out chat: n-gram 
 in place of the saved one (tune's replay measures 3 depths; deeper tokens reuse the last), pooled and
 per n-gram size (``--no-ngram-confidence`` scores every copy by the pooled rows; ``--max-ngram N``
 matches n-grams up to N; ``--matches M`` offers the M latest matches). ``--no-static`` decodes with the
-dynamic trees only, ``--no-dynamic`` with the static ones only.
+dynamic trees only, ``--no-dynamic`` with the static ones only. ``--heads DIR`` decodes the dynamic trees
+with other heads (scored by their own `tune` report when they have one, else by the draft's
+probabilities; the static trees are grown for the shipped heads only, so it needs ``--no-static``).
 The model is loaded as `check` loads it (``--weights as-stored``: the GGUF blocks, by default).
 Prints one JSON line per (T, tree) and a table at the end. Tokens per step are those of greedy
 decoding, so they do not depend on the machine's load; the seconds do.
@@ -125,12 +127,16 @@ def main() -> int:
                    "(0: resolve.DYNAMIC_LOOKUP_MATCHES)")
     p.add_argument("--no-dynamic", action="store_true", help="decode with the static trees only (the dynamic ones "
                    "measured before)")
+    p.add_argument("--heads", default=None, help="a heads directory to decode the dynamic trees with (default: the "
+                   "shipped heads; needs --no-static)")
     args = p.parse_args()
     if args.no_static and args.no_dynamic:
         p.error("--no-static and --no-dynamic leave no tree to decode with")
+    if args.heads and not args.no_static:
+        p.error("--heads needs --no-static (the static trees are grown for the shipped heads)")
     sizes = [int(s) for s in args.sizes.split(",")]
     model = mj.load_model(weights=args.weights)
-    calibration = resolve.heads_calibration(None, args.weights) or {}
+    calibration = resolve.heads_calibration(args.heads, args.weights) or {}
     dyn_lookup = [int(k) for k in (args.dynamic_lookup or str(args.prompt_lookup)).split(",")]
     dyn_trees_lookup = lambda k: dynamic_trees_lookup(k, args.max_ngram, args.matches)  # noqa: E731
     if args.fit_lookup_confidence:
@@ -141,7 +147,7 @@ def main() -> int:
               flush=True)
     if args.no_ngram_confidence:
         calibration = {k: v for k, v in calibration.items() if k != "lookup_ngram_confidence"}
-    heads, _, _ = mj.resolve_heads(model, None, tree_spec=f"dynamic:{max(sizes)}", prompt_lookup=0)
+    heads, _, _ = mj.resolve_heads(model, args.heads, tree_spec=f"dynamic:{max(sizes)}", prompt_lookup=0)
     hcfg = heads[0]
     prompts = [mj.apply_chat_template(model.tokenizer, r["prompt"]) for r in load_first_turns(MT_BENCH)][:args.limit]
     order = None if args.no_static else grown_order(max(sizes), args.static_cache, args.prompt_lookup)
