@@ -27,6 +27,7 @@ decoding, so they do not depend on the machine's load; the seconds do.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -138,7 +139,7 @@ def main() -> int:
     model = mj.load_model(weights=args.weights)
     calibration = resolve.heads_calibration(args.heads, args.weights) or {}
     dyn_lookup = [int(k) for k in (args.dynamic_lookup or str(args.prompt_lookup)).split(",")]
-    dyn_trees_lookup = lambda k: dynamic_trees_lookup(k, args.max_ngram, args.matches)  # noqa: E731
+    dyn_trees_lookup = functools.partial(dynamic_trees_lookup, max_ngram=args.max_ngram, matches=args.matches)
     if args.fit_lookup_confidence:
         rows, by_ngram = held_out_lookup_confidence(dyn_trees_lookup(max(dyn_lookup)))
         calibration = {**calibration, "lookup_confidence": rows, "lookup_ngram_confidence": by_ngram}
