@@ -158,20 +158,17 @@ def main() -> int:
     print(json.dumps({"tree": "plain", "prompts": len(prompts), "seconds": round(plain_s, 1)}), flush=True)
     rows = []
     for T in sizes:
-        trees = {} if args.no_static else {"static": build_tree(order[:T - 1], hcfg.topk)}
+        trees = {} if args.no_static else {
+            "static": resolve.tree_lookup(build_tree(order[:T - 1], hcfg.topk), args.prompt_lookup)}
         for w in ([] if args.no_dynamic else (int(x) for x in args.widths.split(","))):
             w = w or max(4, T // 4)
             tree = resolve.with_confidence(get_tree(f"dynamic:{T}:{w}", topk=hcfg.topk, num_heads=hcfg.num_heads),
                                            calibration.get("confidence"), calibration.get("lookup_confidence"),
                                            calibration.get("lookup_ngram_confidence"))
-            for k in dyn_lookup:
-                trees[f"dynamic W={w}" + (f" K={k}" if args.dynamic_lookup else "")] = (tree, k)
+            for k in dyn_lookup:  # each with its lookup as this run sets it
+                trees[f"dynamic W={w}" + (f" K={k}" if args.dynamic_lookup else "")] = \
+                    with_lookup(tree, dyn_trees_lookup(k) if k else None)
         for name, tree in trees.items():
-            if isinstance(tree, tuple):  # a dynamic tree: its lookup with this run's settings
-                tree, k = tree
-                tree = with_lookup(tree, dyn_trees_lookup(k) if k else None)
-            else:
-                tree = resolve.tree_lookup(tree, args.prompt_lookup)
             t0 = time.perf_counter()
             tokens = steps = same = 0
             for ids, want in zip(prompts, plain):
