@@ -276,17 +276,36 @@ def _replayed_dynamic(tree: TreeBuffers, calibration: dict, lookup) -> Optional[
 
 
 def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
-    """A hint when `medusa_jax.cli.tune` measured, on this kind of device, that the heads' chosen tree is
-    slower than plain decoding (predicted speedup < 1); "" otherwise."""
-    if tree is None or not calibration or tree.dynamic is not None:
-        return ""
+    """A hint when `medusa_jax.cli.tune`, on this kind of device, predicted `tree` slower than plain
+    decoding, or never timed a step as large as its; "" otherwise (and without a calibration made on
+    this kind of device).
 
-    if calibration.get("device") != str(jax.devices()[0].device_kind) or calibration.get("chosen_size") != tree.size:
+    Slower: a tree whose tokens per step tune replayed (`predicted_tokens_per_step`: the static tree
+    it chose, a dynamic tree of a budget and width it replayed) are fewer than the plain steps its
+    step costs, c(T) at its `TreeBuffers.step_size` (mean over the cache sizes tune timed, as tune
+    compares trees). Larger: a tree whose step runs more tokens than the largest tune timed: on a
+    CPU a step's cost grows with its tokens (~12 plain steps at 32 tokens on the GGUF blocks,
+    docs/performance.md), so it may decode slower than plain while its tokens per step look good."""
+    if tree is None or not calibration or calibration.get("device") != str(jax.devices()[0].device_kind):
         return ""
-    if tree.lookup_settings != calibration.get("prompt_lookup"):
-        return ""  # chosen for another prompt-lookup setting
-    row = next((r for r in calibration.get("rows", []) if r.get("size") == tree.size), None)
-    if row is None or row.get("predicted_speedup", 1.0) >= 1.0:
+    key = "dynamic_cost_by_cache_size" if tree.dynamic is not None else "cost_by_cache_size"
+    costs = [by_size for by_size in (calibration.get(key) or {}).values() if by_size]
+    T = tree.step_size
+    at_t = [by_size[str(T)] for by_size in costs if str(T) in by_size]
+    if at_t:
+        c = sum(at_t) / len(at_t)
+        predicted = predicted_tokens_per_step(tree, calibration)
+        if predicted is None or not predicted[1].startswith("replayed") or predicted[0] >= c:
+            return ""
+        return (f"on this device ({calibration['device']}) this tree is predicted at {predicted[0] / c:.2f}x plain "
+                f"decoding ({predicted[0]:.2f} tokens a step at {c:.2f} plain steps' cost, medusa-tune); "
+                "--no-medusa is faster")
+    timed = max((int(t) for by_size in costs for t in by_size), default=None)
+    if timed is None or T <= timed:
         return ""
-    return (f"on this device ({calibration['device']}) these heads' tree is predicted at "
-            f"{row['predicted_speedup']:.2f}x plain decoding (medusa-tune); --no-medusa is faster")
+    at_top = [by_size[str(timed)] for by_size in costs if str(timed) in by_size]
+    return (f"this tree runs {T} tokens a step; medusa-tune timed steps on this device "
+            f"({calibration['device']}) only up to {timed} tokens ({timed} cost {sum(at_top) / len(at_top):.2f} "
+            f"plain steps; it chose {calibration.get('chosen_size')}): a larger step costs more, so this tree "
+            f"may decode slower than plain; `medusa-tune --sizes {timed},{T}` predicts it, medusa-bench "
+            "measures it")

@@ -384,3 +384,42 @@ def test_the_avx2_and_avx512_builds_give_the_same_products(tmp_path):
         status, *runs[flag] = out.stdout.strip().splitlines()
         assert ("AVX-512VL" in status) == (flag == "1" and {"avx512f", "avx512vl"} <= kernels.library._cpu_flags())
     assert len(runs["0"]) == 15 and runs["0"] == runs["1"]
+
+
+_CLAIMS_AVX512 = """
+from medusa_jax.kernels import library
+real = library._cpu_flags()
+library._cpu_flags = lambda: real | {"avx512f", "avx512vl"}  # as if the CPU had them
+""" + _BLOCK_PRODUCTS
+
+
+@needs_kernels
+def test_a_compiler_that_rejects_avx512_gets_the_avx2_build(tmp_path):
+    """Where the CPU has AVX-512VL but the compiler rejects ``-mavx512vl`` (an old compiler), the
+    kernels are the AVX2 build, with the same products, `status` says why, and the rejection is
+    remembered: a second process does not ask the compiler again."""
+    log, cxx = tmp_path / "calls.log", tmp_path / "old-c++"
+    real = shutil.which(os.environ.get("CXX", "c++"))
+    cxx.write_text(f"""#!/bin/sh
+echo "$*" >> {log}
+case " $* " in *" -mavx512vl "*) echo "error: unrecognized command-line option '-mavx512vl'" >&2; exit 1;; esac
+exec {real} "$@"
+""")
+    cxx.chmod(0o755)
+    base = {**os.environ, "MEDUSA_JAX_CACHE": str(tmp_path / "cache")}
+    outs = []
+    for env in ({**base, "CXX": str(cxx)}, {**base, "CXX": str(cxx)}, {**base, "MEDUSA_JAX_KERNELS_AVX512": "0"}):
+        out = subprocess.run([sys.executable, "-c", _CLAIMS_AVX512], cwd=ROOT / "tests", env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        outs.append(out.stdout.strip().splitlines())
+    for status in (outs[0][0], outs[1][0]):
+        assert "AVX2+FMA, the compiler rejected -mavx512f -mavx512vl" in status, status
+    assert "AVX2+FMA" in outs[2][0] and "rejected" not in outs[2][0]
+    # the same library (one AVX2 build, found by the third run) and the same products
+    assert outs[0][0].split("; ")[-1] == outs[2][0].split("; ")[-1]
+    assert len(outs[0]) == 16 and outs[0][1:] == outs[1][1:] == outs[2][1:]
+    calls = log.read_text().splitlines()
+    assert [("-mavx512vl" in c) for c in calls] == [True, False], calls
+    assert len(list((tmp_path / "cache").glob("*.failed"))) == 1
+

@@ -129,26 +129,42 @@ def test_spec_bench_six_tasks_and_even_per_category_pick():
     assert [r["id"] for r in per_category(mtb, 2)][:4] == [81, 86, 91, 96]
 
 
-def test_speed_note_only_for_a_slow_tuned_tree_on_this_device():
+def test_speed_note_for_a_tree_predicted_slow_or_larger_than_tune_timed():
+    """decode.py and bench warn when tune, on this kind of device, replayed a tree at fewer tokens a
+    step than its step costs (c(T) at the step's size, mean over cache sizes), or never timed a
+    step as large; nothing for a tree predicted faster, one tune made no replay for, or another
+    device's calibration."""
     import jax
 
-    from medusa_jax.decoding.tree import build_tree
+    from medusa_jax.decoding.lookup import PromptLookup
+    from medusa_jax.decoding.tree import build_tree, get_tree, with_lookup
     from medusa_jax.resolve import speed_note
     tree = build_tree([(0,), (1,)], topk=2)
     dev = str(jax.devices()[0].device_kind)
-    cal = {"device": dev, "chosen_size": 3, "rows": [{"size": 1, "predicted_speedup": 1.0},
-                                                      {"size": 3, "predicted_speedup": 0.8}]}
-    assert "0.80x" in speed_note(tree, cal) and "--no-medusa" in speed_note(tree, cal)
-    assert speed_note(tree, {**cal, "device": "other"}) == ""
-    assert speed_note(build_tree([(0,)], topk=2), cal) == ""  # not the tuned tree
-    fast = {**cal, "rows": [{"size": 3, "predicted_speedup": 1.2}]}
-    assert speed_note(tree, fast) == "" and speed_note(tree, None) == ""
-    # a tree chosen for decoding with prompt lookup says nothing of decoding without it, and back
-    from medusa_jax.decoding.lookup import PromptLookup
-    from medusa_jax.decoding.tree import with_lookup
-    looked = {**cal, "prompt_lookup": PromptLookup(3, 3, 2)._asdict()}
-    assert speed_note(tree, looked) == "" and "0.80x" in speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), looked)
-    assert speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), cal) == ""
+    costs = {"256": {"2": 1.1, "3": 1.3, "4": 1.5}, "512": {"2": 1.1, "3": 1.1, "4": 1.5}}
+    cal = {"device": dev, "chosen_size": 3, "medusa_choices": [[0], [1]], "predicted_by": "replay",
+           "rank_accuracies": [[0.5, 0.1]], "predicted_tokens_per_step": 1.1, "cost_by_cache_size": costs}
+    note = speed_note(tree, cal)  # replayed 1.1 tokens a step at c(3) = 1.2
+    assert "0.92x" in note and "1.20 plain steps" in note and "--no-medusa" in note, note
+    assert speed_note(tree, {**cal, "device": "other"}) == "" and speed_note(tree, None) == ""
+    assert speed_note(tree, {**cal, "predicted_tokens_per_step": 1.3}) == ""  # faster
+    assert speed_note(build_tree([(0,)], topk=2), cal) == ""  # not replayed (rank accuracies only), timed
+    # with prompt lookup (k = 3) the static step runs 4 tokens: c(4) = 1.5 against the lookup's replay
+    looked = {**cal, "prompt_lookup": PromptLookup(3, 3, 2)._asdict(), "predicted_tokens_per_step_lookup": 1.4}
+    assert "0.93x" in speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), looked)
+    faster = {**looked, "predicted_tokens_per_step_lookup": 1.6}
+    assert speed_note(with_lookup(tree, PromptLookup(3, 3, 2)), faster) == ""
+    # a step larger than any tune timed: static (5 tokens with a 4-token copy) and dynamic trees
+    note = speed_note(with_lookup(tree, PromptLookup(4, 3, 2)), cal)
+    assert "runs 5 tokens a step" in note and "only up to 4 tokens (4 cost 1.50 plain steps; it chose 3)" in note
+    assert "--sizes 4,5" in note
+    dynamic = get_tree("dynamic:64", topk=10, num_heads=4)
+    assert speed_note(dynamic, cal) == ""  # tune timed no dynamic tree: nothing known
+    dcal = {**cal, "dynamic_cost_by_cache_size": {"256": {"2": 1.2, "8": 3.2}},
+            "dynamic_rows": [{"size": 2, "dynamic": {"budget": 2, "width": 4}, "predicted_tokens_per_step": 1.5}]}
+    assert "runs 64 tokens a step" in speed_note(dynamic, dcal) and "8 cost 3.20" in speed_note(dynamic, dcal)
+    assert speed_note(get_tree("dynamic:2", topk=10, num_heads=4), dcal) == ""  # 1.5 tokens at c(2) = 1.2
+    assert speed_note(get_tree("dynamic:8", topk=10, num_heads=4), dcal) == ""  # timed, never replayed
 
 
 def test_prompt_files_are_checked_line_by_line(tmp_path):

@@ -117,8 +117,10 @@ def main(argv=None) -> int:
     if tree is None:  # neither heads nor prompt lookup: nothing to compare with plain decoding
         print(f"error: {note}", file=sys.stderr)
         return 2
-    if note:
-        print(f"note: {note}", file=sys.stderr)
+    calibration = resolve.heads_calibration(args.heads, weights_of(params))
+    for line in (note, resolve.speed_note(tree, calibration)):
+        if line:
+            print(f"note: {line}", file=sys.stderr)
     hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None
     eos = cfg.eos_token_ids
     prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
@@ -169,7 +171,7 @@ def main(argv=None) -> int:
                        {"plain": plain_acc, "medusa": acc}, args.seed, greedy) for n in batch_sizes]
     conditions["load_average_after"] = list(os.getloadavg()) if hasattr(os, "getloadavg") else None
     summary = summarize(rows, tree.max_accepted)
-    predicted = resolve.predicted_tokens_per_step(tree, resolve.heads_calibration(args.heads, weights_of(params)))
+    predicted = resolve.predicted_tokens_per_step(tree, calibration)
     overall = summary.get("overall", summary.get("all"))
     tps_line = (f"tokens/step: measured {overall['tokens_per_step']:.3f}, predicted "
                 + (f"{predicted[0]:.3f} ({predicted[1]})" if predicted else "n/a (tune made no figure for this tree)")

@@ -12,7 +12,8 @@ attention of decoding and tree steps over the KV cache, read in place (`cache_at
 
 The library is compiled on first use (``c++ -O3 -mavx2 -mfma`` against ``jax.ffi.include_dir()``,
 plus ``-mavx512f -mavx512vl`` where the CPU has them, which dequantizes 4-bit blocks by a table
-lookup, the same values; ``MEDUSA_JAX_KERNELS_AVX512=0`` asks for the AVX2 build) into
+lookup, the same values; ``MEDUSA_JAX_KERNELS_AVX512=0`` asks for the AVX2 build, which is also
+built where the compiler rejects those flags) into
 ``$MEDUSA_JAX_CACHE`` (default ``~/.cache/medusa_jax``) and registered with
 ``jax.ffi.register_ffi_target``; ``make demo`` builds it at install (``python -m medusa_jax.kernels``).
 Where it cannot be used (no C++ compiler, a CPU without AVX2/FMA, not x86-64, a GPU backend,

@@ -74,35 +74,69 @@ def _switched_off(name: str, *also: str) -> bool:
 
 @functools.lru_cache(maxsize=1)
 def build_flags() -> Tuple[str, ...]:
-    """The compiler flags for this CPU, decided once per process (the library built and `status`
-    agree): FLAGS, plus AVX512_FLAGS where /proc/cpuinfo lists avx512f and avx512vl, unless
-    ``MEDUSA_JAX_KERNELS_AVX512=0`` (the AVX2 build everywhere)."""
+    """The compiler flags asked for on this CPU, decided once per process: FLAGS, plus AVX512_FLAGS
+    where /proc/cpuinfo lists avx512f and avx512vl, unless ``MEDUSA_JAX_KERNELS_AVX512=0`` (the AVX2
+    build everywhere). `build` falls back to FLAGS where the compiler rejects AVX512_FLAGS, and
+    `status` says so."""
     has = {"avx512f", "avx512vl"} <= (_cpu_flags() or frozenset())
     return FLAGS + (AVX512_FLAGS if has and not _switched_off("MEDUSA_JAX_KERNELS_AVX512") else ())
 
 
-@functools.lru_cache(maxsize=1)
-def _library_path() -> Path:
-    flags = " ".join(build_flags()).encode()
-    key = hashlib.sha256(SOURCE.read_bytes() + flags + jax.__version__.encode()).hexdigest()[:16]
+@functools.lru_cache(maxsize=None)
+def _library_path(flags: Tuple[str, ...]) -> Path:
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode() + jax.__version__.encode()).hexdigest()[:16]
     return cache_dir() / f"stream_matmul-{key}.so"
+
+
+#: The flags of the library `build` made or found (None before it ran); FLAGS where the compiler
+#: rejected AVX512_FLAGS.
+_built_flags: Optional[Tuple[str, ...]] = None
 
 
 def build(verbose: bool = False) -> Path:
     """Compile `stream_matmul.cc` (if not already built for this source, flags and jax version).
 
-    Returns the shared library's path. Raises RuntimeError (with the compiler's message) when the
-    compiler is missing or fails. The file is written to a temporary name and renamed, so
-    concurrent builds are safe.
+    Returns the shared library's path. Where the CPU has AVX-512VL but the compiler rejects its
+    flags (an old compiler or assembler), the AVX2 build instead, with the same results; the
+    rejection is remembered in the cache (a ``.failed`` file beside the library, which records the
+    compiler's message; delete it after upgrading the compiler), so later processes do not compile
+    twice. Raises RuntimeError (with the compiler's message) when the compiler is missing or the
+    AVX2 build fails. The file is written to a temporary name and renamed, so concurrent builds
+    are safe.
     """
-    out = _library_path()
+    global _built_flags
+    flags = build_flags()
+    if flags != FLAGS:
+        try:
+            out = _compile(flags, verbose, remember_failure=True)
+            _built_flags = flags
+            return out
+        except _CompileError:
+            pass  # the AVX2 build below
+    out = _compile(FLAGS, verbose)
+    _built_flags = FLAGS
+    return out
+
+
+class _CompileError(RuntimeError):
+    """The compiler ran and failed (as against: there is no compiler)."""
+
+
+def _compile(flags: Tuple[str, ...], verbose: bool, remember_failure: bool = False) -> Path:
+    """The library built with `flags` (compiled unless it is in the cache). Raises RuntimeError when
+    there is no compiler, _CompileError when it fails (remembered in a ``.failed`` file when
+    `remember_failure`; a remembered failure is raised again without compiling)."""
+    out = _library_path(flags)
     if out.exists():
         return out
+    failed = out.with_suffix(".failed")
+    if remember_failure and failed.exists():
+        raise _CompileError(failed.read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX", "c++")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    cmd = [cxx, *build_flags(), f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp, "-lpthread"]
+    cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp, "-lpthread"]
     if verbose:
         print(" ".join(cmd), file=sys.stderr)
     try:
@@ -112,7 +146,10 @@ def build(verbose: bool = False) -> Path:
         raise RuntimeError(f"no C++ compiler ({cxx!r} not found; set CXX)") from None
     if proc.returncode != 0:
         os.unlink(tmp)
-        raise RuntimeError(f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}")
+        message = f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}"
+        if remember_failure:
+            failed.write_text(message)
+        raise _CompileError(message)
     os.chmod(tmp, 0o755)
     os.replace(tmp, out)
     return out
@@ -158,8 +195,10 @@ def status() -> str:
         return f"XLA's {backend} products (the weight-streaming kernels are for the CPU backend)"
     lib, why = load_library()
     if lib is not None:
-        isa = "AVX-512VL" if "-mavx512vl" in build_flags() else "AVX2+FMA"
-        return f"weight-streaming CPU kernels ({isa}, <= {MAX_ROWS} rows; {_library_path().name})"
+        isa = "AVX-512VL" if "-mavx512vl" in _built_flags else "AVX2+FMA"
+        if _built_flags != build_flags():
+            isa += ", the compiler rejected " + " ".join(AVX512_FLAGS)
+        return f"weight-streaming CPU kernels ({isa}, <= {MAX_ROWS} rows; {_library_path(_built_flags).name})"
     return f"XLA's CPU products ({why})"
 
 
