@@ -98,9 +98,9 @@ def build(verbose: bool = False) -> Path:
 
     Returns the shared library's path. Where the CPU has AVX-512VL but the compiler rejects its
     flags (an old compiler or assembler), the AVX2 build instead, with the same results; the
-    rejection is remembered in the cache (a ``.failed`` file beside the library, which records the
-    compiler's message; delete it after upgrading the compiler), so later processes do not compile
-    twice. Raises RuntimeError (with the compiler's message) when the compiler is missing or the
+    rejection is remembered in the cache (a ``.failed`` file beside the library, per ``CXX``, which
+    records the compiler's message; delete it after upgrading the compiler in place), so later
+    processes do not compile twice. Raises RuntimeError (with the compiler's message) when the compiler is missing or the
     AVX2 build fails. The file is written to a temporary name and renamed, so concurrent builds
     are safe.
     """
@@ -129,11 +129,12 @@ def _compile(flags: Tuple[str, ...], verbose: bool, remember_failure: bool = Fal
     out = _library_path(flags)
     if out.exists():
         return out
-    failed = out.with_suffix(".failed")
+    cxx = os.environ.get("CXX", "c++")
+    # per compiler: another CXX is asked again
+    failed = out.with_suffix(f".{hashlib.sha256(cxx.encode()).hexdigest()[:8]}.failed")
     if remember_failure and failed.exists():
         raise _CompileError(failed.read_text())
     out.parent.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX", "c++")
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     cmd = [cxx, *flags, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp, "-lpthread"]
@@ -147,7 +148,7 @@ def _compile(flags: Tuple[str, ...], verbose: bool, remember_failure: bool = Fal
     if proc.returncode != 0:
         os.unlink(tmp)
         message = f"{cxx} failed to build {SOURCE.name}:\n{proc.stderr[-2000:]}"
-        if remember_failure:
+        if remember_failure and proc.returncode > 0:  # it refused; a compiler killed by a signal is asked again
             failed.write_text(message)
         raise _CompileError(message)
     os.chmod(tmp, 0o755)
