@@ -215,6 +215,10 @@ def test_tune_on_blocks_keeps_a_report_per_kind_of_weights(tmp_path):
     assert raw["tree_search_by_weights"]["as-stored"] == first
     assert heads_calibration(str(tmp_path / "t2"), "as-stored") == first
     assert heads_calibration(str(tmp_path / "t2"), "float32")["weights"] == "float32"
+    # tree_search.md shows both: the newest report first, each with its chosen tree marked
+    md = (tmp_path / "t2" / "tree_search.md").read_text()
+    assert md.index("# Tree search: float32 weights") < md.index("# Tree search: as-stored weights")
+    assert md.count("**(chosen)**") == 2
 
 
 @needs_blocks

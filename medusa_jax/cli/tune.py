@@ -66,7 +66,20 @@ from medusa_jax.tuning.replay import (Replay, dynamic_accepted, lookup_drafts, p
                                       ranks_of, search_tree)
 
 
-def _table(rows: List[dict], best: dict) -> str:
+def _report_markdown(report: dict) -> str:
+    """One tune report (``tree_search``) as a markdown section: its static trees' table and, when it
+    timed them, its dynamic trees' (the chosen row marked)."""
+    chosen, rows, dynamic = report.get("dynamic_tree"), report.get("rows") or [], report.get("dynamic_rows") or []
+    best = next((r for r in dynamic if chosen and r.get("dynamic") == chosen), None) \
+        or next((r for r in rows if not chosen and r["size"] == report.get("chosen_size")), None)
+    width = dynamic[0]["dynamic"]["width"] if dynamic else None
+    step = f", plain step {report['plain_step_ms']:.2f} ms" if "plain_step_ms" in report else ""
+    return (f"# Tree search: {report.get('weights', 'float32')} weights ({report.get('device')}{step})\n\n"
+            + _table(rows, best) + "\n"
+            + (f"\nTrees chosen per step (dynamic:T:{width}):\n\n" + _table(dynamic, best) + "\n" if dynamic else ""))
+
+
+def _table(rows: List[dict], best: Optional[dict]) -> str:
     lookup = any("predicted_tokens_per_step_lookup" in r for r in rows)
     lines = ["| tree tokens T | E[accepted] | tokens/step, heads alone" + (" | tokens/step, with prompt lookup" if lookup
                                                                           else "") + " | c(T) | predicted speedup |",
@@ -315,10 +328,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if layers_file and os.path.realpath(os.path.dirname(layers_file)) != os.path.realpath(out_dir):
         shutil.copy2(layers_file, os.path.join(out_dir, LAYERS_FILE))
     with open(os.path.join(out_dir, "tree_search.md"), "w") as f:
-        f.write(f"# Tree search ({report['device']}, plain step {report['plain_step_ms']:.2f} ms)\n\n"
-                + _table(rows, best) + "\n"
-                + (f"\nTrees chosen per step (dynamic:T:{args.dynamic_width}):\n\n" + _table(drows, best) + "\n"
-                   if drows else ""))
+        f.write("\n".join(_report_markdown(r) for r in [report, *others.values()]))
     lookup_note = (f", {best['predicted_tokens_per_step_lookup']:.3f} with prompt lookup"
                    if "predicted_tokens_per_step_lookup" in best else "")
     kind = f"dynamic:{best['size']}:{args.dynamic_width}" if "dynamic" in best else f"{best['size']}-node"
