@@ -422,4 +422,3 @@ exec {real} "$@"
     calls = log.read_text().splitlines()
     assert [("-mavx512vl" in c) for c in calls] == [True, False], calls
     assert len(list((tmp_path / "cache").glob("*.failed"))) == 1
-
