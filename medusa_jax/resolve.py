@@ -290,10 +290,14 @@ def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
         return ""
     key = "dynamic_cost_by_cache_size" if tree.dynamic is not None else "cost_by_cache_size"
     costs = [by_size for by_size in (calibration.get(key) or {}).values() if by_size]
+
+    def cost(t: int) -> Optional[float]:  # c(t), mean over the cache sizes that timed it
+        at = [by_size[str(t)] for by_size in costs if str(t) in by_size]
+        return sum(at) / len(at) if at else None
+
     T = tree.step_size
-    at_t = [by_size[str(T)] for by_size in costs if str(T) in by_size]
-    if at_t:
-        c = sum(at_t) / len(at_t)
+    c = cost(T)
+    if c is not None:
         predicted = predicted_tokens_per_step(tree, calibration)
         if predicted is None or not predicted[1].startswith("replayed") or predicted[0] >= c:
             return ""
@@ -303,9 +307,8 @@ def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
     timed = max((int(t) for by_size in costs for t in by_size), default=None)
     if timed is None or T <= timed:
         return ""
-    at_top = [by_size[str(timed)] for by_size in costs if str(timed) in by_size]
     return (f"this tree runs {T} tokens a step; medusa-tune timed steps on this device "
-            f"({calibration['device']}) only up to {timed} tokens ({timed} cost {sum(at_top) / len(at_top):.2f} "
+            f"({calibration['device']}) only up to {timed} tokens ({timed} cost {cost(timed):.2f} "
             f"plain steps; it chose {calibration.get('chosen_size')}): a larger step costs more, so this tree "
             f"may decode slower than plain; `medusa-tune --sizes {timed},{T}` predicts it, medusa-bench "
             "measures it")

@@ -100,9 +100,9 @@ def build(verbose: bool = False) -> Path:
     flags (an old compiler or assembler), the AVX2 build instead, with the same results; the
     rejection is remembered in the cache (a ``.failed`` file beside the library, per ``CXX``, which
     records the compiler's message; delete it after upgrading the compiler in place), so later
-    processes do not compile twice. Raises RuntimeError (with the compiler's message) when the compiler is missing or the
-    AVX2 build fails. The file is written to a temporary name and renamed, so concurrent builds
-    are safe.
+    processes do not compile twice. Raises RuntimeError (with the compiler's message) when the
+    compiler is missing or the AVX2 build fails. The file is written to a temporary name and
+    renamed, so concurrent builds are safe.
     """
     global _built_flags
     flags = build_flags()
