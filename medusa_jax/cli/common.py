@@ -396,7 +396,7 @@ def add_dtype_arg(p) -> None:
 
 
 def add_mesh_arg(p) -> None:
-    """The --mesh flag of decode.py, bench and train.py (`place_on_mesh`)."""
+    """The --mesh flag of decode.py, bench and medusa-serve (`place_on_mesh`; train.py has its own)."""
     p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
                    help="run on a device mesh, e.g. 2x4: the batch split 2 ways ('data'), attention heads, MLP and "
                         "vocabulary 4 ways ('model', Megatron-style; the KV cache follows the heads); the model axis "
