@@ -100,8 +100,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="medusa-tune",
         description="Calibrate the heads, measure the verify cost c(T) on this device and save the tree that "
-                    "maximises the tokens per step that replaying greedy decoding of the held-out chats gives, over c(T) "
-                    "(see the module docs).",
+                    "maximises the tokens per step that replaying greedy decoding of the held-out chats "
+                    "gives, over c(T) (see the module docs).",
         formatter_class=HelpFormatter)
     p.add_argument("--heads", default=None, help=common.heads_help(zero=False))
     p.add_argument("--model", default=None, help="HF directory or GGUF (default: the SmolLM2 GGUF)")
