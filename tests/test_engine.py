@@ -219,7 +219,7 @@ def test_bad_requests_are_refused_and_errors_stay_with_their_request(tiny, monke
     cfg, params, heads, prompts = tiny
     engine = Engine(cfg, params, max_batch=2, max_len=128)
     for req, match in [(Request([], 4), "empty"), (Request([V + 3], 4), "outside the model's vocabulary"),
-                       (Request([1] * 200, 4), "context is 128"), (Request([1], 0), "max_new_tokens"),
+                       (Request([1] * 200, 4), r"KV cache \(max_len=128\) holds 128"), (Request([1], 0), "max_new_tokens"),
                        (Request([1], 4, SamplingParams(-1.0)), "temperature"),
                        (Request([1], 4, SamplingParams(1.0, 0.0)), "top_p")]:
         with pytest.raises((ValueError, PromptTooLongError), match=match):

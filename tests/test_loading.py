@@ -122,6 +122,39 @@ def test_cache_can_be_disabled(tmp_path, cache_dir, monkeypatch):
     assert not os.path.exists(cache_dir / "models")
 
 
+@pytest.mark.parametrize("dtype", ["int8", np.int32, "complex64", "float8_e4m3fn", "no-such-dtype", object])
+def test_load_model_refuses_dtypes_it_cannot_compute_in(dtype):
+    """An integer, complex or unknown dtype is refused before any file is read (it would truncate
+    the weights and fail deep inside decoding), naming the dtypes taken."""
+    with pytest.raises(ValueError, match="the weights load as one of float32, bfloat16, float16"):
+        load_model("/no/such/model", dtype=dtype)
+
+
+def test_a_checkpoint_without_its_lm_head_is_named_as_such(tmp_path):
+    """Tensors saved from the base model class (``LlamaModel``: no ``model.`` prefix, no lm_head)
+    are refused with a message that says so, not as tensors the config does not explain."""
+    from medusa_jax.convert.hf import ConversionError, params_from_hf_tensors
+
+    cfg = tiny_config("llama")
+    model, _ = random_hf_model(cfg)
+    base = {k[len("model."):]: v for k, v in hf_state_dict(model).items() if k.startswith("model.")}
+    with pytest.raises(ConversionError, match="without the 'model.' prefix: this is a base model without its "
+                                              "language-model head"):
+        params_from_hf_tensors(cfg, base)
+
+
+def test_a_directory_without_tokenizer_files_names_the_way_out(tmp_path):
+    """A checkpoint directory without tokenizer files: the message says to copy them in, or to
+    load with with_tokenizer=False, which works."""
+    from medusa_jax.convert.hf import ConversionError
+
+    model, _ = random_hf_model(tiny_config("llama"))
+    model.save_pretrained(tmp_path)
+    with pytest.raises(ConversionError, match="no tokenizer files .* with_tokenizer=False"):
+        load_model(str(tmp_path))
+    assert load_model(str(tmp_path), with_tokenizer=False).tokenizer is None
+
+
 def test_config_round_trip_through_json():
     from conftest import llama3_rope_scaling
 

@@ -10,8 +10,10 @@ import pytest
 from conftest import tiny_decoding_model
 
 from medusa_jax.decoding.args import PromptTooLongError
-from medusa_jax.decoding.generate import generate, generate_device, generate_stream
+from medusa_jax.decoding.engine import Engine
+from medusa_jax.decoding.generate import generate, generate_batch, generate_device, generate_stream
 from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.requests import Request
 from medusa_jax.decoding.tree import get_tree
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import HeadsMismatchError, init_heads
@@ -83,10 +85,30 @@ def test_default_cache_never_passes_the_context(tiny):
     d = generate_device(cfg, params, [PROMPT], max_new_tokens=200, heads=heads, tree=tree, eos_token_ids=())
     assert max(d.cache_sizes) == CTX and len(PROMPT) + int(d.count[0]) == CTX
     assert d.tokens[0, :int(d.count[0])].tolist() == r.tokens
-    with pytest.raises(PromptTooLongError, match="the prompt has 64 tokens but the model's context is 64"):
+    with pytest.raises(PromptTooLongError, match=r"the prompt has 64 tokens but the model's context "
+                       r"\(max_position_embeddings\) holds 64 positions, so it can have at most 63 tokens"):
         generate(cfg, params, [1] * CTX, max_new_tokens=1)
-    with pytest.raises(PromptTooLongError, match="a prompt has 8 tokens but the cache holds 8"):
+    with pytest.raises(PromptTooLongError, match=r"the prompt has 8 tokens but the KV cache \(cache_size\) holds 8"):
         generate(cfg, params, [1] * 8, max_new_tokens=1, cache_size=8)
+
+
+def test_every_entry_point_draws_the_prompt_limit_at_the_same_length(tiny):
+    """One rule (`args.new_token_room`): a prompt of context - 1 tokens gets one new token from
+    generate (with heads and a tree) and generate_batch alike; one of the whole context is refused
+    by every entry point up front with the same message, before anything is decoded."""
+    cfg, params, heads, tree = tiny
+    longest = [1 + i % 7 for i in range(CTX - 1)]
+    r = generate(cfg, params, longest, max_new_tokens=5, heads=heads, tree=tree)
+    assert len(r.tokens) == 1 and r.stop_reason == "cache_full"
+    (_, b), = list(generate_batch(cfg, params, [longest], max_new_tokens=5))
+    assert b.tokens == r.tokens
+    over = longest + [1]
+    for call in (lambda: generate(cfg, params, over, max_new_tokens=1),
+                 lambda: list(generate_batch(cfg, params, [longest, over], max_new_tokens=1)),
+                 lambda: list(generate_batch(cfg, params, iter([longest, over]), max_new_tokens=1)),
+                 lambda: Engine(cfg, params).submit(Request(over, 1))):
+        with pytest.raises(PromptTooLongError, match=f"has {CTX} tokens .* at most {CTX - 1} tokens"):
+            call()
 
 
 def test_arrays_are_accepted_as_prompts(tiny):
@@ -172,6 +194,10 @@ def test_heads_and_tree_misuse(tiny):
     other = (heads[0].replace(hidden_size=16), jax.tree_util.tree_map(lambda a: a, heads[1]))
     with pytest.raises(HeadsMismatchError, match=r"hidden size 16 \(heads\) != 32 \(backbone\)"):
         generate_device(cfg, params, [PROMPT], max_new_tokens=4, heads=other, tree=tree)
+    # the config fits the backbone, but the params are other heads' (a smaller hidden size)
+    narrow = dict(heads[1], blocks_kernel=jnp.zeros((2, 1, 16, 16)), blocks_bias=jnp.zeros((2, 1, 16)))
+    with pytest.raises(HeadsMismatchError, match=r"'blocks_kernel' has shape \(2, 1, 16, 16\).*needs \(2, 1, 32, 32\)"):
+        generate(cfg, params, PROMPT, max_new_tokens=4, heads=(heads[0], narrow), tree=tree)
 
 
 @pytest.mark.parametrize("argv, message", [

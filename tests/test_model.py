@@ -19,6 +19,7 @@ CASES = {
     "mistral_window": lambda: tiny_config("mistral", sliding_window=4),
     "qwen2_bias": lambda: tiny_config("qwen2"),
     "llama_tied": lambda: tiny_config("llama", tie_word_embeddings=True),
+    "llama_bias": lambda: tiny_config("llama", attention_bias=True),  # q/k/v and o_proj biases
 }
 
 
@@ -33,7 +34,8 @@ def case(request):
 def test_config_features_are_present(case):
     name, cfg, model, params = case
     layer = params["layers_0"]["attn"]
-    assert ("bias" in layer["q_proj"]) == (name == "qwen2_bias")
+    assert ("bias" in layer["q_proj"]) == (name in ("qwen2_bias", "llama_bias"))
+    assert ("bias" in layer["o_proj"]) == (name == "llama_bias")  # transformers' Llama biases o_proj too
     assert ("lm_head" in params) == (name != "llama_tied")
     assert cfg.num_kv_heads < cfg.num_heads  # GQA everywhere
     if name == "mistral_window":
@@ -83,7 +85,7 @@ def _cached_run(cfg, params, prompt, steps, size=32):
     return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize("name", ["llama_gqa_untied", "mistral_window", "qwen2_bias"])
+@pytest.mark.parametrize("name", ["llama_gqa_untied", "mistral_window", "qwen2_bias", "llama_bias"])
 def test_prefill_then_decode_equals_full_forward(name):
     cfg = CASES[name]()
     _, params = random_hf_model(cfg, seed=4)
@@ -146,3 +148,43 @@ def test_rope_tables_are_computed_once_per_forward():
     hlo = step.lower(params, state).compile().as_text()
     ops = [line for line in hlo.splitlines() if " cosine(" in line]
     assert 1 <= len(ops) <= 2, ops[:4]
+
+
+def test_llama_attention_bias_loads_and_decodes_as_transformers(tmp_path):
+    """A Llama checkpoint with ``attention_bias`` (biases on q, k, v and o_proj, as transformers'
+    LlamaAttention has them) loads from its directory and decodes, in the decoding layout, to
+    transformers' greedy tokens."""
+    import torch
+
+    from medusa_jax.convert.load import load_model
+    from medusa_jax.decoding.generate import generate
+
+    cfg = CASES["llama_bias"]()
+    model, _ = random_hf_model(cfg, seed=3)
+    model.save_pretrained(tmp_path)
+    lm = load_model(str(tmp_path), with_tokenizer=False)
+    assert lm.cfg.attention_bias and lm.cfg.o_proj_bias
+    prompt = [int(t) for t in random_tokens(cfg, (9,), seed=2)]
+    ours = generate(lm.cfg, lm.params, prompt, max_new_tokens=8, eos_token_ids=()).tokens
+    with torch.no_grad():
+        ref = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False, eos_token_id=None,
+                             pad_token_id=0)[0, len(prompt):].tolist()
+    assert ours == ref
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
+    ({"hidden_act": "relu"}, "hidden_act 'relu'"),
+    ({"mlp_bias": True}, "mlp_bias true"),
+])
+def test_variants_the_model_does_not_compute_are_refused(change, message):
+    """A config asking for what `LlamaModel` does not compute (another activation, MLP biases) is
+    refused when it is read, never loaded to decode wrongly; SiLU (by either name) loads."""
+    from medusa_jax.models.config import ModelConfig, UnsupportedArchitectureError
+
+    d = dict(tiny_config("llama").to_hf_dict())
+    for act in ("silu", "swish", None):
+        ok = dict(d, hidden_act=act) if act else d
+        assert ModelConfig.from_hf_dict(ok).arch == "llama"
+    with pytest.raises(UnsupportedArchitectureError, match=message):
+        ModelConfig.from_hf_dict(dict(d, **change))

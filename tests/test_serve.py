@@ -202,6 +202,10 @@ BAD = [
     ("JSON nested too deeply", b"[" * 100000 + b"]" * 100000, 400),
     ("frequency_penalty a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                     "frequency_penalty": "abc"}, 400),
+    ("prompt far beyond the context (refused before it is tokenized whole)",
+     {"model": MODEL, "messages": [{"role": "user", "content": "ab " * 200000}]}, 400),
+    ("stream_options without stream", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                       "stream_options": {"include_usage": True}}, 400),
     ("body over --max-request-mb", b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"word " * 300000), 413),
     ("image content part", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
@@ -223,6 +227,10 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body,
         assert err["code"] == "request_too_large" and str(1 << 20) in err["message"], err
     if "frequency_penalty" in what:
         assert err["param"] == "frequency_penalty" and "must be a number" in err["message"], err
+    if "far beyond" in what:
+        assert err["code"] == "context_length_exceeded" and "from its first" in err["message"], err
+    if "stream_options" in what:
+        assert err["param"] == "stream_options" and "only allowed when stream is true" in err["message"], err
     good = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
                                           temperature=0)
     assert good.choices[0].message.content
@@ -317,6 +325,21 @@ def test_text_stream_stops_at_the_earliest_stop_sequence_however_the_tokens_arri
             assert ts.used == first, (stop, size)
 
 
+def test_text_stream_leaves_out_a_character_the_answer_ended_inside(smollm2):
+    """An answer cut (max_tokens) between the tokens of one character ends before it: no U+FFFD,
+    streamed or not; complete, the character is there."""
+    from medusa_jax.serve.app import TextStream
+
+    tok = smollm2.tokenizer
+    ids = tok.encode("Party 🎉 time", add_special_tokens=False)
+    cut = next(n for n in range(1, len(ids)) if tok.decode(ids[:n]).endswith("\ufffd"))
+    ts = TextStream(tok, [])
+    streamed = ts.feed(ids[:cut])[0] + ts.feed([], final=True)[0]
+    assert streamed == ts.text == tok.decode(ids[:cut]).rstrip("\ufffd") and "\ufffd" not in streamed
+    whole = TextStream(tok, [])
+    assert whole.feed(ids)[0] + whole.feed([], final=True)[0] == "Party 🎉 time"
+
+
 def test_sampling_without_a_seed_differs_between_requests_and_a_seed_repeats(client):
     """OpenAI's behaviour: each unseeded request samples on its own; the same seed, the same answer."""
     msgs = [{"role": "user", "content": "Tell me a short story about a cat."}]
@@ -333,6 +356,12 @@ def test_405_says_which_methods_are_allowed_and_stop_counts_tokens_to_the_stop(c
     r = httpx.get(server[0] + "/v1/chat/completions")
     assert r.status_code == 405 and "POST" in r.headers.get("allow", ""), r.headers
     assert r.json()["error"]["message"]
+    r = httpx.post(server[0] + "/v1/chat/completion", json={})  # a typo: OpenAI's 404 body
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    assert r.json()["error"]["message"].startswith("Invalid URL (POST /v1/chat/completion)")
+    for path in ("/health", "/v1/models", "/metrics"):  # HEAD, as health probes send it
+        assert httpx.head(server[0] + path).status_code == 200, path
+    assert httpx.get(server[0] + "/docs").status_code == 404  # no docs page (it would load a CDN's scripts)
 
     def complete(**kw):
         return client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0, **kw)

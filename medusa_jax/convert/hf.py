@@ -104,6 +104,11 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
     unmapped = [n for n in tensors if n not in expected and n not in ignorable
                 and not n.endswith("rotary_emb.inv_freq")]
     if unmapped:
+        if all(f"model.{n}" in expected for n in unmapped):  # e.g. "embed_tokens.weight"
+            raise ConversionError(f"{source}: the tensors are named {sorted(unmapped)[0]!r}, ... without the "
+                                  "'model.' prefix: this is a base model without its language-model head "
+                                  f"(saved from {cfg.arch.capitalize()}Model); decoding needs the ...ForCausalLM "
+                                  "checkpoint")
         raise ConversionError(f"{source}: unmapped tensor(s) {sorted(unmapped)[:8]} for a {cfg.arch} model "
                               f"with {cfg.num_layers} layers; is the config right?")
     missing = [n for n in expected if n not in tensors]

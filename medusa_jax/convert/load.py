@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Iterable, List, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
@@ -132,6 +133,11 @@ def load_tokenizer(path: str, reader=None):
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
+        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+        if not any(os.path.exists(os.path.join(path, f)) for f in files):
+            raise ConversionError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json): copy "
+                                  "the model's tokenizer files into this directory, or load with "
+                                  "with_tokenizer=False to work with token ids") from e
         raise ConversionError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e}); expected "
                               "tokenizer.json / tokenizer_config.json in an HF directory, or tokenizer "
                               "metadata in a GGUF file") from e
@@ -248,6 +254,23 @@ def stored_weights_apply(dtype=np.float32) -> bool:
     return np.dtype(dtype) == np.float32 and kernels.in_use()
 
 
+DTYPES = ("float32", "bfloat16", "float16")
+"""The weight dtypes `load_model` takes (float64 loads as float32, as JAX without x64 computes)."""
+
+
+def check_dtype(dtype) -> np.dtype:
+    """`dtype` (a numpy / jnp dtype, or its name) as a numpy dtype in `DTYPES` (or float64);
+    ValueError naming the dtypes taken otherwise (an integer or complex dtype, a torch dtype)."""
+    try:
+        dt = jnp.dtype(dtype)
+    except TypeError:
+        dt = None
+    if dt is None or (dt.name not in DTYPES and dt != np.float64):
+        raise ValueError(f"dtype={dtype!r}: the weights load as one of {', '.join(DTYPES)} (a numpy / jax "
+                         "dtype or its name, e.g. \"bfloat16\")")
+    return dt
+
+
 def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: bool = True,
                progress: bool = False, weights: str = "float32") -> LoadedModel:
     """Load a backbone from an HF directory or a GGUF file (the default SmolLM2 GGUF if None).
@@ -277,10 +300,11 @@ def load_model(path: Optional[str] = None, dtype=np.float32, with_tokenizer: boo
       UnsupportedArchitectureError: not a llama/mistral/qwen2/qwen3 model.
       ConversionError: a file that is neither GGUF nor an HF directory, a corrupt or truncated
         file, or an unmapped/missing/mis-shaped tensor.
-      ValueError: `weights` not in `WEIGHTS`.
+      ValueError: `weights` not in `WEIGHTS`, or a `dtype` not in `DTYPES`.
     """
     if weights not in WEIGHTS:
         raise ValueError(f"weights={weights!r}: expected one of {', '.join(WEIGHTS)}")
+    dtype = check_dtype(dtype)
     path, kind = check_model_path(path)
     extra: List[int] = []
     if kind == "hf":

@@ -18,6 +18,28 @@ class PromptTooLongError(ValueError):
     """The prompt does not fit in the model's context (or the requested cache)."""
 
 
+CONTEXT = "the model's context (max_position_embeddings)"
+"""`check_prompt_room`'s `where` for the model's whole context."""
+
+
+def new_token_room(prompt_len: int, slots: int) -> int:
+    """How many new tokens a prompt of `prompt_len` tokens leaves room for in `slots` KV-cache
+    positions: ``slots - prompt_len`` (new tokens take positions prompt_len .. slots - 1; the last
+    one is never written to the cache), at least 0. The one rule every entry point applies: the
+    engine, `check_generation_args`, `prefill.cache_size_for`, the server and the CLIs."""
+    return max(0, int(slots) - int(prompt_len))
+
+
+def check_prompt_room(prompt_len: int, slots: int, where: str = CONTEXT, what: str = "the prompt") -> None:
+    """Raise `PromptTooLongError` when a prompt of `prompt_len` tokens leaves no room for a new
+    token in `slots` positions (`new_token_room` is 0). `where` names the positions for the
+    message (`CONTEXT`, or e.g. "the KV cache (cache_size)"), `what` the prompt."""
+    if new_token_room(prompt_len, slots) < 1:
+        raise PromptTooLongError(f"{what} has {prompt_len} tokens but {where} holds {slots} positions, so it "
+                                 f"can have at most {max(slots - 1, 0)} tokens (one position is left for "
+                                 "an answer): shorten it")
+
+
 _ONE_PROMPT = ("decodes one prompt: pass a list (or 1-D array) of token ids, or a [1, T] array; for "
                "several prompts use generate_device(prompts=[[...], [...]])")
 
@@ -59,8 +81,8 @@ def _token_ids(p: Any, caller: str, what: str) -> Optional[List[int]]:
 def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch: bool,
                           max_new_tokens: Optional[int] = None, cache_size: Optional[int] = None,
                           heads: Any = None, tree: Any = None, eos_token_ids: Any = None,
-                          acceptance: Any = None, seed: Any = 0,
-                          check_decoding: bool = True) -> Tuple[List[List[int]], Tuple[int, ...]]:
+                          acceptance: Any = None, seed: Any = 0, check_decoding: bool = True,
+                          first_index: int = 0) -> Tuple[List[List[int]], Tuple[int, ...]]:
     """Validate the arguments of every generation entry point (`generate`, `generate_stream`,
     `generate_device`, `start_state`) and normalise the prompts.
 
@@ -77,6 +99,7 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
       eos_token_ids: None (the config's), one id, or a sequence of ids in [0, vocab_size).
       acceptance: None or an `Acceptance`; seed: an int.
       check_decoding: False checks only prompts and cache_size (`start_state`).
+      first_index: the index of ``prompts[0]`` among all prompts, for messages (prompts read lazily).
     Returns:
       (prompts as lists of ints, eos ids tuple).
     Raises:
@@ -96,9 +119,10 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
             raise ValueError(f"{caller}() {_PROMPTS}; got a flat sequence of {len(prompts)} ids")
         out = []
         for b, p in enumerate(prompts):
-            ids = _token_ids(p, caller, f"prompt {b}")
+            ids = _token_ids(p, caller, f"prompt {first_index + b}")
             if ids is None:
-                raise ValueError(f"{caller}(): prompt {b} is not a flat list of token ids; {caller}() {_PROMPTS}")
+                raise ValueError(f"{caller}(): prompt {first_index + b} is not a flat list of token ids; "
+                                 f"{caller}() {_PROMPTS}")
             out.append(ids)
     else:
         p = prompts
@@ -117,21 +141,21 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
             raise ValueError("empty prompt: give at least one token (after the chat template)")
         bad = next((i for i, t in enumerate(ids) if not 0 <= t < V), None)
         if bad is not None:
-            where = f" of prompt {b}" if batch else ""
+            where = f" of prompt {first_index + b}" if batch else ""
             raise ValueError(f"{caller}(): token id {ids[bad]} at position {bad}{where} is outside the model's "
                              f"vocabulary [0, {V}); were the ids made by another model's tokenizer?")
     ctx = cfg.max_position_embeddings
+    slots, room_in = ctx, CONTEXT
     if cache_size is not None:
-        S = as_int(cache_size, "cache_size")
-        if not 1 <= S <= ctx:
-            raise ValueError(f"{caller}(): cache_size={S} is outside [1, {ctx}]: the model's context "
+        slots, room_in = as_int(cache_size, "cache_size"), "the KV cache (cache_size)"
+        if not 1 <= slots <= ctx:
+            raise ValueError(f"{caller}(): cache_size={slots} is outside [1, {ctx}]: the model's context "
                              f"(max_position_embeddings) is {ctx} positions, and no position beyond "
                              f"{ctx - 1} is decoded. Pass cache_size <= {ctx}, or None to size the cache "
                              "from the prompt and max_new_tokens")
-        longest = max(len(p) for p in out)
-        if longest >= S:
-            raise PromptTooLongError(f"a prompt has {longest} tokens but the cache holds {S}; "
-                                     "shorten the prompt or raise the cache size / context")
+    for b, ids in enumerate(out):
+        what = f"{caller}(): prompt {first_index + b}" if batch else f"{caller}(): the prompt"
+        check_prompt_room(len(ids), slots, room_in, what)
     if not check_decoding:
         return out, ()
     if acceptance is not None:

@@ -43,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
-from medusa_jax.decoding.args import PromptTooLongError
+from medusa_jax.decoding.args import CONTEXT, check_prompt_room
 from medusa_jax.decoding.batch import empty_batch, engine_step, insert_row, regroup
 from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.compile import aot
@@ -182,9 +182,8 @@ class Engine:
         bad = next((t for t in p if not 0 <= t < self.cfg.vocab_size), None)
         if bad is not None:
             raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.cfg.vocab_size})")
-        if len(p) + 1 >= self.max_len:
-            raise PromptTooLongError(f"the prompt has {len(p)} tokens but the model's context is {self.max_len}; "
-                                     "shorten it")
+        check_prompt_room(len(p), self.max_len, CONTEXT if self.max_len == self.cfg.max_position_embeddings
+                          else f"the engine's KV cache (max_len={self.max_len})")
         if int(request.max_new_tokens) < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
         s = request.sampling

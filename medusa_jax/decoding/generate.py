@@ -325,11 +325,8 @@ def _checked_prompts(cfg: ModelConfig, prompts: Iterator, cache_size: Optional[i
                      seed: int) -> Iterator[Tuple[List[int], int]]:
     """(prompt ids, seed) of lazily read prompts, each checked as it is taken (`check_generation_args`)."""
     for i, p in enumerate(prompts):
-        try:
-            (ids,), _ = check_generation_args(cfg, [p], caller="generate_batch", batch=True, cache_size=cache_size,
-                                              check_decoding=False)
-        except ValueError as e:
-            raise type(e)(f"prompt {i}: {e}") from None
+        (ids,), _ = check_generation_args(cfg, [p], caller="generate_batch", batch=True, cache_size=cache_size,
+                                          check_decoding=False, first_index=i)
         yield ids, prompt_seed(seed, i)
 
 

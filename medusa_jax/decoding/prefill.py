@@ -12,7 +12,7 @@ import numpy as np
 from tqdm import tqdm
 
 from medusa_jax import sharding
-from medusa_jax.decoding.args import PromptTooLongError, check_generation_args
+from medusa_jax.decoding.args import PromptTooLongError, check_generation_args, check_prompt_room
 from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefix_cache import load_prefix
 from medusa_jax.decoding.sampling import row_keys
@@ -36,10 +36,7 @@ def cache_size_for(cfg: ModelConfig, prompt_len: int, max_new_tokens: int, tree_
 
     Raises PromptTooLongError when the prompt leaves no room for even one new token.
     """
-    if prompt_len >= cfg.max_position_embeddings:
-        raise PromptTooLongError(
-            f"the prompt has {prompt_len} tokens but the model's context is {cfg.max_position_embeddings}; "
-            "shorten the prompt")
+    check_prompt_room(prompt_len, cfg.max_position_embeddings)
     return int(min(bucket(prompt_len + max_new_tokens + tree_size, 128), cfg.max_position_embeddings))
 
 

@@ -196,6 +196,22 @@ def init_heads(cfg: MedusaConfig, base_lm_head=None, dtype=jnp.float32) -> dict:
 BLOCK_KEYS = ("blocks_kernel", "blocks_bias")
 
 
+def check_block_params(cfg: MedusaConfig, params) -> None:
+    """Raise `HeadsMismatchError` when the heads' block params (and own lm_heads, if present) do
+    not have the shapes `cfg` says: blocks_kernel [K, L, D, D], blocks_bias [K, L, D], lm_head
+    [K, D, V] (K heads, L blocks, hidden size D, vocabulary V), e.g. params of other heads put
+    beside this config. Params without blocks (already in a decoding layout) pass."""
+    K, L, D, V = cfg.num_heads, cfg.num_layers, cfg.hidden_size, cfg.vocab_size
+    expected = {"blocks_kernel": (K, L, D, D), "blocks_bias": (K, L, D), "lm_head": (K, D, V)}
+    for key, shape in expected.items():
+        got = params.get(key)
+        if got is not None and tuple(got.shape) != shape:
+            raise HeadsMismatchError(
+                f"head param {key!r} has shape {tuple(got.shape)}, but the heads' config (K={K} heads, L={L} "
+                f"blocks, hidden size D={D}, vocabulary V={V}) needs {shape}: the params and the config "
+                "come from different heads; load both with load_heads, or make them with init_heads")
+
+
 def proposal_projection(cfg: MedusaConfig, params, base_lm_head=None) -> jax.Array:
     """The heads' vocabulary projection restricted to ``params["proposal_ids"]``.
 
@@ -286,7 +302,8 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head: Union[jax.Array, Call
     Raises:
       ValueError: depth outside [1, cfg.num_heads]; a shared-lm_head proposal vocabulary without
         base_lm_head; proposal ids missing; hydra heads whose path params are missing or mis-shaped.
-      HeadsMismatchError: base_lm_head is not [D, V], or lm_head_blocks not [V, D].
+      HeadsMismatchError: block params (or own lm_heads) whose shapes are not the config's
+        (`check_block_params`), base_lm_head not [D, V], or lm_head_blocks not [V, D].
     """
     if "params" in params and "blocks_kernel" not in params:
         params = params["params"]
@@ -296,6 +313,7 @@ def prepare_heads(cfg: MedusaConfig, params, base_lm_head: Union[jax.Array, Call
         raise ValueError(f"depth must be in [1, {K}] (the number of heads), got {depth}; use a tree no deeper "
                          "than the heads")
     base_of = _lm_head_source(cfg, base_lm_head)  # built only if a step below needs it
+    check_block_params(cfg, params)
     if cfg.head_type == "hydra":
         check_path_params(cfg, params, depth)
     p = {k: (v[:depth] if k in _PER_HEAD_KEYS or (k == "proposal_lm_head" and v.ndim == 3) else v)

@@ -42,6 +42,27 @@ def check_architecture(name: str, source: str = "") -> str:
     return norm
 
 
+SUPPORTED_ACTIVATIONS = ("silu", "swish")
+"""``hidden_act`` values of the MLP the model computes (SwiGLU: ``down(silu(gate(x)) * up(x))``)."""
+
+
+def check_supported_variant(cfg: Mapping[str, Any], source: str = "config.json") -> None:
+    """Raise `UnsupportedArchitectureError` for a config of a supported family that asks for what
+    `models.llama` does not compute, rather than load it and decode wrongly: ``hidden_act`` other
+    than SiLU (`SUPPORTED_ACTIVATIONS`; a missing one is SiLU, as in transformers' defaults), or
+    ``mlp_bias`` true (biases on gate/up/down)."""
+    act = cfg.get("hidden_act", "silu")
+    problems = []
+    if str(act).lower() not in SUPPORTED_ACTIVATIONS:
+        problems.append(f"hidden_act {act!r} (the MLP computes SiLU only: {', '.join(SUPPORTED_ACTIVATIONS)})")
+    if cfg.get("mlp_bias"):
+        problems.append("mlp_bias true (the MLP's projections have no biases here)")
+    if problems:
+        raise UnsupportedArchitectureError(
+            f"{source}: this {cfg.get('model_type', '')} variant is not supported: {'; '.join(problems)}. "
+            "Decoding it would give wrong outputs, so it is refused.")
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling.
@@ -64,7 +85,7 @@ class ModelConfig:
     ``eos_token_ids`` holds every id that ends generation.
 
     Per family (``arch``): qwen2 has q/k/v biases (``attention_bias``); qwen3 normalises each
-    query and key head with an RMSNorm of its own before RoPE (`qk_norm`), and with
+    query and key head with an RMSNorm of its own before RoPE (`qk_norm`); llama's and qwen3's
     ``attention_bias`` biases q/k/v and the output projection (`o_proj_bias`).
 
     Sliding-window attention (transformers' names): ``sliding_window`` is the window W in tokens
@@ -137,11 +158,10 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Whether the attention output projection has a bias: qwen3 with ``attention_bias``
-        (``Qwen3Attention`` gives o_proj ``bias=attention_bias``, as q/k/v). Qwen2 never has one.
-        A llama ``attention_bias`` gives q/k/v biases only (transformers' Llama also biases o_proj;
-        such a checkpoint is refused by the converter, which names the unmapped o_proj.bias)."""
-        return self.attention_bias and self.arch == "qwen3"
+        """Whether the attention output projection has a bias: llama and qwen3 with
+        ``attention_bias`` (transformers' ``LlamaAttention`` and ``Qwen3Attention`` give o_proj
+        ``bias=attention_bias``, as q/k/v). Qwen2 never has one; mistral has no biases."""
+        return self.attention_bias and self.arch in ("llama", "qwen3")
 
     @property
     def layer_windows(self) -> Tuple[Optional[int], ...]:
@@ -159,11 +179,14 @@ class ModelConfig:
         ``rope_parameters['rope_theta']`` (transformers >= 5). ``head_dim`` defaults to
         hidden_size // num_attention_heads, except for qwen3 (`QWEN3_DEFAULT_HEAD_DIM`, as
         ``Qwen3Config``). Raises
-        `UnsupportedArchitectureError` for a ``model_type`` outside `SUPPORTED_ARCHITECTURES`,
-        and ValueError for an unsupported RoPE scaling type or a sliding-window layout that
-        transformers cannot run either (see `sliding_layout_from_hf`).
+        `UnsupportedArchitectureError` for a ``model_type`` outside `SUPPORTED_ARCHITECTURES`, or
+        a variant of one that `models.llama` does not compute (`check_supported_variant`: an
+        activation other than SiLU, MLP biases), and ValueError for an unsupported RoPE scaling
+        type or a sliding-window layout that transformers cannot run either (see
+        `sliding_layout_from_hf`).
         """
         arch = check_architecture(cfg.get("model_type", ""), source)
+        check_supported_variant(cfg, source)
         rope_params = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta")
         if theta is None:

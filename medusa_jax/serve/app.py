@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_jax.chat import render_chat
+from medusa_jax.decoding.args import new_token_room
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import Finished
 from medusa_jax.decoding.requests import Request as EngineRequest
@@ -40,8 +41,9 @@ from medusa_jax.serve.protocol import RequestError
 
 class TextStream:
     """Token ids in, text out, incrementally: the text of every token so far (special tokens
-    skipped), handed out as deltas; a character split across tokens is held back until complete,
-    and so is the tail that could still become a stop sequence. `feed` returns (delta, stopped).
+    skipped), handed out as deltas; a character split across tokens is held back until complete
+    (and left out when the answer ends inside it), and so is the tail that could still become a
+    stop sequence. `feed` returns (delta, stopped).
 
     The text ends where the earliest of the stop sequences starts, whichever of them it is and
     however many tokens a step delivered (one at a time or a Medusa step's several give the same
@@ -61,20 +63,26 @@ class TextStream:
         found = [i for i in (text.find(s, max(self.sent - len(s) + 1, 0)) for s in self.stop) if i >= 0]
         return min(found, default=None)
 
+    def _decode(self, tokens: List[int]) -> str:
+        # no clean-up of spaces before punctuation (some tokenizers' default): with it, the text of
+        # n + 1 tokens need not extend the text of n ("it '" + "s" -> "it's"), which a stream relies on
+        return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+
     def feed(self, tokens: List[int], final: bool = False) -> tuple:
         before = len(self.tokens)
         self.tokens.extend(tokens)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
+        text = self._decode(self.tokens)
         i = self._stop_at(text)
         if i is not None:
             self.used = next(n for n in range(before + 1, len(self.tokens) + 1)
-                             if self._stop_at(self.tokenizer.decode(self.tokens[:n], skip_special_tokens=True))
-                             is not None)
+                             if self._stop_at(self._decode(self.tokens[:n])) is not None)
             self.text = text[:i]
             delta, self.sent = self.text[self.sent:], len(self.text)
             return delta, True
-        if not final and text.endswith("\ufffd"):
-            return "", False
+        if text.endswith("\ufffd"):  # a character whose bytes are not all out yet
+            if not final:
+                return "", False
+            text = text.rstrip("\ufffd")  # the answer ended (max_tokens) inside it: it is not part of the text
         end = len(text) if final else max(len(text) - self.hold, self.sent)
         self.text = text
         delta, self.sent = text[self.sent:end], max(end, self.sent)
@@ -84,6 +92,28 @@ class TextStream:
 #: The largest request body read by default (bytes): far above any prompt that fits a context (a
 #: 32k-token prompt is ~150 KB of text), so only a runaway or hostile client reaches it (413).
 MAX_REQUEST_BYTES = 16 * 1024 * 1024
+
+
+#: A prompt longer than this many characters per token of the context is first tokenized only up to
+#: that many characters (`surely_too_long`): ordinary text runs 3-5 characters per token, so a prompt
+#: that long almost never fits, and the probe refuses it in milliseconds instead of tokenizing
+#: megabytes (seconds each, while the other requests' prompts wait for the tokenizer).
+PROBE_CHARS_PER_TOKEN = 16
+
+
+def surely_too_long(tokenizer, texts: List[str], context: int) -> Optional[int]:
+    """A lower bound on the tokens of a prompt made of `texts` (a chat's message contents, or a
+    completion's prompt) when it shows that the prompt cannot fit `context`, else None (the
+    prompt must be tokenized whole to tell). Only prompts over ``PROBE_CHARS_PER_TOKEN *
+    context`` characters are probed, by tokenizing that many of their first characters: the
+    whole prompt has at least those tokens, less one per text for tokens that may merge across
+    where the probe joins or cuts them."""
+    limit = PROBE_CHARS_PER_TOKEN * context
+    if sum(len(t) for t in texts) <= limit:
+        return None
+    probe = "".join(texts)[:limit]
+    n = len(tokenizer.encode(probe, add_special_tokens=False)) - len(texts) - 1
+    return n if n >= context else None
 
 
 async def read_body(request: Request, limit: int) -> bytes:
@@ -154,7 +184,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             tokenize_pool.shutdown(wait=False)
 
     app = FastAPI(title="medusa_jax", description="OpenAI-compatible server with Medusa decoding",
-                  lifespan=lifespan)
+                  lifespan=lifespan, docs_url=None, redoc_url=None)  # their pages load scripts from a CDN
     app.state.engine, app.state.metrics, app.state.begin_shutdown = engine, metrics, begin_shutdown
 
     def error(status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
@@ -166,15 +196,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         return error(e.status, str(e), e.type, e.param, e.code)
 
     @app.exception_handler(StarletteHTTPException)
-    async def http_error(_request: Request, e: StarletteHTTPException):
-        kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
-        return error(e.status_code, str(e.detail), kind, headers=getattr(e, "headers", None))  # 405: Allow
+    async def http_error(request: Request, e: StarletteHTTPException):
+        message = str(e.detail)
+        if e.status_code == 404:  # as OpenAI words it, with the routes there are
+            message = (f"Invalid URL ({request.method} {request.url.path}): this server serves "
+                       "/v1/chat/completions, /v1/completions, /v1/models, /health and /metrics")
+        return error(e.status_code, message, headers=getattr(e, "headers", None))  # 405: Allow
 
     @app.exception_handler(Exception)
     async def internal_error(_request: Request, e: Exception):
         return error(500, f"internal error: {type(e).__name__}: {e}", "server_error")
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: health probes
     async def health():
         if state["shutting_down"]:
             return error(503, "the server is shutting down", "server_error")
@@ -183,18 +216,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     model_card = {"id": model_name, "object": "model", "created": int(state["started"]), "owned_by": "medusa_jax",
                   "max_model_len": context}
 
-    @app.get("/v1/models")
+    @app.api_route("/v1/models", methods=["GET", "HEAD"])
     async def models():
         return {"object": "list", "data": [model_card]}
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.api_route("/v1/models/{model_id:path}", methods=["GET", "HEAD"])
     async def model(model_id: str):
         if model_id != model_name:
             raise RequestError(f"the model {model_id!r} does not exist; this server serves {model_name}", "model",
                                status=404, code="model_not_found")
         return model_card
 
-    @app.get("/metrics")
+    @app.api_route("/metrics", methods=["GET", "HEAD"])
     async def prometheus():
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
@@ -222,15 +255,22 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             encode = functools.partial(render_chat, tokenizer, gen.messages)
         else:
             encode = lambda: list(tokenizer.encode(gen.prompt))  # noqa: E731
+        texts = [m["content"] for m in gen.messages] if chat else [gen.prompt]
+        run = asyncio.get_running_loop().run_in_executor
+        at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context)
+        if at_least is not None:
+            raise RequestError(f"the prompt has more than {at_least} tokens (from its first "
+                               f"{PROBE_CHARS_PER_TOKEN * context} characters alone) but the model's context is "
+                               f"{context}; shorten it", field, code="context_length_exceeded")
         try:  # in a worker thread: a long prompt's tokenization must not stall the other requests' streams
-            ids = await asyncio.get_running_loop().run_in_executor(tokenize_pool, encode)
+            ids = await run(tokenize_pool, encode)
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
             raise RequestError(f"{what}: {e}", field) from None
-        if len(ids) + 1 >= context:
-            raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {context}; shorten it",
-                               field, code="context_length_exceeded")
-        budget = context - len(ids) - 1
+        budget = new_token_room(len(ids), context)
+        if budget < 1:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {context}, so it can "
+                               f"have at most {context - 1}; shorten it", field, code="context_length_exceeded")
         max_tokens = gen.max_tokens if gen.max_tokens is not None else min(max_tokens_default or budget, budget)
         if max_tokens > budget:
             raise RequestError(f"max_tokens {max_tokens} is too large: the prompt has {len(ids)} tokens and the "

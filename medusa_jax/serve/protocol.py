@@ -68,10 +68,12 @@ def _number(body: dict, name: str, default: float, low: float, high: float) -> f
 
 
 def _top_p(body: dict) -> float:
-    p = _number(body, "top_p", 1.0, 0.0, 1.0)
-    if p <= 0:
-        raise RequestError(f"top_p must be in (0, 1], got {p}", "top_p")
-    return p
+    v = body.get("top_p")
+    if v is None:
+        return 1.0
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 1:
+        raise RequestError(f"top_p must be a number in (0, 1], got {v!r}", "top_p")
+    return float(v)
 
 
 def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
@@ -163,6 +165,8 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
         raise RequestError("stream_options must be an object", "stream_options")
+    if options and not stream:
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
