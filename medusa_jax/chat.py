@@ -83,6 +83,17 @@ def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
     return [int(t) for t in out]
 
 
+def encode_raw(tokenizer, prompt: str) -> List[int]:
+    """Token ids of `prompt` as it is, without a chat template (for base models, which have none):
+    the tokenizer's own special tokens (e.g. BOS) added as ``tokenizer.encode`` adds them.
+    Raises ValueError for a prompt that is not a str or is empty."""
+    if not isinstance(prompt, str):
+        raise ValueError(f"the prompt must be a str, got {type(prompt).__name__}")
+    if not prompt:
+        raise ValueError("the prompt is empty; give some text to continue")
+    return [int(t) for t in tokenizer.encode(prompt)]
+
+
 def apply_chat_template(tokenizer, prompt: str, system: Optional[str] = None) -> List[int]:
     """Token ids of a single user turn, ready for the assistant's answer.
 

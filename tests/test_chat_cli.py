@@ -35,11 +35,12 @@ def test_piped_chat_keeps_the_conversation_and_reset_forgets(smollm2):
     assert "Eiffel" in a2 and "Eiffel" not in a3, (a2, a3)  # "it" is the tower only with turn 1 before it
 
     run = subprocess.run([sys.executable, "-m", "medusa_jax.cli.chat", "--max-new-tokens", str(N)],
-                         input=f"{TURN1}\n{TURN2}\n/reset\n{TURN2}\n/exit\n", capture_output=True, text=True,
+                         input=f"{TURN1}\n{TURN2}\n/reset\n/bogus\n{TURN2}\n/exit\n", capture_output=True, text=True,
                          cwd=ROOT, timeout=600)
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"{a1}\n{a2}\n{a3}\n"
     assert "[the conversation is forgotten]" in run.stderr
+    assert "unknown command '/bogus'" in run.stderr  # not sent to the model: the next answer is a3
     stats = [line for line in run.stderr.splitlines() if "tokens/step" in line]
     assert len(stats) == 3
     reused = [int(line.split(" of ")[0].rsplit(", ", 1)[1]) for line in stats]

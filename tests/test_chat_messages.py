@@ -45,3 +45,22 @@ def test_apply_chat_template_names_a_prompt_that_is_not_text(smollm2):
             apply_chat_template(smollm2.tokenizer, bad)
     with pytest.raises(ValueError, match="the prompt is empty"):
         apply_chat_template(smollm2.tokenizer, "  ")
+
+
+def test_raw_prompts_for_a_tokenizer_without_a_chat_template(smollm2, monkeypatch):
+    """decode.py --raw gives the prompt as it is (the tokenizer's encode); without --raw, a
+    tokenizer with no chat template (a base model's) gets an error that names --raw."""
+    from argparse import Namespace
+
+    from medusa_jax.cli.decode import encode_prompt, parse_args
+
+    tok = smollm2.tokenizer
+    text = "The capital of France is"
+    assert encode_prompt(tok, text, Namespace(raw=True, system=None)) == tok.encode(text)
+    chat = encode_prompt(tok, text, Namespace(raw=False, system=None))
+    assert len(chat) > len(tok.encode(text))  # the template's markers around it
+    monkeypatch.setattr(tok, "chat_template", None)
+    with pytest.raises(ValueError, match="no chat template .*pass --raw"):
+        encode_prompt(tok, text, Namespace(raw=False, system=None))
+    with pytest.raises(SystemExit):
+        parse_args(["--raw", "--system", "Be brief.", "--prompt", text])

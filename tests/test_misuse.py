@@ -3,6 +3,8 @@
 context is ever decoded."""
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -346,7 +348,7 @@ def test_train_stop_at_step_must_be_positive(capsys):
             train.main(["--config", "configs/tiny.yaml", "--stop-at-step", value])
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == \
-            f"train.py: error: --stop-at-step must be >= 1 (the steps to run before stopping), got {value}"
+            f"python train.py: error: --stop-at-step must be >= 1 (the steps to run before stopping), got {value}"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -446,3 +448,65 @@ def test_distill_no_prompt_that_fits_is_an_error(tmp_path, capsys, monkeypatch):
     err = capsys.readouterr().err.strip().splitlines()[-1]  # after the progress bar
     assert err.startswith(f"error: nothing to distill: no prompt of {pool} fits in --max-prompt-tokens 4 tokens"), err
     assert sorted(os.listdir(out)) == []
+
+
+def test_an_output_file_that_cannot_be_written_is_refused_before_the_work(tmp_path, capsys):
+    """--out is opened for writing up front (root passes os.access for /proc and /sys, where no
+    file can be made); a file it created for the test is removed again."""
+    from medusa_jax.cli import check
+
+    with pytest.raises(SystemExit) as e:
+        check.main(["--prompts", str(tmp_path / "p.jsonl"), "--out", "/proc/no-such-file.json"])
+    assert e.value.code == 2
+    assert "--out /proc/no-such-file.json: cannot be written" in capsys.readouterr().err
+    from argparse import ArgumentParser
+
+    from medusa_jax.cli.common import check_out_file
+    check_out_file(ArgumentParser(), str(tmp_path / "new.json"))
+    assert not (tmp_path / "new.json").exists()
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_hidden_layers": -2}, "num_hidden_layers must be an integer >= 1, got -2"),
+    ({"num_attention_heads": 0}, "num_attention_heads must be an integer >= 1, got 0"),
+    ({"num_key_value_heads": 3}, r"num_attention_heads \(4\) must be a multiple of num_key_value_heads \(3\)"),
+    ({"hidden_size": 66, "head_dim": None}, r"hidden_size \(66\) must be a multiple of num_attention_heads"),
+    ({"vocab_size": "128"}, "vocab_size must be an integer >= 1, got '128'"),
+])
+def test_config_sizes_that_make_no_model_are_refused(change, message, tmp_path, capsys):
+    """A hand-written config.json with impossible sizes is refused naming the field, by the loader
+    and by medusa-plan (one line, status 2), not by a crash inside JAX."""
+    from conftest import tiny_config
+
+    from medusa_jax.cli import plan
+    from medusa_jax.models.config import ModelConfig
+
+    d = {k: v for k, v in dict(tiny_config("llama").to_hf_dict(), **change).items() if v is not None}
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_hf_dict(d)
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    assert plan.main(["--config", str(tmp_path / "config.json"), "--max-len", "64", "--batch", "1"]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: ")
+
+
+def test_model_type_is_taken_from_architectures_when_missing():
+    from conftest import tiny_config
+
+    from medusa_jax.models.config import ModelConfig, UnsupportedArchitectureError
+
+    d = tiny_config("qwen2").to_hf_dict()
+    del d["model_type"]
+    assert ModelConfig.from_hf_dict(dict(d, architectures=["Qwen2ForCausalLM"])).arch == "qwen2"
+    with pytest.raises(UnsupportedArchitectureError, match="no model_type, and no architectures such as"):
+        ModelConfig.from_hf_dict(dict(d, architectures=["GPT2LMHeadModel"]))
+
+
+def test_ctrl_c_ends_a_command_with_one_line_and_status_130(capsys):
+    from medusa_jax.cli import INTERRUPTED, interruptible
+
+    @interruptible
+    def main(argv=None) -> int:
+        raise KeyboardInterrupt
+
+    assert main() == INTERRUPTED == 130
+    assert capsys.readouterr().err.strip() == "interrupted (Ctrl-C)"

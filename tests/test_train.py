@@ -99,6 +99,9 @@ def test_ranks_and_topk():
     acc = topk_from_ranks(r, np.array([3.0]), ks=(1, 2, 5))
     np.testing.assert_allclose(acc[:, 0], [1 / 3, 2 / 3, 1.0])
     np.testing.assert_allclose(head_weights(3, 0.8), [1.0, 0.8, 0.64])
+    # diverged heads (NaN logits) rank every label last, not first: accuracy 0, never 1
+    nan = np.asarray(rank_counts(jnp.full_like(logits, jnp.nan), lab, ok))
+    assert nan.sum() == 0 and topk_from_ranks(nan, np.array([3.0]))[:, 0].max() == 0.0
 
 
 # ------------------------------------------------------------------------------------------ config
@@ -120,6 +123,29 @@ def test_train_config_yaml_and_overrides(tmp_path):
         ("hydra", "hard", 2, 8192, 0.0)  # the shipped heads' recipe
     medusa1 = TrainConfig.from_yaml(os.path.join(ROOT, "configs", "smollm2_medusa1.yaml"))
     assert hydra.hidden_dir == os.path.join(medusa1.out_dir, "hidden")  # shares the Medusa-1 run's cache
+
+
+@pytest.mark.parametrize("override, message", [
+    ("learning_rate=nan", "learning_rate and heads_lr_multiplier must be > 0"),
+    ("weight_decay=.inf", "weight_decay must be a finite number"),
+    ("random_init_std=nan", "random_init_std must be a finite number"),
+    ("adam_b1=1.5", r"adam_b1 must be in \[0, 1\)"),
+    ("adam_eps=0", "adam_eps must be > 0"),
+    ("grad_clip=-1", "grad_clip must be >= 0"),
+    ("loss_decay=-1", "loss_decay must be > 0"),
+])
+def test_numbers_that_would_train_nan_or_nonsense_are_refused(override, message):
+    with pytest.raises(TrainConfigError, match=message):
+        TrainConfig.from_yaml(TINY, (override,))
+
+
+def test_a_diverging_run_stops_and_exports_nothing(tmp_path):
+    """A loss that turns NaN / infinite stops the run with TrainingDivergedError before any heads
+    are exported (they would be NaN, and NaN logits used to score as top-1)."""
+    tc = tiny(tmp_path, "diverge", "steps=6", "learning_rate=1e38", "warmup_steps=1", "eval_every=0", "checkpoint_every=0")
+    with pytest.raises(trainer.TrainingDivergedError, match="the training loss became .* at step"):
+        trainer.train(tc, resume=False, progress=False)
+    assert not os.path.exists(tmp_path / "diverge" / "heads")
 
 
 def test_data_order_is_a_function_of_seed_and_step():

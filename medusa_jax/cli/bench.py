@@ -15,6 +15,7 @@ import json
 import os
 import sys
 
+from medusa_jax.cli import interruptible
 from medusa_jax.evals.speed import (
     batch_table,
     batched,
@@ -30,6 +31,7 @@ from medusa_jax.evals.speed import (
 )
 
 
+@interruptible
 def main(argv=None) -> int:
     from medusa_jax import resolve, sharding
     from medusa_jax.convert.load import weights_of

@@ -13,14 +13,17 @@ import argparse
 import sys
 from typing import List, Optional
 
+from medusa_jax.cli import interruptible
+
 
 def build_parser() -> argparse.ArgumentParser:
     from medusa_jax.cli import common
 
     p = argparse.ArgumentParser(prog="medusa-chat", description="Chat with the model, turn after turn, decoding "
                                 "with Medusa heads (greedy answers identical to plain greedy).",
-                                formatter_class=common.HelpFormatter, epilog="commands: /reset, /system TEXT, /exit; "
-                                "Ctrl-C stops the current answer")
+                                formatter_class=common.HelpFormatter,
+                                epilog="commands: /reset, /system TEXT (empty: none), /exit; //TEXT sends a message "
+                                "that begins with /; Ctrl-C stops the current answer")
     common.add_model_args(p)
     p.add_argument("--system", default=None, help="a system message for the conversation")
     p.add_argument("--max-new-tokens", type=int, default=512, help="the most tokens of one answer")
@@ -33,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@interruptible
 def main(argv: Optional[List[str]] = None) -> int:
     from medusa_jax.cli import common
 
@@ -84,10 +88,14 @@ def main(argv: Optional[List[str]] = None) -> int:
             if text.startswith("/system"):
                 system = text[len("/system"):].strip() or None
                 messages = []
-                print("[new system message; the conversation restarts]", file=sys.stderr)
+                print("[new system message; the conversation restarts]" if system else
+                      "[no system message; the conversation restarts]", file=sys.stderr)
                 continue
-            if text.startswith("/"):
-                print("commands: /reset, /system TEXT, /exit", file=sys.stderr)
+            if text.startswith("//"):  # a message that begins with "/"
+                text = text[1:]
+            elif text.startswith("/"):
+                print(f"unknown command {text.split()[0]!r}; commands: /reset, /system TEXT, /exit "
+                      "(start a message with // to send one that begins with /)", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": text})
             prompt = render_chat(model.tokenizer, ([{"role": "system", "content": system}] if system else []) + messages)

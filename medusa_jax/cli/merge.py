@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from medusa_jax.cli import interruptible
+
 
 def build_parser() -> argparse.ArgumentParser:
     from medusa_jax.cli.common import HelpFormatter
@@ -38,6 +40,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@interruptible
 def main(argv=None) -> int:
     """The command line (see the module docstring). Returns 0, or 2 after an ``error: ...`` line on
     stderr for a missing or mismatched input (no tuned layers in --heads, layers tuned from another

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 
+from medusa_jax.cli import interruptible
 from medusa_jax.evals.memory import ACCEPTANCES, DEFAULT_TREE_NODES, DTYPES, PRESETS, format_plan, plan
 
 _HOST_DEVICES_FLAG = "--xla_force_host_platform_device_count"
@@ -32,6 +33,7 @@ def ensure_host_devices(count: int) -> bool:
     return True
 
 
+@interruptible
 def main(argv=None) -> int:
     """The command line (see the module docstring). Returns 0, or 2 after an ``error: ...`` line on
     stderr for a bad config, mesh, size or too few devices."""

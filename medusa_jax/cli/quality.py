@@ -30,6 +30,7 @@ from typing import List, Optional, Sequence
 
 import numpy as np
 
+from medusa_jax.cli import interruptible
 from medusa_jax.cli.common import check_out_file
 
 #: the file of a heads directory that holds tuned top layers (`convert.tuned_layers.LAYERS_FILE`,
@@ -258,6 +259,7 @@ def report(summary: dict, rows: List[dict], tokenizer) -> str:
     return "\n".join(lines)
 
 
+@interruptible
 def main(argv=None) -> int:
     p = build_parser()
     args = p.parse_args(argv)

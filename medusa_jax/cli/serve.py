@@ -20,6 +20,8 @@ import re
 import sys
 from typing import List, Optional
 
+from medusa_jax.cli import interruptible
+
 
 def build_parser() -> argparse.ArgumentParser:
     from medusa_jax.cli import common
@@ -69,6 +71,7 @@ def default_model_name(path: str) -> str:
     return re.sub(r"[.-](q\d[a-z0-9_]*|f16|f32|bf16)$", "", stem.lower())
 
 
+@interruptible
 def main(argv: Optional[List[str]] = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)

@@ -29,12 +29,14 @@ import json
 import os
 import sys
 
+from medusa_jax.cli import interruptible, prog_name
+
 
 def parse_args(argv=None) -> argparse.Namespace:
     from medusa_jax import distributed
     from medusa_jax.cli.common import HelpFormatter
 
-    p = argparse.ArgumentParser(prog="train.py", description="Train Medusa heads (frozen backbone or joint).",
+    p = argparse.ArgumentParser(prog=prog_name("train.py", "medusa-train"), description="Train Medusa heads (frozen backbone or joint).",
                                 formatter_class=HelpFormatter)
     p.add_argument("--config", default=None,
                    help="YAML training config (see configs/; default: TrainConfig's defaults)")
@@ -70,6 +72,7 @@ class _AsConfigError:
         raise TrainConfigError(message)
 
 
+@interruptible
 def main(argv=None) -> int:
     args = parse_args(argv)
     from medusa_jax import distributed

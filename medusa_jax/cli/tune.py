@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import tqdm
 
+from medusa_jax.cli import interruptible
 from medusa_jax import kernels
 from medusa_jax.decoding.dynamic_spec import DEFAULT_DYNAMIC_WIDTH
 from medusa_jax.decoding.tree import build_tree, dynamic_tree, with_lookup
@@ -92,6 +93,7 @@ def _table(rows: List[dict], best: Optional[dict]) -> str:
     return "\n".join(lines)
 
 
+@interruptible
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from medusa_jax import resolve
     from medusa_jax.cli import common
@@ -198,9 +200,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 f"({model.cfg.vocab_size}); give at most that (0: the whole vocabulary)")
     lm = lm_head_matrix(model.cfg, model.params)
     progress = not args.no_progress
-    train, val, chats, pos, sources = calibration_data(
-        model, args.data, args.val_fraction, args.seed, hcfg.num_heads, args.max_seq_len, args.max_positions,
-        progress)
+    try:  # too little data for a held-out chat, bad samples
+        train, val, chats, pos, sources = calibration_data(
+            model, args.data, args.val_fraction, args.seed, hcfg.num_heads, args.max_seq_len, args.max_positions,
+            progress)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if args.proposal_vocab is not None:
         if args.proposal_vocab:
             hp = {**hp, "proposal_ids": frequent_tokens((ids for ids, _ in train), args.proposal_vocab,

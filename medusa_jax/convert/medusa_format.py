@@ -382,9 +382,11 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
         raise HeadsFormatError(f"{cfg_fn}: head_type {head_type!r} is not one of {HEAD_TYPES}")
     hydra_tensors = {k: tensors.pop(k) for k in [k for k in tensors if _HYDRA_RE.match(k)]}
     if hydra_tensors and head_type != "hydra":
+        said = (f"{cfg_fn} says head_type={head_type!r}" if "head_type" in raw else
+                f"{cfg_fn} sets no head_type (so {head_type!r})" if raw else "there is no config.json beside it")
         raise HeadsFormatError(f"{weights_fn}: holds hydra path weights ({sorted(hydra_tensors)[0]!r}, ...) but "
-                               f"config.json says head_type={head_type!r}; set \"head_type\": \"hydra\" there (or "
-                               "re-export the heads with save_heads)")
+                               f"{said}; set \"head_type\": \"hydra\" in its config.json (or re-export the heads "
+                               "with save_heads)")
     if not tensors:
         raise HeadsFormatError(f"{weights_fn}: holds no Medusa block tensors beside the hydra path weights")
     stripped, origin = _normalise_names(tensors, weights_fn)

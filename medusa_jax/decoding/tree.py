@@ -182,6 +182,10 @@ def check_depth(depth: int, num_heads: int, what: str = "tree") -> None:
     are: the package's one depth check, called by the tools before the model loads, by the
     generation entry points and by the step."""
     if depth > num_heads:
+        if what.startswith("--"):  # a command's flag
+            raise ValueError(f"{what} has depth {depth} but the heads have only {num_heads}; give a shallower "
+                             f"{what} (a preset such as chain{max(num_heads, 1)}, dynamic:T, or a medusa_choices "
+                             f"file at most {num_heads} deep) or heads with more heads")
         raise ValueError(f"{what} has depth {depth} but the heads have only {num_heads}; use a shallower tree (a "
                          f"preset such as chain{max(num_heads, 1)}, truncate_tree, or a medusa_choices file) or "
                          "more heads (heads from resolve_heads or prepare_heads keep only their tree's depth: pass "

@@ -34,6 +34,11 @@ def check_architecture(name: str, source: str = "") -> str:
       source: where the name came from, for the message.
     """
     norm = (name or "").lower()
+    if not norm:
+        where = f"{source} names" if source else "the checkpoint names"
+        raise UnsupportedArchitectureError(
+            f"{where} no architecture (no model_type, and no architectures such as LlamaForCausalLM); "
+            f"medusa_jax supports {', '.join(SUPPORTED_ARCHITECTURES)} (Llama family)")
     if norm not in SUPPORTED_ARCHITECTURES:
         where = f" in {source}" if source else ""
         raise UnsupportedArchitectureError(
@@ -61,6 +66,43 @@ def check_supported_variant(cfg: Mapping[str, Any], source: str = "config.json")
         raise UnsupportedArchitectureError(
             f"{source}: this {cfg.get('model_type', '')} variant is not supported: {'; '.join(problems)}. "
             "Decoding it would give wrong outputs, so it is refused.")
+
+
+def model_type_of(architectures: Any) -> str:
+    """The ``model_type`` a config.json without one implies by its ``architectures`` (transformers'
+    class names): ``["LlamaForCausalLM"]`` -> "llama"; "" when they name none of the families."""
+    for name in architectures if isinstance(architectures, list) else []:
+        if isinstance(name, str) and name.endswith("ForCausalLM"):
+            kind = name[:-len("ForCausalLM")].lower()
+            if kind in SUPPORTED_ARCHITECTURES:
+                return kind
+    return ""
+
+
+_SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+
+
+def check_sizes(cfg: Mapping[str, Any], arch: str, source: str = "config.json") -> None:
+    """Raise ValueError naming the field when a config.json's sizes cannot make a model: a size
+    (`_SIZES`, ``num_key_value_heads``, ``head_dim``, ``max_position_embeddings`` where given)
+    that is missing, not an integer or below 1, query heads that are not a multiple of the KV
+    heads, or (without ``head_dim``) a hidden size that the query heads do not divide."""
+    problems = []
+    for name in _SIZES + ("num_key_value_heads", "head_dim", "max_position_embeddings"):
+        v = cfg.get(name)
+        if v is None and name not in _SIZES:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            problems.append(f"{name} must be an integer >= 1, got {v!r}")
+    if not problems:
+        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        if heads % kv:
+            problems.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+        if cfg.get("head_dim") is None and arch != "qwen3" and cfg["hidden_size"] % heads:
+            problems.append(f"hidden_size ({cfg['hidden_size']}) must be a multiple of num_attention_heads ({heads}) "
+                            "when there is no head_dim")
+    if problems:
+        raise ValueError(f"{source}: {'; '.join(problems)}")
 
 
 @dataclass(frozen=True)
@@ -185,8 +227,9 @@ class ModelConfig:
         type or a sliding-window layout that transformers cannot run either (see
         `sliding_layout_from_hf`).
         """
-        arch = check_architecture(cfg.get("model_type", ""), source)
+        arch = check_architecture(cfg.get("model_type") or model_type_of(cfg.get("architectures")), source)
         check_supported_variant(cfg, source)
+        check_sizes(cfg, arch, source)
         rope_params = cfg.get("rope_parameters") or {}
         theta = cfg.get("rope_theta")
         if theta is None:

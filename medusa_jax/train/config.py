@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -273,12 +274,28 @@ class TrainConfig:
                 problems.append(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 <= self.val_fraction < 1.0:
             problems.append(f"val_fraction must be in [0, 1), got {self.val_fraction}")
-        if self.learning_rate <= 0 or self.heads_lr_multiplier <= 0:
+        if not (self.learning_rate > 0 and self.heads_lr_multiplier > 0):  # NaN fails too
             problems.append("learning_rate and heads_lr_multiplier must be > 0")
+        problems += self._float_problems()
         if self.mode == "joint" and self.heads_warmup_steps >= self.steps:
             problems.append(f"heads_warmup_steps ({self.heads_warmup_steps}) must be < steps ({self.steps})")
         if problems:
             raise TrainConfigError("invalid training config: " + "; ".join(problems))
+
+    def _float_problems(self) -> list:
+        """Float fields that are NaN or infinite (a NaN passes every ``<`` check and would train
+        NaN heads), and the optimizer's and loss's ranges that `__post_init__` does not check
+        elsewhere."""
+        out = [f"{f.name} must be a finite number, got {getattr(self, f.name)}" for f in dataclasses.fields(self)
+               if isinstance(getattr(self, f.name), float) and not math.isfinite(getattr(self, f.name))]
+        if out:
+            return out
+        ranges = {"weight_decay": (self.weight_decay >= 0, ">= 0"), "adam_b1": (0 <= self.adam_b1 < 1, "in [0, 1)"),
+                  "adam_b2": (0 <= self.adam_b2 < 1, "in [0, 1)"), "adam_eps": (self.adam_eps > 0, "> 0"),
+                  "grad_clip": (self.grad_clip >= 0, ">= 0 (0 = off)"), "loss_decay": (self.loss_decay > 0, "> 0"),
+                  "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1]"),
+                  "random_init_std": (self.random_init_std > 0, "> 0"), "lambda_base": (self.lambda_base >= 0, ">= 0")}
+        return [f"{name} must be {what}, got {getattr(self, name)}" for name, (ok, what) in ranges.items() if not ok]
 
     # ---- loading
 

@@ -50,8 +50,11 @@ def safe_mean(total: jax.Array, count: jax.Array) -> jax.Array:
 
 
 def _label_rank(logits: jax.Array, label_logit: jax.Array) -> jax.Array:
-    """How many logits exceed the label's: [..., V], [...] -> [...] int32 (0 = top-1)."""
-    return jnp.sum(logits > label_logit[..., None], axis=-1, dtype=jnp.int32)
+    """How many logits exceed the label's: [..., V], [...] -> [...] int32 (0 = top-1). A NaN label
+    logit (diverged heads) gets the largest int32, past every rank histogram, rather than 0 (no
+    comparison with NaN is true)."""
+    rank = jnp.sum(logits > label_logit[..., None], axis=-1, dtype=jnp.int32)
+    return jnp.where(jnp.isnan(label_logit), jnp.int32(np.iinfo(np.int32).max), rank)
 
 
 def _rank_hist(rank: jax.Array, valid: jax.Array) -> jax.Array:

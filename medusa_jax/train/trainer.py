@@ -117,6 +117,10 @@ class ResumeConflictError(ValueError):
     done than asked for)."""
 
 
+class TrainingDivergedError(ValueError):
+    """The training loss became NaN or infinite: the run stops before it writes such params."""
+
+
 class BackboneDriftError(ValueError):
     """The jointly trained backbone drifted from the original beyond ``max_kl`` (validation KL per
     token): the run is checkpointed, nothing is exported."""
@@ -318,7 +322,8 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     Returns: a `TrainResult`.
     Raises: ResumeConflictError (a ValueError: out_dir holds a run this config cannot continue,
       checked before anything is loaded or written), FileNotFoundError (model or data missing),
-      ValueError (bad data, mismatched checkpoint or init_heads).
+      ValueError (bad data, mismatched checkpoint or init_heads), TrainingDivergedError (a
+      ValueError: the loss became NaN or infinite; nothing past the last checkpoint is written).
     """
     check_run_inputs(tc)
     out_dir = os.path.abspath(tc.out_dir)
@@ -440,6 +445,13 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
             batch = restrict_batch(D.positions_batch(train_pos, idx, soft=soft), remap)[0]
             params, opt_state, st = frozen_step(params, opt_state, lm_train, emb, place_frozen_batch(batch, mesh))
         st = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), st)
+        if not np.isfinite(st["loss"]):
+            bar.close()
+            kept = f"; the last checkpoint ({tc.out_dir}/checkpoints) is kept" if tc.checkpoint_every else ""
+            raise TrainingDivergedError(
+                f"the training loss became {float(st['loss'])} at step {step + 1} (learning_rate "
+                f"{tc.learning_rate}): nothing of this step is saved{kept}; train again with a lower "
+                "learning_rate")
         acc = dict(st, n=1) if acc is None else {k: acc[k] + st.get(k, 1) for k in acc}
         step += 1
         bar.update(1)

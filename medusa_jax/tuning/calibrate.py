@@ -181,7 +181,8 @@ def calibration_data(model, data_dir: str, val_fraction: float, seed: int, num_h
     examples = D.load_distilled(data_dir)
     train, val = D.split_train_val(examples, val_fraction, seed)
     if not val:
-        raise ValueError(f"{data_dir}: val_fraction={val_fraction} leaves no held-out chat for calibration")
+        raise ValueError(f"{data_dir}: its {len(examples)} chats with val_fraction={val_fraction} leave no held-out "
+                         "chat for calibration; distill more chats (medusa-distill) or raise --val-fraction")
     chats = [(np.asarray(i, np.int32)[:max_seq_len], np.asarray(m, bool)[:max_seq_len]) for i, m in val]
     if max_positions:  # whole chats, so that decoding them can be replayed
         sizes = [len(D.kept_positions(i, m, num_heads)) for i, m in chats]
