@@ -136,7 +136,7 @@ def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
 
 def test_bench_batch_rows_equal_batch_one_and_check_samples(tmp_path, capsys):
     """bench --batch-size 2: every batched row (plain and Medusa) equals plain greedy at batch 1;
-    check --temperature 0.7 reports exact sampling's tokens/step."""
+    check --temperature 0.7 reports exact sampling's tokens/step, its answers equal to plain sampling's."""
     from medusa_jax.cli import bench, check
     prompts = tmp_path / "p.jsonl"
     prompts.write_text("\n".join(json.dumps({"question_id": i, "category": "x", "turns": [t]}) for i, t in
@@ -155,4 +155,5 @@ def test_bench_batch_rows_equal_batch_one_and_check_samples(tmp_path, capsys):
                        "--out", str(tmp_path / "c.json")]) == 0
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["acceptance"] == "exact" and summary["prompts"] == 3 and summary["mean_tokens_per_step"] >= 1
+    assert summary["identical_to_plain_sampling"] == 3  # exact acceptance: plain sampling's tokens, seed for seed
 

@@ -651,6 +651,17 @@ def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch):
     hidden.cached_positions(tc, bb, changed[:4], "train", str(tmp_path), progress=False)
     hidden.cached_positions(tc, bb, examples, "train", str(tmp_path), progress=False)
     assert seen == [5, 3, 4, 8]
+    # a checkpoint rewritten in place (same path, new weights) is not trained on with the old states
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "model.safetensors").write_bytes(b"old weights")
+    on_disk = dataclasses.replace(bb, path=str(ckpt))
+    for _ in range(2):
+        hidden.cached_positions(tc, on_disk, examples, "train", str(tmp_path), progress=False)
+    assert seen == [5, 3, 4, 8, 8]
+    (ckpt / "model.safetensors").write_bytes(b"new weights!")
+    hidden.cached_positions(tc, on_disk, examples, "train", str(tmp_path), progress=False)
+    assert seen == [5, 3, 4, 8, 8, 8]
 
 
 def test_frozen_hydra_and_soft_targets(frozen_run, tmp_path):

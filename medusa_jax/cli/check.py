@@ -10,10 +10,12 @@ other difference is a bug and makes the command exit with status 1. With ``--ref
 the plain reference decodes from a second copy of the model loaded with other ``--weights`` (the
 GGUF blocks against the dequantized float32 model).
 
-With ``--temperature > 0`` it samples instead (``--acceptance exact``, the default, or ``typical``)
-and reports Medusa's tokens per step; sampled answers are not compared with anything (plain and
-Medusa sampling draw different random numbers; tests/test_exact_sampling.py checks that exact
-acceptance keeps the distribution).
+With ``--temperature > 0`` it samples instead and reports Medusa's tokens per step. With
+``--acceptance exact`` (the default) each answer is also compared with plain sampling's for the same
+seed, which it must equal token for token (exact acceptance draws every position's token with the
+uniform of that seed and position, whatever the tree); a difference makes the command exit with
+status 1. ``typical`` acceptance changes the distribution, so its answers are not compared
+(tests/test_exact_sampling.py checks the distributions).
 """
 from __future__ import annotations
 
@@ -54,7 +56,8 @@ def main(argv=None) -> int:
     p.add_argument("--out", default=None,
                    help="also write per-prompt results as JSON to this file (its directory must exist)")
     common.add_acceptance_args(p, temperature_help="0: the lossless check (Medusa greedy against plain greedy); "
-                                                    "> 0: Medusa sampling's tokens/step, no comparison")
+                                                    "> 0: Medusa sampling's tokens/step, and with exact acceptance "
+                                                    "the comparison with plain sampling for the same seed")
     common.add_lookup_arg(p)
     args = p.parse_args(argv)
     acc = common.acceptance_from_args(p, args)
@@ -122,28 +125,42 @@ def main(argv=None) -> int:
 
 def sampled(model, heads, tree, records, acc, args) -> int:
     """``--temperature > 0``: Medusa sampling on every prompt (prompt i with `decoding.sampling.prompt_seed`);
-    prints the summary with the mean tokens per step. Returns 0."""
+    with exact acceptance also plain sampling with the same seed, which must give the same tokens.
+    Prints the summary with the mean tokens per step. Returns 1 when an exact answer differs, else 0."""
     from tqdm import tqdm
 
     from medusa_jax.chat import apply_chat_template
     from medusa_jax.decoding.sampling import prompt_seed
+    from medusa_jax.evals.lossless import first_difference
 
+    exact = acc.mode == "exact"
     rows, steps, new_tokens = [], 0, 0
     for i, rec in enumerate(tqdm(records, desc="prompts", unit="prompt")):
         ids = apply_chat_template(model.tokenizer, rec["prompt"])
-        med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree, acc, prompt_seed(args.seed, i))
+        seed = prompt_seed(args.seed, i)
+        med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree, acc, seed)
         steps += med_steps
         new_tokens += len(med)
-        rows.append({**rec, "new_tokens": len(med), "steps": med_steps, "tokens_per_step": len(med) / max(med_steps, 1)})
+        row = {**rec, "new_tokens": len(med), "steps": med_steps, "tokens_per_step": len(med) / max(med_steps, 1)}
+        if exact:
+            plain, _ = decode_one(model, ids, args.max_new_tokens, acceptance=acc, seed=seed)
+            row["first_diff"] = first_difference(plain, med)
+            row["identical"] = row["first_diff"] is None
+        rows.append(row)
     summary = {"prompts": len(rows), "acceptance": acc.mode, "temperature": acc.temperature, "top_p": acc.top_p,
                "mean_tokens_per_step": new_tokens / max(steps, 1), "new_tokens": new_tokens, "steps": steps,
                "tree_size": tree.size, "prompt_lookup": tree.lookup_settings,
                "max_new_tokens": args.max_new_tokens}
+    if exact:
+        summary["identical_to_plain_sampling"] = sum(r["identical"] for r in rows)
     print(json.dumps(summary))
+    for r in rows:
+        if exact and not r["identical"]:
+            print(json.dumps({k: r[k] for k in ("id", "first_diff")}))
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"summary": summary, "rows": rows}, f, indent=1)
-    return 0
+    return 1 if exact and summary["identical_to_plain_sampling"] < len(rows) else 0
 
 
 if __name__ == "__main__":

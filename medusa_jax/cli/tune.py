@@ -235,9 +235,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             # that a larger tree's longer copies score by their own acceptance (resolve.DYNAMIC_LOOKUP_TOKENS)
             copied, found, ngram = lookup_drafts(chats, sources, dyn_lookup._replace(
                 num_tokens=max(dyn_lookup.num_tokens, resolve.DYNAMIC_LOOKUP_TOKENS)))
-            if found.any():  # pooled, and by the length of the n-gram matched
+            try:  # pooled, and by the length of the n-gram matched
                 lookup_conf = fit_lookup_confidence(chats, sources, copied, found)
                 by_ngram = fit_lookup_ngram_confidence(chats, sources, copied, found, ngram) or None
+            except ValueError as e:  # no copy with answer tokens after it (few or short held-out chats)
+                print(f"note: {e}; the copies keep the default acceptance rates", file=sys.stderr)
             if lookup.num_tokens <= hcfg.num_heads:  # the copies the replay can check: a copy of k tokens is
                 drafts = (copied[..., :lookup.num_tokens], found, ngram)  # the first k of a longer one (lookup_matches)
     for T in sizes if args.dynamic_width else ():  # where the heads draft enough candidates for it
@@ -342,7 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print(f"saved the {kind} tree (predicted {best['predicted_tokens_per_step']:.3f} tokens/step with the "
           f"heads alone{lookup_note}, speedup {best['predicted_speedup']:.3f}x) with the heads in {out_dir}")
     if os.path.realpath(out_dir) != os.path.realpath(resolve.DEFAULT_HEADS_DIR):
-        print(f"use them with: python decode.py --heads {out_dir}")
+        model_flag = f"--model {args.model} " if args.model else ""
+        print(f"use them with: python decode.py {model_flag}--heads {out_dir}")
     return 0
 
 

@@ -37,6 +37,18 @@ class Backbone:
     tokenizer: Any = None
 
 
+def weights_stamp(path: str) -> Optional[List[list]]:
+    """[[file name, size, mtime in ns], ...] of a model's weight files (a GGUF file, or an HF
+    directory's ``*.safetensors``), None for the random backbone: part of the hidden-state and
+    layer-input caches' keys, so that a checkpoint rewritten in place (a fine-tune run again into
+    the same directory) is not trained on with the old model's cached states."""
+    if path == "random" or not os.path.exists(path):
+        return None
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(path, f) for f in os.listdir(path) if f.endswith(".safetensors"))
+    return [[os.path.basename(f), os.stat(f).st_size, os.stat(f).st_mtime_ns] for f in files]
+
+
 def build_backbone(tc: TrainConfig) -> Backbone:
     """The backbone: a tiny random Llama (``model: random``) or `load_model(tc.model)` (None: SmolLM2)."""
     if tc.model == "random":
@@ -236,11 +248,12 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
     """`compute_positions`, kept in ``out_dir/hidden/<split>.npz`` (``tc.hidden_dir/<split>.npz`` when
     set) when ``tc.cache_hidden``.
 
-    The cache is used only when its fingerprint (model, data, split, K, token checksum, layout
-    version `CACHE_FORMAT`) matches. When the data has grown since (distillation resumed: the
+    The cache is used only when its fingerprint (model, its weight files' sizes and times
+    (`weights_stamp`), data, split, K, token checksum, layout version `CACHE_FORMAT`) matches. When the data has grown since (distillation resumed: the
     cached sequences are the first ones, unchanged), only the new sequences run through the backbone
     and are merged in (`merge_positions`)."""
-    key = {"model": backbone.path, "cfg": repr(backbone.cfg), "data": tc.data, "split": split, "K": tc.num_heads,
+    key = {"model": backbone.path, "weights": weights_stamp(backbone.path), "cfg": repr(backbone.cfg),
+           "data": tc.data, "split": split, "K": tc.num_heads,
            "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None, "n": len(examples),
            "sum": examples_checksum(examples), "format": CACHE_FORMAT}
     fn = os.path.join(tc.hidden_dir or os.path.join(out_dir, "hidden"), f"{split}.npz")

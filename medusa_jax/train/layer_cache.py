@@ -24,7 +24,7 @@ from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.llama import LlamaModel
 from medusa_jax.train.config import TrainConfig
 from medusa_jax.train.hidden import (Backbone, Pair, bucket_len, examples_checksum, length_batches, padded_sequences,
-                                     sequence_positions)
+                                     sequence_positions, weights_stamp)
 
 #: Version of the layout; a cache of another version is recomputed.
 CACHE_FORMAT = 1
@@ -59,7 +59,8 @@ class LayerInputs:
         self.lengths = np.array([min(len(ids), tc.max_seq_len) for ids, _ in examples], np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(self.lengths)])
         D = backbone.cfg.hidden_size
-        key = {"model": backbone.path, "cfg": repr(backbone.cfg), "data": tc.data, "layer": layer,
+        key = {"model": backbone.path, "weights": weights_stamp(backbone.path), "cfg": repr(backbone.cfg),
+               "data": tc.data, "layer": layer,
                "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None,
                "n": len(examples), "sum": examples_checksum(examples), "max_seq_len": tc.max_seq_len,
                "format": CACHE_FORMAT}

@@ -362,6 +362,10 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     emb = jnp.asarray(token_embeddings(bb.params))  # hydra heads' path embeddings (frozen)
     soft = tc.loss_targets == "soft"
     train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
+    if not val_ex:
+        note(f"val_fraction={tc.val_fraction} holds out none of the {len(train_ex)} chats: no validation accuracy"
+             + (" and no tree searched on it (the heads are saved without one)" if tc.tree == "search" else "")
+             + "; distill more chats or raise val_fraction")
     proposal_ids, remap = proposal_vocabulary(tc, train_ex, mcfg.vocab_size)
     # cast once: the frozen steps take it as is; with a proposal vocabulary only its columns
     lm_train = (lm0 if proposal_ids is None else lm0[:, proposal_ids]).astype(tc.head_matmul_dtype)
