@@ -296,7 +296,9 @@ def test_hydra_file_errors(tmp_path, tiny):
     tensors = read_tensors(str(tmp_path / "ok" / "medusa_lm_head.safetensors"))
     raw = json.load(open(tmp_path / "ok" / "config.json"))
     cases = {
-        "untyped": ({k: v for k, v in raw.items() if k != "head_type"}, tensors, "head_type='medusa'"),
+        "untyped": ({k: v for k, v in raw.items() if k != "head_type"}, tensors,
+                    r"config.json sets no head_type \(so 'medusa'\); set \"head_type\": \"hydra\""),
+        "medusa": ({**raw, "head_type": "medusa"}, tensors, "config.json says head_type='medusa'"),
         "missing": (raw, {k: v for k, v in tensors.items() if k != "hydra.3.path_linear.weight"},
                     "hydra.3.path_linear.weight"),
         "shape": (raw, {**tensors, "hydra.1.path_residual.weight": np.zeros((DM, DM), np.float32)}, r"\(32, 64\)"),
