@@ -494,3 +494,13 @@ def test_the_grace_end_answers_requests_while_the_engine_is_compiling():
     lines = [line for line in streamed.text.splitlines() if line]
     assert lines[-1] == "data: [DONE]" and '"server_shutdown"' in lines[-2], lines[-3:]
     assert all(h.cancelled.is_set() for h in engine.handles)  # and the engine frees their rows when it can
+
+
+def test_top_p_is_refused_with_one_interval_whatever_side_it_misses():
+    from medusa_jax.serve.protocol import RequestError, check_request
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for bad in (0, 0.0, -0.5, 1.5):
+        with pytest.raises(RequestError, match=r"top_p must be in \(0, 1\], got"):
+            check_request(dict(body, top_p=bad), [MODEL], 64, True)
+    assert check_request(dict(body, top_p=1), [MODEL], 64, True).top_p == 1.0

@@ -216,7 +216,7 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
     context gets a line with an "error" field instead; the others are still answered.
     Returns the exit status: 0, or 1 when some prompt had an error."""
     import medusa_jax as mj
-    from medusa_jax.decoding.args import new_token_room
+    from medusa_jax.decoding.args import PromptTooLongError, check_prompt_room
     from medusa_jax.decoding.sampling import prompt_seed
 
     recs = args.records
@@ -228,12 +228,12 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
         except ValueError as e:
             lines[r["index"]] = {"index": r["index"], "id": r["id"], "error": str(e)}
             continue
-        if new_token_room(len(p), ctx) < 1:
-            lines[r["index"]] = {"index": r["index"], "id": r["id"], "prompt_tokens": len(p),
-                                 "error": f"the prompt has {len(p)} tokens but the model's context is {ctx}, so "
-                                          f"it can have at most {ctx - 1}; shorten it"}
-        else:
-            ids[r["index"]] = p
+        try:
+            check_prompt_room(len(p), ctx)
+        except PromptTooLongError as e:
+            lines[r["index"]] = {"index": r["index"], "id": r["id"], "prompt_tokens": len(p), "error": str(e)}
+            continue
+        ids[r["index"]] = p
     order = sorted(ids)
     printed = 0
 

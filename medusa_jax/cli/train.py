@@ -36,7 +36,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     from medusa_jax import distributed
     from medusa_jax.cli.common import HelpFormatter
 
-    p = argparse.ArgumentParser(prog=prog_name("train.py", "medusa-train"), description="Train Medusa heads (frozen backbone or joint).",
+    p = argparse.ArgumentParser(prog=prog_name("train.py", "medusa-train"),
+                                description="Train Medusa heads (frozen backbone or joint).",
                                 formatter_class=HelpFormatter)
     p.add_argument("--config", default=None,
                    help="YAML training config (see configs/; default: TrainConfig's defaults)")

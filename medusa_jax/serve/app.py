@@ -29,7 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from medusa_jax.chat import render_chat
-from medusa_jax.decoding.args import new_token_room
+from medusa_jax.decoding.args import PromptTooLongError, check_prompt_room, new_token_room
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import Finished
 from medusa_jax.decoding.requests import Request as EngineRequest
@@ -267,10 +267,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         except Exception as e:  # noqa: BLE001 - a template that refuses these messages
             what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
             raise RequestError(f"{what}: {e}", field) from None
+        try:
+            check_prompt_room(len(ids), context)
+        except PromptTooLongError as e:
+            raise RequestError(str(e), field, code="context_length_exceeded") from None
         budget = new_token_room(len(ids), context)
-        if budget < 1:
-            raise RequestError(f"the prompt has {len(ids)} tokens but the model's context is {context}, so it can "
-                               f"have at most {context - 1}; shorten it", field, code="context_length_exceeded")
         max_tokens = gen.max_tokens if gen.max_tokens is not None else min(max_tokens_default or budget, budget)
         if max_tokens > budget:
             raise RequestError(f"max_tokens {max_tokens} is too large: the prompt has {len(ids)} tokens and the "

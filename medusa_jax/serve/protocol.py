@@ -56,23 +56,17 @@ class Generation:
     model: str
 
 
-def _number(body: dict, name: str, default: float, low: float, high: float) -> float:
+def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
+    """Field `name` as a finite float in [low, high] ((low, high] with `open_low`); `default`
+    when absent or null; RequestError naming the field and the interval otherwise."""
     v = body.get(name, default)
     if v is None:
         return default
+    interval = f"{'(' if open_low else '['}{low}, {high}]"
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise RequestError(f"{name} must be a number, got {v!r}", name)
-    if not low <= v <= high:
-        raise RequestError(f"{name} must be in [{low}, {high}], got {v}", name)
-    return float(v)
-
-
-def _top_p(body: dict) -> float:
-    v = body.get("top_p")
-    if v is None:
-        return 1.0
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 < v <= 1:
-        raise RequestError(f"top_p must be a number in (0, 1], got {v!r}", "top_p")
+    if not (low < v if open_low else low <= v) or not v <= high:
+        raise RequestError(f"{name} must be in {interval}, got {v}", name)
     return float(v)
 
 
@@ -175,7 +169,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
         seed = secrets.randbelow(2 ** 31)
     return Generation(messages=messages, prompt=prompt, max_tokens=max_tokens,
                       temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
-                      top_p=_top_p(body), seed=seed,
+                      top_p=_number(body, "top_p", 1.0, 0, 1, open_low=True), seed=seed,
                       stop=stop, stream=stream, include_usage=include_usage, model=model or models[0])
 
 

@@ -249,9 +249,10 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
     set) when ``tc.cache_hidden``.
 
     The cache is used only when its fingerprint (model, its weight files' sizes and times
-    (`weights_stamp`), data, split, K, token checksum, layout version `CACHE_FORMAT`) matches. When the data has grown since (distillation resumed: the
-    cached sequences are the first ones, unchanged), only the new sequences run through the backbone
-    and are merged in (`merge_positions`)."""
+    (`weights_stamp`), data, split, K, token checksum, layout version `CACHE_FORMAT`) matches. When
+    the data has grown since (distillation resumed: the cached sequences are the first ones,
+    unchanged), only the new sequences run through the backbone and are merged in
+    (`merge_positions`)."""
     key = {"model": backbone.path, "weights": weights_stamp(backbone.path), "cfg": repr(backbone.cfg),
            "data": tc.data, "split": split, "K": tc.num_heads,
            "random": [tc.seed, tc.random_init_std] if backbone.path == "random" else None, "n": len(examples),
