@@ -225,7 +225,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
     order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
-    trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes]
+    trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes if T - 1 <= len(order)]
+    if len(trees) < len(sizes):  # the heads' candidates (topk per head, depth num_heads) run out first
+        print(f"note: these heads draft static trees of at most {len(order) + 1} tokens; "
+              f"{', '.join(str(T) for T in sizes if T - 1 > len(order))} left out of the static trees", file=sys.stderr)
     dynamic, confidence, lookup_conf, by_ngram, drafts = {}, None, None, None, None  # T -> the dynamic tree
     # a dynamic tree's lookup offers several matches (resolve.default_lookup), a static tree's one
     dyn_lookup = lookup and resolve.dynamic_lookup(lookup.num_tokens)
@@ -247,6 +250,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                             by_ngram)
         if tree.dynamic.candidates(tree.max_depth, hcfg.topk, hcfg.head_type == "hydra") >= T - 1:
             dynamic[T] = tree
+    if args.dynamic_width and len(dynamic) < len(sizes):
+        print(f"note: these heads draft too few candidates for dynamic trees of "
+              f"{', '.join(str(T) for T in sizes if T not in dynamic)} tokens (width {args.dynamic_width}); "
+              "left out of the dynamic trees", file=sys.stderr)
     prompt = timing_prompt(val, args.cost_prompt_len)
     by_size, dynamic_by_size = {}, {}
     # the roofline beside the timings (issue 13): the weights a plain step streams over its time,
@@ -297,7 +304,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     chosen_tree = build_tree([tuple(p) for p in static_best["medusa_choices"]], hcfg.topk)
     breakdown = overhead_breakdown(model.cfg, model.params, (hcfg, jhp), chosen_tree, prompt, args.steps,
                                    args.repeats, cache_sizes[0])
-    print("per step (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in breakdown.items() if k.endswith("_ms")))
+    print("per step (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in breakdown.items() if k.endswith("_ms"))
+          + (" (below 0: the parts timed alone take longer than inside the whole step, so the rest is within "
+             "the timings' noise)" if breakdown["rest_ms"] < 0 else ""))
     if args.dry_run:
         return 0
     report = {"device": str(jax.devices()[0].device_kind), "weights": weights_of(model.params),
