@@ -173,3 +173,14 @@ def test_read_chat_jsonl_refuses_eval_sets(tmp_path):
     p.write_text('{"messages": []}\n')
     with pytest.raises(EvalSetError):
         list(Dt.read_chat_jsonl(str(p)))
+
+
+def test_data_distilled_from_another_model_is_noted(tmp_path):
+    from medusa_jax.train.examples import distilled_for_another_model
+    assert distilled_for_another_model(str(tmp_path), "/m/ModelB") is None  # no meta.json: nothing to compare
+    (tmp_path / "meta.json").write_text(json.dumps({"model": "/models/ModelA", "max_new_tokens": 8}))
+    assert distilled_for_another_model(str(tmp_path), "/elsewhere/ModelA/") is None  # the same name
+    note = distilled_for_another_model(str(tmp_path), "/m/ModelB")
+    assert "distilled from ModelA" in note and "trained for ModelB" in note and "--model /m/ModelB" in note
+    (tmp_path / "meta.json").write_text("[1, 2]")  # not the distiller's meta: no note rather than an error
+    assert distilled_for_another_model(str(tmp_path), "/m/ModelB") is None

@@ -2,12 +2,15 @@
 validation, and the proposal vocabulary drawn from them."""
 from __future__ import annotations
 
+import json
+import os
 from typing import List, Optional, Tuple
 
 import numpy as np
 
 from medusa_jax.heads.medusa import frequent_tokens
 from medusa_jax.train import data as D
+from medusa_jax.train.distill import META_FILE
 from medusa_jax.train.config import TrainConfig
 from medusa_jax.train.hidden import Pair
 
@@ -61,3 +64,24 @@ def proposal_vocabulary(tc: TrainConfig, train_ex, vocab_size: int) -> Tuple[Opt
     remap = np.full(vocab_size, -1, np.int64)
     remap[ids] = np.arange(len(ids))
     return ids, remap
+
+
+def distilled_for_another_model(data_dir: str, model_path: str) -> Optional[str]:
+    """A note when ``data_dir``'s ``meta.json`` (written by `medusa_jax.train.distill`) names another
+    model than ``model_path`` (compared by file or directory name); None when they agree, or when
+    there is no readable meta.json (synthetic data, data made elsewhere). Heads learn the answers
+    in the data, so data distilled from another model teaches them tokens this one does not choose
+    (decoding stays lossless; fewer drafts are accepted)."""
+    try:
+        with open(os.path.join(data_dir, META_FILE), encoding="utf-8") as f:
+            made_by = json.load(f).get("model")
+    except (OSError, ValueError, AttributeError):
+        return None
+    name = lambda p: os.path.basename(os.path.normpath(str(p)))  # noqa: E731
+    if not made_by or name(made_by) == name(model_path):
+        return None
+    made, this = name(made_by), name(model_path)
+    return (f"{data_dir} was distilled from {made}, and these heads are trained for {this}: heads learn the "
+            f"answers in their data, so they will propose {made}'s tokens (decoding stays exact; fewer drafts are "
+            f"accepted). If {this} is another model, distill its own answers: medusa-distill --model {model_path} "
+            "--out DIR")

@@ -71,7 +71,7 @@ from medusa_jax.train.checkpoint import Checkpointer, MetricsLog, batch_indices,
 from medusa_jax.train.config import TrainConfig
 from medusa_jax.train.distill import SAMPLES_FILE
 from medusa_jax.train.drift import measure_drift
-from medusa_jax.train.examples import load_examples, proposal_vocabulary
+from medusa_jax.train.examples import distilled_for_another_model, load_examples, proposal_vocabulary
 from medusa_jax.train.hidden import (
     Backbone,
     build_backbone,
@@ -362,6 +362,8 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     emb = jnp.asarray(token_embeddings(bb.params))  # hydra heads' path embeddings (frozen)
     soft = tc.loss_targets == "soft"
     train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
+    if tc.data != "synthetic" and (other := distilled_for_another_model(tc.data, bb.path)):
+        note(other)
     if not val_ex:
         note(f"val_fraction={tc.val_fraction} holds out none of the {len(train_ex)} chats: no validation accuracy"
              + (" and no tree searched on it (the heads are saved without one)" if tc.tree == "search" else "")
