@@ -21,14 +21,19 @@ def check_text(text: str, where: str) -> str:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ValueError(f"{where}: not valid Unicode text ({e.reason} at character {e.start})") from None
+        code = ord(text[e.start])
+        what = (f"the byte 0x{code - 0xDC00:02x}, which is not UTF-8" if 0xDC80 <= code <= 0xDCFF  # surrogateescape
+                else f"a lone surrogate U+{code:04X}")
+        raise ValueError(f"{where}: not valid Unicode text ({what}, at character {e.start})") from None
     return text
 
 
 def _content(content, where: str) -> str:
     """A message's content: a string, or OpenAI's list of content parts, all of type "text"
     (joined with newlines, as vLLM joins them)."""
-    if isinstance(content, list) and content:
+    if isinstance(content, list):
+        if not content:
+            raise ValueError(f"{where}.content: an empty list of content parts; give a string or text parts")
         texts = []
         for j, part in enumerate(content):
             if not isinstance(part, dict) or part.get("type") != "text":
@@ -48,9 +53,10 @@ def _content(content, where: str) -> str:
 def check_messages(messages: Sequence[dict]) -> List[dict]:
     """``[{"role", "content"}, ...]`` as plain dicts, checked: a non-empty list of messages whose
     role is one of `ROLES` ("developer" becomes "system") and whose content is a string or a list
-    of text parts (OpenAI's; joined with newlines) of valid Unicode (an assistant's may be empty),
-    the last one the user's. Raises ValueError naming the message and the field
-    (``messages[2].role``)."""
+    of text parts (OpenAI's; joined with newlines) of valid Unicode, possibly empty. Any role may
+    come last, as OpenAI's API allows: the chat template then renders what follows it (a new
+    assistant turn after an assistant's message or a lone system message). Raises ValueError
+    naming the message and the field (``messages[2].role``)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: give a non-empty list of {'role', 'content'} messages")
     out = []
@@ -62,22 +68,25 @@ def check_messages(messages: Sequence[dict]) -> List[dict]:
         if role not in ROLES:
             raise ValueError(f"{where}.role: {role!r} is not one of {', '.join(ROLES)}")
         role = "system" if role == "developer" else role
-        content = _content(m.get("content"), where)
-        if role != "assistant" and not content.strip():
-            raise ValueError(f"{where}.content: the {role} message is empty")
+        if "content" not in m and role != "assistant":
+            raise ValueError(f"{where}.content: missing; give the {role} message's text")
+        content = _content(m.get("content") or "", where) if role == "assistant" else _content(m["content"], where)
         out.append({"role": role, "content": content})
-    if out[-1]["role"] != "user":
-        raise ValueError(f"messages[{len(out) - 1}].role: the last message must be the user's, got {out[-1]['role']!r}")
     return out
 
 
-def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True) -> List[int]:
+def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
+                continue_final_message: bool = False) -> List[int]:
     """Token ids of a whole chat through the tokenizer's chat template (transformers'
-    ``apply_chat_template``); with `add_generation_prompt`, ready for the assistant's next answer.
-    Raises ValueError for a tokenizer without a chat template."""
+    ``apply_chat_template``); with `add_generation_prompt`, ready for the assistant's next answer;
+    with `continue_final_message`, ending inside the last message (an assistant's answer to be
+    continued from its text: vLLM's "assistant prefill"). Raises ValueError for a tokenizer
+    without a chat template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
-    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True)
+    extra = {"continue_final_message": True} if continue_final_message else {}
+    out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
+                                        **extra)
     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
@@ -168,6 +177,7 @@ def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:
             raise ValueError(f"{where}: needs a 'prompt' string (or a 'turns' list of strings)")
         if not text.strip():
             raise ValueError(f"{where}: the prompt is empty")
+        check_text(text, where)
         out.append({"index": len(out), "id": rec.get("question_id", rec.get("id")),
                     "category": rec.get("category", ""), "prompt": text})
     if not out:

@@ -19,10 +19,11 @@ def test_content_parts_and_the_developer_role():
      r"messages\[0\]\.content\[0\]\.text: a text part needs a string 'text', got int"),
     ([{"role": "user", "content": [{"type": "text"}]}],
      r"messages\[0\]\.content\[0\]\.text: a text part needs a string 'text', got nothing"),
-    ([{"role": "user", "content": []}], r"messages\[0\]\.content: expected a string or a list of text parts"),
+    ([{"role": "user", "content": []}], r"messages\[0\]\.content: an empty list of content parts"),
+    ([{"role": "user"}], r"messages\[0\]\.content: missing"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content: expected a string"),
     ([{"role": "system", "content": "ok"}, {"role": "user", "content": "abc \ud800x"}],
-     r"messages\[1\]\.content: not valid Unicode text \(surrogates not allowed at character 4\)"),
+     r"messages\[1\]\.content: not valid Unicode text \(a lone surrogate U\+D800, at character 4\)"),
     ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role: 'robot' is not one of"),
 ])
 def test_bad_messages_name_the_field(messages, match):
@@ -64,3 +65,22 @@ def test_raw_prompts_for_a_tokenizer_without_a_chat_template(smollm2, monkeypatc
         encode_prompt(tok, text, Namespace(raw=False, system=None))
     with pytest.raises(SystemExit):
         parse_args(["--raw", "--system", "Be brief.", "--prompt", text])
+
+
+def test_text_that_is_not_utf8_is_refused_by_every_entry_point(tmp_path, capsys):
+    """Bytes that are not UTF-8 reach Python as surrogates (argv, a piped stdin): the message names
+    the byte and where it came from, before any model loads; a prompts file the same, by line."""
+    from medusa_jax.chat import load_first_turns
+    from medusa_jax.cli.decode import parse_args
+
+    with pytest.raises(ValueError, match=r"^where: not valid Unicode text \(the byte 0xff, which is not UTF-8, "
+                                         r"at character 3\)"):
+        check_text("Hi \udcff there", "where")
+    for argv, where in ((["--prompt", "Hi \udcff there"], "--prompt"), (["--system", "Be \udcfe"], "--system")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2 and f"{where}: not valid Unicode text (the byte 0x" in capsys.readouterr().err
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": "fine"}\n{"prompt": "Hi \\ud800"}\n')
+    with pytest.raises(ValueError, match=r"p.jsonl, line 2: not valid Unicode text \(a lone surrogate U\+D800"):
+        load_first_turns(str(f))

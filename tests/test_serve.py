@@ -209,6 +209,12 @@ BAD = [
     ("body over --max-request-mb", b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"word " * 300000), 413),
     ("image content part", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
+    ("vLLM's min_tokens (not honoured, so refused)", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                      "min_tokens": 5}, 400),
+    ("vLLM's top_k above 1", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": 40}, 400),
+    ("continue_final_message after a user message", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                      "continue_final_message": True,
+                                                      "add_generation_prompt": False}, 400),
 ]
 
 
@@ -229,6 +235,8 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body,
         assert err["param"] == "frequency_penalty" and "must be a number" in err["message"], err
     if "far beyond" in what:
         assert err["code"] == "context_length_exceeded" and "from its first" in err["message"], err
+    if "vLLM" in what:
+        assert err["code"] == "unsupported_parameter" and err["param"] in ("min_tokens", "top_k"), err
     if "stream_options" in what:
         assert err["param"] == "stream_options" and "only allowed when stream is true" in err["message"], err
     good = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
@@ -307,7 +315,7 @@ def test_readme_serving_examples_run_as_written(server):
 def test_text_stream_stops_at_the_earliest_stop_sequence_however_the_tokens_arrive(smollm2):
     """The answer a list of stop sequences leaves, and its token count, do not depend on how many
     tokens a step delivered (plain decoding: one; a Medusa step: several)."""
-    from medusa_jax.serve.app import TextStream
+    from medusa_jax.serve.text import TextStream
 
     tok = smollm2.tokenizer
     ids = tok.encode("1. 1\n2. 2\n3. 3\n4. 4\n5. 5")
@@ -328,7 +336,7 @@ def test_text_stream_stops_at_the_earliest_stop_sequence_however_the_tokens_arri
 def test_text_stream_leaves_out_a_character_the_answer_ended_inside(smollm2):
     """An answer cut (max_tokens) between the tokens of one character ends before it: no U+FFFD,
     streamed or not; complete, the character is there."""
-    from medusa_jax.serve.app import TextStream
+    from medusa_jax.serve.text import TextStream
 
     tok = smollm2.tokenizer
     ids = tok.encode("Party 🎉 time", add_special_tokens=False)
@@ -338,6 +346,34 @@ def test_text_stream_leaves_out_a_character_the_answer_ended_inside(smollm2):
     assert streamed == ts.text == tok.decode(ids[:cut]).rstrip("\ufffd") and "\ufffd" not in streamed
     whole = TextStream(tok, [])
     assert whole.feed(ids)[0] + whole.feed([], final=True)[0] == "Party 🎉 time"
+
+
+def test_text_stream_stop_sequences_match_whole_characters_and_can_be_kept(smollm2):
+    """A stop of U+FFFD is not found in a character whose bytes are still coming (vLLM holds such
+    text back too); with include_stop (vLLM's include_stop_str_in_output) the text ends after the
+    stop instead of before it, the token count the same."""
+    from medusa_jax.serve.text import TextStream
+
+    tok = smollm2.tokenizer
+    ids = tok.encode("Fish 🐟🐠🐬 and more", add_special_tokens=False)
+    for size in (1, 2, len(ids)):
+        ts, out, stopped = TextStream(tok, ["\ufffd"]), "", False
+        for i in range(0, len(ids), size):
+            delta, stopped = ts.feed(ids[i:i + size])
+            out += delta
+            assert not stopped, size
+        assert out + ts.feed([], final=True)[0] == "Fish 🐟🐠🐬 and more"
+    for include, want in ((False, "Fish 🐟"), (True, "Fish 🐟🐠")):
+        for size in (1, 3):
+            ts, out, stopped = TextStream(tok, ["🐠", "🐬"], include_stop=include), "", False
+            for i in range(0, len(ids), size):
+                delta, stopped = ts.feed(ids[i:i + size])
+                out += delta
+                if stopped:
+                    break
+            assert stopped and out == ts.text == want, (include, size, out)
+            assert tok.decode(ids[:ts.used]).startswith("Fish 🐟🐠") and not \
+                tok.decode(ids[:ts.used - 1]).startswith("Fish 🐟🐠")
 
 
 def test_sampling_without_a_seed_differs_between_requests_and_a_seed_repeats(client):
@@ -436,7 +472,10 @@ def test_requests_past_the_shutdown_grace_get_the_shutdown_error(smollm2_path):
 class _CompilingEngine:
     """An engine stuck in a compile: requests are taken, but no token or end comes out, and
     `cancel_all` only marks them (the real engine acts on it at its next iteration)."""
-    max_len, queued, live, waiting, stats = 512, 0, 0, 0, {}
+    max_len, queued, live, waiting, stats, eos = 512, 0, 0, 0, {}, (0,)
+
+    class cfg:
+        vocab_size = 100
 
     def __init__(self):
         from medusa_jax.decoding.requests import RequestHandle
@@ -482,8 +521,11 @@ def test_the_grace_end_answers_requests_while_the_engine_is_compiling():
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
             plain = asyncio.create_task(client.post("/v1/completions", json=body))
             streamed = asyncio.create_task(client.post("/v1/completions", json={**body, "stream": True}))
-            while len(engine.handles) < 2:
+            for _ in range(1000):  # both submitted (a request that failed instead would never be)
+                if len(engine.handles) == 2:
+                    break
                 await asyncio.sleep(0.01)
+            assert len(engine.handles) == 2, [t.result().text for t in (plain, streamed) if t.done()]
             await asyncio.sleep(0.2)
             assert not plain.done()  # nothing comes out of the engine
             app.state.begin_shutdown(cancel=True)
@@ -504,3 +546,98 @@ def test_top_p_is_refused_with_one_interval_whatever_side_it_misses():
         with pytest.raises(RequestError, match=r"top_p must be in \(0, 1\], got"):
             check_request(dict(body, top_p=bad), [MODEL], 64, True)
     assert check_request(dict(body, top_p=1), [MODEL], 64, True).top_p == 1.0
+
+
+def test_openai_defaults_and_vllm_extensions_are_checked():
+    """Fields sent at their defaults pass (clients send them); vLLM's extensions are honoured or
+    refused, never ignored; any 64-bit seed maps into the engine's; max_tokens is checked even where
+    max_completion_tokens wins."""
+    from medusa_jax.serve.protocol import RequestError, check_request
+
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    defaults = {"best_of": 1, "suffix": "", "modalities": ["text"], "tool_choice": "none", "echo": False,
+                "min_tokens": 0, "repetition_penalty": 1, "min_p": 0.0, "skip_special_tokens": True, "tools": [],
+                "top_k": -1, "logprobs": False}
+    gen = check_request(dict(body, **defaults), [MODEL], 64, True)
+    assert (gen.temperature, gen.stop_token_ids, gen.ignore_eos, gen.include_stop) == (1.0, None, False, False)
+    assert gen.eos_override([2]) is None and gen.add_generation_prompt and not gen.continue_final_message
+    for name, value in (("skip_special_tokens", False), ("repetition_penalty", 1.2), ("best_of", 2),
+                        ("suffix", "x"), ("tool_choice", "auto"), ("top_k", 5), ("min_p", 0.1)):
+        with pytest.raises(RequestError, match=f"^{name}") as e:
+            check_request(dict(body, **{name: value}), [MODEL], 64, True)
+        assert e.value.param == name and e.value.code == "unsupported_parameter"
+    assert check_request(dict(body, top_k=1, temperature=0.9), [MODEL], 64, True).temperature == 0.0  # greedy
+    assert check_request(dict(body, seed=7), [MODEL], 64, True).seed == 7
+    assert check_request(dict(body, seed=2 ** 40 + 7), [MODEL], 64, True).seed == 7
+    assert check_request(dict(body, seed=-1), [MODEL], 64, True).seed == 2 ** 31 - 1
+    gen = check_request(dict(body, ignore_eos=True, stop_token_ids=[5, 9], include_stop_str_in_output=True),
+                        [MODEL], 64, True, vocab_size=10)
+    assert gen.eos_override([2]) == [5, 9] and gen.include_stop
+    assert check_request(dict(body, stop_token_ids=[5]), [MODEL], 64, True, 10).eos_override([2]) == [2, 5]
+    assert check_request(dict(body, ignore_eos=True), [MODEL], 64, True).eos_override([2]) == []
+    for bad in ([10], [-1], ["5"], 5, [True]):
+        with pytest.raises(RequestError, match="stop_token_ids must be a list of token ids in \\[0, 10\\)"):
+            check_request(dict(body, stop_token_ids=bad), [MODEL], 64, True, 10)
+    for extra, param in (({"max_completion_tokens": 3, "max_tokens": -6}, "max_tokens"),
+                         ({"max_completion_tokens": 3, "max_tokens": "lots"}, "max_tokens"),
+                         ({"top_logprobs": 3}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos")):
+        with pytest.raises(RequestError) as e:
+            check_request(dict(body, **extra), [MODEL], 64, True)
+        assert e.value.param == param, (extra, e.value.param)
+    assert check_request(dict(body, max_completion_tokens=3, max_tokens=9), [MODEL], 64, True).max_tokens == 3
+    prefill = {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}]}
+    with pytest.raises(RequestError, match="needs add_generation_prompt false"):
+        check_request(dict(prefill, continue_final_message=True), [MODEL], 64, True)
+    gen = check_request(dict(prefill, continue_final_message=True, add_generation_prompt=False), [MODEL], 64, True)
+    assert gen.continue_final_message and not gen.add_generation_prompt
+
+
+def test_vllm_extensions_chats_not_ending_with_the_user_and_cors(client, server, smollm2):
+    """ignore_eos runs to max_tokens past the answer's end; stop_token_ids end it at a token;
+    include_stop_str_in_output keeps the stop; top_k 1 is greedy; a chat ending with the assistant's
+    message gets a new answer, and with continue_final_message its text goes on; a system-only chat
+    is answered; a browser's CORS preflight is allowed; chunks carry usage null when usage is asked."""
+    url = server[0]
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    base = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0)
+    text, n = base.choices[0].message.content, base.usage.completion_tokens
+    assert base.choices[0].finish_reason == "stop" and n < 60, (text, n)
+    assert base.system_fingerprint is None and "system_fingerprint" in base.model_dump(exclude_unset=True)
+    long = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=n + 8, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert long.usage.completion_tokens == n + 8 and long.choices[0].finish_reason == "length"
+    assert long.choices[0].message.content.startswith(text)
+    ids = smollm2.tokenizer.encode(text, add_special_tokens=False)  # the answer's tokens (re-encoded)
+    cut = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0,
+                                         extra_body={"stop_token_ids": [ids[2]]})
+    j = ids.index(ids[2])
+    assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == j + 1
+    assert cut.choices[0].message.content == smollm2.tokenizer.decode(ids[:j + 1])
+    greedy_k = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=1.0,
+                                              extra_body={"top_k": 1})
+    assert greedy_k.choices[0].message.content == text
+    word = text.split()[1]
+    kept = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0, stop=[word],
+                                          extra_body={"include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == text[:text.index(word) + len(word)]
+    follow = msgs + [{"role": "assistant", "content": text}]
+    again = client.chat.completions.create(model=MODEL, messages=follow, max_tokens=16, temperature=0)
+    assert again.choices[0].message.content and again.usage.prompt_tokens > base.usage.prompt_tokens
+    head = " ".join(text.split(" ")[:3])  # cut before a word's space, where the answer's own tokens split it
+    cont = client.chat.completions.create(
+        model=MODEL, messages=msgs + [{"role": "assistant", "content": head}], max_tokens=64, temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False})
+    assert head + cont.choices[0].message.content == text, (head, cont.choices[0].message.content, text)
+    alone = client.chat.completions.create(model=MODEL, messages=[{"role": "system", "content": "Say hello."}],
+                                           max_tokens=8, temperature=0)
+    assert alone.choices[0].message.content
+    pre = httpx.options(url + "/v1/chat/completions", timeout=10, headers={
+        "Origin": "http://localhost:3000", "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "content-type,authorization"})
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] in ("*", "http://localhost:3000")
+    body = {"model": MODEL, "messages": msgs, "max_tokens": 8, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert all("usage" in c for c in chunks) and [c["usage"] is None for c in chunks] == \
+        [True] * (len(chunks) - 1) + [False]

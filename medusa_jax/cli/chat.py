@@ -3,7 +3,9 @@
 Each answer streams as it is decoded (Medusa heads, prompt lookup), and the conversation keeps its
 KV cache from turn to turn (prefix reuse: only the new turn is prefilled). Commands: ``/reset``
 (forget the conversation), ``/system TEXT`` (a new system message; the conversation restarts),
-``/exit``; Ctrl-C stops the current answer and keeps the conversation. Tokens per second, tokens per
+``/exit`` (or ``/quit``); Ctrl-C stops the current answer and keeps the conversation (before the
+answer begins, the message is not sent; at the prompt, the line is dropped; piped, it ends the chat
+with status 130). Tokens per second, tokens per
 step and the reused prompt tokens of each turn go to stderr. Standard input may be piped: one user
 turn per line (``printf 'Hi\\nAnd then?\\n' | medusa-chat``).
 """
@@ -22,8 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="medusa-chat", description="Chat with the model, turn after turn, decoding "
                                 "with Medusa heads (greedy answers identical to plain greedy).",
                                 formatter_class=common.HelpFormatter,
-                                epilog="commands: /reset, /system TEXT (empty: none), /exit; //TEXT sends a message "
-                                "that begins with /; Ctrl-C stops the current answer")
+                                epilog="commands: /reset, /system TEXT (empty: none), /exit or /quit; //TEXT sends a "
+                                "message that begins with /; Ctrl-C stops the current answer (at the prompt it drops "
+                                "the line; Ctrl-D quits)")
     common.add_model_args(p)
     p.add_argument("--system", default=None, help="a system message for the conversation")
     p.add_argument("--max-new-tokens", type=int, default=512, help="the most tokens of one answer")
@@ -47,8 +50,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefix_cache_mb < 0:
         p.error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
+    from medusa_jax.chat import check_text
+    try:
+        check_text(args.system or "", "--system")
+    except ValueError as e:
+        p.error(str(e))
 
-    from medusa_jax.chat import render_chat
+    from medusa_jax.chat import check_text, render_chat
     from medusa_jax.decoding.engine import Engine
     from medusa_jax.decoding.requests import Request, SamplingParams
     from medusa_jax.decoding.sampling import prompt_seed
@@ -65,6 +73,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                     posterior_threshold=acc.posterior_threshold, posterior_alpha=acc.posterior_alpha,
                     prefix_cache_bytes=args.prefix_cache_mb << 20).start()
     interactive = sys.stdin.isatty()
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 become surrogates, refused by line (check_text)
+        sys.stdin.reconfigure(errors="surrogateescape")
     system = args.system
     messages: List[dict] = []
     turn = 0
@@ -74,19 +84,33 @@ def main(argv: Optional[List[str]] = None) -> int:
                 line = input("you> ") if interactive else sys.stdin.readline()
             except EOFError:
                 break
+            except KeyboardInterrupt:
+                if not interactive:
+                    raise
+                print("\n[Ctrl-D or /exit quits]", file=sys.stderr)  # Ctrl-C at the prompt drops the line
+                continue
             if not interactive and line == "":
                 break
             text = line.strip()
             if not text:
                 continue
-            if text in ("/exit", "/quit"):
+            try:
+                check_text(text, "the message")
+            except ValueError as e:
+                print(f"error: {e}; not sent", file=sys.stderr)
+                continue
+            command, _, rest = text.partition(" ")
+            if command in ("/exit", "/quit", "/reset") and rest.strip():
+                print(f"{command} takes no text; {COMMANDS}", file=sys.stderr)
+                continue
+            if command in ("/exit", "/quit"):
                 break
-            if text == "/reset":
+            if command == "/reset":
                 messages = []
                 print("[the conversation is forgotten]", file=sys.stderr)
                 continue
-            if text.startswith("/system"):
-                system = text[len("/system"):].strip() or None
+            if command == "/system":
+                system = rest.strip() or None
                 messages = []
                 print("[new system message; the conversation restarts]" if system else
                       "[no system message; the conversation restarts]", file=sys.stderr)
@@ -94,29 +118,24 @@ def main(argv: Optional[List[str]] = None) -> int:
             if text.startswith("//"):  # a message that begins with "/"
                 text = text[1:]
             elif text.startswith("/"):
-                print(f"unknown command {text.split()[0]!r}; commands: /reset, /system TEXT, /exit "
-                      "(start a message with // to send one that begins with /)", file=sys.stderr)
+                print(f"unknown command {command!r}; {COMMANDS}", file=sys.stderr)
                 continue
             messages.append({"role": "user", "content": text})
-            prompt = render_chat(model.tokenizer, ([{"role": "system", "content": system}] if system else []) + messages)
-            request = Request(prompt, args.max_new_tokens,
-                              SamplingParams(acc.temperature, acc.top_p, prompt_seed(args.seed, turn)))
-            printer = common.TextStreamer(model.tokenizer)
             try:
-                handle = engine.submit(request)
+                prompt = render_chat(model.tokenizer,
+                                     ([{"role": "system", "content": system}] if system else []) + messages)
+                handle = engine.submit(Request(prompt, args.max_new_tokens,
+                                               SamplingParams(acc.temperature, acc.top_p, prompt_seed(args.seed, turn))))
             except ValueError as e:  # the conversation outgrew the context
                 print(f"error: {e}; /reset starts a new conversation", file=sys.stderr)
                 messages.pop()
                 continue
-            try:
-                for chunk in handle:
-                    printer.push(chunk)
-            except KeyboardInterrupt:
-                handle.cancel()
-                handle.result(timeout=60)
-                print("\n[stopped]", file=sys.stderr)
-            printer.end()
-            fin = handle.result(timeout=60)
+            except KeyboardInterrupt:  # before its answer began: as if not sent
+                print("\n[stopped; the message was not sent]", file=sys.stderr)
+                messages.pop()
+                continue
+            printer = common.TextStreamer(model.tokenizer)
+            fin = _answer(handle, printer)
             answer = model.tokenizer.decode(fin.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
             turn += 1
@@ -126,11 +145,37 @@ def main(argv: Optional[List[str]] = None) -> int:
             print(f"[{len(fin.tokens)} tokens, {rate:.1f} tok/s, {fin.tokens_per_step:.2f} tokens/step, "
                   f"{fin.reused_tokens} of {fin.prompt_tokens} prompt tokens reused, first token after "
                   f"{fin.first_token_s:.2f}s{cut.get(fin.reason, '')}]", file=sys.stderr, flush=True)
-    except KeyboardInterrupt:
-        print("", file=sys.stderr)
     finally:
         engine.stop()
     return 0
+
+
+#: The commands, as the messages that name them list them.
+COMMANDS = ("commands: /reset, /system TEXT, /exit (or /quit); start a message with // to send one that begins "
+            "with /")
+
+
+def _answer(handle, printer):
+    """Stream `handle`'s answer through `printer`; Ctrl-C (once or more) stops it and keeps what
+    came. Returns the engine's `Finished`."""
+    stopped = False
+    try:
+        for chunk in handle:
+            printer.push(chunk)
+    except KeyboardInterrupt:
+        stopped = True
+        handle.cancel()
+    while True:
+        try:
+            fin = handle.result(timeout=60)
+            break
+        except KeyboardInterrupt:  # another Ctrl-C while it stops: it is stopping already
+            stopped = True
+            handle.cancel()
+    if stopped:
+        print("\n[stopped]", file=sys.stderr)
+    printer.end()
+    return fin
 
 
 if __name__ == "__main__":

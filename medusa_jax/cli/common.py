@@ -392,8 +392,10 @@ def add_dtype_arg(p) -> None:
     ``jnp.dtype(args.dtype)`` and ``args.weights`` to `load_model`)."""
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="compute dtype: params, activations and the KV cache in it, logits in float32 (plain and "
-                        "Medusa share it, so greedy outputs stay identical); on a CPU bfloat16 and float16 are "
-                        "slower than float32 (no weight-streaming kernel for them)")
+                        "Medusa share it; a tree step's rounding differs from a one-token step's, so in bfloat16 "
+                        "and float16 a greedy output can part from plain greedy where its two best tokens are "
+                        "that close: medusa-check --dtype tells those near-ties from errors); on a CPU bfloat16 "
+                        "and float16 are slower than float32 (no weight-streaming kernel for them)")
     p.add_argument("--weights", choices=WEIGHTS, default=DEFAULT_WEIGHTS,
                    help="a GGUF file's quantized matrices: 'as-stored' keeps its Q8_0 / Q4_0 / Q4_1 blocks and "
                         "decodes from them (the same weights bit for bit, a sixth to a quarter of the bytes per "

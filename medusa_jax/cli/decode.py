@@ -79,6 +79,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--batch-size must be >= 1")
     if args.raw and args.system is not None:
         p.error("--system goes through the chat template, which --raw leaves out; give one of them")
+    from medusa_jax.chat import check_text
+    try:
+        check_text(args.system or "", "--system")
+    except ValueError as e:
+        p.error(str(e))
     if args.prompts_file is None:
         try:
             args.prompt = read_prompt(args.prompt, args.prompt_file)
@@ -117,14 +122,18 @@ def read_prompt(prompt, prompt_file, stdin=None) -> str:
         except OSError as e:
             raise ValueError(f"--prompt-file {prompt_file}: {e.strerror}") from e
     elif prompt == "-":
-        text, where = (stdin or sys.stdin).read(), "standard input"
+        stdin = stdin or sys.stdin
+        if hasattr(stdin, "reconfigure"):  # bytes that are not UTF-8 become surrogates, named by check_text
+            stdin.reconfigure(errors="surrogateescape")
+        text, where = stdin.read(), "standard input"
     elif prompt is None:
         text, where = DEFAULT_PROMPT, "the default prompt"
     else:
         text, where = prompt, "--prompt"
     if not text.strip():
         raise ValueError(f"the prompt from {where} is empty; give some text to answer")
-    return text
+    from medusa_jax.chat import check_text
+    return check_text(text, where)
 
 
 def encode_prompt(tokenizer, text: str, args) -> list:

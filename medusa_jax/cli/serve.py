@@ -51,9 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how sampled requests accept candidates: 'exact' keeps the model's distribution (and "
                         "gives plain sampling's tokens for a seed); 'typical' accepts more and changes it")
     p.add_argument("--shutdown-grace", type=float, default=10.0,
-                   help="seconds running requests may take to finish after SIGTERM or Ctrl-C (>= 0); new requests "
-                        "get 503 at once, and those still running shortly before it ends (min(2 s, half of "
-                        "it)) get the server_shutdown error")
+                   help="seconds running requests may take to finish after SIGTERM or Ctrl-C (>= 0); the server "
+                        "stops listening at once (new connections are refused, idle ones closed), and requests "
+                        "still running shortly before the grace ends (min(2 s, half of it)) get the "
+                        "server_shutdown error")
+    p.add_argument("--allowed-origins", default="*",
+                   help="web origins whose pages may call the API from a browser (CORS), comma-separated, e.g. "
+                        "http://localhost:3000; '*' (the default, as vLLM's): any origin; '' : none")
     common.add_dtype_arg(p)
     common.add_mesh_arg(p)
     common.add_lookup_arg(p)
@@ -116,6 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         engine.chooser.gain = [1.0] * len(engine.chooser.trees)
     name = args.served_model_name or default_model_name(model.path)
     app = create_app(engine, model.tokenizer, name, max_waiting=args.max_waiting, max_tokens_default=args.max_tokens,
+                     allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
                      max_request_bytes=int(args.max_request_mb * (1 << 20)))
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, speculation "
           f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens)", file=sys.stderr,
@@ -141,8 +146,9 @@ def _server_class(begin_shutdown):
 
     class Server(uvicorn.Server):
         """uvicorn's server, but (1) a SIGTERM or Ctrl-C that shut it down gracefully ends the process
-        with status 0 (uvicorn re-raises the signal after the shutdown, which reports a kill); (2) new
-        requests get 503 from the moment the shutdown starts; (3) requests still running shortly
+        with status 0 (uvicorn re-raises the signal after the shutdown, which reports a kill); (2) a
+        request read after the shutdown starts gets 503 (uvicorn stops listening at once, so new
+        connections are refused); (3) requests still running shortly
         before the grace ends are ended by the engine, so that each gets the server_shutdown error
         (a 503 body, or an SSE error event and [DONE]) instead of being cut off by uvicorn."""
 

@@ -184,7 +184,8 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
     Raises:
       UnsupportedArchitectureError: architecture not llama/mistral/qwen2/qwen3.
       ConversionError: a required key is missing, partial rotary embeddings, an unsupported
-        RoPE scaling type, or a sliding-window pattern that is not one bool per layer.
+        RoPE scaling type, a sliding-window pattern that is not one bool per layer, head counts or
+        MLP sizes that differ between layers, or one part of a split GGUF.
     A ``llama`` file with a sliding window is a Mistral model (llama.cpp writes Mistral as llama).
     """
     meta = read_gguf_metadata(reader)
@@ -199,11 +200,26 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
             raise ConversionError(f"{source}: missing metadata key {full!r}")
         return default
 
+    def one(key, default=_MISSING) -> int:
+        """An integer key that llama.cpp may also write per layer (an array): one value for all."""
+        v = get(key, default)
+        if isinstance(v, (list, tuple, np.ndarray)):
+            values = {int(x) for x in v}
+            if len(values) != 1:
+                raise ConversionError(f"{source}: {file_arch}.{key} differs between layers ({sorted(values)}); "
+                                      "models whose layers differ in shape are not supported")
+            v = values.pop()
+        return int(v)
+
+    parts = int(meta.get("split.count", 1) or 1)
+    if parts > 1:
+        raise ConversionError(f"{source}: part {int(meta.get('split.no', 0)) + 1} of a GGUF split into {parts} files; "
+                              "merge them into one first (llama.cpp: llama-gguf-split --merge FIRST_PART OUT.gguf)")
     tensors = {t.name: t for t in reader.tensors}
     if "token_embd.weight" not in tensors:
         raise ConversionError(f"{source}: missing tensor 'token_embd.weight'")
     hidden = int(get("embedding_length"))
-    num_heads = int(get("attention.head_count"))
+    num_heads = one("attention.head_count")
     head_dim = int(get("attention.key_length", hidden // num_heads))
     rope_dim = int(get("rope.dimension_count", head_dim))
     if rope_dim != head_dim:
@@ -223,10 +239,10 @@ def gguf_config(reader, source: str = "GGUF") -> Tuple[ModelConfig, str]:
         arch=arch,
         vocab_size=int(tensors["token_embd.weight"].shape[1]),
         hidden_size=hidden,
-        intermediate_size=int(get("feed_forward_length")),
+        intermediate_size=one("feed_forward_length"),
         num_layers=int(get("block_count")),
         num_heads=num_heads,
-        num_kv_heads=int(get("attention.head_count_kv", num_heads)),
+        num_kv_heads=one("attention.head_count_kv", num_heads),
         head_dim=head_dim,
         rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(get("rope.freq_base", 10000.0)),

@@ -6,6 +6,7 @@ anything else raises `ConversionError` naming the tensor.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
@@ -97,7 +98,8 @@ def params_from_hf_tensors(cfg: ModelConfig, tensors: Mapping[str, np.ndarray], 
       source: named in error messages.
     Raises:
       ConversionError: a tensor that is unmapped, missing or of the wrong shape.
-    A tied model may carry an ``lm_head.weight`` equal to the embedding; it is ignored.
+    A tied model may carry an ``lm_head.weight`` equal to the embedding; it is ignored (`load_hf`
+    unties a config whose stored head differs from the embedding, as transformers then uses it).
     """
     expected = expected_hf_shapes(cfg)
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -223,6 +225,9 @@ def load_hf(path: str, dtype=np.float32) -> Tuple[ModelConfig, dict]:
                 raise
             raise ConversionError(f"{fn}: cannot read safetensors file ({e}); it may be truncated "
                                   "or corrupted") from e
+    head, embed = tensors.get("lm_head.weight"), tensors.get("model.embed_tokens.weight")
+    if cfg.tie_word_embeddings and head is not None and embed is not None and not np.array_equal(head, embed):
+        cfg = dataclasses.replace(cfg, tie_word_embeddings=False)  # a head of its own: transformers uses it
     return cfg, params_from_hf_tensors(cfg, tensors, dtype=dtype, source=path)
 
 

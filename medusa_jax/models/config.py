@@ -54,14 +54,20 @@ SUPPORTED_ACTIVATIONS = ("silu", "swish")
 def check_supported_variant(cfg: Mapping[str, Any], source: str = "config.json") -> None:
     """Raise `UnsupportedArchitectureError` for a config of a supported family that asks for what
     `models.llama` does not compute, rather than load it and decode wrongly: ``hidden_act`` other
-    than SiLU (`SUPPORTED_ACTIVATIONS`; a missing one is SiLU, as in transformers' defaults), or
-    ``mlp_bias`` true (biases on gate/up/down)."""
+    than SiLU (`SUPPORTED_ACTIVATIONS`; a missing one is SiLU, as in transformers' defaults),
+    ``mlp_bias`` true (biases on gate/up/down), or a ``quantization_config`` (FP8, GPTQ, AWQ, ...:
+    weights stored in a form the loader does not dequantize)."""
     act = cfg.get("hidden_act", "silu")
     problems = []
     if str(act).lower() not in SUPPORTED_ACTIVATIONS:
         problems.append(f"hidden_act {act!r} (the MLP computes SiLU only: {', '.join(SUPPORTED_ACTIVATIONS)})")
     if cfg.get("mlp_bias"):
         problems.append("mlp_bias true (the MLP's projections have no biases here)")
+    quant = cfg.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "?") if isinstance(quant, Mapping) else quant
+        problems.append(f"quantization_config (a {method!r}-quantized checkpoint; use the unquantized "
+                        "float32/bfloat16/float16 checkpoint, or a GGUF file)")
     if problems:
         raise UnsupportedArchitectureError(
             f"{source}: this {cfg.get('model_type', '')} variant is not supported: {'; '.join(problems)}. "
@@ -77,6 +83,16 @@ def model_type_of(architectures: Any) -> str:
             if kind in SUPPORTED_ARCHITECTURES:
                 return kind
     return ""
+
+
+#: What transformers' config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config) give
+#: a key a config.json leaves out; a num_key_value_heads of None there means one per query head.
+FAMILY_DEFAULTS = {
+    "llama": {"num_key_value_heads": None, "max_position_embeddings": 2048},
+    "mistral": {"num_key_value_heads": 8, "max_position_embeddings": 4096 * 32},
+    "qwen2": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+    "qwen3": {"num_key_value_heads": 32, "max_position_embeddings": 32768},
+}
 
 
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -95,9 +111,11 @@ def check_sizes(cfg: Mapping[str, Any], arch: str, source: str = "config.json") 
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             problems.append(f"{name} must be an integer >= 1, got {v!r}")
     if not problems:
-        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
+        left_out = "" if kv else f", transformers' default for {arch}: the config leaves it out"
+        kv = kv or FAMILY_DEFAULTS[arch]["num_key_value_heads"] or heads
         if heads % kv:
-            problems.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv})")
+            problems.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv}{left_out})")
         if cfg.get("head_dim") is None and arch != "qwen3" and cfg["hidden_size"] % heads:
             problems.append(f"hidden_size ({cfg['hidden_size']}) must be a multiple of num_attention_heads ({heads}) "
                             "when there is no head_dim")
@@ -217,8 +235,10 @@ class ModelConfig:
     def from_hf_dict(cls, cfg: Mapping[str, Any], source: str = "config.json") -> "ModelConfig":
         """Build from a Hugging Face ``config.json`` dict.
 
-        RoPE theta is read from ``rope_theta`` or, when that is missing or None, from
-        ``rope_parameters['rope_theta']`` (transformers >= 5). ``head_dim`` defaults to
+        RoPE theta is read from ``rope_parameters['rope_theta']`` (transformers >= 5, which prefers
+        it) or, without it, from ``rope_theta``. Keys a config leaves out take the family's
+        defaults in transformers (`FAMILY_DEFAULTS`); q/k/v biases follow the family (Qwen2 always
+        has them, Mistral never) whatever ``attention_bias`` says, as transformers builds them. ``head_dim`` defaults to
         hidden_size // num_attention_heads, except for qwen3 (`QWEN3_DEFAULT_HEAD_DIM`, as
         ``Qwen3Config``). Raises
         `UnsupportedArchitectureError` for a ``model_type`` outside `SUPPORTED_ARCHITECTURES`, or
@@ -231,9 +251,11 @@ class ModelConfig:
         check_supported_variant(cfg, source)
         check_sizes(cfg, arch, source)
         rope_params = cfg.get("rope_parameters") or {}
-        theta = cfg.get("rope_theta")
+        theta = rope_params.get("rope_theta")  # transformers 5's home for it, and what it reads first
         if theta is None:
-            theta = rope_params.get("rope_theta", 10000.0)
+            theta = cfg.get("rope_theta")
+        if theta is None:
+            theta = 10000.0
         scaling_dict = cfg.get("rope_scaling") or (rope_params if rope_params.get("rope_type") not in (None, "default") else None)
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
@@ -249,14 +271,16 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=num_layers,
             num_heads=int(cfg["num_attention_heads"]),
-            num_kv_heads=int(cfg.get("num_key_value_heads") or cfg["num_attention_heads"]),
+            num_kv_heads=int(cfg.get("num_key_value_heads") or FAMILY_DEFAULTS[arch]["num_key_value_heads"]
+                             or cfg["num_attention_heads"]),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
             rope_scaling=rope_scaling_from_dict(scaling_dict),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+            max_position_embeddings=int(cfg.get("max_position_embeddings")
+                                        or FAMILY_DEFAULTS[arch]["max_position_embeddings"]),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", arch == "qwen2")),
+            attention_bias={"qwen2": True, "mistral": False}.get(arch, bool(cfg.get("attention_bias", False))),
             sliding_window=window,
             layer_types=layer_types,
             bos_token_id=cfg.get("bos_token_id"),

@@ -11,7 +11,9 @@ a bad request gets a 4xx with OpenAI's error body naming the field, and nothing 
 queue answers 429 with ``Retry-After``; a client that disconnects cancels its request, whose row is
 freed at the engine's next iteration; an error inside one request ends that request (an SSE error
 event when streaming), never the server or the other requests; at shutdown the server stops taking
-requests (503) and ends the engine's.
+requests (uvicorn closes its sockets; a request already read gets 503) and ends the engine's.
+Besides OpenAI's fields, vLLM's commonest extensions are honoured (`protocol.check_request`), and
+browser pages may call it (CORS, ``allowed_origins``).
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ import contextlib
 import functools
 import json
 import time
-from typing import AsyncIterator, List, Optional
+from typing import AsyncIterator, List, Optional, Sequence
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -37,56 +40,7 @@ from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
-
-
-class TextStream:
-    """Token ids in, text out, incrementally: the text of every token so far (special tokens
-    skipped), handed out as deltas; a character split across tokens is held back until complete
-    (and left out when the answer ends inside it), and so is the tail that could still become a
-    stop sequence. `feed` returns (delta, stopped).
-
-    The text ends where the earliest of the stop sequences starts, whichever of them it is and
-    however many tokens a step delivered (one at a time or a Medusa step's several give the same
-    text); `used` is then the number of tokens up to the one that completed it (the usage's
-    completion_tokens: tokens the engine made after it are not the answer's)."""
-
-    def __init__(self, tokenizer, stop: List[str]):
-        self.tokenizer, self.stop = tokenizer, stop
-        self.tokens: List[int] = []
-        self.sent = 0
-        self.text = ""
-        self.used: Optional[int] = None
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def _stop_at(self, text: str) -> Optional[int]:
-        """Where the earliest stop sequence starts in `text` (past what was already sent), or None."""
-        found = [i for i in (text.find(s, max(self.sent - len(s) + 1, 0)) for s in self.stop) if i >= 0]
-        return min(found, default=None)
-
-    def _decode(self, tokens: List[int]) -> str:
-        # no clean-up of spaces before punctuation (some tokenizers' default): with it, the text of
-        # n + 1 tokens need not extend the text of n ("it '" + "s" -> "it's"), which a stream relies on
-        return self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-
-    def feed(self, tokens: List[int], final: bool = False) -> tuple:
-        before = len(self.tokens)
-        self.tokens.extend(tokens)
-        text = self._decode(self.tokens)
-        i = self._stop_at(text)
-        if i is not None:
-            self.used = next(n for n in range(before + 1, len(self.tokens) + 1)
-                             if self._stop_at(self._decode(self.tokens[:n])) is not None)
-            self.text = text[:i]
-            delta, self.sent = self.text[self.sent:], len(self.text)
-            return delta, True
-        if text.endswith("\ufffd"):  # a character whose bytes are not all out yet
-            if not final:
-                return "", False
-            text = text.rstrip("\ufffd")  # the answer ended (max_tokens) inside it: it is not part of the text
-        end = len(text) if final else max(len(text) - self.hold, self.sent)
-        self.text = text
-        delta, self.sent = text[self.sent:end], max(end, self.sent)
-        return delta, False
+from medusa_jax.serve.text import TextStream
 
 
 #: The largest request body read by default (bytes): far above any prompt that fits a context (a
@@ -138,7 +92,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
-               max_tokens_default: Optional[int] = None, max_request_bytes: int = MAX_REQUEST_BYTES) -> FastAPI:
+               max_tokens_default: Optional[int] = None, max_request_bytes: int = MAX_REQUEST_BYTES,
+               allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
     """The ASGI app serving `engine` (started by the app's lifespan if it is not running).
 
     Args:
@@ -149,6 +104,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
       max_tokens_default: the budget of a request without ``max_tokens`` (default: the rest of the
         context).
       max_request_bytes: the largest request body accepted; a larger one gets 413 (`read_body`).
+      allowed_origins: the web origins whose pages may call the server from a browser (CORS, with any
+        method and header, as vLLM's ``--allowed-origins``); ``"*"``: any; empty: no CORS headers.
     """
     context = engine.max_len
     metrics = Metrics(engine, model_name)
@@ -186,6 +143,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     app = FastAPI(title="medusa_jax", description="OpenAI-compatible server with Medusa decoding",
                   lifespan=lifespan, docs_url=None, redoc_url=None)  # their pages load scripts from a CDN
     app.state.engine, app.state.metrics, app.state.begin_shutdown = engine, metrics, begin_shutdown
+    if allowed_origins:  # browser pages (chat UIs) calling the API: their preflight OPTIONS and CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])
 
     def error(status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
               code: Optional[str] = None, headers: Optional[dict] = None) -> JSONResponse:
@@ -249,10 +209,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             raise RequestError(f"the request body is not valid JSON ({e})") from None
         except RecursionError:
             raise RequestError("the request body nests too deeply to parse") from None
-        gen = protocol.check_request(body, [model_name], context, chat)
+        gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
         field = "messages" if chat else "prompt"
         if chat:
-            encode = functools.partial(render_chat, tokenizer, gen.messages)
+            encode = functools.partial(render_chat, tokenizer, gen.messages, gen.add_generation_prompt,
+                                       gen.continue_final_message)
         else:
             encode = lambda: list(tokenizer.encode(gen.prompt))  # noqa: E731
         texts = [m["content"] for m in gen.messages] if chat else [gen.prompt]
@@ -291,7 +252,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 loop.call_soon_threadsafe(live.pop, events, None)
 
         try:
-            handle = engine.submit(EngineRequest(ids, max_tokens, sampling), on_event=on_event)
+            handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos)),
+                                   on_event=on_event)
         except ValueError as e:
             raise RequestError(str(e), field) from None
         live[events] = handle
@@ -301,7 +263,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             return StreamingResponse(stream(request, handle, events, gen, ids, rid, chat, t0),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text = TextStream(tokenizer, gen.stop)
+        text = TextStream(tokenizer, gen.stop, gen.include_stop)
         stopped, fin = False, None
         try:
             async for kind, payload in _events(request, events):
@@ -328,7 +290,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             text.feed([], final=True)
         metrics.observe_end(time.perf_counter() - t0)
         reason = "stop" if stopped else protocol.finish_reason(fin.reason)
-        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin, text.used)
+        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin, text.used, gen.created)
 
     def _observe(t0: float, tokens: List[int], handle) -> None:
         now = time.perf_counter()
@@ -363,13 +325,14 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
 
     async def stream(request: Request, handle, events: "asyncio.Queue", gen: protocol.Generation, ids: List[int],
                      rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
-        created = int(time.time())
+        created = gen.created
         sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
-        text = TextStream(tokenizer, gen.stop)
+        part = functools.partial(protocol.chunk, rid, gen.model, chat, created, include_usage=gen.include_usage)
+        text = TextStream(tokenizer, gen.stop, gen.include_stop)
         stopped, fin = False, None
         try:
             if chat:
-                yield sse(protocol.chunk(rid, gen.model, chat, created, role=True, text=""))
+                yield sse(part(role=True, text=""))
             async for kind, payload in _events(request, events):
                 if kind == "tokens":
                     _observe(t0, payload, handle)
@@ -379,7 +342,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                     if stopped:
                         handle.cancel("stop")
                     if delta:
-                        yield sse(protocol.chunk(rid, gen.model, chat, created, text=delta))
+                        yield sse(part(text=delta))
                 else:
                     fin = payload
             if fin is None:
@@ -396,9 +359,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             if not stopped:
                 delta, _ = text.feed([], final=True)
                 if delta:
-                    yield sse(protocol.chunk(rid, gen.model, chat, created, text=delta))
+                    yield sse(part(text=delta))
             reason = "stop" if stopped else protocol.finish_reason(fin.reason)
-            yield sse(protocol.chunk(rid, gen.model, chat, created, reason=reason))
+            yield sse(part(reason=reason))
             if gen.include_usage:
                 used = len(fin.tokens) if text.used is None else text.used
                 yield sse(protocol.chunk(rid, gen.model, chat, created, usage_obj=protocol.usage(len(ids), used),

@@ -16,9 +16,20 @@ from typing import Any, Dict, List, Optional
 
 from medusa_jax.chat import check_messages, check_text
 
-#: Fields of OpenAI's requests that this server cannot honour: refused with a 400 rather than ignored.
-UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logit_bias", "audio", "modalities",
-               "prediction", "web_search_options", "suffix", "best_of", "echo")
+#: Fields this server cannot honour, with their default values: refused with a 400 when a request
+#: sets one to anything else (rather than ignored, which would answer another question than the
+#: one asked); their defaults, null, and empty lists or objects are accepted, as clients send them.
+UNSUPPORTED: Dict[str, Any] = {
+    # OpenAI's
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "logit_bias": {},
+    "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None, "suffix": "",
+    "best_of": 1, "echo": False,
+    # vLLM's sampling and output extensions (its defaults)
+    "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False, "length_penalty": 1.0,
+    "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
+    "bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None, "guided_json": None,
+    "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
+    "echo_prompt": None}
 #: The most stop sequences a request may give (OpenAI's limit).
 MAX_STOP = 4
 
@@ -54,6 +65,19 @@ class Generation:
     stream: bool
     include_usage: bool
     model: str
+    created: int = 0                              # when the request came (Unix seconds)
+    stop_token_ids: Optional[List[int]] = None    # vLLM's: ids that end the answer besides EOS
+    ignore_eos: bool = False                      # vLLM's: EOS does not end the answer
+    include_stop: bool = False                    # vLLM's include_stop_str_in_output
+    add_generation_prompt: bool = True            # vLLM's (chat): the template's assistant header
+    continue_final_message: bool = False          # vLLM's (chat): continue the last (assistant) message
+
+    def eos_override(self, eos: List[int]) -> Optional[List[int]]:
+        """The ids that end this answer given the model's `eos` ids, as the engine's
+        ``Request.stop_token_ids`` takes them: None for the model's own."""
+        if not self.ignore_eos and not self.stop_token_ids:
+            return None
+        return sorted(set(([] if self.ignore_eos else list(eos)) + list(self.stop_token_ids or [])))
 
 
 def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
@@ -70,6 +94,23 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     return float(v)
 
 
+def _is_default(v: Any, default: Any) -> bool:
+    if v is None or (isinstance(v, (list, dict)) and not v) or (v is False and not default):
+        return True
+    if isinstance(v, bool) or isinstance(default, bool):
+        return v is default
+    return v == default
+
+
+def _flag(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise RequestError(f"{name} must be a boolean, got {v!r}", name)
+    return v
+
+
 def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
     v = body.get(name)
     if v is None:
@@ -81,12 +122,17 @@ def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
     return v
 
 
-def check_request(body: Any, models: List[str], context: int, chat: bool) -> Generation:
+def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_size: int = 2 ** 31) -> Generation:
     """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
+
+    Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+    ``top_k`` (-1 or 0: off; 1: greedy; others refused), and for chats ``add_generation_prompt`` and
+    ``continue_final_message`` are honoured; its other extensions are refused unless at their defaults.
 
     Args:
       body: the parsed JSON. models: the names served (a request's ``model`` must be one, or absent).
       context: the model's context in tokens (``max_tokens`` above it is refused).
+      vocab_size: token ids in ``stop_token_ids`` must be below it.
     Raises:
       RequestError: a body that is not an object, an unknown model (404), a missing or malformed
         field, ``n`` > 1, a field this server does not support; the message names the field.
@@ -99,11 +145,15 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
     if model is not None and model not in models:
         raise RequestError(f"the model {model!r} does not exist; this server serves {', '.join(models)}", "model",
                            status=404, code="model_not_found")
-    for name in UNSUPPORTED:
-        if body.get(name) not in (None, [], {}, False):
-            raise RequestError(f"{name} is not supported by this server", name, code="unsupported_parameter")
-    if body.get("logprobs") not in (None, False, 0) or body.get("top_logprobs") not in (None, 0):
-        raise RequestError("logprobs are not supported by this server", "logprobs", code="unsupported_parameter")
+    created = int(time.time())
+    for name, default in UNSUPPORTED.items():
+        if not _is_default(body.get(name), default):
+            raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
+                               code="unsupported_parameter")
+    for name in ("logprobs", "top_logprobs"):
+        if body.get(name) not in (None, False, 0):
+            raise RequestError(f"{name}: logprobs are not supported by this server", name,
+                               code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -140,9 +190,9 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
             check_text(prompt, "prompt")
         except ValueError as e:
             raise RequestError(str(e), "prompt") from None
-    max_tokens = _integer(body, "max_completion_tokens", 1, context) if chat else None
-    if max_tokens is None:
-        max_tokens = _integer(body, "max_tokens", 1, context)
+    max_tokens = _integer(body, "max_tokens", 1, context)  # checked even where the next one wins
+    if chat and body.get("max_completion_tokens") is not None:
+        max_tokens = _integer(body, "max_completion_tokens", 1, context)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -164,13 +214,39 @@ def check_request(body: Any, models: List[str], context: int, chat: bool) -> Gen
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
-    seed = _integer(body, "seed", 0, 2 ** 31 - 1)
-    if seed is None:  # each request samples on its own, as OpenAI's do; a seed makes it repeatable
-        seed = secrets.randbelow(2 ** 31)
-    return Generation(messages=messages, prompt=prompt, max_tokens=max_tokens,
-                      temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+    # any 64-bit seed, as OpenAI and vLLM take them; the engine's seeds are [0, 2**31): the same
+    # number below 2**31 (decode.py --seed N gives the same answer), others by their remainder
+    seed = _integer(body, "seed", -2 ** 63, 2 ** 64 - 1)
+    seed = secrets.randbelow(2 ** 31) if seed is None else seed % 2 ** 31  # unseeded: each request its own
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    top_k = _integer(body, "top_k", -1, 2 ** 31 - 1)
+    if top_k not in (None, -1, 0, 1):
+        raise RequestError(f"top_k={top_k} is not supported by this server (only -1 or 0, off, and 1, greedy)",
+                           "top_k", code="unsupported_parameter")
+    if top_k == 1:  # only the most likely token: greedy, whatever the temperature
+        temperature = 0.0
+    stop_ids = body.get("stop_token_ids")
+    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids)):
+        raise RequestError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {stop_ids!r}",
+                           "stop_token_ids")
+    extras = {}
+    if chat:
+        extras["add_generation_prompt"] = _flag(body, "add_generation_prompt", True)
+        extras["continue_final_message"] = _flag(body, "continue_final_message", False)
+        if extras["continue_final_message"]:
+            if extras["add_generation_prompt"]:
+                raise RequestError("continue_final_message needs add_generation_prompt false (the answer goes on "
+                                   "inside the last message, not in a new one)", "add_generation_prompt")
+            if messages[-1]["role"] != "assistant":
+                raise RequestError(f"continue_final_message: the last message must be the assistant's to continue, "
+                                   f"got {messages[-1]['role']!r}", "messages")
+    return Generation(messages=messages, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
                       top_p=_number(body, "top_p", 1.0, 0, 1, open_low=True), seed=seed,
-                      stop=stop, stream=stream, include_usage=include_usage, model=model or models[0])
+                      stop=stop, stream=stream, include_usage=include_usage, model=model or models[0],
+                      created=created, stop_token_ids=stop_ids or None,
+                      ignore_eos=_flag(body, "ignore_eos", False),
+                      include_stop=_flag(body, "include_stop_str_in_output", False), **extras)
 
 
 def finish_reason(engine_reason: str) -> str:
@@ -194,26 +270,30 @@ def speculation(fin) -> dict:
 
 
 def completion(rid: str, model: str, chat: bool, text: str, reason: str, prompt_tokens: int, fin,
-               completion_tokens: Optional[int] = None) -> dict:
+               completion_tokens: Optional[int] = None, created: Optional[int] = None) -> dict:
     """The non-streaming response object; `completion_tokens` (default: all of ``fin.tokens``) is the
-    answer's token count when a stop sequence ended it."""
+    answer's token count when a stop sequence ended it; `created`: when the request came (default:
+    now)."""
     choice: Dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
         choice["text"] = text
-    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model, "choices": [choice],
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()) if created is None else created, "model": model,
+            "system_fingerprint": None, "choices": [choice],
             "usage": usage(prompt_tokens, len(fin.tokens) if completion_tokens is None else completion_tokens),
             "speculation": speculation(fin)}
 
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = None, reason: Optional[str] = None,
-          role: bool = False, usage_obj: Optional[dict] = None, spec: Optional[dict] = None) -> dict:
+          role: bool = False, usage_obj: Optional[dict] = None, spec: Optional[dict] = None,
+          include_usage: bool = False) -> dict:
     """One streamed chunk: a text delta, the first (the role) or the last (finish_reason); with
-    `usage_obj`, the usage chunk (no choices)."""
+    `usage_obj`, the usage chunk (no choices); with `include_usage`, the others carry ``"usage":
+    null`` (as OpenAI's do when the stream's usage was asked for)."""
     out: Dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                           "created": created, "model": model}
+                           "created": created, "model": model, "system_fingerprint": None}
     if usage_obj is not None:
         out["choices"], out["usage"] = [], usage_obj
         if spec is not None:
@@ -228,4 +308,6 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = 
         out["choices"] = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]
     else:
         out["choices"] = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]
+    if include_usage:
+        out["usage"] = None
     return out
