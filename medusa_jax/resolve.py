@@ -275,6 +275,30 @@ def _replayed_dynamic(tree: TreeBuffers, calibration: dict, lookup) -> Optional[
     return None
 
 
+def low_acceptance_note(tokens_per_step: float, steps: int, tree: Optional[TreeBuffers],
+                        calibration: Optional[dict], base_model: str = "") -> str:
+    """A hint when the drafts were hardly ever accepted: over at least `MIN_STEPS_NOTED` steps, the
+    tokens per step stayed below a fifth of the way from 1 to what `medusa_jax.cli.tune` replayed for
+    `tree` on the heads' held-out chats (`predicted_tokens_per_step`); "" otherwise, and without a
+    prediction. Output is the same either way (greedy Medusa is plain greedy); what it says is that
+    the heads do not fit this model or this kind of text (heads trained for another model of the same
+    shape load without complaint), so decoding runs at plain speed or below."""
+    predicted = predicted_tokens_per_step(tree, calibration) if tree is not None else None
+    if predicted is None or steps < MIN_STEPS_NOTED or predicted[0] < 1.3:
+        return ""
+    if tokens_per_step >= 1.0 + 0.2 * (predicted[0] - 1.0):
+        return ""
+    made_for = f" (these were trained for {base_model})" if base_model else ""
+    return (f"the drafts were hardly ever accepted: {tokens_per_step:.2f} tokens a step over {steps} steps, against "
+            f"{predicted[0]:.2f} {predicted[1]}. Heads trained for another model{made_for}, or text far from "
+            "their training data, accept little: the output is the same, the speed-up is lost (--no-medusa "
+            "decodes plainly; train.py and medusa-tune fit heads to this model)")
+
+
+#: The fewest steps after which `low_acceptance_note` judges the heads.
+MIN_STEPS_NOTED = 32
+
+
 def speed_note(tree: Optional[TreeBuffers], calibration: Optional[dict]) -> str:
     """A hint when `medusa_jax.cli.tune`, on this kind of device, predicted `tree` slower than plain
     decoding, or never timed a step as large as its; "" otherwise (and without a calibration made on

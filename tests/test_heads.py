@@ -7,7 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from medusa_jax.convert.medusa_format import HeadsFormatError, export_official, export_vllm, load_heads, save_heads
+from medusa_jax.convert.medusa_format import (HeadsFormatError, export_official, export_vllm, load_heads, read_tensors,
+                                             save_heads)
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import HeadsMismatchError, MedusaHeads, check_heads_match, init_heads
 from medusa_jax.models.config import ModelConfig
@@ -167,8 +168,8 @@ def test_export_import_gives_identical_logits(tmp_path, shared, fmt):
         assert raw["truncated_vocab_size"] == V
     lcfg, lp = load_heads(d)
     assert (lcfg.num_heads, lcfg.num_layers, lcfg.hidden_size, lcfg.vocab_size) == (K, L, D, V)
-    # vLLM always stores lm_heads, so shared heads come back as own copies (same logits)
-    assert lcfg.shared_lm_head is (shared and fmt != "vllm")
+    # vLLM and the official loader need lm_heads, so shared heads come back as own copies (same logits)
+    assert lcfg.shared_lm_head is (shared and fmt == "ours")
     if fmt == "ours":
         assert lcfg == cfg
     _roundtrip_logits(cfg, p, base, lcfg, lp, h)
@@ -408,8 +409,8 @@ def test_vllm_config_that_disagrees_with_the_weights(tmp_path):
     json.dump({**raw, "num_hidden_layers": 3}, open(fn, "w"))
     with pytest.raises(HeadsFormatError, match=r"num_hidden_layers=3 but the tensors hold 1 block layer"):
         load_heads(str(tmp_path))
-    json.dump({**raw, "num_heads": 1}, open(fn, "w"))  # fewer heads in the config: the tensors' count wins
-    assert load_heads(str(tmp_path))[0].num_heads == 2
+    json.dump({**raw, "num_heads": 1}, open(fn, "w"))  # fewer heads in the config: vLLM builds that many
+    assert load_heads(str(tmp_path))[0].num_heads == 1
 
 
 # ------------------------------------------------------------------- heads prepared for decoding
@@ -576,3 +577,46 @@ def test_medusa_config_refuses_impossible_values(kw, message):
 
     with pytest.raises(ValueError, match=message):
         MedusaConfig(**{"hidden_size": 8, "vocab_size": 64, **kw})
+
+
+def test_official_export_of_shared_heads_needs_the_base_and_names_the_backbone(tmp_path):
+    """The original loader builds per-head lm_heads and loads with strict=False: shared heads written
+    without them would load there with random lm_heads, so the default export writes the base's
+    copies (refusing without the base); the version-2 layout stays available on request, and
+    base_model_name_or_path can name the backbone's Hugging Face id."""
+    cfg = _cfg(True, base_model="SmolLM2-135M-Instruct.Q4_1.gguf")
+    p, base = _random_params(cfg), _base_lm()
+    with pytest.raises(ValueError, match="pass base_lm_head .*include_lm_head=False for the legacy version-2"):
+        export_official(str(tmp_path / "a"), cfg, p, fmt="safetensors")
+    path = export_official(str(tmp_path / "b"), cfg, p, base, fmt="safetensors",
+                           base_model="HuggingFaceTB/SmolLM2-135M-Instruct")
+    raw = json.load(open(os.path.join(tmp_path, "b", "config.json")))
+    assert raw["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "version" not in raw
+    assert f"{K - 1}.{L}.weight" in read_tensors(path)
+    export_official(str(tmp_path / "c"), cfg, p, fmt="safetensors", include_lm_head=False)
+    assert json.load(open(os.path.join(tmp_path, "c", "config.json")))["version"] == "2"
+
+
+def test_vllm_files_are_read_as_vllm_builds_them(tmp_path):
+    """vLLM's MedusaModel: block biases only with medusa_fc_bias true (its default is false), and
+    num_heads heads when the file holds more; logit_scale must be positive (it leaves ranks as they are)."""
+    cfg, base = _cfg(False), _base_lm()
+    p = _random_params(cfg)
+    p["blocks_bias"] = np.random.RandomState(3).randn(*p["blocks_bias"].shape).astype(np.float32)
+    d = str(tmp_path / "v")
+    export_vllm(d, cfg, p, base)
+    fn = os.path.join(d, "config.json")
+    raw = json.load(open(fn))
+    np.testing.assert_allclose(load_heads(d)[1]["blocks_bias"], p["blocks_bias"])  # medusa_fc_bias: true
+    for flag in (False, None):
+        raw["medusa_fc_bias"] = flag
+        json.dump({k: v for k, v in raw.items() if v is not None}, open(fn, "w"))
+        assert not load_heads(d)[1]["blocks_bias"].any()
+    raw.update(medusa_fc_bias=True, num_heads=K - 1)
+    json.dump(raw, open(fn, "w"))
+    lcfg, lp = load_heads(d)
+    assert lcfg.num_heads == K - 1 and lp["blocks_kernel"].shape[0] == K - 1 and lp["lm_head"].shape[0] == K - 1
+    raw.update(num_heads=K, logit_scale=0)
+    json.dump(raw, open(fn, "w"))
+    with pytest.raises(HeadsFormatError, match="logit_scale must be a number > 0, got 0"):
+        load_heads(d)

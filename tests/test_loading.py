@@ -231,6 +231,8 @@ def test_preflight_checks_our_heads_depth(tmp_path, monkeypatch):
     ("check", ["--prompts", "PROMPTS", "--heads", "/no/such/heads"], "/no/such/heads: no such file"),
     ("check", ["--prompts", "/no/such/prompts.jsonl"], "No such file or directory"),
     ("check", ["--prompts", "PROMPTS", "--heads", "zero", "--tree", "chain5"], "depth 5 but the heads have only 4"),
+    ("bench", ["--prompts", "PROMPTS", "--tree", "chain5"],  # the shipped heads (4) of the default model
+     "--tree has depth 5 but the heads have only 4; give a shallower --tree"),
     ("bench", ["--prompts", "PROMPTS", "--tree", "no_such_tree"], "unknown tree 'no_such_tree'"),
     ("bench", ["--prompts", "/no/such/prompts.jsonl"], "--prompts /no/such/prompts.jsonl: No such file"),
     ("bench", ["--prompts", "PROMPTS", "--model", "/no/such.gguf"], "--model /no/such.gguf: no such file"),

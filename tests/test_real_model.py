@@ -157,3 +157,38 @@ def test_bench_batch_rows_equal_batch_one_and_check_samples(tmp_path, capsys):
     assert summary["acceptance"] == "exact" and summary["prompts"] == 3 and summary["mean_tokens_per_step"] >= 1
     assert summary["identical_to_plain_sampling"] == 3  # exact acceptance: plain sampling's tokens, seed for seed
 
+
+
+def test_heads_that_do_not_fit_the_model_get_a_note(smollm2, tmp_path, capsys):
+    """Heads whose drafts this model never takes (here the shipped heads' files with random weights,
+    as heads trained for another model of the same shape would be): the answer is plain greedy's,
+    and decode.py says the drafts were hardly ever accepted, naming the model the heads record; the
+    shipped heads on the same prompt get no note."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from medusa_jax import resolve
+    from medusa_jax.cli import decode
+
+    heads = tmp_path / "heads"
+    shutil.copytree(resolve.DEFAULT_HEADS_DIR, heads)
+    fn = heads / "medusa_lm_head.safetensors"
+    rng = np.random.default_rng(0)
+    save_file({k: (rng.standard_normal(v.shape) * 0.02).astype(v.dtype) for k, v in load_file(str(fn)).items()},
+              str(fn))
+    argv = ["--max-new-tokens", "64", "--prompt", "Write a short story about a robot.", "--no-progress"]
+    texts = []
+    for extra in (["--heads", str(heads)], [], ["--no-medusa"]):
+        assert decode.main(argv + extra) == 0
+        out, err = capsys.readouterr()
+        texts.append(out)
+        noted = "note: the drafts were hardly ever accepted" in err
+        assert noted == (extra[:1] == ["--heads"]), err
+        if noted:
+            assert "these were trained for SmolLM2-135M-Instruct.Q4_1.gguf" in err
+    assert texts[0] == texts[1] == texts[2]
+    cal = resolve.heads_calibration(None, "as-stored")
+    tree = resolve.resolve_heads(smollm2, None)[1]
+    assert resolve.low_acceptance_note(1.02, 200, tree, cal) and not resolve.low_acceptance_note(1.02, 10, tree, cal)
+    assert not resolve.low_acceptance_note(1.5, 200, tree, cal) and not resolve.low_acceptance_note(1.02, 200, tree, None)

@@ -92,10 +92,11 @@ def test_proposal_ids_round_trip_and_bad_ids(tmp_path, tiny):
     np.testing.assert_array_equal(p2["blocks_kernel"], np.asarray(hp["blocks_kernel"]))
     fn = os.path.join(tmp_path, "config.json")
     raw = json.load(open(fn))
-    for bad in ([5, 5, 1, 2], [1, 2, 3, V], [1, 2]):
+    for bad, match in (([5, 5, 1, 2], "distinct"), ([1, 2, 3, V], f"go up to {V}, beyond its vocab_size {V}"),
+                       ([1, 2], "at least topk")):
         raw["proposal_token_ids"] = bad
         json.dump(raw, open(fn, "w"))
-        with pytest.raises(HeadsFormatError, match="proposal_token_ids"):
+        with pytest.raises(HeadsFormatError, match=match):
             load_heads(str(tmp_path))
     with pytest.raises(ValueError, match="topk=4 exceeds proposal_vocab_size=2"):
         hcfg.replace(proposal_vocab_size=2)

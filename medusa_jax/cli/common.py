@@ -18,7 +18,8 @@ from medusa_jax.convert.tuned_layers import (apply_tuned_layers, check_before_lo
                                              tuned_layers_path)
 from medusa_jax.decoding.tree import TreeBuffers, check_depth, get_tree
 from medusa_jax.heads.config import MedusaConfig
-from medusa_jax.resolve import DEFAULT_PROMPT_LOOKUP, DYNAMIC_LOOKUP_TOKENS, heads_location, resolve_heads
+from medusa_jax.resolve import (DEFAULT_HEADS_DIR, DEFAULT_PROMPT_LOOKUP, DYNAMIC_LOOKUP_TOKENS, heads_location,
+                               resolve_heads)
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -146,8 +147,8 @@ def preflight(model_path: Optional[str], heads_path: Optional[str], tree_spec=No
     num_heads = None
     if heads_path == "zero":
         num_heads = zero_heads
-    elif heads_path is not None:
-        raw = read_heads_config(heads_path)
+    elif heads_path is not None or (model_path is None and os.path.isdir(DEFAULT_HEADS_DIR)):  # (the shipped
+        raw = read_heads_config(heads_path or DEFAULT_HEADS_DIR)  # heads: the default model's, when it is the model)
         if "medusa_choices" in raw or "shared_lm_head" in raw:  # our format states the true count
             num_heads = raw.get("medusa_num_heads")
     if tree_spec is None:
@@ -325,6 +326,11 @@ PROMPT_SEEDS_HELP = ("prompt i of a prompt file uses (seed + i) mod 2**31, so it
                      "it runs in")
 
 
+#: The largest --temperature taken: the logits are divided by it in float32, and far below this
+#: the distribution is already uniform to float32's precision.
+MAX_TEMPERATURE = 1e30
+
+
 def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (see --acceptance)",
                         seeds_help: str = PROMPT_SEEDS_HELP) -> None:
     """The sampling and acceptance flags of decode.py, check, bench and chat (`acceptance_from_args`);
@@ -350,8 +356,9 @@ def acceptance_from_args(p, args):
     through ``p.error`` (status 2) with a one-line message."""
     from medusa_jax.decoding.acceptance import Acceptance
 
-    if not (math.isfinite(args.temperature) and args.temperature >= 0):
-        p.error(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if not (math.isfinite(args.temperature) and 0 <= args.temperature <= MAX_TEMPERATURE):
+        p.error(f"--temperature must be a finite number in [0, {MAX_TEMPERATURE:g}] (0 = greedy; far above 1 every "
+                f"token is about as likely), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
     if not 0 < args.posterior_threshold <= 1:

@@ -196,7 +196,23 @@ def main(argv=None) -> int:
         print(f"\n[{stats['new_tokens']} tokens in {stats['decode_s']:.2f}s: {stats['tokens_per_s']:.1f} tok/s, "
               f"{stats['steps']} steps, {stats['mean_accepted']:.2f} tokens/step, prefill {stats['prefill_s']:.2f}s, "
               f"stop: {stats['stop_reason']}]", file=sys.stderr)
+        acceptance_note(args, model, heads, tree, result.mean_accepted, result.steps)
     return 0
+
+
+def acceptance_note(args, model, heads, tree, tokens_per_step: float, steps: int) -> None:
+    """Print `resolve.low_acceptance_note` for greedy decoding with heads (sampled answers accept
+    less by nature), when it has something to say."""
+    from medusa_jax import resolve
+    from medusa_jax.convert.load import weights_of
+
+    if heads is None or args.acc.mode != "greedy":
+        return
+    note = resolve.low_acceptance_note(tokens_per_step, steps, tree,
+                                       resolve.heads_calibration(args.heads, weights_of(model.params)),
+                                       heads[0].base_model)
+    if note:
+        print(f"note: {note}", file=sys.stderr)
 
 
 def result_stats(result, prompt_ids, model, heads, tree, acceptance: str) -> dict:
@@ -272,6 +288,7 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
         print(f"[{len(order)} prompts, batch size {min(args.batch_size, len(order))}: {tokens} tokens in {wall:.2f}s, "
               f"{tokens / max(wall, 1e-9):.1f} tok/s with the prefills, {tokens / max(steps, 1):.2f} tokens/step]",
               file=sys.stderr)
+        acceptance_note(args, model, heads, tree, tokens / max(steps, 1), steps)
     flush()
     return 1 if len(ids) < len(recs) else 0
 

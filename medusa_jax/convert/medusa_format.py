@@ -354,9 +354,14 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     Head and layer counts: K and L come from the tensor names (a name may carry one
       `NAME_PREFIXES` prefix). config.json's layer count (``medusa_num_layers``; vLLM
       ``num_hidden_layers``) must equal L. Its head count (``medusa_num_heads``; vLLM ``num_heads``)
-      may be smaller than K, and K is used: the first-release hub configs of FasterDecoding/Medusa
-      say 2 heads where the weights hold 5, and the original code loads them all the same. It may
-      not be larger (the file would be missing heads).
+      may be smaller than K: official files then keep all K (the first-release hub configs of
+      FasterDecoding/Medusa say 2 heads where the weights hold 5, and the original code loads them
+      all the same), vLLM files the first ``num_heads`` (vLLM builds that many). It may not be
+      larger (the file would be missing heads).
+    vLLM files are read as vLLM builds them: block biases only with ``medusa_fc_bias: true`` (its
+      default is false, and a file's biases are then unused); ``logit_scale`` (a positive factor on
+      every head's logits) is accepted and not applied: it leaves each head's ranking, hence its
+      drafts, unchanged.
     Raises:
       FileNotFoundError: no such path, or a directory without a known weight file.
       HeadsFormatError (a ValueError): corrupt or truncated file; a file with no tensors; unknown or
@@ -398,6 +403,16 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
             raise HeadsFormatError(f"{weights_fn}: vLLM heads with a truncated vocabulary (truncated_vocab_size="
                                    f"{trunc} < vocab_size={raw['vocab_size']}, token_map) are not supported")
     K, L, D, V, kern, bias, lm = _assemble(stripped, raw, weights_fn, vllm, model_cfg, origin)
+    if vllm:  # as vLLM's MedusaModel builds the heads from its config
+        if not raw.get("medusa_fc_bias", False):
+            bias = np.zeros_like(bias)  # layers without biases: vLLM leaves the file's biases unused
+        cfg_k = _config_count(raw, "num_heads", weights_fn)
+        if cfg_k is not None and 0 < cfg_k < K:  # it builds num_heads heads; later ones in the file are unused
+            K, kern, bias = cfg_k, kern[:cfg_k], bias[:cfg_k]
+            lm = None if lm is None else lm[:cfg_k]
+        scale = raw.get("logit_scale", 1.0)
+        if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not scale > 0:
+            raise HeadsFormatError(f"{weights_fn}: config.json's logit_scale must be a number > 0, got {scale!r}")
     if raw.get("shared_lm_head") is True and lm is not None:
         lm = None  # our own config: the per-head copies are copies of the base lm_head
     if raw.get("shared_lm_head") is False and lm is None:
@@ -459,7 +474,11 @@ def _proposal_ids(raw_ids, V: int, topk: int, source: str) -> Optional[np.ndarra
         ids = np.asarray(raw_ids, np.int64)
     except (TypeError, ValueError):
         ids = np.zeros((0, 0))
-    if ids.ndim != 1 or ids.size < max(topk, 1) or ids.min() < 0 or ids.max() >= V or len(np.unique(ids)) != ids.size:
+    if ids.ndim == 1 and ids.size and ids.min() >= 0 and ids.max() >= V:
+        raise HeadsFormatError(f"{source}: config.json's proposal_token_ids go up to {int(ids.max())}, beyond its "
+                               f"vocab_size {V}: is vocab_size right (the model's vocabulary)? Otherwise fix or "
+                               "delete proposal_token_ids (the heads then propose from the whole vocabulary)")
+    if ids.ndim != 1 or ids.size < max(topk, 1) or ids.min() < 0 or len(np.unique(ids)) != ids.size:
         raise HeadsFormatError(f"{source}: config.json's proposal_token_ids must be at least topk={topk} distinct "
                                f"token ids in [0, {V}); fix or delete the field (the heads then propose from "
                                "the whole vocabulary)")
@@ -499,7 +518,9 @@ def _lm_heads_torch(cfg, p, base_lm_head, need: bool, what: str):
     if not need:
         return None
     if base_lm_head is None:
-        raise ValueError(f"{what}: the heads share the base lm_head; pass base_lm_head [D, V] to write copies of it")
+        raise ValueError(f"{what}: the heads share the base lm_head; pass base_lm_head [D, V] to write copies of it"
+                         + (" (or include_lm_head=False for the legacy version-2 layout, which only "
+                            "medusa_model_legacy.py reads)" if what == "export_official" else ""))
     base = np.asarray(base_lm_head, np.float32)
     if base.shape != (cfg.hidden_size, cfg.vocab_size):
         raise ValueError(f"base_lm_head has shape {base.shape}, expected [D, V] = ({cfg.hidden_size}, {cfg.vocab_size})")
@@ -554,9 +575,10 @@ def _write(path: str, filename: str, tensors: Dict[str, np.ndarray], config: dic
     return target
 
 
-def _official_config(cfg: MedusaConfig, shared_in_file: bool) -> dict:
+def _official_config(cfg: MedusaConfig, shared_in_file: bool, base_model: Optional[str] = None) -> dict:
     d = {"medusa_num_heads": cfg.num_heads, "medusa_num_layers": cfg.num_layers,
-         "base_model_name_or_path": cfg.base_model, "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
+         "base_model_name_or_path": cfg.base_model if base_model is None else base_model,
+         "hidden_size": cfg.hidden_size, "vocab_size": cfg.vocab_size}
     if shared_in_file:
         d["version"] = "2"
     return d
@@ -614,22 +636,30 @@ def save_heads(path: str, cfg: MedusaConfig, params, base_lm_head=None,
 
 
 def export_official(path: str, cfg: MedusaConfig, params, base_lm_head=None, fmt: str = "pt",
-                    include_lm_head: bool = False, dtype=np.float32) -> str:
+                    include_lm_head: bool = True, dtype=np.float32, base_model: Optional[str] = None) -> str:
     """Export in the original FasterDecoding/Medusa format (config.json + medusa_lm_head.pt|.safetensors).
 
     Args:
       path: output directory.
-      fmt: "pt" (what the original ``MedusaModel.from_pretrained`` reads; needs torch) or "safetensors".
-      include_lm_head: for shared heads, write ``{h}.{L}.weight`` = base_lm_head.T for every head so
-        the original code (which always has per-head lm_heads) can load them; otherwise shared heads
-        are written without lm_heads and config ``"version": "2"``. Heads with their own lm_head
-        always write them.
-      base_lm_head: [D, V]; required when include_lm_head and the heads are shared.
+      fmt: "pt" (the only file the original ``MedusaModel.from_pretrained`` reads,
+        medusa/model/medusa_model.py; needs torch) or "safetensors" (what its legacy training
+        script writes; for tools that read that).
+      include_lm_head: for shared heads, write ``{h}.{L}.weight`` = base_lm_head.T for every head:
+        the original code always builds per-head lm_heads and loads with ``strict=False``, so heads
+        written without them load there with random lm_heads and no error. False writes shared heads
+        without lm_heads and ``"version": "2"``, which only ``medusa_model_legacy.py`` reads. Heads
+        with their own lm_head always write them.
+      base_lm_head: [D, V]; required when the heads are shared and include_lm_head.
       dtype: numpy float dtype of the written tensors (float32 or float16).
+      base_model: config.json's ``base_model_name_or_path`` (default: the heads' `base_model`, a
+        file name): the original loader reads the backbone's config from it, so give the backbone's
+        Hugging Face id or directory (e.g. "HuggingFaceTB/SmolLM2-135M-Instruct").
     Returns the weight file's path; raises ValueError as `save_heads` does, and for hydra heads
     (the format has no place for their path weights). The original ties the
     blocks of a head when L > 1 (``[ResBlock(D)] * L`` repeats one module); a warning is given when
-    exported blocks differ.
+    exported blocks differ. Its current loader also builds 5 heads whatever config.json says
+    (``medusa_num_heads = 5``): a 4-head export gets a fifth, random head there, which trees of depth
+    at most 4 (its ``mc_sim_7b_63``) never use.
     """
     if fmt not in ("pt", "safetensors"):
         raise ValueError(f"fmt must be 'pt' or 'safetensors', got {fmt!r}")
@@ -642,7 +672,7 @@ def export_official(path: str, cfg: MedusaConfig, params, base_lm_head=None, fmt
         warnings.warn("the original Medusa code shares one ResBlock across the layers of a head "
                       "([ResBlock(D)] * L); these heads have distinct blocks, so there the last block "
                       "of each head is loaded into all its layers (medusa_jax and vLLM load them as they are)")
-    config = _official_config(cfg, lm is None)
+    config = _official_config(cfg, lm is None, base_model)
     return _write(path, OFFICIAL_FILES[0] if fmt == "safetensors" else OFFICIAL_FILES[1],
                   _official_tensors(cfg, p, lm, dtype), config, fmt)
 
