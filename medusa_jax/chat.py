@@ -70,21 +70,25 @@ def check_messages(messages: Sequence[dict]) -> List[dict]:
         role = "system" if role == "developer" else role
         if "content" not in m and role != "assistant":
             raise ValueError(f"{where}.content: missing; give the {role} message's text")
-        content = _content(m.get("content") or "", where) if role == "assistant" else _content(m["content"], where)
+        content = m.get("content")
+        content = "" if role == "assistant" and content is None else _content(content, where)  # (tool calls: null)
         out.append({"role": role, "content": content})
     return out
 
 
 def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False) -> List[int]:
+                continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> List[int]:
     """Token ids of a whole chat through the tokenizer's chat template (transformers'
     ``apply_chat_template``); with `add_generation_prompt`, ready for the assistant's next answer;
     with `continue_final_message`, ending inside the last message (an assistant's answer to be
-    continued from its text: vLLM's "assistant prefill"). Raises ValueError for a tokenizer
-    without a chat template."""
+    continued from its text: vLLM's "assistant prefill"); `template_kwargs`: more variables for the
+    template (e.g. Qwen3's ``enable_thinking``). Raises ValueError for a tokenizer without a chat
+    template."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
-    extra = {"continue_final_message": True} if continue_final_message else {}
+    extra = dict(template_kwargs or {})
+    if continue_final_message:
+        extra["continue_final_message"] = True
     out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
                                         **extra)
     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding

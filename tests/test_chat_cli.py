@@ -53,7 +53,7 @@ def test_piped_chat_keeps_the_conversation_and_reset_forgets(smollm2):
     assert reused[0] == 0 and reused[1] > 0  # turn 2 starts from turn 1's KV cache
 
 
-def test_ctrl_c_stops_an_answer_once_or_twice_and_keeps_what_came(capsys):
+def test_ctrl_c_stops_an_answer_once_or_twice_and_keeps_what_came():
     """The chat's answer loop: Ctrl-C during the stream cancels the request, a second one while it
     stops is absorbed, and the answer so far is kept (the conversation goes on with it)."""
     from medusa_jax.cli.chat import _answer
@@ -84,6 +84,5 @@ def test_ctrl_c_stops_an_answer_once_or_twice_and_keeps_what_came(capsys):
             self.ended = True
 
     h, printer = Handle(), Printer()
-    assert _answer(h, printer) == "finished"
+    assert _answer(h, printer) == ("finished", True)
     assert h.cancels == 2 and printer.pushed == [[5, 6]] and printer.ended
-    assert "[stopped]" in capsys.readouterr().err

@@ -283,3 +283,20 @@ def test_first_call_on_throwaway_copies_of_donated_arguments():
     assert comp.aot(step, (), (w, state), first_call=True) is fn and calls == [0.0]
     np.testing.assert_allclose(np.asarray(fn(w, state)), np.full((4, 4), 3.0) + 4.0 * np.eye(4))
     assert state.is_deleted() and calls == [0.0, 48.0]  # a real call donates as before
+
+
+def test_a_stop_token_past_the_budget_ends_the_answer_by_length(tiny):
+    """A Medusa step can accept the answer's last allowed token and a stop token after it: the stop
+    token is cut off with the budget, so the answer ends by "length", not "eos"."""
+    cfg, params, heads, prompts = tiny
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=16, speculation="always")
+    cases = []
+    for p in prompts[:6]:
+        answer = alone(cfg, params, p, 24)
+        for k in range(1, len(answer)):
+            if answer[k] not in answer[:k] and answer[k] not in cfg.eos_token_ids:
+                cases.append((answer[:k], engine.submit(Request(p, k, stop_token_ids=[answer[k]]))))
+    engine.run()
+    assert len(cases) >= 20
+    for want, h in cases:
+        assert list(h.finished.tokens) == want and h.finished.reason == "length", (want, h.finished)

@@ -579,6 +579,7 @@ def test_medusa_config_refuses_impossible_values(kw, message):
         MedusaConfig(**{"hidden_size": 8, "vocab_size": 64, **kw})
 
 
+@pytest.mark.filterwarnings("ignore:the original Medusa code shares")
 def test_official_export_of_shared_heads_needs_the_base_and_names_the_backbone(tmp_path):
     """The original loader builds per-head lm_heads and loads with strict=False: shared heads written
     without them would load there with random lm_heads, so the default export writes the base's

@@ -376,6 +376,38 @@ def test_text_stream_stop_sequences_match_whole_characters_and_can_be_kept(smoll
                 tok.decode(ids[:ts.used - 1]).startswith("Fish 🐟🐠")
 
 
+def test_text_stream_picks_the_stop_one_token_at_a_time_would_and_hides_stop_tokens(smollm2):
+    """The stop that ends the text is the one whose last character comes first (the first of the
+    list among those the same token completes), as vLLM finds them token by token, whether the
+    tokens come one at a time or all at once; `used` counts the tokens up to it. A stop token's text
+    is left out unless include_stop (vLLM's)."""
+    from medusa_jax.serve.text import TextStream
+
+    tok = smollm2.tokenizer
+    text = "The abc of it: xyz. Done."
+    ids = tok.encode(text, add_special_tokens=False)
+    for stops, include, want in (([" xyz", "y"], True, "The abc of it: xy"), ([" xyz", "y"], False, "The abc of it: x"),
+                                 (["xyz.", "xyz"], True, "The abc of it: xyz"), (["yz", "abc"], False, "The ")):
+        got = set()
+        for size in (1, 2, len(ids)):
+            ts, out = TextStream(tok, stops, include_stop=include), ""
+            for i in range(0, len(ids), size):
+                delta, stopped = ts.feed(ids[i:i + size])
+                out += delta
+                if stopped:
+                    break
+            assert stopped and out == ts.text, (stops, size)
+            got.add((ts.text, ts.used))
+        (cut, used), = got  # the same text and count however the tokens came
+        assert cut == want, (stops, include, cut)
+        # used: the first token whose text completes a stop
+        assert any(s in tok.decode(ids[:used]) for s in stops) and not any(s in tok.decode(ids[:used - 1]) for s in stops)
+    for include in (False, True):  # the engine ends an answer at a stop token: ids[3] here
+        ts = TextStream(tok, [], include_stop=include, hidden_ids=[ids[3]])
+        streamed = ts.feed(ids[:4])[0] + ts.feed([], final=True)[0]
+        assert streamed == ts.text == tok.decode(ids[:4] if include else ids[:3]), (include, ts.text)
+
+
 def test_sampling_without_a_seed_differs_between_requests_and_a_seed_repeats(client):
     """OpenAI's behaviour: each unseeded request samples on its own; the same seed, the same answer."""
     msgs = [{"role": "user", "content": "Tell me a short story about a cat."}]
@@ -585,6 +617,17 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
             check_request(dict(body, **extra), [MODEL], 64, True)
         assert e.value.param == param, (extra, e.value.param)
     assert check_request(dict(body, max_completion_tokens=3, max_tokens=9), [MODEL], 64, True).max_tokens == 3
+    for extra, param in (({"guided_json": {}}, "guided_json"),  # vLLM: any JSON, not free text
+                         ({"seed": 2 ** 63}, "seed"), ({"top_k": -2}, "top_k"),
+                         ({"add_special_tokens": True}, "add_special_tokens"),
+                         ({"chat_template_kwargs": {"tokenize": False}}, "chat_template_kwargs"),
+                         ({"chat_template": "{{ messages }}"}, "chat_template")):
+        with pytest.raises(RequestError) as e:
+            check_request(dict(body, **extra), [MODEL], 64, True)
+        assert e.value.param == param, (extra, e.value)
+    assert check_request(dict(body, chat_template_kwargs={"enable_thinking": False}), [MODEL], 64,
+                         True).template_kwargs == {"enable_thinking": False}
+    assert check_request({"prompt": "x", "add_special_tokens": True}, [MODEL], 64, False).prompt == "x"
     prefill = {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}]}
     with pytest.raises(RequestError, match="needs add_generation_prompt false"):
         check_request(dict(prefill, continue_final_message=True), [MODEL], 64, True)
@@ -612,7 +655,10 @@ def test_vllm_extensions_chats_not_ending_with_the_user_and_cors(client, server,
                                          extra_body={"stop_token_ids": [ids[2]]})
     j = ids.index(ids[2])
     assert cut.choices[0].finish_reason == "stop" and cut.usage.completion_tokens == j + 1
-    assert cut.choices[0].message.content == smollm2.tokenizer.decode(ids[:j + 1])
+    assert cut.choices[0].message.content == smollm2.tokenizer.decode(ids[:j])  # vLLM: without the stop's text
+    kept = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0,
+                                          extra_body={"stop_token_ids": [ids[2]], "include_stop_str_in_output": True})
+    assert kept.choices[0].message.content == smollm2.tokenizer.decode(ids[:j + 1])
     greedy_k = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=1.0,
                                               extra_body={"top_k": 1})
     assert greedy_k.choices[0].message.content == text
@@ -641,3 +687,14 @@ def test_vllm_extensions_chats_not_ending_with_the_user_and_cors(client, server,
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert all("usage" in c for c in chunks) and [c["usage"] is None for c in chunks] == \
         [True] * (len(chunks) - 1) + [False]
+
+
+def test_allowed_origins_take_vllms_json_list_too():
+    from medusa_jax.cli.serve import parse_origins
+
+    assert parse_origins("*") == ["*"] and parse_origins("") == []
+    assert parse_origins("http://localhost:3000/, https://app.example") == ["http://localhost:3000",
+                                                                            "https://app.example"]
+    assert parse_origins('["http://localhost:3000"]') == ["http://localhost:3000"]
+    with pytest.raises(ValueError, match="a JSON list must hold origin strings"):
+        parse_origins("[1]")

@@ -99,7 +99,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             except ValueError as e:
                 print(f"error: {e}; not sent", file=sys.stderr)
                 continue
-            command, _, rest = text.partition(" ")
+            command, rest = (text.split(maxsplit=1) + [""])[:2]
             if command in ("/exit", "/quit", "/reset") and rest.strip():
                 print(f"{command} takes no text; {COMMANDS}", file=sys.stderr)
                 continue
@@ -135,7 +135,13 @@ def main(argv: Optional[List[str]] = None) -> int:
                 messages.pop()
                 continue
             printer = common.TextStreamer(model.tokenizer)
-            fin = _answer(handle, printer)
+            fin, stopped = _answer(handle, printer)
+            if stopped and not fin.tokens:  # stopped before its first token (in the prefill): not sent
+                print("[stopped before the answer began; the message was not sent]", file=sys.stderr)
+                messages.pop()
+                continue
+            if stopped:
+                print("[stopped]", file=sys.stderr)
             answer = model.tokenizer.decode(fin.tokens, skip_special_tokens=True)
             messages.append({"role": "assistant", "content": answer})
             turn += 1
@@ -157,7 +163,7 @@ COMMANDS = ("commands: /reset, /system TEXT, /exit (or /quit); start a message w
 
 def _answer(handle, printer):
     """Stream `handle`'s answer through `printer`; Ctrl-C (once or more) stops it and keeps what
-    came. Returns the engine's `Finished`."""
+    came. Returns (the engine's `Finished`, whether Ctrl-C stopped it)."""
     stopped = False
     try:
         for chunk in handle:
@@ -172,10 +178,8 @@ def _answer(handle, printer):
         except KeyboardInterrupt:  # another Ctrl-C while it stops: it is stopping already
             stopped = True
             handle.cancel()
-    if stopped:
-        print("\n[stopped]", file=sys.stderr)
     printer.end()
-    return fin
+    return fin, stopped
 
 
 if __name__ == "__main__":

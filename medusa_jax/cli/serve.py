@@ -56,8 +56,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "still running shortly before the grace ends (min(2 s, half of it)) get the "
                         "server_shutdown error")
     p.add_argument("--allowed-origins", default="*",
-                   help="web origins whose pages may call the API from a browser (CORS), comma-separated, e.g. "
-                        "http://localhost:3000; '*' (the default, as vLLM's): any origin; '' : none")
+                   help="web origins whose pages may call the API from a browser (CORS), comma-separated or a "
+                        "JSON list as vLLM takes them, e.g. http://localhost:3000; '*' (the default, as vLLM's): any "
+                        "origin; '': none")
     common.add_dtype_arg(p)
     common.add_mesh_arg(p)
     common.add_lookup_arg(p)
@@ -92,6 +93,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--max-request-mb must be a number of MiB > 0, got {args.max_request_mb}")
     if not (math.isfinite(args.shutdown_grace) and args.shutdown_grace >= 0):
         p.error(f"--shutdown-grace must be a finite number of seconds >= 0, got {args.shutdown_grace}")
+    try:
+        origins = parse_origins(args.allowed_origins)
+    except ValueError as e:  # (json's errors are ValueErrors too)
+        p.error(f"--allowed-origins {args.allowed_origins}: {e}")
 
     import uvicorn
 
@@ -120,7 +125,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         engine.chooser.gain = [1.0] * len(engine.chooser.trees)
     name = args.served_model_name or default_model_name(model.path)
     app = create_app(engine, model.tokenizer, name, max_waiting=args.max_waiting, max_tokens_default=args.max_tokens,
-                     allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
+                     allowed_origins=origins,
                      max_request_bytes=int(args.max_request_mb * (1 << 20)))
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, speculation "
           f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens)", file=sys.stderr,
@@ -170,6 +175,22 @@ def _server_class(begin_shutdown):
                     timer.cancel()
 
     return Server
+
+
+
+def parse_origins(text: str) -> List[str]:
+    """--allowed-origins as a list: comma-separated, or a JSON list (vLLM's form); a trailing "/"
+    dropped (a browser's Origin header has none). Raises ValueError for a JSON list of non-strings."""
+    import json
+
+    text = text.strip()
+    if text.startswith("["):
+        items = json.loads(text)
+        if not isinstance(items, list) or not all(isinstance(o, str) for o in items):
+            raise ValueError("a JSON list must hold origin strings")
+    else:
+        items = text.split(",")
+    return [o.strip().rstrip("/") or o.strip() for o in items if o.strip()]
 
 
 if __name__ == "__main__":

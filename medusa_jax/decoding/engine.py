@@ -541,8 +541,8 @@ class Engine:
                 chunk, reason = chunk[:j + 1], "eos"
                 break
         room = row.request.max_new_tokens - len(row.tokens)
-        if len(chunk) >= room and reason is None:
-            reason = "length"
+        if len(chunk) > room or (len(chunk) == room and reason is None):  # (a stop token past the budget
+            reason = "length"                                                 # is cut off with it)
         chunk = chunk[:room]
         if row.first_token_at is None and chunk:
             row.first_token_at = now

@@ -213,7 +213,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         field = "messages" if chat else "prompt"
         if chat:
             encode = functools.partial(render_chat, tokenizer, gen.messages, gen.add_generation_prompt,
-                                       gen.continue_final_message)
+                                       gen.continue_final_message, gen.template_kwargs)
         else:
             encode = lambda: list(tokenizer.encode(gen.prompt))  # noqa: E731
         texts = [m["content"] for m in gen.messages] if chat else [gen.prompt]
@@ -263,7 +263,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             return StreamingResponse(stream(request, handle, events, gen, ids, rid, chat, t0),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text = TextStream(tokenizer, gen.stop, gen.include_stop)
+        text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or ())
         stopped, fin = False, None
         try:
             async for kind, payload in _events(request, events):
@@ -328,7 +328,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         created = gen.created
         sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
         part = functools.partial(protocol.chunk, rid, gen.model, chat, created, include_usage=gen.include_usage)
-        text = TextStream(tokenizer, gen.stop, gen.include_stop)
+        text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or ())
         stopped, fin = False, None
         try:
             if chat:

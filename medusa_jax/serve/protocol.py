@@ -29,7 +29,12 @@ UNSUPPORTED: Dict[str, Any] = {
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
     "bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
-    "echo_prompt": None}
+    "echo_prompt": None, "chat_template": None, "mm_processor_kwargs": None}
+#: transformers' ``apply_chat_template`` arguments, which ``chat_template_kwargs`` may not set (the
+#: server sets the ones it needs; the others would change what the call returns).
+TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
+                                "continue_final_message", "tokenize", "padding", "truncation", "max_length",
+                                "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 #: The most stop sequences a request may give (OpenAI's limit).
 MAX_STOP = 4
 
@@ -71,6 +76,7 @@ class Generation:
     include_stop: bool = False                    # vLLM's include_stop_str_in_output
     add_generation_prompt: bool = True            # vLLM's (chat): the template's assistant header
     continue_final_message: bool = False          # vLLM's (chat): continue the last (assistant) message
+    template_kwargs: Optional[Dict[str, Any]] = None  # vLLM's chat_template_kwargs (e.g. enable_thinking)
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -95,11 +101,16 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
 
 
 def _is_default(v: Any, default: Any) -> bool:
-    if v is None or (isinstance(v, (list, dict)) and not v) or (v is False and not default):
+    """Whether a request's `v` (None: absent) asks for what `default` does: null always; an empty
+    list or object where the default is a list or object; a bool only the same bool; else equal.
+    (An empty object is not a default elsewhere: vLLM's ``guided_json: {}`` asks for any JSON.)"""
+    if v is None:
         return True
+    if isinstance(default, (list, dict)):
+        return v == default or (isinstance(v, (list, dict)) and not v)
     if isinstance(v, bool) or isinstance(default, bool):
         return v is default
-    return v == default
+    return default is not None and v == default
 
 
 def _flag(body: dict, name: str, default: bool) -> bool:
@@ -126,8 +137,9 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
 
     Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-    ``top_k`` (-1 or 0: off; 1: greedy; others refused), and for chats ``add_generation_prompt`` and
-    ``continue_final_message`` are honoured; its other extensions are refused unless at their defaults.
+    ``top_k`` (-1 or 0: off; 1: greedy; others refused), and for chats ``add_generation_prompt``,
+    ``continue_final_message`` and ``chat_template_kwargs`` (passed to the template, e.g. Qwen3's
+    ``enable_thinking``) are honoured; its other extensions are refused unless at their defaults.
 
     Args:
       body: the parsed JSON. models: the names served (a request's ``model`` must be one, or absent).
@@ -215,14 +227,20 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     if not isinstance(include_usage, bool):
         raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
     # any 64-bit seed, as OpenAI and vLLM take them; the engine's seeds are [0, 2**31): the same
-    # number below 2**31 (decode.py --seed N gives the same answer), others by their remainder
-    seed = _integer(body, "seed", -2 ** 63, 2 ** 64 - 1)
+    # number below 2**31 (decode.py --seed N gives the same answer), others by their remainder (so
+    # seeds 2**31 apart sample alike)
+    seed = _integer(body, "seed", -2 ** 63, 2 ** 63 - 1)
     seed = secrets.randbelow(2 ** 31) if seed is None else seed % 2 ** 31  # unseeded: each request its own
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_k = _integer(body, "top_k", -1, 2 ** 31 - 1)
+    top_k = _integer(body, "top_k", -2 ** 63, 2 ** 63 - 1)
     if top_k not in (None, -1, 0, 1):
         raise RequestError(f"top_k={top_k} is not supported by this server (only -1 or 0, off, and 1, greedy)",
                            "top_k", code="unsupported_parameter")
+    special = body.get("add_special_tokens")  # vLLM's: the tokenizer's BOS etc. (chats: the template's alone)
+    if special is not None and special is not (not chat):
+        raise RequestError(f"add_special_tokens={special!r} is not supported by this server (only {not chat}: "
+                           f"{'the tokenizer adds its special tokens' if not chat else 'the chat template has them'})",
+                           "add_special_tokens", code="unsupported_parameter")
     if top_k == 1:  # only the most likely token: greedy, whatever the temperature
         temperature = 0.0
     stop_ids = body.get("stop_token_ids")
@@ -232,6 +250,16 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            "stop_token_ids")
     extras = {}
     if chat:
+        kwargs = body.get("chat_template_kwargs")
+        if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+            raise RequestError(f"chat_template_kwargs must be an object of named values, got {kwargs!r}",
+                               "chat_template_kwargs")
+        taken = sorted(set(kwargs or ()) & TEMPLATE_CALL_ARGS)
+        if taken:
+            raise RequestError(f"chat_template_kwargs: {', '.join(taken)} set how the template is called, not a "
+                               "variable of it; give template variables only (e.g. enable_thinking)",
+                               "chat_template_kwargs")
+        extras["template_kwargs"] = kwargs or None
         extras["add_generation_prompt"] = _flag(body, "add_generation_prompt", True)
         extras["continue_final_message"] = _flag(body, "continue_final_message", False)
         if extras["continue_final_message"]:

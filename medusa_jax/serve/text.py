@@ -14,35 +14,41 @@ class TextStream:
     (and left out when the answer ends inside it), and so is the tail that could still become a
     stop sequence. `feed` returns (delta, stopped).
 
-    The text ends where the earliest of the stop sequences starts (after it, with
-    `include_stop`: vLLM's ``include_stop_str_in_output``), whichever of them it is and however
-    many tokens a step delivered (one at a time or a Medusa step's several give the same text);
-    `used` is then the number of tokens up to the one that completed it (the usage's
-    completion_tokens: tokens the engine made after it are not the answer's). Stop sequences are
-    looked for only in whole characters, so a stop of U+FFFD does not match a character whose
-    bytes are still coming."""
+    Stop sequences are found as vLLM finds them one token at a time, however many tokens a step
+    delivered (one, or a Medusa step's several, give the same text): the first token whose text
+    completes one ends the answer, at the first stop of the list found in the text that token
+    added; the text ends where that stop starts (after it, with `include_stop`: vLLM's
+    ``include_stop_str_in_output``), and `used` counts the tokens up to that one (the usage's
+    completion_tokens: tokens the engine made after it are not the answer's). Stops are looked for
+    only in whole characters, so a stop of U+FFFD does not match a character whose bytes are still
+    coming. `hidden_ids` (a request's stop token ids) end the answer without their text unless
+    `include_stop` (vLLM leaves a stop token's text out; special tokens have none anyway)."""
 
-    def __init__(self, tokenizer, stop: List[str], include_stop: bool = False):
+    def __init__(self, tokenizer, stop: List[str], include_stop: bool = False, hidden_ids=()):
         self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
+        self.hidden = frozenset(() if include_stop else hidden_ids)
         self.tokens: List[int] = []
-        self.sent = 0
+        self.sent = 0     # characters handed out
+        self.checked = 0  # characters of the text already searched for stops (up to the last token)
         self.text = ""
         self.used: Optional[int] = None
         self.hold = max((len(s) for s in stop), default=1) - 1
 
-    def _stop_at(self, text: str) -> Optional[int]:
-        """Where the text ends at the earliest stop sequence in `text` (past what was already
-        sent): its start, or its end with `include_stop`; None without one."""
-        found = [(i, -len(s)) for s in self.stop for i in (text.find(s, max(self.sent - len(s) + 1, 0)),) if i >= 0]
-        if not found:
-            return None
-        i, minus_len = min(found)  # the earliest; at one start, the longest
-        return i - minus_len if self.include_stop else i
+    def _stop_at(self, text: str, since: int) -> Optional[int]:
+        """Where the text ends for the first stop in the list that occurs in `text` ending past
+        character `since` (its start, or its end with `include_stop`); None without one."""
+        for s in self.stop:
+            i = text.find(s, max(since - len(s) + 1, 0))
+            if i >= 0:
+                return i + len(s) if self.include_stop else i
+        return None
 
     def _decode(self, tokens: List[int]) -> str:
         """The text of `tokens`, less a last character whose bytes are not all out yet. No clean-up
         of spaces before punctuation (some tokenizers' default): with it, the text of n + 1 tokens
         need not extend the text of n ("it '" + "s" -> "it's"), which a stream relies on."""
+        if self.hidden:
+            tokens = [t for t in tokens if t not in self.hidden]
         text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
         return text.rstrip(PLACEHOLDER)
 
@@ -50,13 +56,17 @@ class TextStream:
         before = len(self.tokens)
         self.tokens.extend(tokens)
         text = self._decode(self.tokens)  # a character the answer ends inside is not part of it
-        i = self._stop_at(text)
-        if i is not None:
-            self.used = next(n for n in range(before + 1, len(self.tokens) + 1)
-                             if self._stop_at(self._decode(self.tokens[:n])) is not None)
-            self.text = text[:i]
-            delta, self.sent = self.text[self.sent:], max(len(self.text), self.sent)
-            return delta, True
+        if self._stop_at(text, self.checked) is not None:  # then token by token, as one at a time finds it
+            since = self.checked
+            for n in range(before + 1, len(self.tokens) + 1):
+                upto = text if n == len(self.tokens) else self._decode(self.tokens[:n])
+                end = self._stop_at(upto, since)
+                if end is not None:
+                    self.used, self.text = n, upto[:end]
+                    delta, self.sent = self.text[self.sent:], max(len(self.text), self.sent)
+                    return delta, True
+                since = len(upto)
+        self.checked = len(text)
         end = len(text) if final else max(len(text) - self.hold, self.sent)
         self.text = text
         delta, self.sent = text[self.sent:end], max(end, self.sent)
