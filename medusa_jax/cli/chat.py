@@ -56,7 +56,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     except ValueError as e:
         p.error(str(e))
 
-    from medusa_jax.chat import check_text, render_chat
+    from medusa_jax.chat import render_chat
     from medusa_jax.decoding.engine import Engine
     from medusa_jax.decoding.requests import Request, SamplingParams
     from medusa_jax.decoding.sampling import prompt_seed
