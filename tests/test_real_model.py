@@ -221,7 +221,11 @@ def test_export_command_writes_what_the_reference_loaders_read(smollm2, tmp_path
     raw = json.load(open(tmp_path / "official" / "config.json"))
     assert raw["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "version" not in raw
     assert f"{hcfg.num_heads - 1}.{hcfg.num_layers}.weight" in read_tensors(str(tmp_path / "official" / "medusa_lm_head.pt"))
-    for argv, message in ((["--heads", "medusa1", "--to", "vllm", "--out", str(tmp_path / "vllm")], "holds files"),
+    own = resolve.heads_location("medusa1")
+    for argv, message in ((["--heads", "medusa1", "--to", "vllm", "--out", str(tmp_path / "vllm")],
+                           "exists and is not empty"),
+                          (["--heads", own, "--to", "official", "--out", own, "--overwrite"],
+                           "is the heads' own directory"),
                           (["--heads", str(resolve.DEFAULT_HEADS_DIR), "--to", "vllm", "--out", str(tmp_path / "h")],
                            "these are hydra heads")):
         assert export.main(argv) == 2

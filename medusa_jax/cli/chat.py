@@ -50,13 +50,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefix_cache_mb < 0:
         p.error(f"--prefix-cache-mb must be >= 0, got {args.prefix_cache_mb}")
-    from medusa_jax.chat import check_text
-    try:
-        check_text(args.system or "", "--system")
-    except ValueError as e:
-        p.error(str(e))
+    common.check_text_arg(p, args.system, "--system")
 
-    from medusa_jax.chat import render_chat
+    from medusa_jax.chat import check_text, render_chat
     from medusa_jax.decoding.engine import Engine
     from medusa_jax.decoding.requests import Request, SamplingParams
     from medusa_jax.decoding.sampling import prompt_seed

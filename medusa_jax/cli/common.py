@@ -326,6 +326,17 @@ PROMPT_SEEDS_HELP = ("prompt i of a prompt file uses (seed + i) mod 2**31, so it
                      "it runs in")
 
 
+def check_text_arg(p, text: Optional[str], flag: str) -> None:
+    """Exit through ``p.error`` (status 2, one line) when a text flag's value is not valid Unicode
+    (`chat.check_text`: bytes that are not UTF-8 reach argv as surrogates); None passes."""
+    from medusa_jax.chat import check_text
+
+    try:
+        check_text(text or "", flag)
+    except ValueError as e:
+        p.error(str(e))
+
+
 #: The largest --temperature taken: the logits are divided by it in float32, and far below this
 #: the distribution is already uniform to float32's precision.
 MAX_TEMPERATURE = 1e30

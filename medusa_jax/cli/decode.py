@@ -79,11 +79,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--batch-size must be >= 1")
     if args.raw and args.system is not None:
         p.error("--system goes through the chat template, which --raw leaves out; give one of them")
-    from medusa_jax.chat import check_text
-    try:
-        check_text(args.system or "", "--system")
-    except ValueError as e:
-        p.error(str(e))
+    common.check_text_arg(p, args.system, "--system")
     if args.prompts_file is None:
         try:
             args.prompt = read_prompt(args.prompt, args.prompt_file)

@@ -48,7 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="the written tensors' dtype (float16: half the size)")
     p.add_argument("--overwrite", action="store_true",
-                   help="write into --out even when it holds files (config.json and the weight file are replaced)")
+                   help="write into --out even when it holds files (config.json and the weight file are replaced); "
+                        "never into the heads' own directory")
     p.add_argument("--no-progress", action="store_true", help="no progress bar (first-run GGUF conversion)")
     return p
 
@@ -72,7 +73,7 @@ def main(argv=None) -> int:
     from medusa_jax.cli import common
     from medusa_jax.convert.load import check_model_path
     from medusa_jax.convert.medusa_format import export_official, export_vllm, load_heads
-    from medusa_jax.convert.tuned_layers import tuned_layers_path
+    from medusa_jax.convert.tuned_layers import check_output_dir, tuned_layers_path
 
     heads = resolve.heads_location(args.heads)
     try:  # everything that names a file, before the slow model load
@@ -83,10 +84,8 @@ def main(argv=None) -> int:
             raise ValueError(f"--heads {args.heads}: these are {hcfg.head_type} heads, which neither the official "
                              "Medusa format nor vLLM's can hold (their path weights have no place there); decode "
                              "them with medusa_jax (decode.py --heads DIR)")
-        if os.path.isdir(args.out) and os.listdir(args.out) and not args.overwrite:
-            raise ValueError(f"--out {args.out}: holds files; give a new or empty directory, or --overwrite")
-        if os.path.exists(args.out) and not os.path.isdir(args.out):
-            raise ValueError(f"--out {args.out}: exists and is not a directory")
+        # not the heads' own directory: writing a format there replaces (deletes) their weight file
+        check_output_dir(args.out, args.overwrite, heads, "the heads'")
         if args.to == "official" and args.file_type == "pt":
             try:
                 import torch  # noqa: F401 - .pt files are torch's

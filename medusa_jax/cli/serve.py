@@ -177,7 +177,6 @@ def _server_class(begin_shutdown):
     return Server
 
 
-
 def parse_origins(text: str) -> List[str]:
     """--allowed-origins as a list: comma-separated, or a JSON list (vLLM's form); a trailing "/"
     dropped (a browser's Origin header has none). Raises ValueError for a JSON list of non-strings."""

@@ -25,7 +25,7 @@ import dataclasses
 import hashlib
 import json
 import os
-from typing import Dict, List, Mapping, Optional, Sequence
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -399,6 +399,31 @@ def merge_to_hf(model: LoadedModel, out_dir: str, overwrite: bool = False) -> st
     return save_hf(out_dir, model.cfg, model.params, model.tokenizer)
 
 
+def check_output_dir(out_dir: str, overwrite: bool, source: str, whose: str,
+                     forbidden: Tuple[frozenset, str] = (frozenset(), "")) -> None:
+    """A directory a command writes into, checked before any slow work: `source` (`whose`: e.g. "the
+    base model's") is read from, so `out_dir` may not be its own directory; with `forbidden`, a
+    (file names, reason) pair, it may not hold those files either; and without `overwrite` it must
+    be new or empty (`medusa-merge`, `medusa-export`).
+
+    Raises:
+      FileExistsError: `out_dir` is a file, or a non-empty directory without `overwrite`.
+      ValueError: `out_dir` is `source`'s own directory, or holds a `forbidden` file.
+    """
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise FileExistsError(f"{out_dir}: exists and is not a directory; choose a new output directory")
+    if os.path.isdir(out_dir):
+        if os.path.realpath(out_dir) == os.path.realpath(source):
+            raise ValueError(f"{out_dir}: is {whose} own directory; writing there would overwrite it: "
+                             "choose a new output directory")
+        held = set(os.listdir(out_dir))
+        if held & forbidden[0]:
+            raise ValueError(f"{out_dir}: {forbidden[1]}; choose a new output directory")
+        if held and not overwrite:
+            raise FileExistsError(f"{out_dir}: exists and is not empty; choose a new output directory (or "
+                                  "overwrite it: --overwrite, or overwrite=True)")
+
+
 def check_merge_target(out_dir: str, model_path: str, overwrite: bool = False) -> None:
     """What `merge_to_hf` checks before it writes into `out_dir` (``medusa-merge`` checks it before
     the slow model load): `model_path` is the base model's file or directory.
@@ -407,16 +432,7 @@ def check_merge_target(out_dir: str, model_path: str, overwrite: bool = False) -
       FileExistsError: `out_dir` is a file, or a non-empty directory without `overwrite`.
       ValueError: `out_dir` is the base model's own directory, or holds Medusa heads or tuned layers.
     """
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise FileExistsError(f"{out_dir}: exists and is not a directory; choose a new output directory")
-    if os.path.isdir(out_dir):
-        if os.path.realpath(out_dir) == os.path.realpath(model_path):
-            raise ValueError(f"{out_dir}: is the base model's own directory; writing there would overwrite it: "
-                             "choose a new output directory")
-        held = set(os.listdir(out_dir))
-        if held & {LAYERS_FILE, "medusa_lm_head.safetensors", "medusa_lm_head.pt"}:
-            raise ValueError(f"{out_dir}: holds Medusa heads or tuned layers, which writing the model there would "
-                             "mix with (or overwrite, config.json); choose a new output directory")
-        if held and not overwrite:
-            raise FileExistsError(f"{out_dir}: exists and is not empty; choose a new output directory (or "
-                                  "overwrite it: --overwrite, or overwrite=True)")
+    check_output_dir(out_dir, overwrite, model_path, "the base model's",
+                     (frozenset({LAYERS_FILE, "medusa_lm_head.safetensors", "medusa_lm_head.pt"}),
+                      "holds Medusa heads or tuned layers, which writing the model there would mix with (or "
+                      "overwrite, config.json)"))
