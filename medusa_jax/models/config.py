@@ -95,6 +95,13 @@ FAMILY_DEFAULTS = {
 }
 
 
+def kv_heads_of(cfg: Mapping[str, Any], arch: str) -> int:
+    """A config.json's KV head count: ``num_key_value_heads``, else the family's default in
+    transformers (`FAMILY_DEFAULTS`), else one per query head."""
+    return int(cfg.get("num_key_value_heads") or FAMILY_DEFAULTS[arch]["num_key_value_heads"]
+               or cfg["num_attention_heads"])
+
+
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
@@ -111,9 +118,9 @@ def check_sizes(cfg: Mapping[str, Any], arch: str, source: str = "config.json") 
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             problems.append(f"{name} must be an integer >= 1, got {v!r}")
     if not problems:
-        heads, kv = cfg["num_attention_heads"], cfg.get("num_key_value_heads")
-        left_out = "" if kv else f", transformers' default for {arch}: the config leaves it out"
-        kv = kv or FAMILY_DEFAULTS[arch]["num_key_value_heads"] or heads
+        heads, kv = cfg["num_attention_heads"], kv_heads_of(cfg, arch)
+        left_out = "" if cfg.get("num_key_value_heads") else \
+            f", transformers' default for {arch}: the config leaves it out"
         if heads % kv:
             problems.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv}{left_out})")
         if cfg.get("head_dim") is None and arch != "qwen3" and cfg["hidden_size"] % heads:
@@ -271,8 +278,7 @@ class ModelConfig:
             intermediate_size=int(cfg["intermediate_size"]),
             num_layers=num_layers,
             num_heads=int(cfg["num_attention_heads"]),
-            num_kv_heads=int(cfg.get("num_key_value_heads") or FAMILY_DEFAULTS[arch]["num_key_value_heads"]
-                             or cfg["num_attention_heads"]),
+            num_kv_heads=kv_heads_of(cfg, arch),
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
