@@ -71,7 +71,7 @@ def check_arrays(arrays, tokens, b):
 def state_for(cfg, params, hidden):
     B = hidden.shape[0]
     return DecodeState(cache=None, logits=jnp.zeros((B, cfg.vocab_size)), hidden=hidden, key=None,
-                       temperature=jnp.zeros((B,)), top_p=jnp.ones((B,)))
+                       temperature=jnp.zeros((B,)), top_p=jnp.ones((B,)), top_k=jnp.zeros((B,), jnp.int32))
 
 
 @pytest.mark.parametrize("budget", [2, 5, 16, 40])

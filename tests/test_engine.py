@@ -66,16 +66,17 @@ def test_greedy_answers_equal_decoding_alone(tiny, max_batch, medusa):
 
 
 def test_sampled_rows_equal_the_same_request_alone(tiny):
-    """Rows with their own temperature, top-p and seed beside greedy rows: each equals its request
-    decoded alone (and, by the coupling of decoding.sampling, plain sampling with that seed)."""
+    """Rows with their own temperature, top-p, top-k and seed beside greedy rows: each equals its
+    request decoded alone (and, by the coupling of decoding.sampling, plain sampling with that seed)."""
     cfg, params, heads, prompts = tiny
-    settings = [SamplingParams(0.0), SamplingParams(0.8, 1.0, 7), SamplingParams(1.0, 0.9, 3), SamplingParams(1.3, 1.0, 5)]
+    settings = [SamplingParams(0.0), SamplingParams(0.8, 1.0, 7), SamplingParams(1.0, 0.9, 3, 6),
+                SamplingParams(1.3, 1.0, 5, 4)]
     reqs = [Request(p, 20, settings[i % 4]) for i, p in enumerate(prompts[:8])]
     engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="adaptive")
     got, _ = run_staggered(engine, reqs, arrive_every=2)
     for r, g in zip(reqs, got):
         s = r.sampling
-        acc = Acceptance(temperature=s.temperature, top_p=s.top_p)
+        acc = Acceptance(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
         assert g == alone(cfg, params, r.prompt, 20, heads, TREE, acc, s.seed)
         assert g == alone(cfg, params, r.prompt, 20, acc=acc, seed=s.seed)  # plain sampling, same seed
 
@@ -221,7 +222,9 @@ def test_bad_requests_are_refused_and_errors_stay_with_their_request(tiny, monke
     for req, match in [(Request([], 4), "empty"), (Request([V + 3], 4), "outside the model's vocabulary"),
                        (Request([1] * 200, 4), r"KV cache \(max_len=128\) holds 128"), (Request([1], 0), "max_new_tokens"),
                        (Request([1], 4, SamplingParams(-1.0)), "temperature"),
-                       (Request([1], 4, SamplingParams(1.0, 0.0)), "top_p")]:
+                       (Request([1], 4, SamplingParams(1.0, 0.0)), "top_p"),
+                       (Request([1], 4, SamplingParams(1.0, 1.0, 0, -1)), "top_k"),
+                       (Request([1], 4, SamplingParams(1.0, 1.0, 0, 2.5)), "top_k")]:
         with pytest.raises((ValueError, PromptTooLongError), match=match):
             engine.submit(req)
     good = engine.submit(Request(prompts[0], 8))

@@ -1,6 +1,6 @@
 """Exact (lossless) tree sampling: the first three emitted tokens of Medusa decoding with exact
 acceptance follow plain ancestral sampling's joint distribution, for several trees, temperatures
-0.7 and 1.0, top-p 0.9, both head types, with prompt lookup and with trees chosen per step (a dynamic
+0.7 and 1.0, top-p 0.9, top-k 3 and 4, both head types, with prompt lookup and with trees chosen per step (a dynamic
 tree: `decoding.dynamic`); broken variants fail the same test.
 
 The reference distribution is computed exactly (8 + 64 forwards of a V = 8 model), and the Medusa
@@ -66,8 +66,8 @@ def model():
 
 def reference(logits, acc: Acceptance) -> np.ndarray:
     """[V, V, V] float64: plain ancestral sampling's probability of each first three tokens, exactly."""
-    p1, p2, p3 = (np.asarray(jax.nn.softmax(filtered_logits(lg, acc.temperature, acc.top_p), -1), np.float64)
-                  for lg in logits)
+    p1, p2, p3 = (np.asarray(jax.nn.softmax(filtered_logits(lg, acc.temperature, acc.top_p, top_k=acc.top_k), -1),
+                             np.float64) for lg in logits)
     joint = p1[:, None, None] * p2[:, :, None] * p3
     return joint / joint.sum()
 
@@ -99,7 +99,7 @@ def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
     function is the one that runs)."""
     p, hcfg, hp, tr = decoding_setup(cfg, params, heads, tree)
     state = start_state(cfg, p, [PROMPT] * N, 32, seed, progress=False, temperature=acc.temperature,
-                        top_p=acc.top_p)
+                        top_p=acc.top_p, top_k=acc.top_k)
     step = jax.jit(functools.partial(step_module.medusa_step, cfg, hcfg, tr, acc))
     out = [[] for _ in range(N)]
     while min(len(o) for o in out) < 3:
@@ -110,29 +110,34 @@ def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
     return np.asarray([o[:3] for o in out])
 
 
-CASES = [("medusa", "A", 0.7, 1.0), ("medusa", "B", 1.0, 1.0), ("medusa", "A", 1.0, 0.9),
-         ("medusa", "B", 0.7, 0.9), ("hydra", "A", 1.0, 1.0), ("hydra", "B", 0.7, 0.9),
-         ("medusa", "A+lookup", 1.0, 1.0), ("hydra", "A+lookup", 0.7, 0.9), ("medusa", "dyn", 1.0, 1.0),
-         ("hydra", "dyn", 0.7, 0.9), ("hydra", "dyn+lookup", 1.0, 1.0)]
+CASES = [("medusa", "A", 0.7, 1.0, 0), ("medusa", "B", 1.0, 1.0, 0), ("medusa", "A", 1.0, 0.9, 0),
+         ("medusa", "B", 0.7, 0.9, 0), ("hydra", "A", 1.0, 1.0, 0), ("hydra", "B", 0.7, 0.9, 0),
+         ("medusa", "A+lookup", 1.0, 1.0, 0), ("hydra", "A+lookup", 0.7, 0.9, 0), ("medusa", "dyn", 1.0, 1.0, 0),
+         ("hydra", "dyn", 0.7, 0.9, 0), ("hydra", "dyn+lookup", 1.0, 1.0, 0),
+         ("medusa", "B", 1.0, 1.0, 3), ("hydra", "dyn+lookup", 1.0, 0.9, 4)]
 
 
-@pytest.mark.parametrize("head_type,tree_name,temperature,top_p", CASES)
-def test_exact_sampling_matches_plain_sampling(model, head_type, tree_name, temperature, top_p):
+@pytest.mark.parametrize("head_type,tree_name,temperature,top_p,top_k", CASES)
+def test_exact_sampling_matches_plain_sampling(model, head_type, tree_name, temperature, top_p, top_k):
     cfg, params, logits = model
-    acc = Acceptance(temperature=temperature, top_p=top_p, method="exact")
+    acc = Acceptance(temperature=temperature, top_p=top_p, method="exact", top_k=top_k)
     tree = TREES[tree_name]
     samples = medusa_samples(cfg, params, random_heads(cfg, params, head_type=head_type), tree, acc)
     p = chi_square_p(samples, reference(logits, acc))
     assert p > P_MIN, f"exact Medusa sampling differs from plain sampling (chi-square p = {p:.2g})"
 
 
-def test_plain_sampling_passes_the_same_test(model):
-    """The test's own calibration: plain sampling (no heads) against the exact reference."""
+@pytest.mark.parametrize("top_k", [0, 3])
+def test_plain_sampling_passes_the_same_test(model, top_k):
+    """The test's own calibration: plain sampling (no heads) against the exact reference; with
+    top-k 3 no token outside each position's 3 most likely is ever drawn."""
     cfg, params, logits = model
-    acc = Acceptance(temperature=1.0)
+    acc = Acceptance(temperature=1.0, top_k=top_k)
     r = generate_device(cfg, params, [PROMPT] * N, max_new_tokens=3, acceptance=acc, seed=7, cache_size=32,
                         progress=False)
     assert chi_square_p(r.tokens, reference(logits, acc)) > P_MIN
+    if top_k:
+        assert len(np.unique(r.tokens[:, 0])) == top_k
 
 
 def test_patched_path_reproduces_generate_device(model):
@@ -152,9 +157,17 @@ def _one_uniform_for_every_position(keys, positions):
     return _POSITION_UNIFORMS(keys, jnp.zeros_like(positions))
 
 
-def _candidates_against_the_argmax(logits, keys, positions, temperature, top_p, sampled=True, nucleus=True):
+def _candidates_against_the_argmax(logits, keys, positions, temperature, top_p, sampled=True, nucleus=True, top_k=0):
     """Candidates accepted when they are their parent's argmax, not the token the uniform chooses."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+
+_SAMPLE_TOKENS = sampling.sample_tokens
+
+
+def _candidates_without_top_k(logits, keys, positions, temperature, top_p, sampled=True, nucleus=True, top_k=0):
+    """Candidates accepted by the uniform's choice from the whole distribution, not its top-k."""
+    return _SAMPLE_TOKENS(logits, keys, positions, temperature, top_p, sampled, nucleus)
 
 
 _SELECT_TREE = dynamic.select_tree
@@ -168,21 +181,26 @@ def _every_earlier_node_visible(*args, **kwargs):
                       *arrays[1:]), tokens
 
 
-@pytest.mark.parametrize("module,name,broken,tree", [
-    (sampling, "position_uniforms", _one_uniform_for_every_position, TREE_B),
-    (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_B),
-    (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_DYN),
-    (dynamic, "select_tree", _every_earlier_node_visible, TREE_DYN)])
-def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken, tree):
+@pytest.mark.parametrize("module,name,broken,tree,top_k", [
+    (sampling, "position_uniforms", _one_uniform_for_every_position, TREE_B, 0),
+    (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_B, 0),
+    (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_DYN, 0),
+    (dynamic, "select_tree", _every_earlier_node_visible, TREE_DYN, 0),
+    (acceptance, "sample_tokens", _candidates_without_top_k, TREE_B, 3)])
+def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken, tree, top_k):
     """One uniform reused at every position, candidates accepted as the argmax instead of the
-    uniform's choice, or a dynamic tree's mask that lets a node see its siblings: each visibly
-    changes the distribution, and the test must say so."""
+    uniform's choice, a dynamic tree's mask that lets a node see its siblings, or candidates checked
+    against the whole distribution under top-k: each visibly changes the distribution (or emits a
+    token plain sampling never draws), and the test must say so."""
     cfg, params, logits = model
-    acc = Acceptance(temperature=1.0)
+    acc = Acceptance(temperature=1.0, top_k=top_k)
     heads = random_heads(cfg, params)
     expected = reference(logits, acc)
     monkeypatch.setattr(module, name, broken)  # where the step looks it up
-    p = chi_square_p(patched_samples(cfg, params, heads, tree, acc), expected)
+    try:
+        p = chi_square_p(patched_samples(cfg, params, heads, tree, acc), expected)
+    except AssertionError:  # a sample plain sampling cannot draw
+        p = 0.0
     assert p < P_MIN, f"the broken variant ({name}) passed the test (p = {p:.2g})"
 
 
@@ -287,3 +305,17 @@ def test_the_nucleus_always_keeps_the_most_likely_token(top_p):
     out = np.asarray(filtered_logits(logits, jnp.asarray([1.0, 0.5]), jnp.asarray([top_p, top_p])))
     np.testing.assert_array_equal(np.isfinite(out), [[False, True, False, False], [True, False, False, False]])
     assert np.isfinite(np.asarray(jax.nn.softmax(out, -1))).all()
+
+
+def test_top_k_keeps_the_k_most_likely_tokens_then_the_nucleus():
+    """top-k first, then the nucleus of the renormalised top-k (vLLM's and transformers' order);
+    ties with the k-th token stay; k = 0 or k >= V keeps every token; per-row k."""
+    logits = jnp.log(jnp.asarray([[0.4, 0.3, 0.2, 0.1], [0.1, 0.2, 0.3, 0.4], [0.3, 0.3, 0.3, 0.1]], jnp.float32))
+    kept = lambda **kw: np.isfinite(np.asarray(filtered_logits(logits, 1.0, **kw)))  # noqa: E731
+    np.testing.assert_array_equal(kept(top_k=2), [[1, 1, 0, 0], [0, 0, 1, 1], [1, 1, 1, 0]])
+    np.testing.assert_array_equal(kept(top_k=jnp.asarray([1, 0, 9])), [[1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]])
+    # top-3 of row 0 renormalised: 0.444, 0.333, 0.222; a nucleus of 0.7 needs the first two (0.778),
+    # where over the whole distribution it would need the first two as well but stop at 0.7 of 1.0
+    np.testing.assert_array_equal(kept(top_k=3, top_p=0.75)[0], [1, 1, 0, 0])
+    np.testing.assert_array_equal(kept(top_k=2, top_p=0.5)[0], [1, 0, 0, 0])  # 0.4/0.7 = 0.57 >= 0.5
+    np.testing.assert_array_equal(kept(top_p=0.5)[0], [1, 1, 0, 0])            # 0.4 < 0.5 without top-k

@@ -197,7 +197,7 @@ def test_sampling_flags_refuse_nan_and_wrap_prompt_seeds(capsys):
     common.add_acceptance_args(p)
     for argv, msg in [(["--temperature", "nan"], "finite"), (["--temperature", "inf"], "finite"),
                       (["--temperature", "0.7", "--acceptance", "typical", "--posterior-alpha", "nan"], "finite"),
-                      (["--seed", str(2 ** 31)], "--seed must be in")]:
+                      (["--seed", str(2 ** 31)], "--seed must be in"), (["--top-k", "-3"], "--top-k must be in")]:
         with pytest.raises(SystemExit):
             common.acceptance_from_args(p, p.parse_args(argv))
         assert msg in capsys.readouterr().err

@@ -211,7 +211,7 @@ BAD = [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
     ("vLLM's min_tokens (not honoured, so refused)", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                       "min_tokens": 5}, 400),
-    ("vLLM's top_k above 1", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": 40}, 400),
+    ("top_k below -1", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": -5}, 400),
     ("continue_final_message after a user message", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                       "continue_final_message": True,
                                                       "add_generation_prompt": False}, 400),
@@ -236,7 +236,9 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body,
     if "far beyond" in what:
         assert err["code"] == "context_length_exceeded" and "from its first" in err["message"], err
     if "vLLM" in what:
-        assert err["code"] == "unsupported_parameter" and err["param"] in ("min_tokens", "top_k"), err
+        assert err["code"] == "unsupported_parameter" and err["param"] == "min_tokens", err
+    if "top_k" in what:
+        assert err["param"] == "top_k" and "at least 1" in err["message"], err
     if "stream_options" in what:
         assert err["param"] == "stream_options" and "only allowed when stream is true" in err["message"], err
     good = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
@@ -420,6 +422,21 @@ def test_sampling_without_a_seed_differs_between_requests_and_a_seed_repeats(cli
     assert ask(seed=7) == ask(seed=7)
 
 
+def test_top_k_samples_as_plain_sampling_does(client, smollm2):
+    """vLLM's top_k: the server's Medusa answer (exact acceptance) is plain top-k sampling's, token for
+    token, for the same seed; without top_k the same seed at this temperature answers otherwise."""
+    import medusa_jax as mj
+    from medusa_jax.chat import render_chat
+
+    msgs = [{"role": "user", "content": "Name three colours."}]
+    kw = dict(model=MODEL, messages=msgs, max_tokens=24, temperature=2.0, seed=5)
+    top2 = client.chat.completions.create(**kw, extra_body={"top_k": 2}).choices[0].message.content
+    plain = mj.generate(smollm2.cfg, smollm2.params, render_chat(smollm2.tokenizer, msgs), max_new_tokens=24,
+                        acceptance=mj.Acceptance(temperature=2.0, top_k=2), seed=5, progress=False)
+    assert top2 == smollm2.tokenizer.decode(plain.tokens, skip_special_tokens=True)
+    assert client.chat.completions.create(**kw).choices[0].message.content != top2
+
+
 def test_405_says_which_methods_are_allowed_and_stop_counts_tokens_to_the_stop(client, server):
     r = httpx.get(server[0] + "/v1/chat/completions")
     assert r.status_code == 405 and "POST" in r.headers.get("allow", ""), r.headers
@@ -594,11 +611,13 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     assert (gen.temperature, gen.stop_token_ids, gen.ignore_eos, gen.include_stop) == (1.0, None, False, False)
     assert gen.eos_override([2]) is None and gen.add_generation_prompt and not gen.continue_final_message
     for name, value in (("skip_special_tokens", False), ("repetition_penalty", 1.2), ("best_of", 2),
-                        ("suffix", "x"), ("tool_choice", "auto"), ("top_k", 5), ("min_p", 0.1)):
+                        ("suffix", "x"), ("tool_choice", "auto"), ("min_p", 0.1)):
         with pytest.raises(RequestError, match=f"^{name}") as e:
             check_request(dict(body, **{name: value}), [MODEL], 64, True)
         assert e.value.param == name and e.value.code == "unsupported_parameter"
     assert check_request(dict(body, top_k=1, temperature=0.9), [MODEL], 64, True).temperature == 0.0  # greedy
+    for k, want in ((-1, 0), (0, 0), (5, 5), (10 ** 12, 10)):  # k >= the vocabulary: every token
+        assert check_request(dict(body, top_k=k), [MODEL], 64, True, vocab_size=10).top_k == want, k
     assert check_request(dict(body, seed=7), [MODEL], 64, True).seed == 7
     assert check_request(dict(body, seed=2 ** 40 + 7), [MODEL], 64, True).seed == 7
     assert check_request(dict(body, seed=-1), [MODEL], 64, True).seed == 2 ** 31 - 1

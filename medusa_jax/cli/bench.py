@@ -199,8 +199,8 @@ def main(argv=None) -> int:
                    "predicted_basis": predicted and predicted[1], "conditions": conditions, "rows": rows}, f, indent=1)
     table = markdown_table(summary) + "\n" + tps_line + "\n" + timing_line + "\n"
     if not greedy:
-        table += (f"sampling at temperature {acc.temperature}, top-p {acc.top_p}: plain sampling against Medusa with "
-                  f"{acc.mode} acceptance (outputs are not compared)\n")
+        table += (f"sampling at temperature {acc.temperature}, top-p {acc.top_p}, top-k {acc.top_k or 'off'}: plain "
+                  f"sampling against Medusa with {acc.mode} acceptance (outputs are not compared)\n")
     if batches:
         table += "\n" + batch_table(batches)
     with open(os.path.join(args.out, "results.md"), "w") as f:

@@ -121,7 +121,8 @@ def main(argv: Optional[List[str]] = None) -> int:
                 prompt = render_chat(model.tokenizer,
                                      ([{"role": "system", "content": system}] if system else []) + messages)
                 handle = engine.submit(Request(prompt, args.max_new_tokens,
-                                               SamplingParams(acc.temperature, acc.top_p, prompt_seed(args.seed, turn))))
+                                               SamplingParams(acc.temperature, acc.top_p, prompt_seed(args.seed, turn),
+                                                              acc.top_k)))
             except ValueError as e:  # the conversation outgrew the context
                 print(f"error: {e}; /reset starts a new conversation", file=sys.stderr)
                 messages.pop()

@@ -148,6 +148,7 @@ def sampled(model, heads, tree, records, acc, args) -> int:
             row["identical"] = row["first_diff"] is None
         rows.append(row)
     summary = {"prompts": len(rows), "acceptance": acc.mode, "temperature": acc.temperature, "top_p": acc.top_p,
+               "top_k": acc.top_k,
                "mean_tokens_per_step": new_tokens / max(steps, 1), "new_tokens": new_tokens, "steps": steps,
                "tree_size": tree.size, "prompt_lookup": tree.lookup_settings,
                "max_new_tokens": args.max_new_tokens}

@@ -353,6 +353,9 @@ def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (
                         "typical acceptance, accepts more but changes the distribution; default: greedy at "
                         "temperature 0, exact above")
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (temperature > 0), in (0, 1]")
+    p.add_argument("--top-k", type=int, default=0,
+                   help="sample from the K most likely tokens only (temperature > 0; applied before --top-p, as in "
+                        "vLLM and transformers); 0 (the default) keeps every token")
     p.add_argument("--posterior-threshold", type=float, default=0.09,
                    help="typical acceptance: hard probability threshold epsilon, in (0, 1]")
     p.add_argument("--posterior-alpha", type=float, default=0.3,
@@ -372,6 +375,8 @@ def acceptance_from_args(p, args):
                 f"token is about as likely), got {args.temperature}")
     if not 0 < args.top_p <= 1:
         p.error("--top-p must be in (0, 1]")
+    if not 0 <= args.top_k < 2 ** 31:
+        p.error(f"--top-k must be in [0, 2**31) (0 keeps every token), got {args.top_k}")
     if not 0 < args.posterior_threshold <= 1:
         p.error("--posterior-threshold must be in (0, 1]")
     if not (math.isfinite(args.posterior_alpha) and args.posterior_alpha >= 0):
@@ -380,6 +385,8 @@ def acceptance_from_args(p, args):
         p.error("--seed must be in [0, 2**31)")
     if args.temperature == 0 and args.top_p != 1:
         print(f"note: --top-p {args.top_p} has no effect at temperature 0 (greedy decoding)", file=sys.stderr)
+    if args.temperature == 0 and args.top_k != 0:
+        print(f"note: --top-k {args.top_k} has no effect at temperature 0 (greedy decoding)", file=sys.stderr)
     if args.acceptance is None:
         args.acceptance = "greedy" if args.temperature == 0 else "exact"
     elif args.acceptance == "greedy" and args.temperature > 0:
@@ -393,7 +400,7 @@ def acceptance_from_args(p, args):
                 print(f"note: --{flag.replace('_', '-')} {getattr(args, flag)} has no effect with --acceptance "
                       f"{args.acceptance} (it sets typical acceptance)", file=sys.stderr)
     return Acceptance(temperature=args.temperature, posterior_threshold=args.posterior_threshold,
-                      posterior_alpha=args.posterior_alpha, top_p=args.top_p,
+                      posterior_alpha=args.posterior_alpha, top_p=args.top_p, top_k=args.top_k,
                       method="exact" if args.acceptance == "greedy" else args.acceptance)
 
 

@@ -31,13 +31,14 @@ ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
 class Acceptance(NamedTuple):
     """Static acceptance settings (a jit static argument).
 
-    A step reads each row's own temperature and top-p from the decoding state
-    (``DecodeState.temperature`` / ``top_p``, set from these fields by the entry points, per request
-    by the engine); here ``temperature > 0`` and ``top_p < 1`` only say that some row samples or uses a
-    nucleus, so that an all-greedy step compiles without sampling.
+    A step reads each row's own temperature, top-p and top-k from the decoding state
+    (``DecodeState.temperature`` / ``top_p`` / ``top_k``, set from these fields by the entry points, per
+    request by the engine); here ``temperature > 0``, ``top_p < 1`` and ``top_k > 0`` only say that
+    some row samples, uses a nucleus or a top-k, so that an all-greedy step compiles without sampling
+    and a step without filters without their sort.
 
     temperature: 0 = greedy: every node's argmax decides, whatever `method` says. > 0: sampling from
-      ``softmax(logits / temperature)`` restricted to the top-p nucleus.
+      ``softmax(logits / temperature)`` restricted to the top-k tokens and the top-p nucleus.
     method: how a sampling step accepts candidates (`ACCEPTANCE_METHODS`):
       "exact" (the default): a candidate is accepted when it is the token its position's uniform
         chooses (`decoding.sampling.sample_tokens`); the output equals plain sampling's with the same
@@ -46,17 +47,24 @@ class Acceptance(NamedTuple):
         posterior_alpha (delta); accepts more, but changes the output distribution.
       "greedy": only with temperature 0 (sampling with greedy acceptance is an error).
     top_p: nucleus mass in (0, 1] for every sampled token.
+    top_k: the most likely tokens kept for every sampled token (0: all), before the nucleus.
     """
     temperature: float = 0.0
     posterior_threshold: float = 0.09
     posterior_alpha: float = 0.3
     top_p: float = 1.0
     method: str = "exact"
+    top_k: int = 0
 
     @property
     def mode(self) -> str:
         """The rule a step applies: "greedy" at temperature 0, else `method`."""
         return "greedy" if self.temperature <= 0.0 else self.method
+
+    @property
+    def filters(self) -> bool:
+        """Some row's distribution is cut by top-p or top-k (the sort over the vocabulary is needed)."""
+        return self.top_p < 1.0 or self.top_k > 0
 
     def check(self) -> "Acceptance":
         """Raise ValueError for settings no step can run; return self."""
@@ -69,6 +77,8 @@ class Acceptance(NamedTuple):
                              "sample with method 'exact' (the model's own distribution) or 'typical'")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2 ** 31:
+            raise ValueError(f"top_k must be an int in [0, 2**31) (0 = every token), got {self.top_k!r}")
         alpha_ok = math.isfinite(self.posterior_alpha) and self.posterior_alpha >= 0
         if not 0 < self.posterior_threshold <= 1 or not alpha_ok:
             raise ValueError("typical acceptance needs posterior_threshold in (0, 1] and posterior_alpha >= 0, got "
@@ -82,7 +92,7 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acc
 
     Greedy (a row at temperature 0, or ``acc.mode == "greedy"``): a candidate is accepted when it
     equals the argmax of its parent node's logits. Exact: when it equals the token its position's
-    uniform chooses from the parent's tempered, nucleus-filtered distribution
+    uniform chooses from the parent's tempered, top-k- and nucleus-filtered distribution
     (`decoding.sampling.sample_tokens`). Typical acceptance (Medusa Sec. 2.3.1): when its probability
     under ``softmax(parent_logits / temperature)`` exceeds
     ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``.
@@ -94,7 +104,7 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acc
       logits: [B, T, V] float32 base logits at the tree nodes.
       tree_tokens: [B, T] int32 candidate tokens on the nodes.
       tree: a `TreeBuffers`, or `TreeArrays` with a row axis (`decoding.tree_arrays.tree_rows`).
-      state: the step's `DecodeState` (per-row keys, temperature, top_p); needed for exact
+      state: the step's `DecodeState` (per-row keys, temperature, top_p, top_k); needed for exact
         acceptance (typical reads its per-row temperature when given, else ``acc.temperature``).
       start: [B] int32, the root's position (the cache length before the step); needed with `state`.
     Returns:
@@ -135,7 +145,7 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acc
             target = kernels.argmax(logits)                                           # [B, T]
         else:
             target = sample_tokens(logits, state.key, start[:, None] + rows.depth + 1, state.temperature,
-                                   state.top_p, nucleus=acc.top_p < 1.0)
+                                   state.top_p, nucleus=acc.filters, top_k=state.top_k)
         match = (child_tok == at_nodes(target, parent)) & valid
     accepted = jnp.cumprod(match.astype(jnp.int32), axis=-1)                          # [B, P, D]
     acc_len = jnp.sum(accepted, axis=-1)                                              # [B, P]

@@ -48,7 +48,7 @@ def regroup(size: int, state: DecodeState, index: jax.Array) -> DecodeState:
                                lengths=jnp.where(index >= 0, take(c.lengths), 0), tokens=take(c.tokens)), size)
     return constrain_state(DecodeState(logits=take(state.logits), hidden=take(state.hidden), cache=cache,
                                        key=take(state.key), temperature=take(state.temperature),
-                                       top_p=take(state.top_p)))
+                                       top_p=take(state.top_p), top_k=take(state.top_k)))
 
 
 def empty_batch(cfg: ModelConfig, params, rows: int, size: int) -> DecodeState:
@@ -58,7 +58,8 @@ def empty_batch(cfg: ModelConfig, params, rows: int, size: int) -> DecodeState:
     state = DecodeState(logits=jnp.zeros((rows, cfg.vocab_size), jnp.float32),
                         hidden=jnp.zeros((rows, cfg.hidden_size), dtype),
                         cache=init_cache(cfg, rows, size, dtype), key=jnp.zeros((rows, 2), jnp.uint32),
-                        temperature=jnp.zeros((rows,), jnp.float32), top_p=jnp.ones((rows,), jnp.float32))
+                        temperature=jnp.zeros((rows,), jnp.float32), top_p=jnp.ones((rows,), jnp.float32),
+                        top_k=jnp.zeros((rows,), jnp.int32))
     mesh = sharding.mesh_of(params)
     if mesh is None:
         return state
@@ -68,4 +69,4 @@ def empty_batch(cfg: ModelConfig, params, rows: int, size: int) -> DecodeState:
     cache = KVCache(k=sharding.put(c.k, mesh, spec), v=sharding.put(c.v, mesh, spec), lengths=put(c.lengths),
                     tokens=put(c.tokens))
     return DecodeState(logits=put(state.logits), hidden=put(state.hidden), cache=cache, key=put(state.key),
-                       temperature=put(state.temperature), top_p=put(state.top_p))
+                       temperature=put(state.temperature), top_p=put(state.top_p), top_k=put(state.top_k))

@@ -174,8 +174,9 @@ class Engine:
 
     def check(self, request: Request) -> Request:
         """`request` with its id set, or ValueError saying what is wrong (an empty prompt, an id
-        outside the vocabulary, max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a seed
-        outside [0, 2**31)) and PromptTooLongError (a prompt that leaves no room for an answer)."""
+        outside the vocabulary, max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a top_k
+        that is not an int in [0, 2**31), a seed outside [0, 2**31)) and PromptTooLongError (a prompt
+        that leaves no room for an answer)."""
         p = [int(t) for t in request.prompt]
         if not p:
             raise ValueError("the prompt is empty: give at least one token")
@@ -191,6 +192,8 @@ class Engine:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
         if not 0 < s.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+        if isinstance(s.top_k, bool) or not isinstance(s.top_k, (int, np.integer)) or not 0 <= s.top_k < 2 ** 31:
+            raise ValueError(f"top_k must be an int in [0, 2**31) (0 = every token), got {s.top_k!r}")
         if not 0 <= int(s.seed) < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**31), got {s.seed}")
         rid = request.request_id if request.request_id is not None else str(next(self._ids))
@@ -356,7 +359,7 @@ class Engine:
             prefix = (entry.k, entry.v, jnp.asarray(toks), n)
         s = request.sampling
         return PrefillJob(self.cfg, self.params, request.prompt, size, seed=s.seed, temperature=s.temperature,
-                          top_p=s.top_p, prefix=prefix, chunk_size=self.prefill_chunk,
+                          top_p=s.top_p, top_k=s.top_k, prefix=prefix, chunk_size=self.prefill_chunk,
                           progress=self.progress and not self.live)
 
     def _admit(self, h: RequestHandle, job: PrefillJob) -> None:
@@ -482,6 +485,7 @@ class Engine:
         temps = [s.temperature for s in sampled if s.temperature > 0]
         return Acceptance(temperature=1.0 if temps else 0.0,
                           top_p=min([s.top_p for s in sampled if s.temperature > 0] or [1.0]),
+                          top_k=max([s.top_k for s in sampled if s.temperature > 0] or [0]),
                           method=self.method if temps else "exact", posterior_threshold=self.threshold,
                           posterior_alpha=self.alpha)
 

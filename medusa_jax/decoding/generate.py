@@ -111,7 +111,8 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                     acceptance=acceptance.method if acceptance.mode != "greedy" else "exact",
                     posterior_threshold=acceptance.posterior_threshold, posterior_alpha=acceptance.posterior_alpha,
                     eos_token_ids=eos, progress=progress)
-    request = Request(prompt, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, int(seed)))
+    request = Request(prompt, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, int(seed),
+                                                             acceptance.top_k))
     return _stream(engine, request)
 
 
@@ -205,7 +206,7 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     S = min(bucket(longest + tr.step_size + 1, 128), s_max)
     timing: dict = {}
     state = start_state(cfg, params, prompts, S, seed, timing=timing, progress=progress,
-                        temperature=acceptance.temperature, top_p=acceptance.top_p)
+                        temperature=acceptance.temperature, top_p=acceptance.top_p, top_k=acceptance.top_k)
     B = len(prompts)
     carry = init_carry(state, max_new_tokens, tr.max_accepted)
     limits = jnp.asarray([max_new_tokens, B + 1], jnp.int32)
@@ -348,8 +349,8 @@ def _batch_loop(engine: Engine, source: Iterator[Tuple[List[int], int]], total: 
             return False
         ids, row_seed = nxt
         i = next_i
-        engine.submit(Request(ids, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, row_seed),
-                              request_id=str(i)),
+        engine.submit(Request(ids, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, row_seed,
+                                                                  acceptance.top_k), request_id=str(i)),
                       on_event=lambda kind, payload: done.append((i, payload)) if kind == "done" else None)
         in_flight, next_i = in_flight + 1, next_i + 1
         return True

@@ -119,7 +119,7 @@ def init_carry(state: DecodeState, max_new_tokens: int, depth: int) -> LoopCarry
 
 def put_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
     """`state` ([B] rows) with row b replaced by the B = 1 `row` (same cache size S): its cache,
-    logits, hidden state, key, temperature and top-p. Pure; jit it with `state` donated to update in
+    logits, hidden state, key, temperature, top-p and top-k. Pure; jit it with `state` donated to update in
     place."""
     c, r = state.cache, row.cache
     cache = KVCache(k=c.k.at[:, b].set(r.k[:, 0]), v=c.v.at[:, b].set(r.v[:, 0]),
@@ -127,7 +127,7 @@ def put_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
     return DecodeState(logits=state.logits.at[b].set(row.logits[0]), hidden=state.hidden.at[b].set(row.hidden[0]),
                        cache=cache, key=state.key.at[b].set(row.key[0]),
                        temperature=state.temperature.at[b].set(row.temperature[0]),
-                       top_p=state.top_p.at[b].set(row.top_p[0]))
+                       top_p=state.top_p.at[b].set(row.top_p[0]), top_k=state.top_k.at[b].set(row.top_k[0]))
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

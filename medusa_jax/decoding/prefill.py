@@ -92,11 +92,12 @@ def prefill_chunk(cfg: ModelConfig, kv_block: Optional[int], params, tokens: jax
 def prefill_logits(cfg: ModelConfig, params, last: jax.Array, cache: KVCache, key: jax.Array) -> DecodeState:
     """Jitted: the decoding state after the last chunk (logits [B, V] float32 of the last prompt
     tokens from their hidden states `last` [B, D]; `cache` donated; key [B, 2] uint32; every row
-    greedy: temperature 0, top_p 1, which `start_state` sets as asked)."""
+    greedy: temperature 0, top_p 1, top_k 0, which `start_state` sets as asked)."""
     logits = LlamaModel(cfg).apply({"params": params}, last, method=LlamaModel.logits)
     B = last.shape[0]
     return constrain_state(DecodeState(logits=logits, hidden=last, cache=cache, key=key,
-                                       temperature=jnp.zeros((B,), jnp.float32), top_p=jnp.ones((B,), jnp.float32)))
+                                       temperature=jnp.zeros((B,), jnp.float32), top_p=jnp.ones((B,), jnp.float32),
+                                       top_k=jnp.zeros((B,), jnp.int32)))
 
 
 @functools.partial(jax.jit, static_argnums=0, donate_argnames=("cache",))
@@ -145,7 +146,7 @@ def progress_bar(show: bool, total: int, desc: str, unit: str):
 def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
                 seed: int = 0, dtype=None, timing: Optional[dict] = None, *,
                 chunk_size: int = PREFILL_CHUNK, kv_block: Optional[int] = PREFILL_KV_BLOCK,
-                progress: bool = True, temperature=0.0, top_p=1.0) -> DecodeState:
+                progress: bool = True, temperature=0.0, top_p=1.0, top_k=0) -> DecodeState:
     """Validate prompts, build the cache and prefill it, chunk by chunk (`prefill_plan`).
 
     Args:
@@ -160,12 +161,12 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
       progress: for a prefill of several chunks, a progress bar on stderr once it has run
         `PROGRESS_DELAY_S` seconds; the host then follows the chunks one behind (a one-chunk
         prefill never waits and shows nothing). False: silent.
-      temperature, top_p: each row's sampling settings (a float for every row, or one per row;
-        temperature 0: greedy).
+      temperature, top_p, top_k: each row's sampling settings (one for every row, or one per row;
+        temperature 0: greedy; top_k 0: off).
     Returns:
       DecodeState: logits [B, V] float32 and final hidden state [B, D] of each row's last prompt
       token, a cache of `cache_size` slots with ``lengths`` = the prompt lengths, per-row keys
-      [B, 2] from `seed`, and the rows' temperature and top_p [B] float32.
+      [B, 2] from `seed`, and the rows' temperature and top_p [B] float32 and top_k [B] int32.
     Raises:
       ValueError: an empty prompt, a malformed prompt list, an id outside the vocabulary, or a
         cache_size beyond the model's context (`check_generation_args`); chunk_size < 1.
@@ -206,7 +207,8 @@ def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cach
     state = finish(params, last, cache, key)
     rows = lambda x: sharding.put(x, mesh, sharding.batch_spec(1)) if mesh is not None else x
     state = state.replace(temperature=rows(jnp.broadcast_to(jnp.asarray(temperature, jnp.float32), (B,))),
-                          top_p=rows(jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (B,))))
+                          top_p=rows(jnp.broadcast_to(jnp.asarray(top_p, jnp.float32), (B,))),
+                          top_k=rows(jnp.broadcast_to(jnp.asarray(top_k, jnp.int32), (B,))))
     if timing is not None or bar is not None:
         state = jax.block_until_ready(state)
     if bar is not None:
@@ -226,7 +228,7 @@ class PrefillJob:
       cfg, params: the backbone (params in decoding layout).
       prompt: the token ids.
       cache_size: S slots (> len(prompt)).
-      seed, temperature, top_p: the row's sampling settings (`start_state`).
+      seed, temperature, top_p, top_k: the row's sampling settings (`start_state`).
       prefix: None, or (k, v [L, KVH, slots, Dh], tokens [slots] int32, n): the first n prompt
         tokens' K/V, reused (n < len(prompt)).
       chunk_size: tokens per chunk (the last chunk is the bucket of what remains).
@@ -237,7 +239,8 @@ class PrefillJob:
     """
 
     def __init__(self, cfg: ModelConfig, params, prompt: Sequence[int], cache_size: int, seed: int = 0,
-                 temperature: float = 0.0, top_p: float = 1.0, prefix=None, chunk_size: int = PREFILL_CHUNK,
+                 temperature: float = 0.0, top_p: float = 1.0, top_k: int = 0, prefix=None,
+                 chunk_size: int = PREFILL_CHUNK,
                  kv_block: Optional[int] = PREFILL_KV_BLOCK, progress: bool = False):
         self.cfg, self.params, self.kv_block, self.chunk_size = cfg, params, kv_block, chunk_size
         self.prompt = np.asarray(prompt, np.int32)
@@ -260,7 +263,7 @@ class PrefillJob:
             self.last = sharding.put(self.last, mesh, sharding.batch_spec(2))
         self.cache, self.mesh = cache, mesh
         self.key = row_keys(seed, 1)
-        self.temperature, self.top_p = float(temperature), float(top_p)
+        self.temperature, self.top_p, self.top_k = float(temperature), float(top_p), int(top_k)
         self.lengths = jnp.asarray([len(self.prompt)], jnp.int32)
         self.state: Optional[DecodeState] = None
         self.seconds = self.compile_s = 0.0
@@ -301,7 +304,8 @@ class PrefillJob:
             rows = lambda x: sharding.put(x, self.mesh, sharding.batch_spec(1)) if self.mesh is not None else x
             self.state = jax.block_until_ready(state.replace(
                 temperature=rows(jnp.full((1,), self.temperature, jnp.float32)),
-                top_p=rows(jnp.full((1,), self.top_p, jnp.float32))))
+                top_p=rows(jnp.full((1,), self.top_p, jnp.float32)),
+                top_k=rows(jnp.full((1,), self.top_k, jnp.int32))))
         else:
             jax.block_until_ready(self.last)
         self.seconds += time.perf_counter() - t0

@@ -16,10 +16,12 @@ FINISH_REASONS = ("eos", "stop", "length", "cache_full", "cancelled", "error")
 
 class SamplingParams(NamedTuple):
     """A request's sampling: temperature 0 = greedy; top_p in (0, 1]; seed in [0, 2**31) (the token at
-    each position is chosen by that position's uniform from the seed: `decoding.sampling`)."""
+    each position is chosen by that position's uniform from the seed: `decoding.sampling`); top_k >= 0
+    (0 = every token; applied before top_p, as vLLM does)."""
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
+    top_k: int = 0
 
 
 @dataclass

@@ -62,9 +62,9 @@ def row_keys(seeds: Union[int, Sequence[int]], batch: int) -> jax.Array:
     return jax.vmap(jax.random.PRNGKey)(jnp.asarray(row_seeds(seeds, batch), jnp.int32))
 
 
-def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = True) -> jax.Array:
+def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = True, top_k=0) -> jax.Array:
     """The sampling distribution's logits: ``logits / temperature`` with every token outside the
-    nucleus set to -inf.
+    top-k and the nucleus set to -inf.
 
     Args:
       logits: [..., V] float.
@@ -72,19 +72,31 @@ def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = T
       top_p: nucleus mass in (0, 1], a float or an array like `temperature`; 1 keeps every token. The
         nucleus is the smallest set of most likely tokens whose mass reaches top_p (Holtzman et al.
         2020); it always holds the most likely token, however small top_p is.
-      nucleus: static; False skips the nucleus (and its sort over the vocabulary) whatever top_p
-        says: for steps where every row has top_p = 1.
+      nucleus: static; False skips both filters (and their sort over the vocabulary) whatever top_p
+        and top_k say: for steps where every row has top_p = 1 and top_k = 0.
+      top_k: int >= 0, or an int array like `temperature`: keep the k most likely tokens (0: all;
+        tokens tied with the k-th are kept too). As in vLLM and transformers, top-k applies first
+        and the nucleus is taken from the top-k tokens' renormalised distribution.
     Returns:
       [..., V] float32; ``softmax`` of it is the distribution a sample is drawn from.
     """
     scaled = logits.astype(jnp.float32) / jnp.expand_dims(jnp.asarray(temperature, jnp.float32), -1)
-    if nucleus and not (isinstance(top_p, (int, float)) and top_p >= 1.0):
+    use_p = nucleus and not (isinstance(top_p, (int, float)) and top_p >= 1.0)
+    use_k = nucleus and not (isinstance(top_k, int) and top_k <= 0)
+    if use_p or use_k:
         sorted_logits = jnp.flip(jnp.sort(scaled, axis=-1), axis=-1)
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        # keep tokens whose preceding mass is < top_p, and always the most likely one (a top_p that
-        # underflows to 0 in float32, or that a flush-to-zero CPU reads as 0, must not empty the nucleus)
-        keep_sorted = (jnp.cumsum(probs, axis=-1) - probs) < jnp.expand_dims(jnp.asarray(top_p, jnp.float32), -1)
-        keep_sorted = keep_sorted | (jnp.arange(keep_sorted.shape[-1]) == 0)
+        first = jnp.arange(sorted_logits.shape[-1]) == 0
+        keep_sorted = jnp.ones(sorted_logits.shape, bool)
+        if use_k:
+            k = jnp.expand_dims(jnp.asarray(top_k, jnp.int32), -1)
+            keep_sorted = (jnp.arange(sorted_logits.shape[-1]) < k) | (k <= 0)
+            sorted_logits = jnp.where(keep_sorted, sorted_logits, -jnp.inf)
+        if use_p:
+            probs = jax.nn.softmax(sorted_logits, axis=-1)
+            # keep tokens whose preceding mass is < top_p, and always the most likely one (a top_p that
+            # underflows to 0 in float32, or that a flush-to-zero CPU reads as 0, must not empty the nucleus)
+            keep_sorted &= (jnp.cumsum(probs, axis=-1) - probs) < jnp.expand_dims(jnp.asarray(top_p, jnp.float32), -1)
+        keep_sorted = keep_sorted | first
         cutoff = jnp.min(jnp.where(keep_sorted, sorted_logits, jnp.inf), axis=-1, keepdims=True)
         scaled = jnp.where(scaled >= cutoff, scaled, -jnp.inf)
     return scaled
@@ -139,17 +151,17 @@ def inverse_cdf(logits: jax.Array, u: jax.Array) -> jax.Array:
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
-                  top_p: jax.Array, sampled: bool = True, nucleus: bool = True) -> jax.Array:
+                  top_p: jax.Array, sampled: bool = True, nucleus: bool = True, top_k=0) -> jax.Array:
     """The token each row chooses at `positions` from `logits`: the argmax for a row whose temperature
-    is 0 (greedy), else the inverse CDF (`inverse_cdf`) of the tempered, nucleus-filtered
+    is 0 (greedy), else the inverse CDF (`inverse_cdf`) of the tempered, top-k- and nucleus-filtered
     distribution (`filtered_logits`) at that position's uniform (`position_uniforms`).
 
     Args:
       logits: [B, ..., V] float32; keys: [B, 2] uint32; positions: [B, ...] int32, the absolute
         position of the token being chosen.
-      temperature, top_p: [B] float32 per row.
+      temperature, top_p: [B] float32 per row; top_k: [B] int32 per row (0: off), or 0 for every row.
       sampled: static; False: every row is greedy (no uniform is drawn, nothing is sorted).
-      nucleus: static; False: no row uses top_p < 1.
+      nucleus: static; False: no row uses top_p < 1 or top_k > 0.
     Returns:
       [B, ...] int32.
     """
@@ -159,6 +171,7 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array, temp
     extra = (1,) * (logits.ndim - 2)
     t = temperature.reshape(temperature.shape + extra)
     top = top_p.reshape(top_p.shape + extra)
-    scaled = filtered_logits(logits, jnp.where(t > 0, t, 1.0), top, nucleus)
+    k = top_k if isinstance(top_k, int) else top_k.reshape(top_k.shape + extra)
+    scaled = filtered_logits(logits, jnp.where(t > 0, t, 1.0), top, nucleus, k)
     chosen = inverse_cdf(scaled, position_uniforms(keys, positions))
     return jnp.where(t > 0, chosen, greedy)

@@ -23,6 +23,7 @@ class DecodeState:
       (`decoding.sampling.position_uniforms`).
     temperature: [B] float32, the row's sampling temperature (0: greedy).
     top_p: [B] float32, the row's nucleus mass in (0, 1].
+    top_k: [B] int32, the row's top-k (0: every token).
     """
     logits: jax.Array
     hidden: jax.Array
@@ -30,6 +31,7 @@ class DecodeState:
     key: jax.Array
     temperature: jax.Array
     top_p: jax.Array
+    top_k: jax.Array
 
 
 class StepOutput(NamedTuple):
@@ -55,4 +57,5 @@ def constrain_state(st: DecodeState) -> DecodeState:
     and can be fed back to it (no-op otherwise)."""
     rows = lambda x: sharding.constrain(x, sharding.batch_spec(x.ndim))
     return DecodeState(logits=rows(st.logits), hidden=rows(st.hidden), cache=constrain_cache(st.cache),
-                       key=rows(st.key), temperature=rows(st.temperature), top_p=rows(st.top_p))
+                       key=rows(st.key), temperature=rows(st.temperature), top_p=rows(st.top_p),
+                       top_k=rows(st.top_k))

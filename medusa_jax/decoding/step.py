@@ -68,7 +68,7 @@ def step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
     ``state.logits`` at its position ``cache.lengths`` (the argmax, or a sample by that position's
     uniform: `decoding.sampling.sample_tokens`)."""
     return sample_tokens(state.logits, state.key, state.cache.lengths, state.temperature, state.top_p,
-                         sampled=acc.mode != "greedy", nucleus=acc.top_p < 1.0)
+                         sampled=acc.mode != "greedy", nucleus=acc.filters, top_k=state.top_k)
 
 
 def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,

@@ -16,7 +16,7 @@ lowered and compiled by XLA for abstract inputs (`jax.ShapeDtypeStruct` with the
   (`sharding.cache_spec`), lengths ``[B]`` int32 and token ids ``[B, S]`` int32 (counted with the
   decode state);
 - decode state: logits ``[B, V]`` float32, hidden ``[B, D]``, per-row keys ``[B, 2]`` uint32 and
-  temperature and top_p ``[B]`` float32, rows on 'data'.
+  temperature and top_p ``[B]`` float32 and top_k ``[B]`` int32, rows on 'data'.
 
 The figures are per device, in bytes: what one device holds of each input (its shard,
 ``NamedSharding.shard_shape``), XLA's temporaries (``compiled.memory_analysis()``) and the step's
@@ -246,7 +246,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     Returns:
       A JSON-serialisable dict. Per device, ints in bytes: ``params_bytes`` (backbone shards),
       ``heads_bytes`` (the heads decoding keeps: the first tree-depth of them), ``kv_cache_bytes``
-      (k and v shards), ``state_bytes`` (logits, hidden, keys, temperature, top_p, cache lengths and token ids),
+      (k and v shards), ``state_bytes`` (logits, hidden, keys, temperature, top_p, top_k, cache lengths and token ids),
       ``output_bytes`` / ``alias_bytes`` (XLA's outputs and the part of them that reuses donated
       inputs), ``unaliased_output_bytes``, ``temp_bytes`` (XLA's temporaries), ``argument_bytes``
       (XLA's arguments: equals params + heads + KV cache + state), ``total_bytes`` (params + heads +
@@ -325,7 +325,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
                     lengths=rows((B,), jnp.int32), tokens=rows((B, S), jnp.int32))
     state = DecodeState(logits=rows((B, cfg.vocab_size), jnp.float32), hidden=rows((B, cfg.hidden_size), dt),
                         cache=cache, key=rows((B, 2), jnp.uint32), temperature=rows((B,), jnp.float32),
-                        top_p=rows((B,), jnp.float32))
+                        top_p=rows((B,), jnp.float32), top_k=rows((B,), jnp.int32))
 
     t0 = time.perf_counter()
     with jax.set_mesh(mesh_obj):
@@ -339,7 +339,7 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     heads_b = shard_bytes(head_params) if head_params is not None else 0
     kv_b = shard_bytes((cache.k, cache.v))
     state_b = shard_bytes((cache.lengths, cache.tokens, state.logits, state.hidden, state.key, state.temperature,
-                           state.top_p))
+                           state.top_p, state.top_k))
     out_b, alias_b = int(mem.output_size_in_bytes), int(mem.alias_size_in_bytes)
     unaliased = max(out_b - alias_b, 0)
     temp_b = int(mem.temp_size_in_bytes)

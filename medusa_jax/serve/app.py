@@ -244,7 +244,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                          "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue" = asyncio.Queue()
-        sampling = SamplingParams(gen.temperature, gen.top_p, gen.seed)
+        sampling = SamplingParams(gen.temperature, gen.top_p, gen.seed, gen.top_k)
 
         def on_event(kind: str, payload) -> None:  # on the engine's thread
             loop.call_soon_threadsafe(events.put_nowait, (kind, payload))

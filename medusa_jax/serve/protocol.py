@@ -73,6 +73,7 @@ class Generation:
     created: int = 0                              # when the request came (Unix seconds)
     stop_token_ids: Optional[List[int]] = None    # vLLM's: ids that end the answer besides EOS
     ignore_eos: bool = False                      # vLLM's: EOS does not end the answer
+    top_k: int = 0                                # vLLM's: the most likely tokens sampled from (0: all)
     include_stop: bool = False                    # vLLM's include_stop_str_in_output
     add_generation_prompt: bool = True            # vLLM's (chat): the template's assistant header
     continue_final_message: bool = False          # vLLM's (chat): continue the last (assistant) message
@@ -137,9 +138,10 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
 
     Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-    ``top_k`` (-1 or 0: off; 1: greedy; others refused), and for chats ``add_generation_prompt``,
-    ``continue_final_message`` and ``chat_template_kwargs`` (passed to the template, e.g. Qwen3's
-    ``enable_thinking``) are honoured; its other extensions are refused unless at their defaults.
+    ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut before ``top_p``), and for chats
+    ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the
+    template, e.g. Qwen3's ``enable_thinking``) are honoured; its other extensions are refused unless at
+    their defaults.
 
     Args:
       body: the parsed JSON. models: the names served (a request's ``model`` must be one, or absent).
@@ -233,9 +235,9 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     seed = secrets.randbelow(2 ** 31) if seed is None else seed % 2 ** 31  # unseeded: each request its own
     temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
     top_k = _integer(body, "top_k", -2 ** 63, 2 ** 63 - 1)
-    if top_k not in (None, -1, 0, 1):
-        raise RequestError(f"top_k={top_k} is not supported by this server (only -1 or 0, off, and 1, greedy)",
-                           "top_k", code="unsupported_parameter")
+    if top_k is not None and top_k < -1:
+        raise RequestError(f"top_k must be -1 or 0 (every token) or at least 1, got {top_k}", "top_k")
+    top_k = 0 if top_k is None or top_k < 0 else min(top_k, vocab_size, 2 ** 31 - 1)  # k >= V: every token
     special = body.get("add_special_tokens")  # vLLM's: the tokenizer's BOS etc. (chats: the template's alone)
     if special is not None and special is not (not chat):
         raise RequestError(f"add_special_tokens={special!r} is not supported by this server (only {not chat}: "
@@ -273,7 +275,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       top_p=_number(body, "top_p", 1.0, 0, 1, open_low=True), seed=seed,
                       stop=stop, stream=stream, include_usage=include_usage, model=model or models[0],
                       created=created, stop_token_ids=stop_ids or None,
-                      ignore_eos=_flag(body, "ignore_eos", False),
+                      ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=_flag(body, "include_stop_str_in_output", False), **extras)
 
 

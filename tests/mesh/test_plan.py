@@ -79,9 +79,9 @@ def test_sharded_inputs_match_a_count_by_hand(plan_2x4):
     assert r["params_global_bytes"] == params_per_device(1, 2)
     assert r["kv_cache_bytes"] == kv_per_device(2, 4, B, 2) == 2 * L * (B // 2) * S * (KVH // 4) * DH * 2
     assert r["heads_bytes"] == heads_per_device(tree.max_depth, 4, 2)
-    # logits [B, V] float32, hidden [B, D] bf16, key [B, 2] uint32, temperature and top_p [B] float32, lengths [B]
-    # int32; rows on 'data'
-    assert r["state_bytes"] == (B // 2) * (V * 4 + D * 2 + 2 * 4 + 4 + 4 + 4 + S * 4)  # S: the cache's token ids
+    # logits [B, V] float32, hidden [B, D] bf16, key [B, 2] uint32, temperature and top_p [B] float32, top_k and
+    # lengths [B] int32; rows on 'data'
+    assert r["state_bytes"] == (B // 2) * (V * 4 + D * 2 + 2 * 4 + 4 + 4 + 4 + 4 + S * 4)  # S: the cache's token ids
     # XLA's own argument size is exactly the shards counted above
     assert r["argument_bytes"] == r["params_bytes"] + r["heads_bytes"] + r["kv_cache_bytes"] + r["state_bytes"]
     assert r["temp_bytes"] > 0
