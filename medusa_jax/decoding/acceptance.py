@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax import kernels
-from medusa_jax.decoding.sampling import sample_tokens
+from medusa_jax.decoding.sampling import check_top_k, sample_tokens
 from medusa_jax.decoding.tree_arrays import tree_rows
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
@@ -77,8 +77,7 @@ class Acceptance(NamedTuple):
                              "sample with method 'exact' (the model's own distribution) or 'typical'")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or not 0 <= self.top_k < 2 ** 31:
-            raise ValueError(f"top_k must be an int in [0, 2**31) (0 = every token), got {self.top_k!r}")
+        check_top_k(self.top_k)
         alpha_ok = math.isfinite(self.posterior_alpha) and self.posterior_alpha >= 0
         if not 0 < self.posterior_threshold <= 1 or not alpha_ok:
             raise ValueError("typical acceptance needs posterior_threshold in (0, 1] and posterior_alpha >= 0, got "

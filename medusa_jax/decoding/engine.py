@@ -50,7 +50,7 @@ from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
 from medusa_jax.decoding.requests import FINISH_REASONS, Finished, Request, RequestHandle
-from medusa_jax.decoding.sampling import SEED_LIMIT
+from medusa_jax.decoding.sampling import SEED_LIMIT, check_top_k
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.state import DecodeState, StepOutput
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers, tree_with_budget, with_lookup
@@ -192,8 +192,7 @@ class Engine:
             raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
         if not 0 < s.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
-        if isinstance(s.top_k, bool) or not isinstance(s.top_k, (int, np.integer)) or not 0 <= s.top_k < 2 ** 31:
-            raise ValueError(f"top_k must be an int in [0, 2**31) (0 = every token), got {s.top_k!r}")
+        check_top_k(s.top_k)
         if not 0 <= int(s.seed) < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**31), got {s.seed}")
         rid = request.request_id if request.request_id is not None else str(next(self._ids))

@@ -62,6 +62,12 @@ def row_keys(seeds: Union[int, Sequence[int]], batch: int) -> jax.Array:
     return jax.vmap(jax.random.PRNGKey)(jnp.asarray(row_seeds(seeds, batch), jnp.int32))
 
 
+def check_top_k(top_k) -> None:
+    """Raise ValueError unless `top_k` is an int in [0, 2**31) (0: every token; it is stored as int32)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, (int, np.integer)) or not 0 <= top_k < 2 ** 31:
+        raise ValueError(f"top_k must be an int in [0, 2**31) (0 = every token), got {top_k!r}")
+
+
 def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = True, top_k=0) -> jax.Array:
     """The sampling distribution's logits: ``logits / temperature`` with every token outside the
     top-k and the nucleus set to -inf.
