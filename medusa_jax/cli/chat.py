@@ -54,7 +54,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     from medusa_jax.chat import check_text, render_chat
     from medusa_jax.decoding.engine import Engine
-    from medusa_jax.decoding.requests import Request, SamplingParams
+    from medusa_jax.decoding.requests import Request
     from medusa_jax.decoding.sampling import prompt_seed
 
     try:
@@ -121,8 +121,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 prompt = render_chat(model.tokenizer,
                                      ([{"role": "system", "content": system}] if system else []) + messages)
                 handle = engine.submit(Request(prompt, args.max_new_tokens,
-                                               SamplingParams(acc.temperature, acc.top_p, prompt_seed(args.seed, turn),
-                                                              acc.top_k)))
+                                               acc.sampling(prompt_seed(args.seed, turn))))
             except ValueError as e:  # the conversation outgrew the context
                 print(f"error: {e}; /reset starts a new conversation", file=sys.stderr)
                 messages.pop()

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax import kernels
+from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.decoding.sampling import check_top_k, sample_tokens
 from medusa_jax.decoding.tree_arrays import tree_rows
 
@@ -60,6 +61,10 @@ class Acceptance(NamedTuple):
     def mode(self) -> str:
         """The rule a step applies: "greedy" at temperature 0, else `method`."""
         return "greedy" if self.temperature <= 0.0 else self.method
+
+    def sampling(self, seed: int) -> SamplingParams:
+        """One request's `decoding.requests.SamplingParams` with these settings and `seed`."""
+        return SamplingParams(self.temperature, self.top_p, int(seed), self.top_k)
 
     @property
     def filters(self) -> bool:

@@ -23,7 +23,7 @@ from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.loop import generate_jit, grow_carry, init_carry
 from medusa_jax.decoding.prefill import bucket, cache_size_for, progress_bar, start_state
-from medusa_jax.decoding.requests import Finished, Request, SamplingParams
+from medusa_jax.decoding.requests import Finished, Request
 from medusa_jax.decoding.sampling import prompt_seed, row_seeds
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.tree import TreeBuffers
@@ -111,8 +111,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                     acceptance=acceptance.method if acceptance.mode != "greedy" else "exact",
                     posterior_threshold=acceptance.posterior_threshold, posterior_alpha=acceptance.posterior_alpha,
                     eos_token_ids=eos, progress=progress)
-    request = Request(prompt, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, int(seed),
-                                                             acceptance.top_k))
+    request = Request(prompt, max_new_tokens, acceptance.sampling(seed))
     return _stream(engine, request)
 
 
@@ -349,8 +348,7 @@ def _batch_loop(engine: Engine, source: Iterator[Tuple[List[int], int]], total: 
             return False
         ids, row_seed = nxt
         i = next_i
-        engine.submit(Request(ids, max_new_tokens, SamplingParams(acceptance.temperature, acceptance.top_p, row_seed,
-                                                                  acceptance.top_k), request_id=str(i)),
+        engine.submit(Request(ids, max_new_tokens, acceptance.sampling(row_seed), request_id=str(i)),
                       on_event=lambda kind, payload: done.append((i, payload)) if kind == "done" else None)
         in_flight, next_i = in_flight + 1, next_i + 1
         return True

@@ -246,8 +246,8 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     Returns:
       A JSON-serialisable dict. Per device, ints in bytes: ``params_bytes`` (backbone shards),
       ``heads_bytes`` (the heads decoding keeps: the first tree-depth of them), ``kv_cache_bytes``
-      (k and v shards), ``state_bytes`` (logits, hidden, keys, temperature, top_p, top_k, cache lengths and token ids),
-      ``output_bytes`` / ``alias_bytes`` (XLA's outputs and the part of them that reuses donated
+      (k and v shards), ``state_bytes`` (logits, hidden, keys, temperature, top_p, top_k, cache lengths and
+      token ids), ``output_bytes`` / ``alias_bytes`` (XLA's outputs and the part of them that reuses donated
       inputs), ``unaliased_output_bytes``, ``temp_bytes`` (XLA's temporaries), ``argument_bytes``
       (XLA's arguments: equals params + heads + KV cache + state), ``total_bytes`` (params + heads +
       KV cache + state + unaliased outputs + temporaries); ``params_global_bytes`` (the whole
