@@ -130,15 +130,10 @@ def packed(split_file, seq_len):
     offs = np.concatenate([[0], np.cumsum(z["lens"])])
     exs = [(z["ids"][a:b], z["mask"][a:b]) for a, b in zip(offs[:-1], offs[1:])]
     tokens, mask, seg, pos = D.pack(exs, seq_len)
-    # the hidden rows laid out as `pack` lays out the tokens (first fit, in order)
-    hid = np.zeros(tokens.shape + (z["hidden"].shape[1],), np.float32)
-    used = np.zeros(len(tokens), np.int64)
-    for (a, b) in zip(offs[:-1], offs[1:]):
-        L = min(b - a, seq_len)
-        r = int(np.nonzero(used + L <= seq_len)[0][0])
-        hid[r, used[r]:used[r] + L] = z["hidden"][a:a + L]
-        used[r] += L
-    assert (used == (seg > 0).sum(1)).all()
+    # the hidden rows laid out as `pack` lays out the tokens: pack each token's index in the file
+    where = D.pack([(np.arange(a, b), m) for (a, b), (_, m) in zip(zip(offs[:-1], offs[1:]), exs)], seq_len,
+                   pad_id=-1)[0]
+    hid = np.where((where >= 0)[..., None], z["hidden"][np.maximum(where, 0)], 0.0).astype(np.float32)
     return tokens, mask, seg, pos, hid
 
 
