@@ -621,12 +621,21 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     assert check_request(dict(body, seed=7), [MODEL], 64, True).seed == 7
     assert check_request(dict(body, seed=2 ** 40 + 7), [MODEL], 64, True).seed == 7
     assert check_request(dict(body, seed=-1), [MODEL], 64, True).seed == 2 ** 31 - 1
+    # JSON has one number type: integral floats are integers (as vLLM's pydantic models take them)
+    gen = check_request(dict(body, seed=7.0, top_k=5.0, max_tokens=16.0, n=1.0, stop_token_ids=[5.0]),
+                        [MODEL], 64, True, vocab_size=10)
+    assert (gen.seed, gen.top_k, gen.max_tokens, gen.stop_token_ids) == (7, 5, 16, [5])
+    assert all(type(v) is int for v in (gen.seed, gen.top_k, gen.max_tokens, *gen.stop_token_ids))
+    for name, bad in (("seed", 7.5), ("max_tokens", 16.25), ("top_k", float("inf")), ("n", float("nan"))):
+        with pytest.raises(RequestError, match=f"^{name} must be an integer") as e:
+            check_request(dict(body, **{name: bad}), [MODEL], 64, True)
+        assert e.value.param == name
     gen = check_request(dict(body, ignore_eos=True, stop_token_ids=[5, 9], include_stop_str_in_output=True),
                         [MODEL], 64, True, vocab_size=10)
     assert gen.eos_override([2]) == [5, 9] and gen.include_stop
     assert check_request(dict(body, stop_token_ids=[5]), [MODEL], 64, True, 10).eos_override([2]) == [2, 5]
     assert check_request(dict(body, ignore_eos=True), [MODEL], 64, True).eos_override([2]) == []
-    for bad in ([10], [-1], ["5"], 5, [True]):
+    for bad in ([10], [-1], ["5"], 5, [True], [5.5]):
         with pytest.raises(RequestError, match="stop_token_ids must be a list of token ids in \\[0, 10\\)"):
             check_request(dict(body, stop_token_ids=bad), [MODEL], 64, True, 10)
     for extra, param in (({"max_completion_tokens": 3, "max_tokens": -6}, "max_tokens"),

@@ -123,12 +123,25 @@ def _flag(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _whole(v: Any) -> Optional[int]:
+    """`v` as an int when it is one, or a float with no fractional part (``7.0``: JSON has one number
+    type, and vLLM's pydantic models take such floats for integer fields); None otherwise (bools too)."""
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return v
+    if isinstance(v, float) and v.is_integer():
+        return int(v)
+    return None
+
+
 def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
     v = body.get(name)
     if v is None:
         return None
-    if isinstance(v, bool) or not isinstance(v, int):
+    if _whole(v) is None:
         raise RequestError(f"{name} must be an integer, got {v!r}", name)
+    v = _whole(v)
     if not low <= v <= high:
         raise RequestError(f"{name} must be in [{low}, {high}], got {v}", name)
     return v
@@ -247,9 +260,10 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
         temperature = 0.0
     stop_ids = body.get("stop_token_ids")
     if stop_ids is not None and (not isinstance(stop_ids, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in stop_ids)):
+            _whole(t) is not None and 0 <= _whole(t) < vocab_size for t in stop_ids)):
         raise RequestError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {stop_ids!r}",
                            "stop_token_ids")
+    stop_ids = None if stop_ids is None else [_whole(t) for t in stop_ids]
     extras = {}
     if chat:
         kwargs = body.get("chat_template_kwargs")
