@@ -290,6 +290,16 @@ def test_completions_stop_sequences_and_models(client, server):
                  "vllm:prompt_tokens", "vllm:generation_tokens"):
         assert name in metrics, name
 
+    def counter(name):
+        return float(re.search(rf"^{name}_total{{[^}}]*}} (\S+)$", metrics, flags=re.M).group(1))
+
+    # vLLM's hit rate: hits / queries, both in prompt tokens (every prompt token is looked up)
+    assert counter("vllm:prefix_cache_queries") == counter("vllm:prompt_tokens") > 0
+    assert 0 <= counter("vllm:prefix_cache_hits") <= counter("vllm:prefix_cache_queries")
+    # without max_tokens a completion gets OpenAI's and vLLM's 16 tokens (a chat: the rest of the context)
+    r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0)
+    assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length"), r
+
 
 def readme_serving_blocks():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
@@ -599,8 +609,8 @@ def test_top_p_is_refused_with_one_interval_whatever_side_it_misses():
 
 def test_openai_defaults_and_vllm_extensions_are_checked():
     """Fields sent at their defaults pass (clients send them); vLLM's extensions are honoured or
-    refused, never ignored; any 64-bit seed maps into the engine's; max_tokens is checked even where
-    max_completion_tokens wins."""
+    refused, never ignored; any 64-bit seed maps into the engine's; integral floats are integers;
+    where max_completion_tokens wins, max_tokens need only be an integer."""
     from medusa_jax.serve.protocol import RequestError, check_request
 
     body = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
@@ -638,13 +648,27 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     for bad in ([10], [-1], ["5"], 5, [True], [5.5]):
         with pytest.raises(RequestError, match="stop_token_ids must be a list of token ids in \\[0, 10\\)"):
             check_request(dict(body, stop_token_ids=bad), [MODEL], 64, True, 10)
-    for extra, param in (({"max_completion_tokens": 3, "max_tokens": -6}, "max_tokens"),
-                         ({"max_completion_tokens": 3, "max_tokens": "lots"}, "max_tokens"),
+    for extra, param in (({"max_completion_tokens": 3, "max_tokens": "lots"}, "max_tokens"),
+                         ({"max_completion_tokens": 3, "max_tokens": 2.5}, "max_tokens"),
+                         ({"logit_bias": {"5": 1}}, "logit_bias"), ({"documents": [{"text": "x"}]}, "documents"),
+                         ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
+                          "stream_options.continuous_usage_stats"),
                          ({"top_logprobs": 3}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos")):
         with pytest.raises(RequestError) as e:
             check_request(dict(body, **extra), [MODEL], 64, True)
         assert e.value.param == param, (extra, e.value.param)
     assert check_request(dict(body, max_completion_tokens=3, max_tokens=9), [MODEL], 64, True).max_tokens == 3
+    # max_completion_tokens wins, so max_tokens need only be an integer (vLLM's rule)
+    assert check_request(dict(body, max_completion_tokens=3, max_tokens=10 ** 7), [MODEL], 64, True).max_tokens == 3
+    assert check_request(dict(body, max_completion_tokens=3, max_tokens=-6), [MODEL], 64, True).max_tokens == 3
+    # logprobs: a chat's flag (false, 0: none); a completion's count of alternatives (0: the chosen token's)
+    assert check_request(dict(body, logprobs=False), [MODEL], 64, True).max_tokens is None
+    for value in (0, 1, False):
+        with pytest.raises(RequestError, match="^logprobs: logprobs are not supported") as e:
+            check_request({"prompt": "x", "logprobs": value}, [MODEL], 64, False)
+        assert e.value.code == "unsupported_parameter"
+    assert check_request({"prompt": "x", "logprobs": None}, [MODEL], 64, False).prompt == "x"
+    assert check_request(dict(body, logit_bias={"5": 0, "9": 0.0}), [MODEL], 64, True).top_k == 0  # changes nothing
     for extra, param in (({"guided_json": {}}, "guided_json"),  # vLLM: any JSON, not free text
                          ({"seed": 2 ** 63}, "seed"), ({"top_k": -2}, "top_k"),
                          ({"add_special_tokens": True}, "add_special_tokens"),

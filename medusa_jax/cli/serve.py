@@ -39,7 +39,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-waiting", type=int, default=64,
                    help="requests that may wait for a row; beyond it the server answers 429 with Retry-After")
     p.add_argument("--max-tokens", type=int, default=None,
-                   help="answer budget of a request without max_tokens (default: the rest of the context)")
+                   help="answer budget of a request without max_tokens (default: the rest of the context for a "
+                        "chat, 16 tokens for /v1/completions, as OpenAI and vLLM)")
     p.add_argument("--max-request-mb", type=float, default=16.0,
                    help="largest request body accepted, in MiB; a larger one gets 413 (nothing past the limit is kept)")
     p.add_argument("--prefix-cache-mb", type=int, default=1024,

@@ -102,7 +102,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
       model_name: the id clients name in ``model`` (``/v1/models`` lists it).
       max_waiting: requests that may wait for a row; one more is refused with 429.
       max_tokens_default: the budget of a request without ``max_tokens`` (default: the rest of the
-        context).
+        context for a chat, `protocol.COMPLETIONS_MAX_TOKENS` (16) for ``/v1/completions``, as OpenAI
+        and vLLM default them).
       max_request_bytes: the largest request body accepted; a larger one gets 413 (`read_body`).
       allowed_origins: the web origins whose pages may call the server from a browser (CORS, with any
         method and header, as vLLM's ``--allowed-origins``); ``"*"``: any; empty: no CORS headers.
@@ -233,7 +234,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         except PromptTooLongError as e:
             raise RequestError(str(e), field, code="context_length_exceeded") from None
         budget = new_token_room(len(ids), context)
-        max_tokens = gen.max_tokens if gen.max_tokens is not None else min(max_tokens_default or budget, budget)
+        default = max_tokens_default or (budget if chat else protocol.COMPLETIONS_MAX_TOKENS)
+        max_tokens = gen.max_tokens if gen.max_tokens is not None else min(default, budget)
         if max_tokens > budget:
             raise RequestError(f"max_tokens {max_tokens} is too large: the prompt has {len(ids)} tokens and the "
                                f"context is {context}, so at most {budget} new tokens fit",

@@ -1,6 +1,7 @@
 """The server's Prometheus metrics (prometheus-client), named as vLLM names them so that existing
-dashboards read them: requests running and waiting, prompt and generated tokens, finished requests by
-reason, time to first token, inter-token latency and end-to-end latency histograms, and the
+dashboards read them: requests running and waiting, prompt and generated tokens, prefix-cache queries
+and hits (in tokens), finished requests by reason, time to first token, inter-token latency and
+end-to-end latency histograms, and the
 speculation counters ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
 ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos`` (vLLM's spec-decode metrics).
 The counters are read from the engine's own statistics at each scrape (`EngineCollector`)."""
@@ -35,6 +36,7 @@ class EngineCollector:
         for name, doc, value in (
                 ("vllm:prompt_tokens", "Prompt tokens of the requests admitted.", st["prompt_tokens"]),
                 ("vllm:generation_tokens", "Tokens generated.", st["tokens"]),
+                ("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.", st["prompt_tokens"]),
                 ("vllm:prefix_cache_hits", "Prompt tokens whose KV cache was reused.", st["reused_tokens"]),
                 ("vllm:spec_decode_num_drafts", "Row-steps that verified a draft.", st["drafts"]),
                 ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", st["draft_tokens"]),

@@ -29,7 +29,7 @@ UNSUPPORTED: Dict[str, Any] = {
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
     "bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
-    "echo_prompt": None, "chat_template": None, "mm_processor_kwargs": None}
+    "echo_prompt": None, "chat_template": None, "mm_processor_kwargs": None, "documents": None}
 #: transformers' ``apply_chat_template`` arguments, which ``chat_template_kwargs`` may not set (the
 #: server sets the ones it needs; the others would change what the call returns).
 TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -37,6 +37,9 @@ TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_temp
                                 "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 #: The most stop sequences a request may give (OpenAI's limit).
 MAX_STOP = 4
+#: The budget of a ``/v1/completions`` request without ``max_tokens`` (OpenAI's and vLLM's default;
+#: a chat's is the rest of the context, as theirs).
+COMPLETIONS_MAX_TOKENS = 16
 
 
 class RequestError(ValueError):
@@ -174,11 +177,16 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            status=404, code="model_not_found")
     created = int(time.time())
     for name, default in UNSUPPORTED.items():
-        if not _is_default(body.get(name), default):
+        v = body.get(name)
+        if name == "logit_bias" and isinstance(v, dict) and all(b == 0 and not isinstance(b, bool) for b in v.values()):
+            continue  # biases of 0 change nothing
+        if not _is_default(v, default):
             raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
                                code="unsupported_parameter")
+    # a chat's logprobs is a flag (false: none), a completion's the number of alternatives besides the
+    # chosen token (0: the chosen token's own log-probability), so there only null asks for none
     for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in (None, False, 0):
+        if body.get(name) not in ((None, False, 0) if chat else (None,)):
             raise RequestError(f"{name}: logprobs are not supported by this server", name,
                                code="unsupported_parameter")
     for name in ("presence_penalty", "frequency_penalty"):
@@ -217,9 +225,11 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
             check_text(prompt, "prompt")
         except ValueError as e:
             raise RequestError(str(e), "prompt") from None
-    max_tokens = _integer(body, "max_tokens", 1, context)  # checked even where the next one wins
-    if chat and body.get("max_completion_tokens") is not None:
+    if chat and body.get("max_completion_tokens") is not None:  # it wins over max_tokens (as in vLLM,
+        _integer(body, "max_tokens", -2 ** 63, 2 ** 63 - 1)     # which then only needs to be an integer)
         max_tokens = _integer(body, "max_completion_tokens", 1, context)
+    else:
+        max_tokens = _integer(body, "max_tokens", 1, context)
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -241,6 +251,10 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     include_usage = options.get("include_usage", False)
     if not isinstance(include_usage, bool):
         raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
+    if options.get("continuous_usage_stats") not in (None, False):  # vLLM's: usage in every chunk
+        raise RequestError("stream_options.continuous_usage_stats is not supported by this server (only the "
+                           "final usage chunk, include_usage)", "stream_options.continuous_usage_stats",
+                           code="unsupported_parameter")
     # any 64-bit seed, as OpenAI and vLLM take them; the engine's seeds are [0, 2**31): the same
     # number below 2**31 (decode.py --seed N gives the same answer), others by their remainder (so
     # seeds 2**31 apart sample alike)
