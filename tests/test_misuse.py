@@ -510,3 +510,25 @@ def test_ctrl_c_ends_a_command_with_one_line_and_status_130(capsys):
 
     assert main() == INTERRUPTED == 130
     assert capsys.readouterr().err.strip() == "interrupted (Ctrl-C)"
+
+
+def test_a_reader_that_closes_the_output_early_ends_a_command_quietly_with_status_141():
+    """``decode.py ... | head -c 10``: a real pipe whose reader goes away; no BrokenPipeError
+    traceback, neither from the command nor from the interpreter's last flush at exit."""
+    import subprocess
+    import sys
+
+    code = ("import sys, time\n"
+            "from medusa_jax.cli import interruptible\n"
+            "@interruptible\n"
+            "def main():\n"
+            "    for i in range(10 ** 6):\n"
+            "        sys.stdout.write(f'token {i} '); sys.stdout.flush()\n"
+            "        time.sleep(0.001) if i > 100 else None\n"
+            "    return 0\n"
+            "sys.exit(main())\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.read(10) == b"token 0 to"
+    p.stdout.close()
+    rc, err = p.wait(timeout=120), p.stderr.read().decode()
+    assert (rc, err) == (141, ""), err
