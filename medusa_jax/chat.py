@@ -145,7 +145,7 @@ def end_of_turn_ids(tokenizer) -> List[int]:
 
 
 def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:
-    """Records {"index", "id", "category", "prompt"} from a JSONL file: one object per line with a
+    """Records {"index", "id", "category", "prompt", "line"} from a JSONL file: one object per line with a
     "prompt" string, or MT-bench / Spec-Bench questions with "turns" (the first turn is used);
     blank lines are skipped and a UTF-8 byte-order mark is allowed. ``limit``: only the first N.
 
@@ -183,7 +183,7 @@ def load_first_turns(path: str, limit: Optional[int] = None) -> List[dict]:
             raise ValueError(f"{where}: the prompt is empty")
         check_text(text, where)
         out.append({"index": len(out), "id": rec.get("question_id", rec.get("id")),
-                    "category": rec.get("category", ""), "prompt": text})
+                    "category": rec.get("category", ""), "prompt": text, "line": n})
     if not out:
         raise ValueError(f"{path}: no prompts in the file")
     return out

@@ -156,6 +156,15 @@ def test_bench_batch_rows_equal_batch_one_and_check_samples(tmp_path, capsys):
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert summary["acceptance"] == "exact" and summary["prompts"] == 3 and summary["mean_tokens_per_step"] >= 1
     assert summary["identical_to_plain_sampling"] == 3  # exact acceptance: plain sampling's tokens, seed for seed
+    # a prompt past the context: one line naming the file's line and id, before any decoding
+    long = tmp_path / "long.jsonl"
+    long.write_text(json.dumps({"prompt": "Hi"}) + "\n\n" + json.dumps({"prompt": "word " * 9000, "id": "x7"}) + "\n")
+    for main, argv in ((check.main, []), (check.main, ["--temperature", "0.7"]),
+                       (bench.main, ["--out", str(tmp_path / "b2")])):
+        assert main(["--prompts", str(long), "--max-new-tokens", "4"] + argv) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err[-1].startswith(f"error: {long}, line 3 (id x7): the prompt, in the chat template, has "), err
+        assert "Traceback" not in "\n".join(err)
 
 
 

@@ -186,7 +186,7 @@ def test_prompt_files_are_checked_line_by_line(tmp_path):
     bom = tmp_path / "bom.jsonl"
     bom.write_bytes(b'\xef\xbb\xbf{"prompt": "hi"}\n{"question_id": 3, "turns": ["a", "b"]}\n{"prompt": "c"}\n')
     recs = load_first_turns(str(bom), limit=2)
-    assert [(r["index"], r["id"], r["prompt"]) for r in recs] == [(0, None, "hi"), (1, 3, "a")]
+    assert [(r["index"], r["id"], r["prompt"], r["line"]) for r in recs] == [(0, None, "hi", 1), (1, 3, "a", 2)]
 
 
 def test_sampling_flags_refuse_nan_and_wrap_prompt_seeds(capsys):

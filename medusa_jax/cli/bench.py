@@ -95,7 +95,7 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from medusa_jax.chat import apply_chat_template, load_first_turns
+    from medusa_jax.chat import load_first_turns
     from medusa_jax.decoding.sampling import prompt_seed
     from medusa_jax.evals.lossless import Comparison, compare
 
@@ -125,7 +125,11 @@ def main(argv=None) -> int:
             print(f"note: {line}", file=sys.stderr)
     hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None
     eos = cfg.eos_token_ids
-    prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in records]
+    try:
+        prompts = common.chat_prompts(model.tokenizer, records, args.prompts, cfg.max_position_embeddings)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     plain_acc = acc._replace(method="exact")  # a plain step has no candidates: only the temperature and top-p act
     decoders = {"plain": lambda ids, seed: time_jit_generate(cfg, params, None, None, ids, args.max_new_tokens, eos,
                                                              plain_acc, seed),

@@ -77,8 +77,6 @@ def main(argv=None) -> int:
 
     from tqdm import tqdm
 
-    from medusa_jax.chat import apply_chat_template
-
     try:  # paths, heads and tree are checked before the slow model load
         records = load_first_turns(args.prompts, args.limit)
         model, heads, tree, note, _ = common.setup_decoding(args, zero_heads=args.num_heads)
@@ -90,15 +88,19 @@ def main(argv=None) -> int:
         return 2
     if note:
         print(f"note: {note}", file=sys.stderr)
+    try:
+        prompts = common.chat_prompts(model.tokenizer, records, args.prompts, model.cfg.max_position_embeddings)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if acc.mode != "greedy":
-        return sampled(model, heads, tree, records, acc, args)
+        return sampled(model, heads, tree, records, prompts, acc, args)
     ref = model  # the plain greedy reference
     if args.reference_weights not in (None, args.weights):
         ref = common.load_backbone(args.model, args.heads, args.dtype, with_tokenizer=False, progress=False,
                                    weights=args.reference_weights)
     rows, steps, new_tokens = [], 0, 0
-    for rec in tqdm(records, desc="prompts", unit="prompt"):
-        ids = apply_chat_template(model.tokenizer, rec["prompt"])
+    for rec, ids in tqdm(list(zip(records, prompts)), desc="prompts", unit="prompt"):
         plain, _ = decode_one(ref, ids, args.max_new_tokens)
         med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree)
         c = compare(ref.cfg, ref.params, ids, plain, med, args.tie_gap)
@@ -123,20 +125,19 @@ def main(argv=None) -> int:
     return 1 if bugs else 0
 
 
-def sampled(model, heads, tree, records, acc, args) -> int:
-    """``--temperature > 0``: Medusa sampling on every prompt (prompt i with `decoding.sampling.prompt_seed`);
+def sampled(model, heads, tree, records, prompts, acc, args) -> int:
+    """``--temperature > 0``: Medusa sampling on every prompt (`prompts`: their token ids; prompt i with
+    `decoding.sampling.prompt_seed`);
     with exact acceptance also plain sampling with the same seed, which must give the same tokens.
     Prints the summary with the mean tokens per step. Returns 1 when an exact answer differs, else 0."""
     from tqdm import tqdm
 
-    from medusa_jax.chat import apply_chat_template
     from medusa_jax.decoding.sampling import prompt_seed
     from medusa_jax.evals.lossless import first_difference
 
     exact = acc.mode == "exact"
     rows, steps, new_tokens = [], 0, 0
-    for i, rec in enumerate(tqdm(records, desc="prompts", unit="prompt")):
-        ids = apply_chat_template(model.tokenizer, rec["prompt"])
+    for i, (rec, ids) in enumerate(tqdm(list(zip(records, prompts)), desc="prompts", unit="prompt")):
         seed = prompt_seed(args.seed, i)
         med, med_steps = decode_one(model, ids, args.max_new_tokens, heads, tree, acc, seed)
         steps += med_steps

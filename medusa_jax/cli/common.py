@@ -196,6 +196,26 @@ def check_out_file(p, path: str, flag: str = "--out") -> None:
         os.remove(path)
 
 
+def chat_prompts(tokenizer, records: List[dict], path: str, context: int) -> List[List[int]]:
+    """The token ids of each record's prompt (`medusa_jax.chat.load_first_turns`) in the chat
+    template, checked before any decoding: check and bench decode every prompt and would otherwise
+    fail with a traceback at the first one that leaves no room in the `context`.
+
+    Raises:
+      ValueError (PromptTooLongError): naming the file's line and the prompt's id.
+    """
+    from medusa_jax.chat import apply_chat_template
+    from medusa_jax.decoding.args import check_prompt_room
+
+    out = []
+    for r in records:
+        ids = apply_chat_template(tokenizer, r["prompt"])
+        where = f"{path}, line {r['line']}" + (f" (id {r['id']})" if r.get("id") is not None else "")
+        check_prompt_room(len(ids), context, what=f"{where}: the prompt, in the chat template,")
+        out.append(ids)
+    return out
+
+
 def int_list(p, flag: str, text: str, minimum: int = 1) -> list:
     """The integers of a comma-separated flag value (``--batch-size 1,4``, ``--sizes 2,4,8``), in the
     order given. Anything else (a non-integer, a value below `minimum`, no value at all) exits
