@@ -306,6 +306,8 @@ def test_flags_that_have_no_effect_are_noted(capsys):
     (["out_dir={tmp}/file/run"], "out_dir {tmp}/file/run: cannot create the directory"),
     (["hidden_dir={tmp}/file"], "hidden_dir {tmp}/file: exists and is not a directory"),
     (["data={tmp}/no-data"], "data {tmp}/no-data: no samples.jsonl there; make it with `medusa-distill --out"),
+    (["model={tmp}/no.gguf"], "model {tmp}/no.gguf: no such file or directory; expected a Hugging Face model"),
+    (["model={tmp}/file"], "model {tmp}/file: not a GGUF file"),
 ])
 def test_train_settings_refused_before_training(settings, message, tmp_path, capsys, monkeypatch):
     """A tree the export could not store and an out_dir that cannot hold the run are refused with one
@@ -348,7 +350,7 @@ def test_train_stop_at_step_must_be_positive(capsys):
             train.main(["--config", "configs/tiny.yaml", "--stop-at-step", value])
         assert e.value.code == 2
         assert capsys.readouterr().err.strip().splitlines()[-1] == \
-            f"python train.py: error: --stop-at-step must be >= 1 (the steps to run before stopping), got {value}"
+            f"python train.py: error: --stop-at-step must be >= 1 (the step at which to stop), got {value}"
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -346,7 +346,8 @@ def test_cli_stop_and_resume(tmp_path, capsys):
     args = ["--config", TINY, "--no-progress", "--set", "steps=12", "checkpoint_every=5", "eval_every=0",
             "synthetic_num_sequences=64", f"out_dir={tmp_path / 'cli'}"]
     assert cli.main(args + ["--stop-at-step", "7"]) == 0
-    assert "resume" in capsys.readouterr().err
+    assert "stopped at step 7/12 (--stop-at-step); run the same command without --stop-at-step to resume" in \
+        capsys.readouterr().err
     assert cli.main(args) == 0
     assert "val top-1" in capsys.readouterr().out
     assert os.path.isfile(tmp_path / "cli" / "heads" / "medusa_lm_head.safetensors")

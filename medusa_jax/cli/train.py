@@ -47,8 +47,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="continue the run in out_dir from its latest checkpoint; --no-resume deletes its "
                         "checkpoints and metrics and starts over")
     p.add_argument("--stop-at-step", type=int, default=None, metavar="N",
-                   help="stop after N >= 1 steps without a final checkpoint or export, as if killed "
-                        "(to try resumption)")
+                   help="stop at step N >= 1 of the run (counted from its start, resumed steps included) "
+                        "without a final checkpoint or export, as if killed, to try resumption: the same command "
+                        "without --stop-at-step resumes from the last checkpoint")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as JSON and exit")
     p.add_argument("--mesh", default=None, metavar="DATAxMODEL",
@@ -59,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     distributed.add_args(p)
     args = p.parse_args(argv)
     if args.stop_at_step is not None and args.stop_at_step < 1:
-        p.error(f"--stop-at-step must be >= 1 (the steps to run before stopping), got {args.stop_at_step}")
+        p.error(f"--stop-at-step must be >= 1 (the step at which to stop), got {args.stop_at_step}")
     return args
 
 
@@ -95,7 +96,7 @@ def main(argv=None) -> int:
     try:  # checked (out_dir created) now: inputs that cannot make a run fail before the model loads
         check_run_inputs(tc)
         make_out_dir(_AsConfigError, tc.out_dir, flag="out_dir")
-    except (TrainConfigError, OSError) as e:
+    except (TrainConfigError, OSError, ValueError) as e:  # ValueError: a model file that is not GGUF
         print(f"error: {e}", file=sys.stderr)
         return 2
     enable_compilation_cache()
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
             print(f"process {jax.process_index()}: trained {res.steps_done} steps; process 0 wrote the heads to "
                   f"{os.path.join(os.path.abspath(tc.out_dir), 'heads')}", file=sys.stderr)
         else:
-            print(f"stopped at step {res.steps_done}/{tc.steps}; run the same command again to resume", file=sys.stderr)
+            print(f"stopped at step {res.steps_done}/{tc.steps} (--stop-at-step); run the same command without "
+                  "--stop-at-step to resume from the last checkpoint", file=sys.stderr)
         return 0
     m = res.metrics
     done = "already trained" if res.already_finished else "trained"

@@ -60,6 +60,7 @@ import numpy as np
 from tqdm import tqdm
 
 from medusa_jax import sharding
+from medusa_jax.convert.load import ConversionError, check_model_path
 from medusa_jax.convert.medusa_format import load_heads, read_heads_config
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.hydra import from_medusa, token_embeddings
@@ -287,11 +288,18 @@ def _record(tc: TrainConfig, acc: dict, step: int, n_items: int, seconds: float,
     return rec
 
 
-def check_run_inputs(tc: TrainConfig) -> None:
-    """What `train` checks before it loads or writes anything: the data directory holds the
+def check_run_inputs(tc: TrainConfig, model: bool = True) -> None:
+    """What `train` checks before it loads or writes anything: the model is an HF directory or a GGUF
+    file (`convert.load.check_model_path`; unless ``model: random``, or `model` is False: a backbone
+    given to `train`), the data directory holds the
     self-distilled samples (unless ``data: synthetic``), and neither out_dir nor hidden_dir is a file.
-    Raises: FileNotFoundError (no samples.jsonl in ``tc.data``), FileExistsError (out_dir or
-    hidden_dir a file)."""
+    Raises: FileNotFoundError (no such model, no samples.jsonl in ``tc.data``), ConversionError (a
+    model file that is not GGUF), FileExistsError (out_dir or hidden_dir a file)."""
+    if model and tc.model != "random":
+        try:
+            check_model_path(tc.model)
+        except (FileNotFoundError, ConversionError) as e:
+            raise type(e)(f"model {e}") from None
     if tc.data != "synthetic" and not os.path.isfile(os.path.join(tc.data, SAMPLES_FILE)):
         raise FileNotFoundError(f"data {tc.data}: no {SAMPLES_FILE} there; make it with `medusa-distill --out "
                                 f"{tc.data}` (or set data: synthetic for a smoke test)")
@@ -325,7 +333,7 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
       ValueError (bad data, mismatched checkpoint or init_heads), TrainingDivergedError (a
       ValueError: the loss became NaN or infinite; nothing past the last checkpoint is written).
     """
-    check_run_inputs(tc)
+    check_run_inputs(tc, model=backbone is None)
     out_dir = os.path.abspath(tc.out_dir)
     ck_dir = os.path.join(out_dir, "checkpoints")
     if not resume:
