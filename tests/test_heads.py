@@ -166,6 +166,10 @@ def test_export_import_gives_identical_logits(tmp_path, shared, fmt):
         raw = json.load(open(os.path.join(d, "config.json")))
         assert raw["model_type"] == "medusa" and raw["num_heads"] == K and raw["num_hidden_layers"] == L
         assert raw["truncated_vocab_size"] == V
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(d):  # each file as any this process creates (safetensors alone wrote 0600)
+        assert os.stat(os.path.join(d, name)).st_mode & 0o777 == 0o666 & ~umask, name
     lcfg, lp = load_heads(d)
     assert (lcfg.num_heads, lcfg.num_layers, lcfg.hidden_size, lcfg.vocab_size) == (K, L, D, V)
     # vLLM and the official loader need lm_heads, so shared heads come back as own copies (same logits)

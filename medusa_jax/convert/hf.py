@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, Mapping, Optional, Tuple
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
+from safetensors.numpy import save_file as _save_file
 
 from medusa_jax.kernels import BlockWeight
 from medusa_jax.models.config import ModelConfig
@@ -21,6 +21,16 @@ from medusa_jax.models.config import ModelConfig
 
 class ConversionError(ValueError):
     """A checkpoint that cannot be converted: missing, unmapped or mis-shaped tensor, bad file."""
+
+
+def save_file(tensors: Dict[str, np.ndarray], path: str, metadata: Optional[Dict[str, str]] = None) -> None:
+    """`safetensors.numpy.save_file`, leaving the file readable as any file this process creates (0666
+    less the umask): safetensors writes it 0600, so another account (a vLLM service's, say) could not
+    read exported heads."""
+    _save_file(tensors, path, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def expected_hf_shapes(cfg: ModelConfig) -> Dict[str, Tuple[int, ...]]:

@@ -46,9 +46,8 @@ from typing import Any, Dict, Mapping, Optional, Tuple
 
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
-from medusa_jax.convert.hf import ConversionError
+from medusa_jax.convert.hf import ConversionError, save_file
 from medusa_jax.heads.config import HEAD_TYPES, MedusaConfig
 from medusa_jax.heads.hydra import PATH_KERNEL, PATH_RESIDUAL, check_path_params
 from medusa_jax.heads.medusa import check_heads_match, heads_params_to_numpy

@@ -31,11 +31,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from safetensors import safe_open
-from safetensors.numpy import save_file
 
 from medusa_jax.convert.gguf import gguf_config, open_gguf
 from medusa_jax.convert.hf import (ConversionError, expected_hf_shapes, hf_tensors_from_params, layer_prefix,
-                                   load_hf_config, param_path, safetensors_files, save_hf)
+                                   load_hf_config, param_path, safetensors_files, save_file, save_hf)
 from medusa_jax.convert.load import LoadedModel, check_model_path
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.llama import compute_dtype
