@@ -106,8 +106,10 @@ def test_decode_cli_prompts_file_in_input_order(tmp_path, capsys):
             {"id": "x", "prompt": "Say hello in French."}]
     f.write_text("\n".join(json.dumps(r) for r in recs) + "\n\n")
     rc = decode.main(["--prompts-file", str(f), "--batch-size", "2", "--max-new-tokens", "24", "--no-progress"])
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
-    assert rc == 1
+    out, err = capsys.readouterr()
+    lines = [json.loads(x) for x in out.strip().splitlines()]
+    assert rc == 1 and err.strip().splitlines()[-1] == \
+        "error: 1 of 4 prompts could not be answered (their lines have an 'error' field)", err
     assert [x["index"] for x in lines] == [0, 1, 2, 3] and [x["id"] for x in lines] == [7, None, None, "x"]
     assert "context" in lines[2]["error"] and "text" not in lines[2]
     for x, prompt in zip([lines[0], lines[1], lines[3]], [recs[0]["turns"][0], recs[1]["prompt"], recs[3]["prompt"]]):
@@ -240,3 +242,6 @@ def test_export_command_writes_what_the_reference_loaders_read(smollm2, tmp_path
         assert export.main(argv) == 2
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    with pytest.raises(SystemExit) as e:  # vLLM's file is safetensors: an explicit 'pt' is refused, not ignored
+        export.main(["--heads", "medusa1", "--to", "vllm", "--file-type", "pt", "--out", str(tmp_path / "v2")])
+    assert e.value.code == 2 and "--file-type goes with --to official" in capsys.readouterr().err

@@ -90,6 +90,9 @@ def parse_args(argv=None) -> argparse.Namespace:
             args.records = read_prompts_file(args.prompts_file)
         except (OSError, ValueError) as e:
             p.error(str(e))
+        if args.json:
+            print("note: --json has no effect with --prompts-file, which always prints one JSON line per prompt "
+                  "(it still hides the progress bars)", file=sys.stderr)
     return args
 
 
@@ -169,7 +172,7 @@ def main(argv=None) -> int:
         print(f"note: {heads_note}", file=sys.stderr)
     acc = args.acc
     if args.prompts_file is not None:
-        return decode_batch(args, model, heads, tree, acc, progress=not args.no_progress)
+        return decode_batch(args, model, heads, tree, acc, progress=progress)
     try:
         prompt_ids = encode_prompt(model.tokenizer, args.prompt, args)
     except ValueError as e:
@@ -286,7 +289,11 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
               file=sys.stderr)
         acceptance_note(args, model, heads, tree, tokens / max(steps, 1), steps)
     flush()
-    return 1 if len(ids) < len(recs) else 0
+    if len(ids) < len(recs):
+        print(f"error: {len(recs) - len(ids)} of {len(recs)} prompts could not be answered (their lines have an "
+              "'error' field)", file=sys.stderr)
+        return 1
+    return 0
 
 
 if __name__ == "__main__":

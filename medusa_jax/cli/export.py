@@ -42,9 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="(official) config.json's base_model_name_or_path, from which the original loader reads "
                         "the backbone: its Hugging Face id or directory (default: the name the heads record, e.g. "
                         "a .gguf file name, which that loader cannot open)")
-    p.add_argument("--file-type", choices=("pt", "safetensors"), default="pt",
-                   help="(official) the weight file: 'pt' (the only one the original loader reads; needs torch) or "
-                        "'safetensors' (what its legacy training script writes)")
+    p.add_argument("--file-type", choices=("pt", "safetensors"), default=None,
+                   help="(official) the weight file: 'pt' (the default, and the only one the original loader "
+                        "reads; needs torch) or 'safetensors' (what its legacy training script writes)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="the written tensors' dtype (float16: half the size)")
     p.add_argument("--overwrite", action="store_true",
@@ -63,8 +63,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.base_model is not None and args.to != "official":
         p.error("--base-model goes with --to official (vLLM's config names no base model)")
-    if args.file_type != "pt" and args.to != "official":
+    if args.file_type is not None and args.to != "official":
         p.error("--file-type goes with --to official (vLLM's file is model.safetensors)")
+    args.file_type = args.file_type or "pt"
     import os
 
     import numpy as np
