@@ -36,7 +36,7 @@ def test_piped_chat_keeps_the_conversation_and_reset_forgets(smollm2):
 
     # commands with text they do not take, a near-command and a line that is not UTF-8: refused, not sent
     piped = f"{TURN1}\n{TURN2}\n/reset\n/bogus\n/reset now\n/systemfoo bar\n".encode() + b"Hi \xff there\n" + \
-        f"{TURN2}\n/exit\n".encode()
+        ("word " * 9000 + f"\n{TURN2}\n/exit\n").encode()
     run = subprocess.run([sys.executable, "-m", "medusa_jax.cli.chat", "--max-new-tokens", str(N)], input=piped,
                          capture_output=True, cwd=ROOT, timeout=600, env={**os.environ, "LC_ALL": "C.UTF-8"})
     run.stdout, run.stderr = run.stdout.decode(), run.stderr.decode()
@@ -47,6 +47,9 @@ def test_piped_chat_keeps_the_conversation_and_reset_forgets(smollm2):
     assert "/reset takes no text" in run.stderr and "unknown command '/systemfoo'" in run.stderr
     assert "the message: not valid Unicode text (the byte 0xff, which is not UTF-8, at character 3); not sent" \
         in run.stderr
+    # a first message past the context alone: shorten it (/reset would not help), not sent
+    (long,) = [line for line in run.stderr.splitlines() if "tokens but the model's context" in line]
+    assert long.startswith("error: the prompt has ") and long.endswith("shorten it"), long
     stats = [line for line in run.stderr.splitlines() if "tokens/step" in line]
     assert len(stats) == 3
     reused = [int(line.split(" of ")[0].rsplit(", ", 1)[1]) for line in stats]

@@ -123,6 +123,9 @@ def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
     rc = decode.main(["--json", "--max-new-tokens", "16", "--temperature", "0.7", "--prompt", "Hi!"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["acceptance"] == "exact" and out["new_tokens"] >= 1
+    assert decode.main(["--prompt", "word " * 9000, "--max-new-tokens", "4"]) == 2  # before any decoding
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: the prompt has ") and err[-1].endswith("shorten it"), err
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
     for argv, msg in [(["--batch-size", "2"], "--batch-size goes with --prompts-file"),

@@ -122,8 +122,9 @@ def main(argv: Optional[List[str]] = None) -> int:
                                      ([{"role": "system", "content": system}] if system else []) + messages)
                 handle = engine.submit(Request(prompt, args.max_new_tokens,
                                                acc.sampling(prompt_seed(args.seed, turn))))
-            except ValueError as e:  # the conversation outgrew the context
-                print(f"error: {e}; /reset starts a new conversation", file=sys.stderr)
+            except ValueError as e:  # the conversation outgrew the context (or this message alone fills it)
+                print(f"error: {e}" + ("; /reset starts a new conversation" if len(messages) > 1 else ""),
+                      file=sys.stderr)
                 messages.pop()
                 continue
             except KeyboardInterrupt:  # before its answer began: as if not sent

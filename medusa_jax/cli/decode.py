@@ -173,8 +173,11 @@ def main(argv=None) -> int:
     acc = args.acc
     if args.prompts_file is not None:
         return decode_batch(args, model, heads, tree, acc, progress=progress)
+    from medusa_jax.decoding.args import check_prompt_room
+
     try:
         prompt_ids = encode_prompt(model.tokenizer, args.prompt, args)
+        check_prompt_room(len(prompt_ids), model.cfg.max_position_embeddings)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

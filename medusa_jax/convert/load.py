@@ -136,8 +136,8 @@ def load_tokenizer(path: str, reader=None):
         files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
         if not any(os.path.exists(os.path.join(path, f)) for f in files):
             raise ConversionError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json): copy "
-                                  "the model's tokenizer files into this directory, or load with "
-                                  "with_tokenizer=False to work with token ids") from e
+                                  "the model's tokenizer files into this directory (from Python, "
+                                  "load_model(path, with_tokenizer=False) works with token ids)") from e
         raise ConversionError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e}); expected "
                               "tokenizer.json / tokenizer_config.json in an HF directory, or tokenizer "
                               "metadata in a GGUF file") from e
