@@ -167,6 +167,25 @@ def test_speed_note_for_a_tree_predicted_slow_or_larger_than_tune_timed():
     assert speed_note(get_tree("dynamic:8", topk=10, num_heads=4), dcal) == ""  # timed, never replayed
 
 
+def test_heads_without_a_tune_report_get_a_note_unless_a_tree_is_given():
+    """Heads in the official or vLLM format have no tune report: decoding with their config's tree
+    over the whole vocabulary says so, and names the command that tunes them."""
+    from medusa_jax.decoding.tree import build_tree
+    from medusa_jax.heads.config import MedusaConfig
+    from medusa_jax.resolve import untuned_note
+
+    tree = build_tree([(0,), (1,), (0, 0)], topk=2)
+    cfg = MedusaConfig(num_heads=2, num_layers=1, hidden_size=8, vocab_size=32)
+    note = untuned_note("/x/heads", (cfg, {}), tree, None)
+    assert "no medusa-tune report" in note and f"{tree.size}-token tree" in note and "whole vocabulary" in note
+    assert "`medusa-tune --heads /x/heads --proposal-vocab 8192 --out DIR`" in note
+    assert "whole vocabulary" not in untuned_note("/x/heads", (cfg.replace(proposal_vocab_size=16), {}), tree, None)
+    for args in (("/x/heads", (cfg, {}), tree, {"device": "cpu"}),  # tuned
+                 ("/x/heads", (cfg, {}), tree, None, "chain2"),  # a tree given
+                 ("zero", (cfg, {}), tree, None), ("/x/heads", None, tree, None), ("/x/heads", (cfg, {}), None, None)):
+        assert untuned_note(*args) == "", args
+
+
 def test_prompt_files_are_checked_line_by_line(tmp_path):
     """bench, check and decode.py --prompts-file read prompts the same way: line-numbered errors,
     a byte-order mark allowed, the first turn of MT-bench records."""

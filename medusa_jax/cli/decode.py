@@ -167,7 +167,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if heads is not None and not heads_note:
-        heads_note = resolve.speed_note(tree, resolve.heads_calibration(args.heads, weights_of(model.params)))
+        calibration = resolve.heads_calibration(args.heads, weights_of(model.params))
+        heads_note = resolve.speed_note(tree, calibration) or resolve.untuned_note(args.heads, heads, tree,
+                                                                                  calibration, args.tree)
     if heads_note and not args.json:
         print(f"note: {heads_note}", file=sys.stderr)
     acc = args.acc
