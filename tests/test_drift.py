@@ -233,3 +233,18 @@ def test_quality_of_tuned_layers_in_a_heads_directory(run_dir, tmp_path):
     assert a["drift"]["kl"] > 0
     np.testing.assert_allclose(a["drift"]["kl"], b["drift"]["kl"], rtol=1e-5)
     assert [r["tuned"] for r in a["rows"]] == [r["tuned"] for r in b["rows"]]
+
+
+def test_quality_of_a_run_on_a_random_backbone_says_there_is_nothing_to_compare(run_dir, tmp_path, capsys):
+    """A smoke-test run (model: random) has no original model: one line saying so, not a note about the
+    default model followed by a shape error."""
+    from medusa_jax.cli import quality
+
+    (tmp_path / "run" / "backbone").mkdir(parents=True)
+    for f in (run_dir / "model").iterdir():
+        (tmp_path / "run" / "backbone" / f.name).write_bytes(f.read_bytes())
+    (tmp_path / "run" / "train_config.json").write_text(json.dumps({"model": "random", "data": "synthetic"}))
+    assert quality.main(["--tuned", str(tmp_path / "run" / "backbone"), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: --tuned {tmp_path / 'run' / 'backbone'}: its run trained a random backbone") \
+        and "\n" not in err, err

@@ -102,8 +102,11 @@ def run_config(tuned: str) -> tuple:
 
 def settings(args, p: argparse.ArgumentParser) -> Optional[str]:
     """Fill the flags left unset from the run's train_config.json, then the defaults; check them.
-    Returns the train_config.json used, or None."""
+    Returns the train_config.json used, or None. Raises InputError for a run on a random backbone."""
     fn, tc = run_config(args.tuned) if os.path.isdir(args.tuned) else (None, {})
+    if tc.get("model") == "random" and args.model is None:
+        raise InputError(f"--tuned {args.tuned}: its run trained a random backbone (model: random in {fn}, a smoke "
+                         "test), so there is no original model to measure it against; give --model if it has one")
     used = False
 
     def take(name, key, default, ok=lambda v: True):
