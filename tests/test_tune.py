@@ -317,6 +317,9 @@ def test_tune_command_refuses_out_inside_the_package(capsys):
     assert "--update-shipped-heads" in err and len(err.strip().splitlines()) == 1
     assert tune.main(["--out", resolve.DEFAULT_HEADS_DIR, "--no-progress"]) == 2
     assert not os.path.exists(target) and _files(resolve.DEFAULT_HEADS_DIR) == before
+    # the flags conflict whether or not --dry-run would write anything
+    assert tune.main(["--update-shipped-heads", "--out", target, "--dry-run", "--no-progress"]) == 2
+    assert "give either --out or --update-shipped-heads" in capsys.readouterr().err
 
 
 def test_tune_refuses_an_out_file_heads_of_another_model_and_a_proposal_vocab_past_the_vocabulary(tmp_path, capsys):

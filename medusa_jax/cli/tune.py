@@ -159,7 +159,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error(f"--sizes {args.sizes}: no tree of 2 tokens or more to compare with plain decoding")
     cache_sizes = sorted(set(common.int_list(p, "--cost-cache-sizes", args.cost_cache_sizes)))
     try:
-        out_dir = None if args.dry_run else output_dir(args.heads, args.out, args.update_shipped_heads)
+        out_dir = output_dir(args.heads, args.out, args.update_shipped_heads)  # its checks also for --dry-run
+        out_dir = None if args.dry_run else out_dir
     except OutputDirError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
