@@ -106,9 +106,12 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
 
 def _is_default(v: Any, default: Any) -> bool:
     """Whether a request's `v` (None: absent) asks for what `default` does: null always; an empty
-    list or object where the default is a list or object; a bool only the same bool; else equal.
+    list or object where the default is a list or object, and where it is an empty object, an object
+    of zeros too (``logit_bias: {"5": 0}`` changes nothing); a bool only the same bool; else equal.
     (An empty object is not a default elsewhere: vLLM's ``guided_json: {}`` asks for any JSON.)"""
     if v is None:
+        return True
+    if default == {} and isinstance(v, dict) and all(x == 0 and not isinstance(x, bool) for x in v.values()):
         return True
     if isinstance(default, (list, dict)):
         return v == default or (isinstance(v, (list, dict)) and not v)
@@ -142,12 +145,12 @@ def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
     v = body.get(name)
     if v is None:
         return None
-    if _whole(v) is None:
+    n = _whole(v)
+    if n is None:
         raise RequestError(f"{name} must be an integer, got {v!r}", name)
-    v = _whole(v)
-    if not low <= v <= high:
-        raise RequestError(f"{name} must be in [{low}, {high}], got {v}", name)
-    return v
+    if not low <= n <= high:
+        raise RequestError(f"{name} must be in [{low}, {high}], got {n}", name)
+    return n
 
 
 def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_size: int = 2 ** 31) -> Generation:
@@ -177,10 +180,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            status=404, code="model_not_found")
     created = int(time.time())
     for name, default in UNSUPPORTED.items():
-        v = body.get(name)
-        if name == "logit_bias" and isinstance(v, dict) and all(b == 0 and not isinstance(b, bool) for b in v.values()):
-            continue  # biases of 0 change nothing
-        if not _is_default(v, default):
+        if not _is_default(body.get(name), default):
             raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
                                code="unsupported_parameter")
     # a chat's logprobs is a flag (false: none), a completion's the number of alternatives besides the
@@ -272,12 +272,12 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            "add_special_tokens", code="unsupported_parameter")
     if top_k == 1:  # only the most likely token: greedy, whatever the temperature
         temperature = 0.0
-    stop_ids = body.get("stop_token_ids")
-    if stop_ids is not None and (not isinstance(stop_ids, list) or not all(
-            _whole(t) is not None and 0 <= _whole(t) < vocab_size for t in stop_ids)):
-        raise RequestError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {stop_ids!r}",
+    raw_stop_ids = body.get("stop_token_ids")
+    stop_ids = [_whole(t) for t in raw_stop_ids] if isinstance(raw_stop_ids, list) else None
+    if raw_stop_ids is not None and (stop_ids is None or not all(t is not None and 0 <= t < vocab_size
+                                                                 for t in stop_ids)):
+        raise RequestError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {raw_stop_ids!r}",
                            "stop_token_ids")
-    stop_ids = None if stop_ids is None else [_whole(t) for t in stop_ids]
     extras = {}
     if chat:
         kwargs = body.get("chat_template_kwargs")
