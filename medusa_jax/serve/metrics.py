@@ -1,9 +1,9 @@
 """The server's Prometheus metrics (prometheus-client), named as vLLM names them so that existing
 dashboards read them: requests running and waiting, prompt and generated tokens, prefix-cache queries
 and hits (in tokens), finished requests by reason, time to first token, inter-token latency and
-end-to-end latency histograms, and the
-speculation counters ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``,
-``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos`` (vLLM's spec-decode metrics).
+end-to-end latency histograms, and the speculation counters ``vllm:spec_decode_num_drafts``,
+``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos``
+(vLLM's spec-decode metrics).
 The counters are read from the engine's own statistics at each scrape (`EngineCollector`)."""
 from __future__ import annotations
 

@@ -291,8 +291,8 @@ def _record(tc: TrainConfig, acc: dict, step: int, n_items: int, seconds: float,
 def check_run_inputs(tc: TrainConfig, model: bool = True) -> None:
     """What `train` checks before it loads or writes anything: the model is an HF directory or a GGUF
     file (`convert.load.check_model_path`; unless ``model: random``, or `model` is False: a backbone
-    given to `train`), the data directory holds the
-    self-distilled samples (unless ``data: synthetic``), and neither out_dir nor hidden_dir is a file.
+    given to `train`), the data directory holds the self-distilled samples (unless ``data:
+    synthetic``), and neither out_dir nor hidden_dir is a file.
     Raises: FileNotFoundError (no such model, no samples.jsonl in ``tc.data``), ConversionError (a
     model file that is not GGUF), FileExistsError (out_dir or hidden_dir a file)."""
     if model and tc.model != "random":
