@@ -347,6 +347,119 @@ def test_vllm_without_bias_and_num_heads(tmp_path):
     np.testing.assert_array_equal(p["lm_head"][1], t["lm_heads.1.weight"].T)
 
 
+def _vllm_proposals(d, hidden):
+    """What vLLM's Medusa speculator proposes from an exported directory: each head's top-1 token
+    [K, ..., ] int, built as ``vllm/model_executor/models/medusa.py`` builds it (its own numpy
+    rendering here): blocks x + silu(W x + b) with b only under medusa_fc_bias; one lm_head for
+    every head under original_lm_head (``lm_head.weight``, or ``lm_heads.0.weight``); with
+    truncated_vocab_size < vocab_size the token_map's rows of each lm_head (sliced when it holds
+    more) scored, every other token at -inf."""
+    from safetensors.numpy import load_file
+
+    raw = json.load(open(os.path.join(d, "config.json")))
+    t = load_file(os.path.join(d, "model.safetensors"))
+    K, L = raw["num_heads"], raw["num_hidden_layers"]
+    tm = t["token_map"] if raw["truncated_vocab_size"] < raw["vocab_size"] else None
+    if raw.get("original_lm_head"):
+        lms = [t["lm_head.weight"] if "lm_head.weight" in t else t["lm_heads.0.weight"]] * K
+    else:
+        lms = [t[f"lm_heads.{h}.weight"] for h in range(K)]
+    if tm is not None:
+        lms = [w[tm] if w.shape[0] > len(tm) else w for w in lms]
+    out = []
+    for h in range(K):
+        x = hidden.astype(np.float32)
+        for l in range(L):
+            y = x @ t[f"blocks.{h}.layers.{l}.weight"].T
+            if raw.get("medusa_fc_bias"):
+                y = y + t[f"blocks.{h}.layers.{l}.bias"]
+            x = x + y / (1 + np.exp(-y))
+        logits = x @ lms[h].T
+        if tm is not None:
+            full = np.full(logits.shape[:-1] + (raw["vocab_size"],), -np.inf, np.float32)
+            full[..., tm] = logits
+            logits = full
+        out.append(logits.argmax(-1))
+    return np.stack(out)
+
+
+@pytest.mark.parametrize("copies", [False, True])
+@pytest.mark.parametrize("proposals", [False, True])
+@pytest.mark.parametrize("shared", [True, False])
+def test_vllm_export_proposes_what_ours_propose(tmp_path, shared, proposals, copies):
+    """export_vllm: shared heads as one lm_head with original_lm_head (a copy per head with
+    lm_head_copies), a proposal vocabulary as token_map + truncated_vocab_size with the lm_heads'
+    [N, D] rows; vLLM's reading of the file proposes each head's top-1 as our heads do, and
+    load_heads gives back heads with the same proposals (top-k too) and proposal vocabulary."""
+    from medusa_jax.heads.topk import head_topk
+
+    cfg, base, N = _cfg(shared, topk=4), _base_lm(), 24
+    p = _random_params(cfg)
+    if proposals:
+        cfg = cfg.replace(proposal_vocab_size=N)
+        p["proposal_ids"] = np.random.RandomState(5).choice(V, N, replace=False).astype(np.int32)
+    d = str(tmp_path / "v")
+    export_vllm(d, cfg, p, base, lm_head_copies=copies)
+    raw, t = json.load(open(os.path.join(d, "config.json"))), read_tensors(os.path.join(d, "model.safetensors"))
+    one = shared and not copies
+    assert raw.get("original_lm_head", False) is one
+    lm_names = sorted(k for k in t if k.startswith("lm_head"))
+    assert lm_names == (["lm_head.weight"] if one else [f"lm_heads.{h}.weight" for h in range(K)])
+    assert all(t[k].shape == ((N if proposals else V), D) for k in lm_names)
+    assert raw["truncated_vocab_size"] == (N if proposals else V) and raw["vocab_size"] == V
+    if proposals:
+        assert t["token_map"].dtype == np.int64
+        np.testing.assert_array_equal(t["token_map"], p["proposal_ids"])
+    else:
+        assert "token_map" not in t
+    h = jnp.asarray(_hidden(shape=(7,)))
+    ours = np.asarray(head_topk(cfg, p, h, base, K, 4))  # [K, 7, 4]
+    np.testing.assert_array_equal(_vllm_proposals(d, np.asarray(h)), ours[..., 0])
+    lcfg, lp = load_heads(d)
+    assert lcfg.proposal_vocab_size == (N if proposals else 0) and not lcfg.shared_lm_head
+    if proposals:
+        np.testing.assert_array_equal(lp["proposal_ids"], p["proposal_ids"])
+    np.testing.assert_array_equal(np.asarray(head_topk(lcfg, lp, h, None, K, 4)), ours)
+
+
+def test_vllm_truncated_vocabulary_read_as_vllm_reads_it(tmp_path):
+    """A vLLM file whose lm_heads hold all V rows with a token_map (vLLM slices them) reads as heads
+    proposing from the token_map; a truncated vocabulary without a usable token_map, or an lm_head
+    of another row count, is refused naming what is wrong."""
+    from safetensors.numpy import save_file
+
+    from medusa_jax.heads.topk import head_topk
+
+    cfg, N = _cfg(False, k=2, l=1, topk=4), 12
+    p = _random_params(cfg)
+    tm = np.random.RandomState(4).choice(V, N, replace=False)
+    blocks = {f"blocks.{h}.layers.0.{w}": (p["blocks_kernel"][h, 0].T if w == "weight" else p["blocks_bias"][h, 0])
+              for h in range(2) for w in ("weight", "bias")}
+    full = {f"lm_heads.{h}.weight": np.ascontiguousarray(p["lm_head"][h].T) for h in range(2)}
+    raw = {"model_type": "medusa", "num_heads": 2, "num_hidden_layers": 1, "hidden_size": D, "vocab_size": V,
+           "truncated_vocab_size": N, "medusa_fc_bias": True, "topk": 4}
+
+    def write(tensors, config=raw):
+        save_file(tensors, str(tmp_path / "model.safetensors"))
+        json.dump(config, open(tmp_path / "config.json", "w"))
+
+    write({**blocks, **full, "token_map": tm.astype(np.int64)})
+    lcfg, lp = load_heads(str(tmp_path))
+    h = jnp.asarray(_hidden(shape=(6,)))
+    np.testing.assert_array_equal(np.asarray(head_topk(lcfg, lp, h, None, 2, 4))[..., 0],
+                                  _vllm_proposals(str(tmp_path), np.asarray(h)))
+    assert lcfg.proposal_vocab_size == N and set(lp["proposal_ids"]) == set(tm)
+    for tensors, message in (({**blocks, **full}, "holds no token_map"),
+                             ({**blocks, **full, "token_map": tm[:-1]}, r"got shape \(11,\)"),
+                             ({**blocks, **full, "token_map": tm.astype(np.float32)}, "dtype float32"),
+                             ({**blocks, **full, "token_map": np.concatenate([tm[:-1], tm[:1]])}, "distinct"),
+                             ({**blocks, **{k: v[:N + 1] for k, v in full.items()}, "token_map": tm},
+                              r"lm_heads\.0\.weight has shape \(13, 16\)")):
+        write(tensors)
+        with pytest.raises(HeadsFormatError, match=message):
+            load_heads(str(tmp_path))
+
+
 # ------------------------------------------------------------------- files that disagree with themselves
 
 @pytest.mark.parametrize("prefix", ["medusa_head.", "medusa_heads."])

@@ -211,8 +211,10 @@ def test_heads_that_do_not_fit_the_model_get_a_note(smollm2, tmp_path, capsys):
 def test_export_command_writes_what_the_reference_loaders_read(smollm2, tmp_path, capsys):
     """medusa-export: the shipped Medusa-1 heads (shared lm_head, a proposal vocabulary, a tree) to
     the official .pt (per-head copies of the base lm_head, the backbone's id as base model) and to
-    vLLM's format: read back, the blocks are the heads' and every lm_head is the base's; what the
-    formats cannot hold is named; hydra heads and a non-empty --out are refused in one line."""
+    vLLM's format (one lm_head with original_lm_head, the proposal vocabulary as token_map): read
+    back, the blocks are the heads' and every lm_head is the base's (vLLM's: on the token_map's
+    tokens, which stay the proposal vocabulary); what the formats cannot hold is named; hydra heads
+    and a non-empty --out are refused in one line."""
     from medusa_jax import resolve
     from medusa_jax.cli import export
     from medusa_jax.convert.medusa_format import load_heads, read_tensors
@@ -226,12 +228,20 @@ def test_export_command_writes_what_the_reference_loaders_read(smollm2, tmp_path
         assert export.main(["--heads", "medusa1", "--to", to, "--out", str(out), "--no-progress"] + extra) == 0
         captured = capsys.readouterr()
         assert f"wrote {hcfg.num_heads} Medusa heads" in captured.out and name in captured.out
-        assert "the tree (medusa_choices)" in captured.err and "proposal vocabulary" in captured.err
+        assert "the tree (medusa_choices)" in captured.err
+        assert ("proposal vocabulary" in captured.err) is (to == "official")
         lcfg, lp = load_heads(str(out), smollm2.cfg)
         assert lcfg.num_heads == hcfg.num_heads and not lcfg.shared_lm_head
         np.testing.assert_array_equal(lp["blocks_kernel"], hp["blocks_kernel"])
+        ids = hp["proposal_ids"] if to == "vllm" else np.arange(base.shape[1])
+        assert lcfg.proposal_vocab_size == (hcfg.proposal_vocab_size if to == "vllm" else 0)
+        if to == "vllm":
+            np.testing.assert_array_equal(lp["proposal_ids"], ids)
+            assert "shared (original_lm_head)" in captured.out and "token_map" in captured.out
+            t = read_tensors(str(out / name))
+            assert "lm_head.weight" in t and t["lm_head.weight"].shape == (len(ids), base.shape[0])
         for h in range(lcfg.num_heads):
-            np.testing.assert_array_equal(lp["lm_head"][h], base)
+            np.testing.assert_array_equal(lp["lm_head"][h][:, ids], base[:, ids])
     raw = json.load(open(tmp_path / "official" / "config.json"))
     assert raw["base_model_name_or_path"] == "HuggingFaceTB/SmolLM2-135M-Instruct" and "version" not in raw
     assert f"{hcfg.num_heads - 1}.{hcfg.num_layers}.weight" in read_tensors(str(tmp_path / "official" / "medusa_lm_head.pt"))
@@ -248,3 +258,6 @@ def test_export_command_writes_what_the_reference_loaders_read(smollm2, tmp_path
     with pytest.raises(SystemExit) as e:  # vLLM's file is safetensors: an explicit 'pt' is refused, not ignored
         export.main(["--heads", "medusa1", "--to", "vllm", "--file-type", "pt", "--out", str(tmp_path / "v2")])
     assert e.value.code == 2 and "--file-type goes with --to official" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:  # the official format always holds a copy per head
+        export.main(["--heads", "medusa1", "--to", "official", "--lm-head-copies", "--out", str(tmp_path / "o2")])
+    assert e.value.code == 2 and "--lm-head-copies goes with --to vllm" in capsys.readouterr().err

@@ -4,11 +4,13 @@ FasterDecoding/Medusa format or in vLLM's, for those projects' loaders.
 ``medusa-export --heads runs/medusa1/heads --to official --out exported --base-model HuggingFaceTB/SmolLM2-135M-Instruct``
 ``medusa-export --heads runs/medusa1/heads --to vllm --out exported-vllm``
 
-Heads that share the base model's lm_head (ours, by default) are written with copies of it, as
-both loaders build a projection per head: the base model is loaded for it (``--model``). What
-the formats have no place for stays behind, with a note: the tree and tune's report, a proposal
-vocabulary (the exported heads propose from the whole vocabulary), Medusa-2's tuned backbone
-layers (``medusa-merge`` writes those into the backbone), and hydra heads altogether (refused).
+Heads that share the base model's lm_head (ours, by default) are written with it, so the base model
+is loaded (``--model``): the official format holds a copy per head (its loader builds a projection
+per head), vLLM's one copy with ``original_lm_head`` (``--lm-head-copies`` for a copy per head). A
+proposal vocabulary goes into vLLM's ``token_map``. What the formats have no place for stays
+behind, with a note: the tree and tune's report, the official format's proposal vocabulary (its
+heads propose from the whole vocabulary), Medusa-2's tuned backbone layers (``medusa-merge``
+writes those into the backbone), and hydra heads altogether (refused).
 The writing itself is `medusa_jax.convert.medusa_format.export_official` / ``export_vllm``.
 """
 from __future__ import annotations
@@ -45,6 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--file-type", choices=("pt", "safetensors"), default=None,
                    help="(official) the weight file: 'pt' (the default, and the only one the original loader "
                         "reads; needs torch) or 'safetensors' (what its legacy training script writes)")
+    p.add_argument("--lm-head-copies", action="store_true",
+                   help="(vllm) heads that share the base lm_head get a copy of it per head (lm_heads.{h}.weight), "
+                        "for vLLM releases before 0.6.5; default: one copy with original_lm_head, which later "
+                        "releases share between the heads (a quarter of the file for four heads)")
     p.add_argument("--dtype", choices=("float32", "float16"), default="float32",
                    help="the written tensors' dtype (float16: half the size)")
     p.add_argument("--overwrite", action="store_true",
@@ -65,6 +71,8 @@ def main(argv=None) -> int:
         p.error("--base-model goes with --to official (vLLM's config names no base model)")
     if args.file_type is not None and args.to != "official":
         p.error("--file-type goes with --to official (vLLM's file is model.safetensors)")
+    if args.lm_head_copies and args.to != "vllm":
+        p.error("--lm-head-copies goes with --to vllm (the official format always holds a copy per head)")
     args.file_type = args.file_type or "pt"
     import os
 
@@ -99,7 +107,7 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     base = None
-    if hcfg.shared_lm_head:  # both loaders build a projection per head: copies of the base's
+    if hcfg.shared_lm_head:  # both formats hold the base's lm_head (the official one a copy per head)
         from medusa_jax.heads.medusa import check_heads_match
         from medusa_jax.models.llama import lm_head_matrix
         try:
@@ -116,22 +124,26 @@ def main(argv=None) -> int:
             path = export_official(args.out, hcfg, hp, base, fmt=args.file_type, dtype=dtype,
                                    base_model=args.base_model)
         else:
-            path = export_vllm(args.out, hcfg, hp, base, dtype=dtype)
+            path = export_vllm(args.out, hcfg, hp, base, dtype=dtype, lm_head_copies=args.lm_head_copies)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     left = []
     if hcfg.medusa_choices:
         left.append("the tree (medusa_choices)")
-    if hcfg.proposal_vocab_size:
+    if hcfg.proposal_vocab_size and args.to == "official":
         left.append(f"the {hcfg.proposal_vocab_size}-token proposal vocabulary (the exported heads propose from "
-                    "the whole vocabulary)")
+                    "the whole vocabulary; vLLM's format keeps it as token_map)")
     if tuned_layers_path(heads) is not None:
         left.append("the tuned backbone layers (medusa-merge writes them into the backbone)")
     if left:
         print(f"note: the format has no place for {'; '.join(left)}", file=sys.stderr)
-    print(f"wrote {hcfg.num_heads} Medusa heads ({hcfg.num_layers} block layer(s) each"
-          f"{', with copies of the base lm_head' if base is not None else ''}) to {path} and "
+    one = base is not None and args.to == "vllm" and not args.lm_head_copies
+    lm = ("" if base is None else ", with the base lm_head shared (original_lm_head)" if one
+          else ", with a copy of the base lm_head each")
+    vocab = (f", proposing from the {hcfg.proposal_vocab_size}-token token_map"
+             if hcfg.proposal_vocab_size and args.to == "vllm" else "")
+    print(f"wrote {hcfg.num_heads} Medusa heads ({hcfg.num_layers} block layer(s) each{lm}{vocab}) to {path} and "
           f"{os.path.join(args.out, 'config.json')}")
     return 0
 

@@ -17,7 +17,9 @@ Formats (docs/design-notes.md, "Head file formats"):
 * vLLM (``vllm/model_executor/models/medusa.py``): ``config.json`` with ``model_type: "medusa"``,
   ``num_heads``, ``num_hidden_layers``, ``hidden_size``, ``vocab_size``, ``truncated_vocab_size``,
   ``medusa_fc_bias`` (the blocks have a bias only when true); weights ``blocks.{h}.layers.{l}.weight
-  | bias`` and ``lm_heads.{h}.weight`` (or one ``lm_head.weight`` when ``original_lm_head``).
+  | bias`` and ``lm_heads.{h}.weight`` (or one ``lm_head.weight`` when ``original_lm_head``), and
+  with ``truncated_vocab_size`` N < ``vocab_size`` a ``token_map`` [N] of the token ids the heads
+  score (their lm_heads [N, D] or [V, D]): our proposal vocabulary.
 * Ours (`save_heads`): the official safetensors format plus ``medusa_choices``, ``topk``,
   ``shared_lm_head``, optionally ``proposal_token_ids`` (the tokens the heads may propose; see
   `MedusaConfig.proposal_vocab_size`) and free extra fields (metrics, training info) in ``config.json``.
@@ -360,7 +362,8 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     vLLM files are read as vLLM builds them: block biases only with ``medusa_fc_bias: true`` (its
       default is false, and a file's biases are then unused); ``logit_scale`` (a positive factor on
       every head's logits) is accepted and not applied: it leaves each head's ranking, hence its
-      drafts, unchanged.
+      drafts, unchanged; a truncated vocabulary (``token_map``, `_vllm_untruncated`) becomes the
+      heads' proposal vocabulary, so that they propose the tokens vLLM's would.
     Raises:
       FileNotFoundError: no such path, or a directory without a known weight file.
       HeadsFormatError (a ValueError): corrupt or truncated file; a file with no tensors; unknown or
@@ -368,7 +371,8 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
         ``medusa_head.0.0.linear.weight``, or vLLM's ``lm_head.weight`` beside ``lm_heads.{h}.weight``),
         naming both; config.json's layer count != the tensors', or its head count > the tensors'
         (naming both numbers); fewer heads in the file than num_heads; an unknown head_type; hydra path
-        weights that are missing or mis-shaped, or present under a config that does not say hydra.
+        weights that are missing or mis-shaped, or present under a config that does not say hydra; a
+        vLLM truncated vocabulary without a valid token_map.
       HeadsMismatchError (a ValueError): heads that do not fit model_cfg.
       ImportError: a .pt file and no torch.
     """
@@ -396,11 +400,9 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     stripped, origin = _normalise_names(tensors, weights_fn)
     vllm = raw.get("model_type") == "medusa" or any(
         k.startswith(("blocks.", "lm_heads.")) or k == "lm_head.weight" for k in stripped)
+    token_map = None
     if vllm:
-        trunc = raw.get("truncated_vocab_size")
-        if trunc is not None and raw.get("vocab_size") is not None and int(trunc) < int(raw["vocab_size"]):
-            raise HeadsFormatError(f"{weights_fn}: vLLM heads with a truncated vocabulary (truncated_vocab_size="
-                                   f"{trunc} < vocab_size={raw['vocab_size']}, token_map) are not supported")
+        stripped, token_map = _vllm_untruncated(stripped, raw, weights_fn)
     K, L, D, V, kern, bias, lm = _assemble(stripped, raw, weights_fn, vllm, model_cfg, origin)
     if vllm:  # as vLLM's MedusaModel builds the heads from its config
         if not raw.get("medusa_fc_bias", False):
@@ -427,7 +429,8 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     choices = raw.get("medusa_choices")
     if choices is not None:
         choices = tuple(tuple(int(r) for r in p) for p in choices if len(p) <= K) or None
-    ids = _proposal_ids(raw.get("proposal_token_ids"), V, int(raw.get("topk", 10)), weights_fn)
+    ids = _proposal_ids(raw.get("proposal_token_ids"), V, int(raw.get("topk", 10)), weights_fn) \
+        if token_map is None else token_map
     if head_type == "hydra" and L < 1:
         raise HeadsFormatError(f"{weights_fn}: hydra heads need at least one block layer, the file holds none")
     cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=L, shared_lm_head=lm is None,
@@ -444,6 +447,49 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     if ids is not None:
         params["proposal_ids"] = ids
     return cfg, params
+
+
+_VLLM_LM_RE = re.compile(r"^lm_heads?(\.\d+)?\.weight$")
+
+
+def _vllm_untruncated(tensors: Mapping[str, np.ndarray], raw: dict,
+                      source: str) -> Tuple[Dict[str, np.ndarray], Optional[np.ndarray]]:
+    """vLLM's truncated vocabulary as our proposal vocabulary.
+
+    With ``truncated_vocab_size`` N < ``vocab_size`` V, vLLM's heads score only the N tokens of
+    ``token_map`` [N] (their lm_heads' rows: [N, D], or [V, D] that it slices by token_map) and set
+    every other logit to -inf. Returns (tensors with each [N, D] lm_head scattered into the token_map
+    rows of a [V, D] of zeros, token_map as int32 [N]): heads with that proposal vocabulary propose
+    exactly vLLM's tokens. Without truncation: (tensors, None) (vLLM ignores a token_map then).
+    Raises HeadsFormatError for a missing token_map, one that is not N distinct integer ids in
+    [0, V) (at least topk of them), or an lm_head with neither N nor V rows.
+    """
+    trunc, vocab = raw.get("truncated_vocab_size"), raw.get("vocab_size")
+    if trunc is None or vocab is None or int(trunc) >= int(vocab):
+        return dict(tensors), None
+    N, V, topk = int(trunc), int(vocab), int(raw.get("topk", 10))
+    tm = tensors.get("token_map")
+    if tm is None:
+        raise HeadsFormatError(f"{source}: config.json says truncated_vocab_size={N} < vocab_size={V} but the file "
+                               "holds no token_map (the ids of the N tokens the heads score), which vLLM needs too: "
+                               "add it, or set truncated_vocab_size to vocab_size")
+    tm = np.asarray(tm)
+    if tm.shape != (N,) or not np.issubdtype(tm.dtype, np.integer) or N < max(topk, 1) or tm.min() < 0 \
+            or tm.max() >= V or len(np.unique(tm)) != N:
+        raise HeadsFormatError(f"{source}: token_map must be truncated_vocab_size={N} distinct integer token ids in "
+                               f"[0, {V}), at least topk={topk} of them; got shape {tuple(tm.shape)}, dtype {tm.dtype}")
+    out = dict(tensors)
+    for name, arr in tensors.items():
+        if not _VLLM_LM_RE.match(name):
+            continue
+        if arr.ndim == 2 and arr.shape[0] == N:
+            full = np.zeros((V, arr.shape[1]), arr.dtype)
+            full[tm] = arr
+            out[name] = full
+        elif arr.ndim != 2 or arr.shape[0] != V:
+            raise HeadsFormatError(f"{source}: {name} has shape {tuple(arr.shape)}; with a token_map of {N} ids it "
+                                   f"should hold their {N} rows, or all {V}")
+    return out, tm.astype(np.int32)
 
 
 def _hydra_params(tensors: Mapping[str, np.ndarray], K: int, D: int, source: str) -> Dict[str, np.ndarray]:
@@ -676,28 +722,49 @@ def export_official(path: str, cfg: MedusaConfig, params, base_lm_head=None, fmt
                   _official_tensors(cfg, p, lm, dtype), config, fmt)
 
 
-def export_vllm(path: str, cfg: MedusaConfig, params, base_lm_head=None, dtype=np.float32) -> str:
-    """Export for vLLM's Medusa speculator (config.json + model.safetensors).
+def export_vllm(path: str, cfg: MedusaConfig, params, base_lm_head=None, dtype=np.float32,
+                lm_head_copies: bool = False) -> str:
+    """Export for vLLM's Medusa speculator (config.json + model.safetensors), as its
+    ``vllm/model_executor/models/medusa.py`` reads them.
 
-    vLLM always needs per-head lm_heads: shared heads get copies of base_lm_head [D, V] (required
-    then). Config: ``{model_type: "medusa", architectures: ["MedusaModel"], num_heads,
-    num_hidden_layers, hidden_size, vocab_size, truncated_vocab_size: vocab_size, medusa_fc_bias:
-    true, topk}``. Returns the weight file's path. Raises ValueError for hydra heads (vLLM's Medusa
-    speculator has no place for their path weights) and as `save_heads` does.
+    Args:
+      cfg, params: Medusa heads (`load_heads`, the trainer's); own lm_heads are written per head.
+      base_lm_head: [D, V] float, the base model's lm_head; required for heads that share it.
+      dtype: the floating tensors' dtype (float32 or float16).
+      lm_head_copies: heads sharing the base lm_head are written with one ``lm_head.weight`` and
+        ``original_lm_head: true`` (vLLM >= 0.6.5 shares it between the heads, a K-th of the bytes);
+        True writes a copy per head (``lm_heads.{h}.weight``) for vLLM releases before that.
+    A proposal vocabulary (``params["proposal_ids"]``, `MedusaConfig.proposal_vocab_size` N) becomes
+    vLLM's ``token_map`` [N] int64 with ``truncated_vocab_size: N``, the lm_heads' rows [N, D] those
+    tokens': vLLM's heads then propose from those N tokens, as ours do. Config: ``{model_type:
+    "medusa", architectures: ["MedusaModel"], num_heads, num_hidden_layers, hidden_size, vocab_size,
+    truncated_vocab_size, medusa_fc_bias: true, topk}`` (+ ``original_lm_head``). Returns the
+    weight file's path. Raises ValueError for hydra heads (vLLM's Medusa speculator has no place
+    for their path weights), for shared heads without base_lm_head, and as `save_heads` does.
     """
     _medusa_only(cfg, "vLLM's Medusa format (export_vllm)")
     p = heads_params_to_numpy(params)
     _check_params(cfg, p)
-    lm = _lm_heads_torch(cfg, p, base_lm_head, True, "export_vllm")
+    ids = p.get("proposal_ids") if cfg.proposal_vocab_size else None
+    one = cfg.shared_lm_head and not lm_head_copies
+    lm = _lm_heads_torch(cfg, p, base_lm_head, True, "export_vllm")  # [K, V, D]
+    lm = lm[:1] if one else lm
+    if ids is not None:
+        lm = lm[:, ids]  # [K or 1, N, D]: the rows vLLM keeps (it slices a [V, D] one by token_map itself)
     tensors = {}
     for h in range(cfg.num_heads):
         for l in range(cfg.num_layers):
             tensors[f"blocks.{h}.layers.{l}.weight"] = p["blocks_kernel"][h, l].T
             tensors[f"blocks.{h}.layers.{l}.bias"] = p["blocks_bias"][h, l]
-        tensors[f"lm_heads.{h}.weight"] = lm[h]
+    for h in range(len(lm)):
+        tensors["lm_head.weight" if one else f"lm_heads.{h}.weight"] = lm[h]
     tensors = {k: np.ascontiguousarray(v, dtype=dtype) for k, v in tensors.items()}
+    if ids is not None:
+        tensors["token_map"] = np.ascontiguousarray(ids, dtype=np.int64)
     config = {"model_type": "medusa", "architectures": ["MedusaModel"], "num_heads": cfg.num_heads,
               "num_hidden_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
-              "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.vocab_size,
+              "vocab_size": cfg.vocab_size, "truncated_vocab_size": cfg.vocab_size if ids is None else len(ids),
               "medusa_fc_bias": True, "topk": cfg.topk}
+    if one:
+        config["original_lm_head"] = True
     return _write(path, VLLM_FILES[0], tensors, config, "safetensors")
