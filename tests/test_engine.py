@@ -303,3 +303,52 @@ def test_a_stop_token_past_the_budget_ends_the_answer_by_length(tiny):
     assert len(cases) >= 20
     for want, h in cases:
         assert list(h.finished.tokens) == want and h.finished.reason == "length", (want, h.finished)
+
+
+def _reference_logprobs(cfg, params, prompt, answer):
+    """[len(answer), V] log-softmax of one plain forward over prompt + answer: the distribution each
+    answer token was chosen from."""
+    import jax.numpy as jnp
+
+    from medusa_jax.models.llama import LlamaModel
+    ids = jnp.asarray([list(prompt) + list(answer)], jnp.int32)
+    logits = LlamaModel(cfg).apply({"params": params}, ids, jnp.arange(ids.shape[1])[None])[0][0]
+    return np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1].astype(jnp.float32), axis=-1))
+
+
+@pytest.mark.parametrize("medusa", [False, True])
+def test_logprobs_are_the_models_own_whatever_the_tree(tiny, medusa):
+    """Requests with logprobs: each token's log-probability and its top alternatives are those of
+    one plain forward over the answer (greedy and sampled, Medusa steps or plain), in events just
+    before each token list and in Finished; rows in the same batch that ask for none get none, and
+    the tokens are the same as without logprobs."""
+    cfg, params, heads, prompts = tiny
+    h, tree = (heads, TREE) if medusa else (None, None)
+    engine = Engine(cfg, params, heads=h, tree=tree, max_batch=4, speculation="always" if medusa else "off")
+    reqs = [Request(prompts[0], 20, logprobs=3), Request(prompts[1], 20),
+            Request(prompts[2], 20, SamplingParams(0.8, 0.9, 7), logprobs=0)]
+    got, handles = run_staggered(engine, reqs, arrive_every=1)
+    plain, _ = run_staggered(Engine(cfg, params, max_batch=4, speculation="off"),
+                             [Request(r.prompt, r.max_new_tokens, r.sampling) for r in reqs], arrive_every=1)
+    assert got == plain
+    assert handles[1].finished.logprobs is None
+    for r, hd in zip(reqs[::2], handles[::2]):
+        fin = hd.finished
+        events = []
+        while not hd.events.empty():
+            events.append(hd.events.get())
+        kinds = [k for k, _ in events]
+        assert kinds[-1] == "done" and kinds[:-1] == ["logprobs", "tokens"] * (len(kinds[:-1]) // 2)
+        assert [e.token for k, p in events if k == "logprobs" for e in p] == fin.tokens
+        ref = _reference_logprobs(cfg, params, r.prompt, fin.tokens)
+        assert len(fin.logprobs) == len(fin.tokens)
+        for j, e in enumerate(fin.logprobs):
+            np.testing.assert_allclose(e.logprob, ref[j, e.token], atol=2e-4)
+            assert len(e.top) == r.logprobs
+            order = np.argsort(-ref[j], kind="stable")[:r.logprobs]
+            assert [t for t, _ in e.top] == order.tolist()
+            np.testing.assert_allclose([lp for _, lp in e.top], ref[j, order], atol=2e-4)
+    if medusa:
+        assert sum(handles[0].finished.step_tokens) > handles[0].finished.steps  # some steps accepted drafts
+    with pytest.raises(ValueError, match=r"logprobs must be None or an int in \[0, 20\], got 21"):
+        engine.submit(Request(prompts[0], 4, logprobs=21))

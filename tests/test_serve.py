@@ -607,6 +607,67 @@ def test_top_p_is_refused_with_one_interval_whatever_side_it_misses():
     assert check_request(dict(body, top_p=1), [MODEL], 64, True).top_p == 1.0
 
 
+def test_logprobs_are_the_models_own_streamed_or_not(client, server, smollm2):
+    """logprobs with the openai client: a greedy chat's tokens spell its answer, each token is its
+    position's most likely one, and its log-probability and top_logprobs equal one forward of the
+    backbone over the prompt and the answer (Medusa's steps change nothing beyond round-off); the
+    streamed chunks carry the same entries; a completion's legacy object (tokens, token_logprobs,
+    top_logprobs, text_offset) matches too, cut where a stop sequence ended the text."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import medusa_jax as mj
+    from medusa_jax.models.llama import LlamaModel
+
+    tok = smollm2.tokenizer
+
+    def reference(prompt_ids, answer_ids):
+        ids = jnp.asarray([list(prompt_ids) + list(answer_ids)], jnp.int32)
+        logits = LlamaModel(smollm2.cfg).apply({"params": smollm2.params}, ids, jnp.arange(ids.shape[1])[None])[0][0]
+        return np.asarray(jax.nn.log_softmax(logits[len(prompt_ids) - 1:-1].astype(jnp.float32), axis=-1))
+
+    q = QUESTIONS[2]
+    text, r = ask(client, q, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    prompt_ids = mj.apply_chat_template(tok, q)
+    ids = mj.generate(smollm2.cfg, smollm2.params, prompt_ids, max_new_tokens=48, progress=False).tokens  # plain
+    assert [c.token for c in content] == [tok.decode([t]) for t in ids] and len(ids) == r.usage.completion_tokens
+    assert "".join(c.token for c in content).replace("<|im_end|>", "") == text
+    ref = reference(prompt_ids, ids)
+    for j, c in enumerate(content):
+        assert len(c.top_logprobs) == 3 and c.top_logprobs[0].token == c.token  # greedy: the most likely
+        assert abs(c.logprob - ref[j, ids[j]]) < 2e-3 and c.bytes == list(c.token.encode())
+        best = np.argsort(-ref[j])[:3]
+        np.testing.assert_allclose([t.logprob for t in c.top_logprobs], ref[j, best], atol=2e-3)
+    streamed = [c.choices[0] for c in client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=48, temperature=0, stream=True,
+        logprobs=True, top_logprobs=3) if c.choices]
+    entries = [e for ch in streamed if ch.logprobs is not None for e in ch.logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in entries] == [(c.token, round(c.logprob, 4)) for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=48,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+    # completions: the legacy object, cut at a stop sequence
+    prompt = "The colours of the rainbow are"
+    full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2)
+    lp = full.choices[0].logprobs
+    assert "".join(lp.tokens) == full.choices[0].text and len(lp.tokens) == full.usage.completion_tokens
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    ref = reference(tok.encode(prompt), tok.encode(prompt + full.choices[0].text)[len(tok.encode(prompt)):])
+    assert all(len(d) in (2, 3) and lp.tokens[j] in d for j, d in enumerate(lp.top_logprobs))
+    assert abs(lp.token_logprobs[0] - ref[0].max()) < 2e-3
+    stop = lp.tokens[3].strip() or lp.tokens[4].strip()
+    cut = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=0, stop=[stop])
+    clp = cut.choices[0].logprobs
+    assert cut.choices[0].finish_reason == "stop" and len(clp.tokens) == cut.usage.completion_tokens
+    assert clp.token_logprobs == lp.token_logprobs[:len(clp.tokens)] and all(len(d) == 1 for d in clp.top_logprobs)
+    chunks = [c.choices[0] for c in client.completions.create(model=MODEL, prompt=prompt, max_tokens=24,
+                                                              temperature=0, logprobs=0, stop=[stop], stream=True)]
+    assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == clp.tokens
+    assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == clp.text_offset
+
+
 def test_openai_defaults_and_vllm_extensions_are_checked():
     """Fields sent at their defaults pass (clients send them); vLLM's extensions are honoured or
     refused, never ignored; any 64-bit seed maps into the engine's; integral floats are integers;
@@ -653,7 +714,7 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
                          ({"logit_bias": {"5": 1}}, "logit_bias"), ({"documents": [{"text": "x"}]}, "documents"),
                          ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
                           "stream_options.continuous_usage_stats"),
-                         ({"top_logprobs": 3}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos")):
+                         ({"top_logprobs": 3}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos")):  # (no flag)
         with pytest.raises(RequestError) as e:
             check_request(dict(body, **extra), [MODEL], 64, True)
         assert e.value.param == param, (extra, e.value.param)
@@ -661,13 +722,22 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     # max_completion_tokens wins, so max_tokens need only be an integer (vLLM's rule)
     assert check_request(dict(body, max_completion_tokens=3, max_tokens=10 ** 7), [MODEL], 64, True).max_tokens == 3
     assert check_request(dict(body, max_completion_tokens=3, max_tokens=-6), [MODEL], 64, True).max_tokens == 3
-    # logprobs: a chat's flag (false, 0: none); a completion's count of alternatives (0: the chosen token's)
-    assert check_request(dict(body, logprobs=False), [MODEL], 64, True).max_tokens is None
-    for value in (0, 1, False):
-        with pytest.raises(RequestError, match="^logprobs: logprobs are not supported") as e:
-            check_request({"prompt": "x", "logprobs": value}, [MODEL], 64, False)
-        assert e.value.code == "unsupported_parameter"
-    assert check_request({"prompt": "x", "logprobs": None}, [MODEL], 64, False).prompt == "x"
+    # logprobs: a chat's flag (false, 0: none) with top_logprobs alternatives; a completion's count of
+    # alternatives (0: the chosen token's own log-probability; null: none)
+    for extra, want in (({"logprobs": False}, None), ({"logprobs": 0}, None), ({"logprobs": True}, 0),
+                        ({"logprobs": True, "top_logprobs": 5}, 5), ({"logprobs": True, "top_logprobs": 20.0}, 20)):
+        assert check_request(dict(body, **extra), [MODEL], 64, True).logprobs == want, extra
+    for value, want in ((None, None), (0, 0), (1, 1), (20, 20)):
+        assert check_request({"prompt": "x", "logprobs": value}, [MODEL], 64, False).logprobs == want
+    for extra, chat, message in (({"logprobs": "yes"}, True, "logprobs must be a boolean"),
+                                 ({"logprobs": True, "top_logprobs": 21}, True, r"top_logprobs must be in \[0, 20\]"),
+                                 ({"logprobs": False, "top_logprobs": 2}, True, "top_logprobs needs logprobs: true"),
+                                 ({"logprobs": 21}, False, r"logprobs must be in \[0, 20\], got 21"),
+                                 ({"logprobs": True}, False, "logprobs must be an integer"),
+                                 ({"top_logprobs": 2}, False, "top_logprobs is a chat field")):
+        b = dict(body, **extra) if chat else {"prompt": "x", **extra}
+        with pytest.raises(RequestError, match=message):
+            check_request(b, [MODEL], 64, chat)
     assert check_request(dict(body, logit_bias={"5": 0, "9": 0.0}), [MODEL], 64, True).top_k == 0  # changes nothing
     for extra, param in (({"guided_json": {}}, "guided_json"),  # vLLM: any JSON, not free text
                          ({"seed": 2 ** 63}, "seed"), ({"top_k": -2}, "top_k"),

@@ -1,13 +1,17 @@
 """Argument checks shared by every generation entry point (`check_generation_args`)."""
 from __future__ import annotations
 
+import math
 import operator
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
 
 from medusa_jax.decoding.acceptance import Acceptance
+from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
+from medusa_jax.decoding.requests import Request
+from medusa_jax.decoding.sampling import SEED_LIMIT, check_top_k
 from medusa_jax.decoding.tree import TreeBuffers, check_depth
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import check_heads_match
@@ -209,3 +213,38 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
         if heads is not None:
             check_depth(tree.max_depth, heads[0].num_heads)
     return out, eos
+
+
+def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
+                    default_id: Callable[[], str]) -> Request:
+    """`request` checked for an engine whose model has `vocab_size` tokens and whose rows hold
+    `max_len` slots (`where` names that limit in the message), its prompt as ints and its id set
+    (``default_id()`` when it has none).
+
+    Raises ValueError saying what is wrong (an empty prompt, an id outside the vocabulary,
+    max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a top_k that is not an int in
+    [0, 2**31), a seed outside [0, 2**31), logprobs outside [0, `MAX_TOP_LOGPROBS`]) and
+    PromptTooLongError (a prompt that leaves no room for an answer)."""
+    p = [int(t) for t in request.prompt]
+    if not p:
+        raise ValueError("the prompt is empty: give at least one token")
+    bad = next((t for t in p if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+    check_prompt_room(len(p), max_len, where)
+    if int(request.max_new_tokens) < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    s = request.sampling
+    if not (math.isfinite(s.temperature) and s.temperature >= 0):
+        raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
+    if not 0 < s.top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
+    check_top_k(s.top_k)
+    if not 0 <= int(s.seed) < SEED_LIMIT:
+        raise ValueError(f"seed must be in [0, 2**31), got {s.seed}")
+    lp = request.logprobs
+    if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
+        raise ValueError(f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {lp!r}")
+    rid = request.request_id if request.request_id is not None else default_id()
+    return Request(prompt=p, max_new_tokens=int(request.max_new_tokens), sampling=s,
+                   stop_token_ids=request.stop_token_ids, request_id=rid, logprobs=lp)

@@ -21,12 +21,14 @@ from medusa_jax.models.kv_cache import KVCache, grow_cache, init_cache
 from medusa_jax.models.llama import compute_dtype
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
-def engine_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance, params,
-                head_params, state: DecodeState, live: jax.Array) -> Tuple[StepOutput, DecodeState]:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnames=("state",))
+def engine_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
+                logprobs: Optional[int], params, head_params, state: DecodeState,
+                live: jax.Array) -> Tuple[StepOutput, DecodeState]:
     """`medusa_step` over the batch, every row that is not `live` ([B] bool) left at length 0 (a
-    free row computes, but never grows out of its cache). The state is donated."""
-    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state)
+    free row computes, but never grows out of its cache); `logprobs` as there (None: off, N: the
+    emitted tokens' log-probabilities with N alternatives each). The state is donated."""
+    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state, logprobs)
     lengths = jnp.where(live, st.cache.lengths, 0)
     return out, constrain_state(st.replace(cache=st.cache.replace(lengths=lengths)))
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import math
 import queue
 import threading
 import time
@@ -43,14 +42,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
-from medusa_jax.decoding.args import CONTEXT, check_prompt_room
+from medusa_jax.decoding.args import CONTEXT, checked_request
 from medusa_jax.decoding.batch import empty_batch, engine_step, insert_row, regroup
 from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
-from medusa_jax.decoding.requests import FINISH_REASONS, Finished, Request, RequestHandle
-from medusa_jax.decoding.sampling import SEED_LIMIT, check_top_k
+from medusa_jax.decoding.requests import FINISH_REASONS, Finished, Request, RequestHandle, TokenLogprob
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.state import DecodeState, StepOutput
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers, tree_with_budget, with_lookup
@@ -83,6 +81,7 @@ class _Row:
         self.first_token_at: Optional[float] = None
         self.decode_s = 0.0
         self.step_tokens: List[int] = []
+        self.logprobs: Optional[List[TokenLogprob]] = None if self.request.logprobs is None else []
 
 
 def _pow2(n: int) -> int:
@@ -147,7 +146,7 @@ class Engine:
         self.progress = progress
         self.compile_s = 0.0  # seconds spent compiling and in first calls (`compile.warm_up`); left out of every timing
         self.state: Optional[DecodeState] = None
-        self._steps: dict = {}  # (tree index, rows, cache size, acceptance) -> compiled engine_step
+        self._steps: dict = {}  # (tree index, rows, cache size, acceptance, logprobs) -> compiled engine_step
         self._live_masks: dict = {}  # live rows (a tuple of bools) -> the [B] mask on the device
         self.flights: "collections.deque[_Flight]" = collections.deque()  # steps dispatched, not read back
         self._mark = (0.0, 0.0)  # (time, compile_s) of the last read-back: a step's cost runs from there
@@ -173,31 +172,11 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def check(self, request: Request) -> Request:
-        """`request` with its id set, or ValueError saying what is wrong (an empty prompt, an id
-        outside the vocabulary, max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a top_k
-        that is not an int in [0, 2**31), a seed outside [0, 2**31)) and PromptTooLongError (a prompt
-        that leaves no room for an answer)."""
-        p = [int(t) for t in request.prompt]
-        if not p:
-            raise ValueError("the prompt is empty: give at least one token")
-        bad = next((t for t in p if not 0 <= t < self.cfg.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {self.cfg.vocab_size})")
-        check_prompt_room(len(p), self.max_len, CONTEXT if self.max_len == self.cfg.max_position_embeddings
-                          else f"the engine's KV cache (max_len={self.max_len})")
-        if int(request.max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
-        s = request.sampling
-        if not (math.isfinite(s.temperature) and s.temperature >= 0):
-            raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
-        if not 0 < s.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {s.top_p}")
-        check_top_k(s.top_k)
-        if not 0 <= int(s.seed) < SEED_LIMIT:
-            raise ValueError(f"seed must be in [0, 2**31), got {s.seed}")
-        rid = request.request_id if request.request_id is not None else str(next(self._ids))
-        return Request(prompt=p, max_new_tokens=int(request.max_new_tokens), sampling=s,
-                       stop_token_ids=request.stop_token_ids, request_id=rid)
+        """`request` with its id set, or the errors of `requests.checked_request` (ValueError,
+        PromptTooLongError)."""
+        where = CONTEXT if self.max_len == self.cfg.max_position_embeddings \
+            else f"the engine's KV cache (max_len={self.max_len})"
+        return checked_request(request, self.cfg.vocab_size, self.max_len, where, lambda: str(next(self._ids)))
 
     def submit(self, request: Request, on_event: Optional[Callable[[str, object], None]] = None) -> RequestHandle:
         """Queue a request (thread-safe); it starts at the engine's next iteration.
@@ -467,10 +446,12 @@ class Engine:
         if mask not in self._live_masks:
             self._live_masks[mask] = jnp.asarray(np.asarray(mask, bool))
         args = (self.params, self.head_params, self.state, self._live_masks[mask])
-        key = (i, len(self.rows), self.S, acc)
+        asked = [self.rows[b].request.logprobs for b in live_rows if self.rows[b].request.logprobs is not None]
+        lp = max(asked) if asked else None  # rows asking for fewer alternatives keep their first ones
+        key = (i, len(self.rows), self.S, acc, lp)
         fn = self._steps.get(key)
         if fn is None:
-            fn = self._steps[key] = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc), args)
+            fn = self._steps[key] = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc, lp), args)
         if alone:  # admissions and regroups first: the step's time is its own
             jax.block_until_ready(self.state)
         if alone or not self.flights:
@@ -493,7 +474,7 @@ class Engine:
         are still the same requests); the time since the last read-back (compilation left out) is
         the step's cost for the chooser and the rows' decode time."""
         f = self.flights.popleft()
-        toks, n = jax.device_get((f.out.tokens, f.out.num_tokens))
+        toks, n, lps = jax.device_get((f.out.tokens, f.out.num_tokens, f.out.logprobs))
         now = time.perf_counter()
         wall = now - self._mark[0] - (self.compile_s - self._mark[1])
         clean, self._mark, self._clean = self._clean, (now, self.compile_s), True
@@ -509,7 +490,12 @@ class Engine:
         st["tree_choices"][f.index] += 1
         for b in rows:
             st["hist"][int(n[b]) - 1] += 1
-            self._deliver(b, [int(t) for t in toks[b, :n[b]]], self.chooser.trees[f.index], now, wall=wall)
+            k = self.rows[b].request.logprobs
+            lp = None if k is None else [
+                TokenLogprob(int(toks[b, j]), float(lps.logprob[b, j]),
+                             tuple(zip(lps.top_ids[b, j, :k].tolist(), lps.top_logprobs[b, j, :k].tolist())))
+                for j in range(int(n[b]))]
+            self._deliver(b, [int(t) for t in toks[b, :n[b]]], self.chooser.trees[f.index], now, wall=wall, lp=lp)
 
     def _compiled(self, fn, static: tuple, args: tuple):
         """`decoding.compile.aot` with its first call (`compile.warm_up`), both counted in `compile_s`."""
@@ -518,9 +504,11 @@ class Engine:
         self.compile_s += time.perf_counter() - t
         return out
 
-    def _deliver(self, b: int, chunk: List[int], tree: TreeBuffers, now: float, wall: float) -> None:
-        """Hand row b's accepted tokens to its request, cut at a stop id and the budget; retire it
-        when it is done. wall: the step's seconds so far (host work included, compilation not)."""
+    def _deliver(self, b: int, chunk: List[int], tree: TreeBuffers, now: float, wall: float,
+                 lp: Optional[List[TokenLogprob]] = None) -> None:
+        """Hand row b's accepted tokens (and their log-probabilities `lp`, when it asked for them) to
+        its request, cut at a stop id and the budget; retire it when it is done. wall: the step's
+        seconds so far (host work included, compilation not)."""
         row = self.rows[b]
         row.decode_s += wall
         st = self.stats
@@ -552,6 +540,9 @@ class Engine:
         row.tokens.extend(chunk)
         row.step_tokens.append(len(chunk))
         st["tokens"] += len(chunk)
+        if chunk and lp is not None:
+            row.logprobs.extend(lp[:len(chunk)])
+            row.handle._emit("logprobs", lp[:len(chunk)])
         if chunk:
             row.handle._emit("tokens", chunk)
         if reason is not None:
@@ -572,6 +563,7 @@ class Engine:
             reason, tokens=row.tokens, steps=row.steps, prompt_tokens=len(row.request.prompt),
             reused_tokens=row.reused, prefill_s=row.prefill_s, first_token_s=first - row.handle.submitted,
             decode_s=row.decode_s, draft_tokens=row.draft_tokens, accepted_per_depth=row.depth_hist,
+            logprobs=row.logprobs,
             step_tokens=row.step_tokens))
         self.lengths[b] = 0
 

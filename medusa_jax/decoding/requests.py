@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence
+from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
 
 SPECULATION = ("adaptive", "always", "off")
 #: Finish reasons of a request (`Finished.reason`).
@@ -30,13 +30,26 @@ class Request:
 
     prompt: token ids (chat template applied). max_new_tokens: the most tokens to emit (>= 1).
     sampling: `SamplingParams`. stop_token_ids: ids that end the answer (included in it); None: the
-    model's EOS ids. request_id: any label (default: a counter).
+    model's EOS ids. request_id: any label (default: a counter). logprobs: None (the default), or
+    N in [0, `decoding.logprobs.MAX_TOP_LOGPROBS`]: each emitted token's log-probability and the N
+    most likely tokens at its position (`TokenLogprob`), as ``("logprobs", [...])`` events just
+    before each ``("tokens", ...)`` event and in `Finished.logprobs`.
     """
     prompt: Sequence[int]
     max_new_tokens: int = 256
     sampling: SamplingParams = SamplingParams()
     stop_token_ids: Optional[Sequence[int]] = None
     request_id: Optional[str] = None
+    logprobs: Optional[int] = None
+
+
+class TokenLogprob(NamedTuple):
+    """One emitted token's log-probability under the model (natural log, before temperature, top-k
+    and top-p: `decoding.logprobs`) and the N most likely tokens at its position, as (id, logprob)
+    pairs, most likely first."""
+    token: int
+    logprob: float
+    top: Tuple[Tuple[int, float], ...] = ()
 
 
 @dataclass
@@ -47,8 +60,9 @@ class Finished:
     (the wall time of the steps it took part in, from the tree's choice to the tokens handed out,
     compilation excluded); draft_tokens: the
     candidates verified for it; accepted_per_depth: [D] int, the steps that accepted at least d+1
-    candidates (speculation stats); step_tokens: the tokens each step emitted; error: the message
-    when reason is "error"."""
+    candidates (speculation stats); step_tokens: the tokens each step emitted; logprobs: one
+    `TokenLogprob` per token when the request asked for them; error: the message when reason is
+    "error"."""
     reason: str
     tokens: List[int] = field(default_factory=list)
     steps: int = 0
@@ -60,6 +74,7 @@ class Finished:
     draft_tokens: int = 0
     accepted_per_depth: List[int] = field(default_factory=list)
     step_tokens: List[int] = field(default_factory=list)
+    logprobs: Optional[List[TokenLogprob]] = None
     error: str = ""
 
     @property
@@ -105,7 +120,8 @@ class RequestHandle:
             kind, payload = self.events.get()
             if kind == "done":
                 return
-            yield payload
+            if kind == "tokens":
+                yield payload
 
     def result(self, timeout: Optional[float] = None) -> Finished:
         """Wait for the end (the engine must be running: `Engine.start`, or `Engine.run` elsewhere).

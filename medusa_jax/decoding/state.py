@@ -2,7 +2,7 @@
 sharding constraints that keep both in their layout on a device mesh."""
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple, Optional
 
 import flax.struct
 import jax
@@ -37,9 +37,11 @@ class DecodeState:
 class StepOutput(NamedTuple):
     """tokens: [B, D+1] int32, the emitted tokens (root then accepted candidates; entries at and
     beyond ``num_tokens`` are filler; D = the tree's ``max_accepted``). num_tokens: [B] int32 in
-    [1, D+1] (tokens per step)."""
+    [1, D+1] (tokens per step). logprobs: their `decoding.logprobs.StepLogprobs` ([B, D+1] columns)
+    when the step was asked for them, else None."""
     tokens: jax.Array
     num_tokens: jax.Array
+    logprobs: Optional[Any] = None
 
 
 def constrain_cache(cache: KVCache) -> KVCache:

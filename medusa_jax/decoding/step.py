@@ -30,6 +30,7 @@ import jax.numpy as jnp
 from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
 from medusa_jax.decoding.draft import draft_tokens
 from medusa_jax.decoding.dynamic import dynamic_draft
+from medusa_jax.decoding.logprobs import emitted_logprobs
 from medusa_jax.decoding.lookup import ngram_draft, ngram_drafts
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
@@ -72,7 +73,8 @@ def step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
 
 
 def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
-                params, head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
+                params, head_params, state: DecodeState,
+                logprobs: Optional[int] = None) -> Tuple[StepOutput, DecodeState]:
     """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
 
     1. Root token: the argmax, or a sample at the row's temperature and top-p, of ``state.logits``
@@ -101,6 +103,9 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     chains (one per match, ``tree.lookup.matches``) are more branches of it, competing with the heads'
     nodes for its T slots (`decoding.dynamic.add_chain_tokens`), not a replacement for it.
 
+    With `logprobs` N (static; None: off) the output also holds the emitted tokens' log-probabilities
+    and their N most likely alternatives (`decoding.logprobs.emitted_logprobs`).
+
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
@@ -124,11 +129,11 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     compact = tree.dynamic is not None or tree.size > D + 1
     if tree.lookup is None:
         verified, tokens = heads_draft(None)
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs)
     if tree.dynamic is not None:  # the copied chains compete with the heads' nodes for the T slots
         drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m], [B]
         verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts)
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs)
     copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
@@ -143,15 +148,15 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
     per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h)
     arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), heads_rows)
-    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width)
+    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width, logprobs)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
-                 tree_tokens: jax.Array, width: int) -> Tuple[StepOutput, DecodeState]:
+                 tree_tokens: jax.Array, width: int, logprobs: Optional[int] = None) -> Tuple[StepOutput, DecodeState]:
     """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers`, or
     `TreeArrays` with a row axis: each row's own tree; root first). compact (static): whether the
     accepted path's K/V must move (False for a chain, whose accepted prefix is in place). The
-    emitted tokens are padded to `width` columns."""
+    emitted tokens (and their `logprobs`, when asked for) are padded to `width` columns."""
     B = tree_tokens.shape[0]
     tr = tree_rows(tree, B)
     D = tr.retrieve_indices.shape[2] - 1
@@ -172,10 +177,15 @@ def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params,
         acc_len = jnp.zeros((B,), jnp.int32)
         last = jnp.zeros((B,), jnp.int32)
         tokens = tree_tokens
+        path_nodes = jnp.zeros((B, 1), jnp.int32)
+    lp = None
+    if logprobs is not None:
+        pad3 = lambda a: jnp.pad(a, ((0, 0), (0, width - a.shape[1])) + ((0, 0),) * (a.ndim - 2))  # noqa: E731
+        lp = jax.tree_util.tree_map(pad3, emitted_logprobs(state.logits, logits, path_nodes, tokens, logprobs))
     tokens = jnp.pad(tokens, ((0, 0), (0, width - tokens.shape[1])))
     rows = jnp.arange(B)
     new_state = state.replace(logits=logits[rows, last], hidden=hidden[rows, last], cache=cache)
-    return StepOutput(tokens=tokens, num_tokens=acc_len + 1), new_state
+    return StepOutput(tokens=tokens, num_tokens=acc_len + 1, logprobs=lp), new_state
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))

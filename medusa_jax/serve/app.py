@@ -254,8 +254,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 loop.call_soon_threadsafe(live.pop, events, None)
 
         try:
-            handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos)),
-                                   on_event=on_event)
+            handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
+                                                 logprobs=gen.logprobs), on_event=on_event)
         except ValueError as e:
             raise RequestError(str(e), field) from None
         live[events] = handle
@@ -266,7 +266,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or ())
-        stopped, fin = False, None
+        stopped, fin, entries = False, None, []
         try:
             async for kind, payload in _events(request, events):
                 if kind == "tokens":
@@ -275,6 +275,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                         _, stopped = text.feed(payload)
                         if stopped:
                             handle.cancel("stop")
+                elif kind == "logprobs":
+                    if not stopped:
+                        entries.extend(payload)
                 else:
                     fin = payload
         finally:
@@ -292,7 +295,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             text.feed([], final=True)
         metrics.observe_end(time.perf_counter() - t0)
         reason = "stop" if stopped else protocol.finish_reason(fin.reason)
-        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin, text.used, gen.created)
+        lp = None if gen.logprobs is None else protocol.logprobs_obj(entries[:text.used], chat, token_text)
+        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin, text.used, gen.created,
+                                   logprobs=lp)
+
+    def token_text(token: int) -> str:
+        """A token's own text in a logprobs object (special tokens spelled out)."""
+        return tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _observe(t0: float, tokens: List[int], handle) -> None:
         now = time.perf_counter()
@@ -332,6 +341,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         part = functools.partial(protocol.chunk, rid, gen.model, chat, created, include_usage=gen.include_usage)
         text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or ())
         stopped, fin = False, None
+        pending, sent = [], [0, 0]  # logprobs not yet sent; tokens and characters they covered
+
+        def logprobs(entries: list) -> Optional[dict]:  # the logprobs of the tokens a chunk carries
+            if gen.logprobs is None:
+                return None
+            obj = protocol.logprobs_obj(entries, chat, token_text, sent[1])
+            sent[0] += len(entries)
+            sent[1] += sum(len(t) for t in obj.get("tokens", ()))
+            entries.clear()
+            return obj
         try:
             if chat:
                 yield sse(part(role=True, text=""))
@@ -343,8 +362,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                     delta, stopped = text.feed(payload)
                     if stopped:
                         handle.cancel("stop")
+                        del pending[max(text.used - sent[0], 0):]  # the tokens after the stop are not the answer's
                     if delta:
-                        yield sse(part(text=delta))
+                        yield sse(part(text=delta, logprobs=logprobs(pending)))
+                elif kind == "logprobs":
+                    if not stopped:
+                        pending.extend(payload)
                 else:
                     fin = payload
             if fin is None:
@@ -361,9 +384,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             if not stopped:
                 delta, _ = text.feed([], final=True)
                 if delta:
-                    yield sse(part(text=delta))
+                    yield sse(part(text=delta, logprobs=logprobs(pending)))
             reason = "stop" if stopped else protocol.finish_reason(fin.reason)
-            yield sse(part(reason=reason))
+            yield sse(part(reason=reason, logprobs=logprobs(pending) if pending else None))
             if gen.include_usage:
                 used = len(fin.tokens) if text.used is None else text.used
                 yield sse(protocol.chunk(rid, gen.model, chat, created, usage_obj=protocol.usage(len(ids), used),

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from medusa_jax.chat import check_messages, check_text
+from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
 
 #: Fields this server cannot honour, with their default values: refused with a 400 when a request
 #: sets one to anything else (rather than ignored, which would answer another question than the
@@ -81,6 +82,7 @@ class Generation:
     add_generation_prompt: bool = True            # vLLM's (chat): the template's assistant header
     continue_final_message: bool = False          # vLLM's (chat): continue the last (assistant) message
     template_kwargs: Optional[Dict[str, Any]] = None  # vLLM's chat_template_kwargs (e.g. enable_thinking)
+    logprobs: Optional[int] = None                # alternatives per token when logprobs were asked for
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -183,12 +185,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
         if not _is_default(body.get(name), default):
             raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
                                code="unsupported_parameter")
-    # a chat's logprobs is a flag (false: none), a completion's the number of alternatives besides the
-    # chosen token (0: the chosen token's own log-probability), so there only null asks for none
-    for name in ("logprobs", "top_logprobs"):
-        if body.get(name) not in ((None, False, 0) if chat else (None,)):
-            raise RequestError(f"{name}: logprobs are not supported by this server", name,
-                               code="unsupported_parameter")
+    logprobs = _logprobs(body, chat)
     for name in ("presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -304,7 +301,27 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       stop=stop, stream=stream, include_usage=include_usage, model=model or models[0],
                       created=created, stop_token_ids=stop_ids or None,
                       ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
-                      include_stop=_flag(body, "include_stop_str_in_output", False), **extras)
+                      include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
+                      **extras)
+
+
+def _logprobs(body: dict, chat: bool) -> Optional[int]:
+    """The alternatives per token a request asks for with its log-probabilities, or None for none.
+    A chat's ``logprobs`` is a flag (0 and false: none) and ``top_logprobs`` the alternatives (which
+    need the flag, as OpenAI says); a completion's ``logprobs`` is the number of alternatives (0: the
+    chosen token's own log-probability; null: none). At most `MAX_TOP_LOGPROBS`, vLLM's default."""
+    if not chat:
+        if body.get("top_logprobs") is not None:
+            raise RequestError("top_logprobs is a chat field; a completion's logprobs gives the number of "
+                               "alternatives", "top_logprobs")
+        return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
+    flag = body.get("logprobs")
+    if flag not in (None, True, False, 0):
+        raise RequestError(f"logprobs must be a boolean, got {flag!r}", "logprobs")
+    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
+    if top is not None and flag is not True:
+        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+    return (top or 0) if flag is True else None
 
 
 def finish_reason(engine_reason: str) -> str:
@@ -327,12 +344,40 @@ def speculation(fin) -> dict:
             "accepted_tokens": max(len(fin.tokens) - fin.steps, 0), "prompt_tokens_reused": fin.reused_tokens}
 
 
+#: The log-probability reported for one too small for a float (JSON has no -Infinity; vLLM's value).
+LOGPROB_FLOOR = -9999.0
+
+
+def logprobs_obj(entries: List[Any], chat: bool, token_text, offset: int = 0) -> dict:
+    """OpenAI's ``logprobs`` object of some answer tokens (`decoding.requests.TokenLogprob`s).
+
+    Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
+    "bytes"}]}], "refusal": null}``; completion (legacy): ``{"tokens", "token_logprobs",
+    "top_logprobs": [{token: logprob}] (the alternatives and the chosen token, as vLLM),
+    "text_offset"}`` with offsets counted from `offset` characters. `token_text`: id -> its text."""
+    lp = lambda x: max(float(x), LOGPROB_FLOOR)  # noqa: E731
+    if chat:
+        item = lambda t, x: {"token": token_text(t), "logprob": lp(x),  # noqa: E731
+                             "bytes": list(token_text(t).encode("utf-8"))}
+        return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, x) for t, x in e.top])
+                            for e in entries], "refusal": None}
+    texts = [token_text(e.token) for e in entries]
+    offsets = []
+    for t in texts:
+        offsets.append(offset)
+        offset += len(t)
+    return {"tokens": texts, "token_logprobs": [lp(e.logprob) for e in entries],
+            "top_logprobs": [dict([(token_text(t), lp(x)) for t, x in e.top] + [(token_text(e.token), lp(e.logprob))])
+                             for e in entries], "text_offset": offsets}
+
+
 def completion(rid: str, model: str, chat: bool, text: str, reason: str, prompt_tokens: int, fin,
-               completion_tokens: Optional[int] = None, created: Optional[int] = None) -> dict:
+               completion_tokens: Optional[int] = None, created: Optional[int] = None,
+               logprobs: Optional[dict] = None) -> dict:
     """The non-streaming response object; `completion_tokens` (default: all of ``fin.tokens``) is the
     answer's token count when a stop sequence ended it; `created`: when the request came (default:
-    now)."""
-    choice: Dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": None}
+    now); `logprobs`: the choice's `logprobs_obj` when the request asked for it."""
+    choice: Dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
     else:
@@ -346,7 +391,7 @@ def completion(rid: str, model: str, chat: bool, text: str, reason: str, prompt_
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = None, reason: Optional[str] = None,
           role: bool = False, usage_obj: Optional[dict] = None, spec: Optional[dict] = None,
-          include_usage: bool = False) -> dict:
+          include_usage: bool = False, logprobs: Optional[dict] = None) -> dict:
     """One streamed chunk: a text delta, the first (the role) or the last (finish_reason); with
     `usage_obj`, the usage chunk (no choices); with `include_usage`, the others carry ``"usage":
     null`` (as OpenAI's do when the stream's usage was asked for)."""
@@ -363,9 +408,9 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = 
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        out["choices"] = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}]
+        out["choices"] = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
     else:
-        out["choices"] = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": None}]
+        out["choices"] = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}]
     if include_usage:
         out["usage"] = None
     return out
