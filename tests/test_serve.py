@@ -192,7 +192,8 @@ BAD = [
     ("negative max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": -1}, 400),
     ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400),
     ("max_tokens a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400),
-    ("n > 1", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 3}, 400),
+    ("n > 128", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 129}, 400),
+    ("n = 0", {"model": MODEL, "prompt": "x", "n": 0}, 400),
     ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
     ("prompt beyond the context", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
     ("temperature a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "temperature": "hot"}, 400),
@@ -666,6 +667,39 @@ def test_logprobs_are_the_models_own_streamed_or_not(client, server, smollm2):
                                                               temperature=0, logprobs=0, stop=[stop], stream=True)]
     assert [t for c in chunks if c.logprobs for t in c.logprobs.tokens] == clp.tokens
     assert [o for c in chunks if c.logprobs for o in c.logprobs.text_offset] == clp.text_offset
+
+
+def test_n_choices_are_the_answers_of_their_seeds_streamed_or_not(client):
+    """n > 1: greedy choices are all the greedy answer; sampled choice i is the answer of a request
+    with seed + i alone; usage counts the prompt once and every choice's tokens; a stream's chunks,
+    gathered by index, give the same choices, each with its finish_reason; logprobs come per choice."""
+    msgs = [{"role": "user", "content": QUESTIONS[6]}]
+    one = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0)
+    many = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=24, temperature=0, n=3)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    assert [c.message.content for c in many.choices] == [one.choices[0].message.content] * 3
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
+    kw = dict(model=MODEL, messages=msgs, max_tokens=24, temperature=1.0, top_p=0.95)
+    alone = [client.chat.completions.create(seed=40 + i, **kw).choices[0].message.content for i in range(3)]
+    assert len(set(alone)) > 1  # the seeds sample different answers
+    sampled = client.chat.completions.create(seed=40, n=3, logprobs=True, **kw)
+    assert [c.message.content for c in sampled.choices] == alone
+    assert all(c.logprobs is not None and len(c.logprobs.content) > 0 for c in sampled.choices)
+    texts, reasons = ["", "", ""], [None, None, None]
+    for chunk in client.chat.completions.create(seed=40, n=3, stream=True, stream_options={"include_usage": True},
+                                                **kw):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+            reasons[c.index] = c.finish_reason or reasons[c.index]
+        if chunk.usage is not None:
+            assert chunk.usage.completion_tokens == sampled.usage.completion_tokens
+    assert texts == alone and all(r in ("stop", "length") for r in reasons)
+    comp = client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.8,
+                                     seed=7, n=2, stop=["."])
+    solo = [client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.8,
+                                      seed=7 + i, stop=["."]).choices[0] for i in range(2)]
+    assert [(c.text, c.finish_reason) for c in comp.choices] == [(c.text, c.finish_reason) for c in solo]
 
 
 def test_openai_defaults_and_vllm_extensions_are_checked():

@@ -172,7 +172,7 @@ class Engine:
     # ------------------------------------------------------------------ requests
 
     def check(self, request: Request) -> Request:
-        """`request` with its id set, or the errors of `requests.checked_request` (ValueError,
+        """`request` with its id set, or the errors of `args.checked_request` (ValueError,
         PromptTooLongError)."""
         where = CONTEXT if self.max_len == self.cfg.max_position_embeddings \
             else f"the engine's KV cache (max_len={self.max_len})"

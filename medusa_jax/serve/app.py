@@ -91,6 +91,24 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
+class _Choice:
+    """One of a request's ``n`` choices while it runs: its engine handle, its text, whether a stop
+    sequence ended it, its end, and the log-probabilities not yet sent (and what was sent)."""
+
+    def __init__(self, handle, text: TextStream):
+        self.handle, self.text = handle, text
+        self.stopped, self.fin = False, None
+        self.pending: list = []
+        self.sent_tokens = self.sent_chars = 0
+
+    def reason(self) -> str:
+        return "stop" if self.stopped else protocol.finish_reason(self.fin.reason)
+
+    def used(self) -> int:
+        """The answer's tokens (up to a stop sequence's)."""
+        return len(self.fin.tokens) if self.text.used is None else self.text.used
+
+
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
                max_tokens_default: Optional[int] = None, max_request_bytes: int = MAX_REQUEST_BYTES,
                allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
@@ -115,7 +133,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     # by several threads at once)
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
 
-    # each running request's event queue and engine handle: at the end of the shutdown grace the
+    # each running request's event queue and engine handles (one per choice): at the end of the shutdown grace the
     # requests are answered from here, without waiting for the engine, which cannot be interrupted
     # while it compiles a new shape
     live: dict = {}
@@ -126,9 +144,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         the shutdown grace runs out. Call it on the event loop's thread."""
         state["shutting_down"] = True
         if cancel:
-            for events, handle in list(live.items()):
-                if not handle.cancelled.is_set():  # one a stop sequence ended waits for its own end
-                    events.put_nowait(("done", Finished("cancelled", prompt_tokens=len(handle.request.prompt))))
+            for events, handles in list(live.items()):
+                for i, handle in enumerate(handles):
+                    if handle.finished is None and not handle.cancelled.is_set():  # a stopped one ends by itself
+                        events.put_nowait((i, "done", Finished("cancelled", prompt_tokens=len(handle.request.prompt))))
             engine.cancel_all()
 
     @contextlib.asynccontextmanager
@@ -245,59 +264,71 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             return error(429, f"{engine.queued} requests are waiting for a row; try again shortly",
                          "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
-        events: "asyncio.Queue" = asyncio.Queue()
-        sampling = SamplingParams(gen.temperature, gen.top_p, gen.seed, gen.top_k)
+        events: "asyncio.Queue" = asyncio.Queue()  # (choice index, kind, payload) of all the choices
+        remaining = [gen.n]
 
-        def on_event(kind: str, payload) -> None:  # on the engine's thread
-            loop.call_soon_threadsafe(events.put_nowait, (kind, payload))
-            if kind == "done":  # its end is in its queue: nothing left for a shutdown to answer
-                loop.call_soon_threadsafe(live.pop, events, None)
+        def on_event(i: int, kind: str, payload) -> None:  # on the engine's thread
+            loop.call_soon_threadsafe(events.put_nowait, (i, kind, payload))
+            if kind == "done":  # the last choice's end is in the queue: nothing left for a shutdown to answer
+                remaining[0] -= 1
+                if not remaining[0]:
+                    loop.call_soon_threadsafe(live.pop, events, None)
 
+        choices = []
         try:
-            handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
-                                                 logprobs=gen.logprobs), on_event=on_event)
+            for i in range(gen.n):  # choice i samples with seed + i (greedy choices are all alike)
+                sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + i) % 2 ** 31, gen.top_k)
+                handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
+                                                     logprobs=gen.logprobs), on_event=functools.partial(on_event, i))
+                choices.append(_Choice(handle, TextStream(tokenizer, gen.stop, gen.include_stop,
+                                                          gen.stop_token_ids or ())))
         except ValueError as e:
+            for c in choices:
+                c.handle.cancel()
             raise RequestError(str(e), field) from None
-        live[events] = handle
+        live[events] = [c.handle for c in choices]
         rid = protocol.new_id(chat)
         t0 = time.perf_counter()
         if gen.stream:
-            return StreamingResponse(stream(request, handle, events, gen, ids, rid, chat, t0),
+            return StreamingResponse(stream(request, choices, events, gen, ids, rid, chat, t0),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-        text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or ())
-        stopped, fin, entries = False, None, []
         try:
-            async for kind, payload in _events(request, events):
+            async for i, kind, payload in _events(request, events, gen.n):
+                c = choices[i]
                 if kind == "tokens":
-                    _observe(t0, payload, handle)
-                    if not stopped:
-                        _, stopped = text.feed(payload)
-                        if stopped:
-                            handle.cancel("stop")
+                    _observe(t0, payload, c.handle)
+                    if not c.stopped:
+                        _, c.stopped = c.text.feed(payload)
+                        if c.stopped:
+                            c.handle.cancel("stop")
                 elif kind == "logprobs":
-                    if not stopped:
-                        entries.extend(payload)
+                    if not c.stopped:
+                        c.pending.extend(payload)
                 else:
-                    fin = payload
+                    c.fin = payload
         finally:
             live.pop(events, None)
-            if fin is None:
-                handle.cancel()
-        if fin is None:  # the client went away
+            for c in choices:
+                if c.fin is None:
+                    c.handle.cancel()
+        if any(c.fin is None for c in choices):  # the client went away
             return Response(status_code=499)
-        if fin.reason == "error":
-            return error(500, f"the request failed: {fin.error}", "server_error")
-        if fin.reason == "cancelled" and not stopped:  # ended by the server (shutdown)
+        failed = next((c.fin for c in choices if c.fin.reason == "error"), None)
+        if failed is not None:
+            return error(500, f"the request failed: {failed.error}", "server_error")
+        if any(c.fin.reason == "cancelled" and not c.stopped for c in choices):  # ended by the server (shutdown)
             return error(503, "the server is shutting down; the answer was cut", "server_error",
                          code="server_shutdown")
-        if not stopped:
-            text.feed([], final=True)
+        out = []
+        for i, c in enumerate(choices):
+            if not c.stopped:
+                c.text.feed([], final=True)
+            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending[:c.text.used], chat, token_text)
+            out.append(protocol.choice(i, chat, c.text.text, c.reason(), lp))
         metrics.observe_end(time.perf_counter() - t0)
-        reason = "stop" if stopped else protocol.finish_reason(fin.reason)
-        lp = None if gen.logprobs is None else protocol.logprobs_obj(entries[:text.used], chat, token_text)
-        return protocol.completion(rid, gen.model, chat, text.text, reason, len(ids), fin, text.used, gen.created,
-                                   logprobs=lp)
+        return protocol.completion(rid, gen.model, chat, out, protocol.usage(len(ids), sum(c.used() for c in choices)),
+                                   [c.fin for c in choices], gen.created)
 
     def token_text(token: int) -> str:
         """A token's own text in a logprobs object (special tokens spelled out)."""
@@ -313,90 +344,90 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             metrics.observe_tokens(now - last, len(tokens))
         handle._last_token_at = now
 
-    async def _events(request: Request, events: "asyncio.Queue") -> AsyncIterator[tuple]:
-        """The engine's events of one request until ("done", Finished); stops early (the caller
-        cancels) when the client disconnects, which is checked at least once a second whether
-        or not tokens are flowing (a non-streaming request's client is heard from no other way)."""
+    async def _events(request: Request, events: "asyncio.Queue", n: int) -> AsyncIterator[tuple]:
+        """The engine's events (choice, kind, payload) of one request's `n` choices until each has
+        sent ("done", Finished); stops early (the caller cancels) when the client disconnects, which
+        is checked at least once a second whether or not tokens are flowing (a non-streaming
+        request's client is heard from no other way)."""
         loop = asyncio.get_running_loop()
         checked = loop.time()
-        while True:
+        while n:
             try:
-                kind, payload = await asyncio.wait_for(events.get(), timeout=1.0)
+                item = await asyncio.wait_for(events.get(), timeout=1.0)
             except asyncio.TimeoutError:
-                kind = None
-            if kind != "done" and loop.time() - checked >= 1.0:
+                item = None
+            if (item is None or item[1] != "done") and loop.time() - checked >= 1.0:
                 checked = loop.time()
                 if await request.is_disconnected():
                     return
-            if kind is None:
+            if item is None:
                 continue
-            yield kind, payload
-            if kind == "done":
-                return
+            yield item
+            n -= item[1] == "done"
 
-    async def stream(request: Request, handle, events: "asyncio.Queue", gen: protocol.Generation, ids: List[int],
-                     rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
+    async def stream(request: Request, choices: list, events: "asyncio.Queue", gen: protocol.Generation,
+                     ids: List[int], rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
         created = gen.created
         sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
         part = functools.partial(protocol.chunk, rid, gen.model, chat, created, include_usage=gen.include_usage)
-        text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or ())
-        stopped, fin = False, None
-        pending, sent = [], [0, 0]  # logprobs not yet sent; tokens and characters they covered
 
-        def logprobs(entries: list) -> Optional[dict]:  # the logprobs of the tokens a chunk carries
+        def logprobs(c: "_Choice") -> Optional[dict]:  # the logprobs of the tokens a chunk of choice c carries
             if gen.logprobs is None:
                 return None
-            obj = protocol.logprobs_obj(entries, chat, token_text, sent[1])
-            sent[0] += len(entries)
-            sent[1] += sum(len(t) for t in obj.get("tokens", ()))
-            entries.clear()
+            obj = protocol.logprobs_obj(c.pending, chat, token_text, c.sent_chars)
+            c.sent_tokens += len(c.pending)
+            c.sent_chars += sum(len(t) for t in obj.get("tokens", ()))
+            c.pending.clear()
             return obj
         try:
             if chat:
-                yield sse(part(role=True, text=""))
-            async for kind, payload in _events(request, events):
+                for i in range(len(choices)):
+                    yield sse(part(role=True, text="", index=i))
+            async for i, kind, payload in _events(request, events, len(choices)):
+                c = choices[i]
                 if kind == "tokens":
-                    _observe(t0, payload, handle)
-                    if stopped:
+                    _observe(t0, payload, c.handle)
+                    if c.stopped:
                         continue
-                    delta, stopped = text.feed(payload)
-                    if stopped:
-                        handle.cancel("stop")
-                        del pending[max(text.used - sent[0], 0):]  # the tokens after the stop are not the answer's
+                    delta, c.stopped = c.text.feed(payload)
+                    if c.stopped:
+                        c.handle.cancel("stop")
+                        del c.pending[max(c.text.used - c.sent_tokens, 0):]  # tokens after the stop are not the answer's
                     if delta:
-                        yield sse(part(text=delta, logprobs=logprobs(pending)))
-                elif kind == "logprobs":
-                    if not stopped:
-                        pending.extend(payload)
-                else:
-                    fin = payload
-            if fin is None:
+                        yield sse(part(text=delta, logprobs=logprobs(c), index=i))
+                    continue
+                if kind == "logprobs":
+                    if not c.stopped:
+                        c.pending.extend(payload)
+                    continue
+                c.fin = payload
+                if c.fin.reason == "error":
+                    yield sse(protocol.error_body(f"the request failed: {c.fin.error}", "server_error"))
+                    yield "data: [DONE]\n\n"
+                    return
+                if c.fin.reason == "cancelled" and not c.stopped:  # ended by the server (shutdown)
+                    yield sse(protocol.error_body("the server is shutting down; the answer was cut", "server_error",
+                                                  code="server_shutdown"))
+                    yield "data: [DONE]\n\n"
+                    return
+                if not c.stopped:
+                    delta, _ = c.text.feed([], final=True)
+                    if delta:
+                        yield sse(part(text=delta, logprobs=logprobs(c), index=i))
+                yield sse(part(reason=c.reason(), logprobs=logprobs(c) if c.pending else None, index=i))
+            if any(c.fin is None for c in choices):
                 return
-            if fin.reason == "error":
-                yield sse(protocol.error_body(f"the request failed: {fin.error}", "server_error"))
-                yield "data: [DONE]\n\n"
-                return
-            if fin.reason == "cancelled" and not stopped:  # ended by the server (shutdown)
-                yield sse(protocol.error_body("the server is shutting down; the answer was cut", "server_error",
-                                              code="server_shutdown"))
-                yield "data: [DONE]\n\n"
-                return
-            if not stopped:
-                delta, _ = text.feed([], final=True)
-                if delta:
-                    yield sse(part(text=delta, logprobs=logprobs(pending)))
-            reason = "stop" if stopped else protocol.finish_reason(fin.reason)
-            yield sse(part(reason=reason, logprobs=logprobs(pending) if pending else None))
             if gen.include_usage:
-                used = len(fin.tokens) if text.used is None else text.used
-                yield sse(protocol.chunk(rid, gen.model, chat, created, usage_obj=protocol.usage(len(ids), used),
-                                         spec=protocol.speculation(fin)))
+                yield sse(protocol.chunk(rid, gen.model, chat, created,
+                                         usage_obj=protocol.usage(len(ids), sum(c.used() for c in choices)),
+                                         spec=protocol.speculation([c.fin for c in choices])))
             metrics.observe_end(time.perf_counter() - t0)
             yield "data: [DONE]\n\n"
         finally:
             live.pop(events, None)
-            if fin is None:  # the client disconnected (or the server is cancelling this task)
-                handle.cancel()
+            for c in choices:
+                if c.fin is None:  # the client disconnected (or the server is cancelling this task)
+                    c.handle.cancel()
 
     return app
 

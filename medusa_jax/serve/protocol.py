@@ -38,6 +38,8 @@ TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_temp
                                 "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
 #: The most stop sequences a request may give (OpenAI's limit).
 MAX_STOP = 4
+#: The most choices (``n``) a request may ask for (OpenAI's limit); each takes an engine row.
+MAX_CHOICES = 128
 #: The budget of a ``/v1/completions`` request without ``max_tokens`` (OpenAI's and vLLM's default;
 #: a chat's is the rest of the context, as theirs).
 COMPLETIONS_MAX_TOKENS = 16
@@ -83,6 +85,7 @@ class Generation:
     continue_final_message: bool = False          # vLLM's (chat): continue the last (assistant) message
     template_kwargs: Optional[Dict[str, Any]] = None  # vLLM's chat_template_kwargs (e.g. enable_thinking)
     logprobs: Optional[int] = None                # alternatives per token when logprobs were asked for
+    n: int = 1                                    # choices (choice i samples with seed + i)
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -170,7 +173,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
       vocab_size: token ids in ``stop_token_ids`` must be below it.
     Raises:
       RequestError: a body that is not an object, an unknown model (404), a missing or malformed
-        field, ``n`` > 1, a field this server does not support; the message names the field.
+        field, ``n`` outside [1, 128], a field this server does not support; the message names the field.
     """
     if not isinstance(body, dict):
         raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
@@ -197,9 +200,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError("response_format: only {'type': 'text'} is supported", "response_format",
                            code="unsupported_parameter")
-    n = _integer(body, "n", 1, 128)
-    if n not in (None, 1):
-        raise RequestError(f"n must be 1 (one choice per request), got {n}", "n", code="unsupported_parameter")
+    n = _integer(body, "n", 1, MAX_CHOICES) or 1
     messages = prompt = None
     if chat:
         if "messages" not in body:
@@ -302,7 +303,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       created=created, stop_token_ids=stop_ids or None,
                       ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
-                      **extras)
+                      n=n, **extras)
 
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:
@@ -338,10 +339,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
             "total_tokens": prompt_tokens + completion_tokens}
 
 
-def speculation(fin) -> dict:
-    """The server's ``speculation`` object of a finished request (`decoding.engine.Finished`)."""
-    return {"steps": fin.steps, "tokens_per_step": round(fin.tokens_per_step, 4), "draft_tokens": fin.draft_tokens,
-            "accepted_tokens": max(len(fin.tokens) - fin.steps, 0), "prompt_tokens_reused": fin.reused_tokens}
+def speculation(fins: List[Any]) -> dict:
+    """The server's ``speculation`` object of a finished request: its choices' `decoding.engine.Finished`
+    summed (tokens per step over all their steps)."""
+    steps, tokens = sum(f.steps for f in fins), sum(len(f.tokens) for f in fins)
+    return {"steps": steps, "tokens_per_step": round(tokens / max(steps, 1), 4),
+            "draft_tokens": sum(f.draft_tokens for f in fins),
+            "accepted_tokens": sum(max(len(f.tokens) - f.steps, 0) for f in fins),
+            "prompt_tokens_reused": sum(f.reused_tokens for f in fins)}
 
 
 #: The log-probability reported for one too small for a float (JSON has no -Infinity; vLLM's value).
@@ -371,27 +376,30 @@ def logprobs_obj(entries: List[Any], chat: bool, token_text, offset: int = 0) ->
                              for e in entries], "text_offset": offsets}
 
 
-def completion(rid: str, model: str, chat: bool, text: str, reason: str, prompt_tokens: int, fin,
-               completion_tokens: Optional[int] = None, created: Optional[int] = None,
-               logprobs: Optional[dict] = None) -> dict:
-    """The non-streaming response object; `completion_tokens` (default: all of ``fin.tokens``) is the
-    answer's token count when a stop sequence ended it; `created`: when the request came (default:
-    now); `logprobs`: the choice's `logprobs_obj` when the request asked for it."""
-    choice: Dict[str, Any] = {"index": 0, "finish_reason": reason, "logprobs": logprobs}
+def choice(index: int, chat: bool, text: str, reason: str, logprobs: Optional[dict] = None) -> dict:
+    """One choice of a non-streaming response: its text (a chat's assistant message), finish_reason
+    and `logprobs_obj` (None when the request asked for none)."""
+    out: Dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
     if chat:
-        choice["message"] = {"role": "assistant", "content": text}
+        out["message"] = {"role": "assistant", "content": text}
     else:
-        choice["text"] = text
+        out["text"] = text
+    return out
+
+
+def completion(rid: str, model: str, chat: bool, choices: List[dict], usage_obj: dict, fins: List[Any],
+               created: Optional[int] = None) -> dict:
+    """The non-streaming response object: `choices` (`choice`), `usage_obj` (`usage`: the prompt once,
+    the choices' answer tokens summed), the ``speculation`` of the choices' `fins`; `created`: when
+    the request came (default: now)."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()) if created is None else created, "model": model,
-            "system_fingerprint": None, "choices": [choice],
-            "usage": usage(prompt_tokens, len(fin.tokens) if completion_tokens is None else completion_tokens),
-            "speculation": speculation(fin)}
+            "system_fingerprint": None, "choices": choices, "usage": usage_obj, "speculation": speculation(fins)}
 
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = None, reason: Optional[str] = None,
           role: bool = False, usage_obj: Optional[dict] = None, spec: Optional[dict] = None,
-          include_usage: bool = False, logprobs: Optional[dict] = None) -> dict:
+          include_usage: bool = False, logprobs: Optional[dict] = None, index: int = 0) -> dict:
     """One streamed chunk: a text delta, the first (the role) or the last (finish_reason); with
     `usage_obj`, the usage chunk (no choices); with `include_usage`, the others carry ``"usage":
     null`` (as OpenAI's do when the stream's usage was asked for)."""
@@ -408,9 +416,9 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = 
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
-        out["choices"] = [{"index": 0, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
+        out["choices"] = [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
     else:
-        out["choices"] = [{"index": 0, "text": text or "", "finish_reason": reason, "logprobs": logprobs}]
+        out["choices"] = [{"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}]
     if include_usage:
         out["usage"] = None
     return out
