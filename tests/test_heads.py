@@ -420,6 +420,10 @@ def test_vllm_export_proposes_what_ours_propose(tmp_path, shared, proposals, cop
     if proposals:
         np.testing.assert_array_equal(lp["proposal_ids"], p["proposal_ids"])
     np.testing.assert_array_equal(np.asarray(head_topk(lcfg, lp, h, None, K, 4)), ours)
+    again = str(tmp_path / "again")  # read back, the shared lm_head is K equal copies: written once again
+    export_vllm(again, lcfg, lp)
+    assert json.load(open(os.path.join(again, "config.json"))).get("original_lm_head", False) is shared
+    np.testing.assert_array_equal(_vllm_proposals(again, np.asarray(h)), ours[..., 0])
 
 
 def test_vllm_truncated_vocabulary_read_as_vllm_reads_it(tmp_path):
@@ -458,6 +462,16 @@ def test_vllm_truncated_vocabulary_read_as_vllm_reads_it(tmp_path):
         write(tensors)
         with pytest.raises(HeadsFormatError, match=message):
             load_heads(str(tmp_path))
+    for key, value in (("truncated_vocab_size", "abc"), ("vocab_size", [V]), ("topk", "x")):
+        write({**blocks, **full, "token_map": tm}, {**raw, key: value})
+        with pytest.raises(HeadsFormatError, match=f"{key} must be a non-negative integer"):
+            load_heads(str(tmp_path))
+    # a token_map smaller than topk: vLLM proposes each head's top-1, so the heads keep that many
+    write({**blocks, **{k: v[tm[:3]] for k, v in full.items()}, "token_map": tm[:3]}, {**raw, "truncated_vocab_size": 3})
+    lcfg, lp = load_heads(str(tmp_path))
+    assert (lcfg.topk, lcfg.proposal_vocab_size) == (3, 3)
+    np.testing.assert_array_equal(np.asarray(head_topk(lcfg, lp, h, None, 2, 1))[..., 0],
+                                  _vllm_proposals(str(tmp_path), np.asarray(h)))
 
 
 # ------------------------------------------------------------------- files that disagree with themselves

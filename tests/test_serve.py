@@ -193,6 +193,7 @@ BAD = [
     ("huge max_tokens", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": 10 ** 9}, 400),
     ("max_tokens a string", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "max_tokens": "5"}, 400),
     ("n > 128", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 129}, 400),
+    ("n beyond the rows and the queue", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 81}, 400),
     ("n = 0", {"model": MODEL, "prompt": "x", "n": 0}, 400),
     ("tools", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}, 400),
     ("prompt beyond the context", {"model": MODEL, "messages": [{"role": "user", "content": "word " * 9000}]}, 400),
@@ -649,6 +650,13 @@ def test_logprobs_are_the_models_own_streamed_or_not(client, server, smollm2):
     plain = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": q}], max_tokens=48,
                                            temperature=0)
     assert plain.choices[0].logprobs is None and plain.choices[0].message.content == text
+    # characters split across tokens: each token's own bytes, which join into the text (decoding one
+    # such token alone gives U+FFFD); logprobs: 1 is the flag, as in vLLM
+    emoji, r = ask(client, "Reply with only these emoji: \U0001F34E\U0001F34C\U0001F347", logprobs=1)
+    content = r.choices[0].logprobs.content
+    assert any(len(c.bytes) < len(c.token.encode()) or "\\x" in c.token for c in content)  # split characters
+    assert b"".join(bytes(c.bytes) for c in content).decode().replace("<|im_end|>", "") == emoji
+    assert len({c.token for c in content if "\\x" in c.token}) > 1  # distinct texts for distinct byte tokens
     # completions: the legacy object, cut at a stop sequence
     prompt = "The colours of the rainbow are"
     full = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, logprobs=2)
@@ -854,3 +862,28 @@ def test_allowed_origins_take_vllms_json_list_too():
     assert parse_origins('["http://localhost:3000"]') == ["http://localhost:3000"]
     with pytest.raises(ValueError, match="a JSON list must hold origin strings"):
         parse_origins("[1]")
+
+
+def test_token_pieces_give_each_tokens_own_bytes_for_sentencepiece_vocabularies_too():
+    """`TokenPieces` on a SentencePiece-style vocabulary (Llama 2's, Mistral's: ▁ for a space, byte
+    tokens <0xNN> for characters outside it): a byte token is its byte, ▁ a space, so the bytes of an
+    emoji's byte tokens join into the emoji; `TextOffsets` counts the emoji from its first byte."""
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    from medusa_jax.serve.text import TextOffsets, TokenPieces
+
+    vocab = {"<unk>": 0, "</s>": 1, "\u2581hello": 2, "\u2581world": 3}
+    vocab.update({f"<0x{b:02X}>": 4 + b for b in range(256)})
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>", byte_fallback=True))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    pieces = TokenPieces(tok)
+    apple = "\U0001F34E".encode()
+    ids = [2] + [4 + b for b in apple] + [3, 1]
+    assert pieces.byte_level is None
+    assert [pieces.bytes(t) for t in ids] == [b" hello"] + [bytes([b]) for b in apple] + [b" world", b"</s>"]
+    assert pieces.text(4 + apple[0]) == "\\xf0" and pieces.text(2) == " hello"
+    offsets = TextOffsets(pieces)
+    assert [offsets.next(t) for t in ids] == [0, 6, 6, 6, 6, 7, 13]

@@ -429,12 +429,15 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     choices = raw.get("medusa_choices")
     if choices is not None:
         choices = tuple(tuple(int(r) for r in p) for p in choices if len(p) <= K) or None
-    ids = _proposal_ids(raw.get("proposal_token_ids"), V, int(raw.get("topk", 10)), weights_fn) \
-        if token_map is None else token_map
+    topk = _config_count(raw, "topk", weights_fn)
+    topk = 10 if topk is None else topk
+    if token_map is not None:  # vLLM proposes each head's top-1: a small token_map is fine there
+        topk = min(topk, len(token_map))
+    ids = _proposal_ids(raw.get("proposal_token_ids"), V, topk, weights_fn) if token_map is None else token_map
     if head_type == "hydra" and L < 1:
         raise HeadsFormatError(f"{weights_fn}: hydra heads need at least one block layer, the file holds none")
     cfg = MedusaConfig(hidden_size=D, vocab_size=V, num_heads=K, num_layers=L, shared_lm_head=lm is None,
-                       topk=int(raw.get("topk", 10)), medusa_choices=choices,
+                       topk=topk, medusa_choices=choices,
                        base_model=str(raw.get("base_model_name_or_path") or ""),
                        proposal_vocab_size=0 if ids is None else len(ids), head_type=head_type)
     if model_cfg is not None:
@@ -461,23 +464,23 @@ def _vllm_untruncated(tensors: Mapping[str, np.ndarray], raw: dict,
     every other logit to -inf. Returns (tensors with each [N, D] lm_head scattered into the token_map
     rows of a [V, D] of zeros, token_map as int32 [N]): heads with that proposal vocabulary propose
     exactly vLLM's tokens. Without truncation: (tensors, None) (vLLM ignores a token_map then).
-    Raises HeadsFormatError for a missing token_map, one that is not N distinct integer ids in
-    [0, V) (at least topk of them), or an lm_head with neither N nor V rows.
+    Raises HeadsFormatError for sizes that are not non-negative integers, a missing token_map, one
+    that is not N distinct integer ids in [0, V), or an lm_head with neither N nor V rows.
     """
-    trunc, vocab = raw.get("truncated_vocab_size"), raw.get("vocab_size")
-    if trunc is None or vocab is None or int(trunc) >= int(vocab):
+    trunc, vocab = _config_count(raw, "truncated_vocab_size", source), _config_count(raw, "vocab_size", source)
+    if trunc is None or vocab is None or trunc >= vocab:
         return dict(tensors), None
-    N, V, topk = int(trunc), int(vocab), int(raw.get("topk", 10))
+    N, V = trunc, vocab
     tm = tensors.get("token_map")
     if tm is None:
         raise HeadsFormatError(f"{source}: config.json says truncated_vocab_size={N} < vocab_size={V} but the file "
                                "holds no token_map (the ids of the N tokens the heads score), which vLLM needs too: "
                                "add it, or set truncated_vocab_size to vocab_size")
     tm = np.asarray(tm)
-    if tm.shape != (N,) or not np.issubdtype(tm.dtype, np.integer) or N < max(topk, 1) or tm.min() < 0 \
+    if tm.shape != (N,) or not np.issubdtype(tm.dtype, np.integer) or N < 1 or tm.min() < 0 \
             or tm.max() >= V or len(np.unique(tm)) != N:
         raise HeadsFormatError(f"{source}: token_map must be truncated_vocab_size={N} distinct integer token ids in "
-                               f"[0, {V}), at least topk={topk} of them; got shape {tuple(tm.shape)}, dtype {tm.dtype}")
+                               f"[0, {V}); got shape {tuple(tm.shape)}, dtype {tm.dtype}")
     out = dict(tensors)
     for name, arr in tensors.items():
         if not _VLLM_LM_RE.match(name):
@@ -731,9 +734,10 @@ def export_vllm(path: str, cfg: MedusaConfig, params, base_lm_head=None, dtype=n
       cfg, params: Medusa heads (`load_heads`, the trainer's); own lm_heads are written per head.
       base_lm_head: [D, V] float, the base model's lm_head; required for heads that share it.
       dtype: the floating tensors' dtype (float32 or float16).
-      lm_head_copies: heads sharing the base lm_head are written with one ``lm_head.weight`` and
-        ``original_lm_head: true`` (vLLM >= 0.6.5 shares it between the heads, a K-th of the bytes);
-        True writes a copy per head (``lm_heads.{h}.weight``) for vLLM releases before that.
+      lm_head_copies: heads sharing the base lm_head (or whose own lm_heads are all equal) are
+        written with one ``lm_head.weight`` and ``original_lm_head: true`` (vLLM >= 0.6.5 shares it
+        between the heads, a K-th of the bytes); True writes a copy per head (``lm_heads.{h}.weight``)
+        for vLLM releases before that.
     A proposal vocabulary (``params["proposal_ids"]``, `MedusaConfig.proposal_vocab_size` N) becomes
     vLLM's ``token_map`` [N] int64 with ``truncated_vocab_size: N``, the lm_heads' rows [N, D] those
     tokens': vLLM's heads then propose from those N tokens, as ours do. Config: ``{model_type:
@@ -746,8 +750,9 @@ def export_vllm(path: str, cfg: MedusaConfig, params, base_lm_head=None, dtype=n
     p = heads_params_to_numpy(params)
     _check_params(cfg, p)
     ids = p.get("proposal_ids") if cfg.proposal_vocab_size else None
-    one = cfg.shared_lm_head and not lm_head_copies
     lm = _lm_heads_torch(cfg, p, base_lm_head, True, "export_vllm")  # [K, V, D]
+    # heads read back from such a file hold K equal copies: written once again
+    one = not lm_head_copies and (cfg.shared_lm_head or all(np.array_equal(lm[0], lm[h]) for h in range(1, len(lm))))
     lm = lm[:1] if one else lm
     if ids is not None:
         lm = lm[:, ids]  # [K or 1, N, D]: the rows vLLM keeps (it slices a [V, D] one by token_map itself)

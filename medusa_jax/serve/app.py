@@ -40,7 +40,7 @@ from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
-from medusa_jax.serve.text import TextStream
+from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces
 
 
 #: The largest request body read by default (bytes): far above any prompt that fits a context (a
@@ -93,13 +93,14 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 class _Choice:
     """One of a request's ``n`` choices while it runs: its engine handle, its text, whether a stop
-    sequence ended it, its end, and the log-probabilities not yet sent (and what was sent)."""
+    sequence ended it, its end, and the log-probabilities not yet sent (the tokens sent, and where
+    the next one's text starts)."""
 
-    def __init__(self, handle, text: TextStream):
-        self.handle, self.text = handle, text
+    def __init__(self, handle, text: TextStream, offsets: TextOffsets):
+        self.handle, self.text, self.offsets = handle, text, offsets
         self.stopped, self.fin = False, None
         self.pending: list = []
-        self.sent_tokens = self.sent_chars = 0
+        self.sent_tokens = 0
 
     def reason(self) -> str:
         return "stop" if self.stopped else protocol.finish_reason(self.fin.reason)
@@ -132,6 +133,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     # prompts are tokenized off the event loop, one at a time (a tokenizer is not made to be entered
     # by several threads at once)
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
+    pieces = TokenPieces(tokenizer)  # each token's bytes and text, for logprobs
 
     # each running request's event queue and engine handles (one per choice): at the end of the shutdown grace the
     # requests are answered from here, without waiting for the engine, which cannot be interrupted
@@ -260,7 +262,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                f"context is {context}, so at most {budget} new tokens fit",
                                "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                                code="context_length_exceeded")
-        if engine.queued >= max_waiting:
+        if gen.n > engine.max_batch + max_waiting:
+            raise RequestError(f"n={gen.n} choices need a row or a place in the queue each; this server has "
+                               f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)", "n")
+        # each choice takes a row, or a place in the queue once the free rows are taken
+        if max(0, engine.waiting + gen.n - max(0, engine.max_batch - engine.live)) > max_waiting:
             return error(429, f"{engine.queued} requests are waiting for a row; try again shortly",
                          "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         loop = asyncio.get_running_loop()
@@ -281,7 +287,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
                                                      logprobs=gen.logprobs), on_event=functools.partial(on_event, i))
                 choices.append(_Choice(handle, TextStream(tokenizer, gen.stop, gen.include_stop,
-                                                          gen.stop_token_ids or ())))
+                                                          gen.stop_token_ids or ()), TextOffsets(pieces)))
         except ValueError as e:
             for c in choices:
                 c.handle.cancel()
@@ -324,15 +330,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         for i, c in enumerate(choices):
             if not c.stopped:
                 c.text.feed([], final=True)
-            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending[:c.text.used], chat, token_text)
+            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending[:c.text.used], chat, pieces,
+                                                                         TextOffsets(pieces))
             out.append(protocol.choice(i, chat, c.text.text, c.reason(), lp))
         metrics.observe_end(time.perf_counter() - t0)
         return protocol.completion(rid, gen.model, chat, out, protocol.usage(len(ids), sum(c.used() for c in choices)),
                                    [c.fin for c in choices], gen.created)
-
-    def token_text(token: int) -> str:
-        """A token's own text in a logprobs object (special tokens spelled out)."""
-        return tokenizer.decode([token], skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
     def _observe(t0: float, tokens: List[int], handle) -> None:
         now = time.perf_counter()
@@ -374,9 +377,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         def logprobs(c: "_Choice") -> Optional[dict]:  # the logprobs of the tokens a chunk of choice c carries
             if gen.logprobs is None:
                 return None
-            obj = protocol.logprobs_obj(c.pending, chat, token_text, c.sent_chars)
+            obj = protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
             c.sent_tokens += len(c.pending)
-            c.sent_chars += sum(len(t) for t in obj.get("tokens", ()))
             c.pending.clear()
             return obj
         try:

@@ -308,7 +308,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:
     """The alternatives per token a request asks for with its log-probabilities, or None for none.
-    A chat's ``logprobs`` is a flag (0 and false: none) and ``top_logprobs`` the alternatives (which
+    A chat's ``logprobs`` is a flag (false or 0: none; true or 1) and ``top_logprobs`` the alternatives (which
     need the flag, as OpenAI says); a completion's ``logprobs`` is the number of alternatives (0: the
     chosen token's own log-probability; null: none). At most `MAX_TOP_LOGPROBS`, vLLM's default."""
     if not chat:
@@ -317,12 +317,14 @@ def _logprobs(body: dict, chat: bool) -> Optional[int]:
                                "alternatives", "top_logprobs")
         return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
     flag = body.get("logprobs")
-    if flag not in (None, True, False, 0):
-        raise RequestError(f"logprobs must be a boolean, got {flag!r}", "logprobs")
+    if flag is not None and not isinstance(flag, bool):  # 0 and 1 as the flag, as vLLM's pydantic takes them
+        if _whole(flag) not in (0, 1):
+            raise RequestError(f"logprobs must be a boolean, got {flag!r}", "logprobs")
+        flag = _whole(flag) == 1
     top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if top is not None and flag is not True:
+    if top is not None and not flag:
         raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    return (top or 0) if flag is True else None
+    return (top or 0) if flag else None
 
 
 def finish_reason(engine_reason: str) -> str:
@@ -353,27 +355,22 @@ def speculation(fins: List[Any]) -> dict:
 LOGPROB_FLOOR = -9999.0
 
 
-def logprobs_obj(entries: List[Any], chat: bool, token_text, offset: int = 0) -> dict:
+def logprobs_obj(entries: List[Any], chat: bool, pieces, offsets=None) -> dict:
     """OpenAI's ``logprobs`` object of some answer tokens (`decoding.requests.TokenLogprob`s).
 
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
     "bytes"}]}], "refusal": null}``; completion (legacy): ``{"tokens", "token_logprobs",
     "top_logprobs": [{token: logprob}] (the alternatives and the chosen token, as vLLM),
-    "text_offset"}`` with offsets counted from `offset` characters. `token_text`: id -> its text."""
+    "text_offset"}``. `pieces`: the tokens' own bytes and text (`serve.text.TokenPieces`);
+    `offsets`: the answer's `serve.text.TextOffsets` so far (completions; advanced here)."""
     lp = lambda x: max(float(x), LOGPROB_FLOOR)  # noqa: E731
     if chat:
-        item = lambda t, x: {"token": token_text(t), "logprob": lp(x),  # noqa: E731
-                             "bytes": list(token_text(t).encode("utf-8"))}
+        item = lambda t, x: {"token": pieces.text(t), "logprob": lp(x), "bytes": list(pieces.bytes(t))}  # noqa: E731
         return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, x) for t, x in e.top])
                             for e in entries], "refusal": None}
-    texts = [token_text(e.token) for e in entries]
-    offsets = []
-    for t in texts:
-        offsets.append(offset)
-        offset += len(t)
-    return {"tokens": texts, "token_logprobs": [lp(e.logprob) for e in entries],
-            "top_logprobs": [dict([(token_text(t), lp(x)) for t, x in e.top] + [(token_text(e.token), lp(e.logprob))])
-                             for e in entries], "text_offset": offsets}
+    return {"tokens": [pieces.text(e.token) for e in entries], "token_logprobs": [lp(e.logprob) for e in entries],
+            "top_logprobs": [dict([(pieces.text(t), lp(x)) for t, x in e.top] + [(pieces.text(e.token), lp(e.logprob))])
+                             for e in entries], "text_offset": [offsets.next(e.token) for e in entries]}
 
 
 def choice(index: int, chat: bool, text: str, reason: str, logprobs: Optional[dict] = None) -> dict:

@@ -1,8 +1,12 @@
 """Token ids to the text a client receives: `TextStream` (deltas, whole characters only, stop
-sequences found across tokens and steps)."""
+sequences found across tokens and steps), and each token's own bytes and text for log-probabilities
+(`TokenPieces`, `TextOffsets`)."""
 from __future__ import annotations
 
-from typing import List, Optional
+import codecs
+import json
+import re
+from typing import Dict, List, Optional
 
 #: What a tokenizer's decode gives for bytes that do not (yet) make a whole UTF-8 character.
 PLACEHOLDER = "\ufffd"
@@ -71,3 +75,72 @@ class TextStream:
         self.text = text
         delta, self.sent = text[self.sent:end], max(end, self.sent)
         return delta, False
+
+
+class TokenPieces:
+    """Each token's own bytes and text, as a logprobs object gives them (OpenAI's ``token`` and
+    ``bytes``): the bytes the token stands for, so that a character split across tokens (an emoji,
+    most CJK text) is rebuilt by joining them, where decoding one token alone gives U+FFFD.
+
+    Byte-level BPE vocabularies (GPT-2's, Llama 3's, Qwen's, SmolLM's: a ``ByteLevel`` decoder) map
+    each byte to a printable character, undone here with transformers' `bytes_to_unicode`;
+    SentencePiece's byte tokens ``<0xNN>`` are that byte and its ``▁`` a space. Special and added
+    tokens are their own text. The text is the bytes as UTF-8, an incomplete character's bytes
+    written as ``\\xNN`` escapes (so distinct tokens keep distinct texts)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.cache: Dict[int, bytes] = {}
+        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        self.byte_level = None
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        try:
+            decoder = json.loads(backend.to_str()).get("decoder") or {} if backend is not None else {}
+        except (ValueError, AttributeError):
+            decoder = {}
+        kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders") or ()]
+        if "ByteLevel" in kinds:
+            from transformers.convert_slow_tokenizer import bytes_to_unicode
+            self.byte_level = {c: b for b, c in bytes_to_unicode().items()}
+
+    def bytes(self, token: int) -> bytes:
+        out = self.cache.get(token)
+        if out is None:
+            out = self.cache[token] = self._bytes(token)
+        return out
+
+    def _bytes(self, token: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(int(token))
+        if piece is None:
+            return b""
+        if token in self.special:
+            return piece.encode("utf-8")
+        if self.byte_level is not None and all(c in self.byte_level for c in piece):
+            return bytes(self.byte_level[c] for c in piece)
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", piece)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        if self.byte_level is None and "\u2581" in piece:  # SentencePiece's space
+            return piece.replace("\u2581", " ").encode("utf-8")
+        return self.tokenizer.decode([int(token)], skip_special_tokens=False,
+                                     clean_up_tokenization_spaces=False).encode("utf-8")
+
+    def text(self, token: int) -> str:
+        return self.bytes(token).decode("utf-8", errors="backslashreplace")
+
+
+class TextOffsets:
+    """Where each token's text starts in an answer's text (the legacy ``text_offset``): characters
+    decoded before it, a character split across tokens counted from the token that starts it.
+    Special tokens (which the text leaves out) add nothing."""
+
+    def __init__(self, pieces: TokenPieces):
+        self.pieces = pieces
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.chars = 0
+
+    def next(self, token: int) -> int:
+        at = self.chars
+        if token not in self.pieces.special:
+            self.chars += len(self.decoder.decode(self.pieces.bytes(token)))
+        return at
