@@ -352,3 +352,29 @@ def test_logprobs_are_the_models_own_whatever_the_tree(tiny, medusa):
         assert sum(handles[0].finished.step_tokens) > handles[0].finished.steps  # some steps accepted drafts
     with pytest.raises(ValueError, match=r"logprobs must be None or an int in \[0, 20\], got 21"):
         engine.submit(Request(prompts[0], 4, logprobs=21))
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_logit_bias_steers_medusa_and_plain_steps_alike(tiny, sampled):
+    """A request's logit_bias: a token banned (-100) never appears, a forced one (+100) is every
+    token; with a bias, Medusa steps choose exactly what plain steps choose (greedy, and sampled for
+    a seed), beside rows without one; bad biases are refused."""
+    cfg, params, heads, prompts = tiny
+    sp = SamplingParams(0.9, 0.95, 11) if sampled else SamplingParams()
+    base = run_staggered(Engine(cfg, params, max_batch=4, speculation="off"), [Request(prompts[3], 16, sp)])[0][0]
+    ban = {base[0]: -100.0, base[3]: -100.0}
+    reqs = [Request(prompts[3], 16, sp, logit_bias=ban), Request(prompts[4], 16, sp),
+            Request(prompts[5], 8, sp, logit_bias={7: 100.0})]
+    plain, _ = run_staggered(Engine(cfg, params, max_batch=4, speculation="off"), reqs, arrive_every=1)
+    medusa, handles = run_staggered(Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="always"),
+                                    reqs, arrive_every=1)
+    assert medusa == plain
+    assert base[0] not in medusa[0] and base[3] not in medusa[0] and medusa[2] == [7] * 8
+    assert medusa[1] == run_staggered(Engine(cfg, params, max_batch=4, speculation="off"),
+                                      [Request(prompts[4], 16, sp)])[0][0]  # unbiased rows unchanged
+    assert sum(handles[1].finished.step_tokens) > handles[1].finished.steps  # drafts were accepted
+    engine = Engine(cfg, params, max_batch=2)
+    for bias, message in (({V: 1.0}, r"token 64 -> 1.0: ids must be in \[0, 64\)"),
+                          ({3: float("nan")}, "finite"), ({"3": 1.0}, "must map token ids")):
+        with pytest.raises(ValueError, match=message):
+            engine.submit(Request(prompts[0], 4, logit_bias=bias))

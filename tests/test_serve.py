@@ -710,6 +710,33 @@ def test_n_choices_are_the_answers_of_their_seeds_streamed_or_not(client):
     assert [(c.text, c.finish_reason) for c in comp.choices] == [(c.text, c.finish_reason) for c in solo]
 
 
+def test_logit_bias_bans_and_forces_tokens_as_plain_decoding_does(client, smollm2):
+    """logit_bias with the openai client: banning the greedy answer's first token gives the answer
+    plain greedy decoding with that bias gives (the engine's plain steps, speculation off); +100 on a
+    token makes it every token."""
+    import medusa_jax as mj
+    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.decoding.requests import Request as EngineRequest
+
+    q = QUESTIONS[4]
+    msgs = [{"role": "user", "content": q}]
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0, logprobs=True)
+    banned = smollm2.tokenizer.encode(first.choices[0].logprobs.content[0].token, add_special_tokens=False)[0]
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=16, temperature=0,
+                                       logit_bias={str(banned): -100})
+    ids = mj.apply_chat_template(smollm2.tokenizer, q)
+    engine = Engine(smollm2.cfg, smollm2.params, max_batch=1, speculation="off")
+    handle = engine.submit(EngineRequest(ids, 16, logit_bias={banned: -100.0}))
+    engine.run()
+    want = smollm2.tokenizer.decode(handle.finished.tokens, skip_special_tokens=True)
+    assert r.choices[0].message.content == want != first.choices[0].message.content
+    assert banned not in handle.finished.tokens
+    forced = smollm2.tokenizer.encode(" yes", add_special_tokens=False)[0]
+    r = client.completions.create(model=MODEL, prompt="Say no.", max_tokens=5, temperature=0,
+                                  logit_bias={str(forced): 100})
+    assert r.choices[0].text == smollm2.tokenizer.decode([forced] * 5)
+
+
 def test_openai_defaults_and_vllm_extensions_are_checked():
     """Fields sent at their defaults pass (clients send them); vLLM's extensions are honoured or
     refused, never ignored; any 64-bit seed maps into the engine's; integral floats are integers;
@@ -753,7 +780,7 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
             check_request(dict(body, stop_token_ids=bad), [MODEL], 64, True, 10)
     for extra, param in (({"max_completion_tokens": 3, "max_tokens": "lots"}, "max_tokens"),
                          ({"max_completion_tokens": 3, "max_tokens": 2.5}, "max_tokens"),
-                         ({"logit_bias": {"5": 1}}, "logit_bias"), ({"documents": [{"text": "x"}]}, "documents"),
+                         ({"logit_bias": {"5": 101}}, "logit_bias"), ({"documents": [{"text": "x"}]}, "documents"),
                          ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
                           "stream_options.continuous_usage_stats"),
                          ({"top_logprobs": 3}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos")):  # (no flag)
@@ -780,7 +807,16 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
         b = dict(body, **extra) if chat else {"prompt": "x", **extra}
         with pytest.raises(RequestError, match=message):
             check_request(b, [MODEL], 64, chat)
-    assert check_request(dict(body, logit_bias={"5": 0, "9": 0.0}), [MODEL], 64, True).top_k == 0  # changes nothing
+    assert check_request(dict(body, logit_bias={"5": 0, "9": 0.0}), [MODEL], 64, True).logit_bias is None  # nothing
+    assert check_request(dict(body, logit_bias={"5": -100, "9": 2.5}), [MODEL], 64, True).logit_bias == {5: -100.0,
+                                                                                                          9: 2.5}
+    for bias, message in (({"x": 1}, "'x' is not a token id in"), ({"10": 1}, r"'10' is not a token id in \[0, 10\)"),
+                          ({"-1": 1}, "is not a token id"), ({"5": "1"}, r"number in \[-100, 100\], got '1'"),
+                          ({"5": True}, "got True"), ([5], "must be an object"),
+                          ({str(i): 1 for i in range(301)}, "at most 300 tokens, got 301")):
+        with pytest.raises(RequestError, match=message) as e:
+            check_request(dict(body, logit_bias=bias), [MODEL], 64, True, vocab_size=10)
+        assert e.value.param == "logit_bias"
     for extra, param in (({"guided_json": {}}, "guided_json"),  # vLLM: any JSON, not free text
                          ({"seed": 2 ** 63}, "seed"), ({"top_k": -2}, "top_k"),
                          ({"add_special_tokens": True}, "add_special_tokens"),

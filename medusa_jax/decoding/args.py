@@ -223,8 +223,9 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
 
     Raises ValueError saying what is wrong (an empty prompt, an id outside the vocabulary,
     max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a top_k that is not an int in
-    [0, 2**31), a seed outside [0, 2**31), logprobs outside [0, `MAX_TOP_LOGPROBS`]) and
-    PromptTooLongError (a prompt that leaves no room for an answer)."""
+    [0, 2**31), a seed outside [0, 2**31), logprobs outside [0, `MAX_TOP_LOGPROBS`], a logit_bias
+    with an id outside the vocabulary or a value that is not a finite number) and PromptTooLongError
+    (a prompt that leaves no room for an answer)."""
     p = [int(t) for t in request.prompt]
     if not p:
         raise ValueError("the prompt is empty: give at least one token")
@@ -245,6 +246,16 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
     lp = request.logprobs
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
         raise ValueError(f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {lp!r}")
+    bias = request.logit_bias
+    if bias:
+        try:
+            bias = {int(operator.index(t)): float(v) for t, v in dict(bias).items()}
+        except (TypeError, ValueError):
+            raise ValueError(f"logit_bias must map token ids (ints) to numbers, got {request.logit_bias!r}") from None
+        bad = next(((t, v) for t, v in bias.items() if not 0 <= t < vocab_size or not math.isfinite(v)), None)
+        if bad is not None:
+            raise ValueError(f"logit_bias: token {bad[0]} -> {bad[1]}: ids must be in [0, {vocab_size}) and values "
+                             "finite numbers")
     rid = request.request_id if request.request_id is not None else default_id()
     return Request(prompt=p, max_new_tokens=int(request.max_new_tokens), sampling=s,
-                   stop_token_ids=request.stop_token_ids, request_id=rid, logprobs=lp)
+                   stop_token_ids=request.stop_token_ids, request_id=rid, logprobs=lp, logit_bias=bias or None)

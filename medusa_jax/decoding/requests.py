@@ -7,7 +7,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
 SPECULATION = ("adaptive", "always", "off")
 #: Finish reasons of a request (`Finished.reason`).
@@ -33,7 +33,10 @@ class Request:
     model's EOS ids. request_id: any label (default: a counter). logprobs: None (the default), or
     N in [0, `decoding.logprobs.MAX_TOP_LOGPROBS`]: each emitted token's log-probability and the N
     most likely tokens at its position (`TokenLogprob`), as ``("logprobs", [...])`` events just
-    before each ``("tokens", ...)`` event and in `Finished.logprobs`.
+    before each ``("tokens", ...)`` event and in `Finished.logprobs`. logit_bias: token id -> a
+    value added to its logit before every choice (OpenAI's ``logit_bias``: -100 bans a token, +100
+    forces it), Medusa's verification included, so greedy answers stay plain greedy's with the
+    same bias.
     """
     prompt: Sequence[int]
     max_new_tokens: int = 256
@@ -41,6 +44,7 @@ class Request:
     stop_token_ids: Optional[Sequence[int]] = None
     request_id: Optional[str] = None
     logprobs: Optional[int] = None
+    logit_bias: Optional[Mapping[int, float]] = None
 
 
 class TokenLogprob(NamedTuple):

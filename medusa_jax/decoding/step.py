@@ -73,8 +73,8 @@ def step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
 
 
 def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
-                params, head_params, state: DecodeState,
-                logprobs: Optional[int] = None) -> Tuple[StepOutput, DecodeState]:
+                params, head_params, state: DecodeState, logprobs: Optional[int] = None,
+                bias: Optional[jax.Array] = None) -> Tuple[StepOutput, DecodeState]:
     """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
 
     1. Root token: the argmax, or a sample at the row's temperature and top-p, of ``state.logits``
@@ -104,12 +104,15 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     nodes for its T slots (`decoding.dynamic.add_chain_tokens`), not a replacement for it.
 
     With `logprobs` N (static; None: off) the output also holds the emitted tokens' log-probabilities
-    and their N most likely alternatives (`decoding.logprobs.emitted_logprobs`).
+    and their N most likely alternatives (`decoding.logprobs.emitted_logprobs`). With `bias` ([B, V]
+    float32, OpenAI's ``logit_bias``) every token is chosen from logits + bias, the root's and the
+    posterior's alike, so a plain step and a Medusa step still choose the same tokens; the heads'
+    drafts, the log-probabilities and the logits handed to the next step stay the model's own.
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
-    root = step_root(acc, state)
+    root = step_root(acc, state if bias is None else state.replace(logits=state.logits + bias))
     D = tree.max_depth
     if D > 0:
         if heads_cfg is None:
@@ -129,11 +132,11 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     compact = tree.dynamic is not None or tree.size > D + 1
     if tree.lookup is None:
         verified, tokens = heads_draft(None)
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, bias)
     if tree.dynamic is not None:  # the copied chains compete with the heads' nodes for the T slots
         drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m], [B]
         verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts)
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, bias)
     copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
@@ -148,15 +151,17 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
     per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h)
     arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), heads_rows)
-    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width, logprobs)
+    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width, logprobs, bias)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
-                 tree_tokens: jax.Array, width: int, logprobs: Optional[int] = None) -> Tuple[StepOutput, DecodeState]:
+                 tree_tokens: jax.Array, width: int, logprobs: Optional[int] = None,
+                 bias: Optional[jax.Array] = None) -> Tuple[StepOutput, DecodeState]:
     """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers`, or
     `TreeArrays` with a row axis: each row's own tree; root first). compact (static): whether the
     accepted path's K/V must move (False for a chain, whose accepted prefix is in place). The
-    emitted tokens (and their `logprobs`, when asked for) are padded to `width` columns."""
+    emitted tokens (and their `logprobs`, when asked for) are padded to `width` columns; `bias`: as
+    `medusa_step`'s."""
     B = tree_tokens.shape[0]
     tr = tree_rows(tree, B)
     D = tr.retrieve_indices.shape[2] - 1
@@ -165,7 +170,8 @@ def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params,
     logits, hidden, cache = LlamaModel(cfg).apply(
         {"params": params}, tree_tokens, positions, state.cache, tr.ancestor_mask)
     if D > 0:
-        best, acc_len = evaluate_posterior(logits, tree_tokens, tr, acc, state, start)
+        best, acc_len = evaluate_posterior(logits if bias is None else logits + bias[:, None], tree_tokens, tr, acc,
+                                           state, start)
         path_nodes = jnp.take_along_axis(tr.retrieve_indices, best[:, None, None], axis=1)[:, 0]  # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
         if compact:

@@ -285,7 +285,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             for i in range(gen.n):  # choice i samples with seed + i (greedy choices are all alike)
                 sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + i) % 2 ** 31, gen.top_k)
                 handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
-                                                     logprobs=gen.logprobs), on_event=functools.partial(on_event, i))
+                                                     logprobs=gen.logprobs, logit_bias=gen.logit_bias),
+                                       on_event=functools.partial(on_event, i))
                 choices.append(_Choice(handle, TextStream(tokenizer, gen.stop, gen.include_stop,
                                                           gen.stop_token_ids or ()), TextOffsets(pieces)))
         except ValueError as e:

@@ -8,6 +8,7 @@ server adds a ``speculation`` object (steps, tokens per step, draft and accepted
 from __future__ import annotations
 
 import math
+import re
 import secrets
 import time
 import uuid
@@ -22,7 +23,7 @@ from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
 #: one asked); their defaults, null, and empty lists or objects are accepted, as clients send them.
 UNSUPPORTED: Dict[str, Any] = {
     # OpenAI's
-    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none", "logit_bias": {},
+    "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
     "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None, "suffix": "",
     "best_of": 1, "echo": False,
     # vLLM's sampling and output extensions (its defaults)
@@ -40,6 +41,8 @@ TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_temp
 MAX_STOP = 4
 #: The most choices (``n``) a request may ask for (OpenAI's limit); each takes an engine row.
 MAX_CHOICES = 128
+#: The most tokens a request's ``logit_bias`` may set (OpenAI's limit).
+MAX_LOGIT_BIAS = 300
 #: The budget of a ``/v1/completions`` request without ``max_tokens`` (OpenAI's and vLLM's default;
 #: a chat's is the rest of the context, as theirs).
 COMPLETIONS_MAX_TOKENS = 16
@@ -86,6 +89,7 @@ class Generation:
     template_kwargs: Optional[Dict[str, Any]] = None  # vLLM's chat_template_kwargs (e.g. enable_thinking)
     logprobs: Optional[int] = None                # alternatives per token when logprobs were asked for
     n: int = 1                                    # choices (choice i samples with seed + i)
+    logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit (None: none)
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -111,12 +115,9 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
 
 def _is_default(v: Any, default: Any) -> bool:
     """Whether a request's `v` (None: absent) asks for what `default` does: null always; an empty
-    list or object where the default is a list or object, and where it is an empty object, an object
-    of zeros too (``logit_bias: {"5": 0}`` changes nothing); a bool only the same bool; else equal.
+    list or object where the default is a list or object; a bool only the same bool; else equal.
     (An empty object is not a default elsewhere: vLLM's ``guided_json: {}`` asks for any JSON.)"""
     if v is None:
-        return True
-    if default == {} and isinstance(v, dict) and all(x == 0 and not isinstance(x, bool) for x in v.values()):
         return True
     if isinstance(default, (list, dict)):
         return v == default or (isinstance(v, (list, dict)) and not v)
@@ -189,6 +190,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
             raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
                                code="unsupported_parameter")
     logprobs = _logprobs(body, chat)
+    logit_bias = _logit_bias(body, vocab_size)
     for name in ("presence_penalty", "frequency_penalty"):
         v = body.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
@@ -303,7 +305,31 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       created=created, stop_token_ids=stop_ids or None,
                       ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
-                      n=n, **extras)
+                      n=n, logit_bias=logit_bias, **extras)
+
+
+def _logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:
+    """OpenAI's ``logit_bias``: an object of token ids (as strings, or numbers) to values in
+    [-100, 100] added to their logits (-100 bans a token, 100 forces it), at most
+    `MAX_LOGIT_BIAS` of them; None when absent, empty or all zeros (nothing changes then)."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return None
+    if not isinstance(raw, dict):
+        raise RequestError(f"logit_bias must be an object of token ids to numbers, got {raw!r}", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise RequestError(f"logit_bias may set at most {MAX_LOGIT_BIAS} tokens, got {len(raw)}", "logit_bias")
+    out = {}
+    for key, value in raw.items():
+        token = _whole(key) if not isinstance(key, str) else (int(key) if re.fullmatch(r"\d{1,10}", key) else None)
+        if token is None or not 0 <= token < vocab_size:
+            raise RequestError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
+            raise RequestError(f"logit_bias: token {key} must map to a number in [-100, 100], got {value!r}",
+                               "logit_bias")
+        if value:
+            out[token] = float(value)
+    return out or None
 
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:
