@@ -813,6 +813,8 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     for bias, message in (({"x": 1}, "'x' is not a token id in"), ({"10": 1}, r"'10' is not a token id in \[0, 10\)"),
                           ({"-1": 1}, "is not a token id"), ({"5": "1"}, r"number in \[-100, 100\], got '1'"),
                           ({"5": True}, "got True"), ([5], "must be an object"),
+                          ({"\u0665": 1}, "is not a token id"), ({"\uff15": 1}, "is not a token id"),  # non-ASCII digits
+                          ({"5": 1, "05": 2}, r"token 5 is given twice \(as '05' too\)"),
                           ({str(i): 1 for i in range(301)}, "at most 300 tokens, got 301")):
         with pytest.raises(RequestError, match=message) as e:
             check_request(dict(body, logit_bias=bias), [MODEL], 64, True, vocab_size=10)
@@ -923,3 +925,7 @@ def test_token_pieces_give_each_tokens_own_bytes_for_sentencepiece_vocabularies_
     assert pieces.text(4 + apple[0]) == "\\xf0" and pieces.text(2) == " hello"
     offsets = TextOffsets(pieces)
     assert [offsets.next(t) for t in ids] == [0, 6, 6, 6, 6, 7, 13]
+    offsets = TextOffsets(pieces)  # a lone lead byte that the next token does not continue: one U+FFFD
+    lone = [2, 4 + apple[0], 3]
+    assert [offsets.next(t) for t in lone] == [0, 6, 7]
+    assert tok.decode(lone) == "hello\ufffd world"  # (SentencePiece's decoder strips the first space)

@@ -319,11 +319,14 @@ def _logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:
         raise RequestError(f"logit_bias must be an object of token ids to numbers, got {raw!r}", "logit_bias")
     if len(raw) > MAX_LOGIT_BIAS:
         raise RequestError(f"logit_bias may set at most {MAX_LOGIT_BIAS} tokens, got {len(raw)}", "logit_bias")
-    out = {}
+    out, seen = {}, set()
     for key, value in raw.items():
-        token = _whole(key) if not isinstance(key, str) else (int(key) if re.fullmatch(r"\d{1,10}", key) else None)
+        token = _whole(key) if not isinstance(key, str) else (int(key) if re.fullmatch(r"[0-9]{1,10}", key) else None)
         if token is None or not 0 <= token < vocab_size:
             raise RequestError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
+        if token in seen:
+            raise RequestError(f"logit_bias: token {token} is given twice (as {key!r} too)", "logit_bias")
+        seen.add(token)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
             raise RequestError(f"logit_bias: token {key} must map to a number in [-100, 100], got {value!r}",
                                "logit_bias")

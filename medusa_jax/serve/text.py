@@ -131,8 +131,9 @@ class TokenPieces:
 
 class TextOffsets:
     """Where each token's text starts in an answer's text (the legacy ``text_offset``): characters
-    decoded before it, a character split across tokens counted from the token that starts it.
-    Special tokens (which the text leaves out) add nothing."""
+    decoded before it, a character split across tokens counted from the token that starts it, and
+    bytes that a later token does not continue counted as the U+FFFD they decode to. Special tokens
+    (which the text leaves out) add nothing."""
 
     def __init__(self, pieces: TokenPieces):
         self.pieces = pieces
@@ -141,6 +142,11 @@ class TextOffsets:
 
     def next(self, token: int) -> int:
         at = self.chars
-        if token not in self.pieces.special:
-            self.chars += len(self.decoder.decode(self.pieces.bytes(token)))
+        if token in self.pieces.special:
+            return at
+        data = self.pieces.bytes(token)
+        pending = self.decoder.getstate()[0]  # an earlier token's bytes of a character not yet whole
+        if pending and data and not 0x80 <= data[0] <= 0xBF:  # not continued: they end as U+FFFD before it
+            at += len(pending.decode("utf-8", errors="replace"))
+        self.chars += len(self.decoder.decode(data))
         return at
