@@ -467,7 +467,8 @@ def test_vllm_truncated_vocabulary_read_as_vllm_reads_it(tmp_path):
         with pytest.raises(HeadsFormatError, match=f"{key} must be a non-negative integer"):
             load_heads(str(tmp_path))
     # a token_map smaller than topk: vLLM proposes each head's top-1, so the heads keep that many
-    write({**blocks, **{k: v[tm[:3]] for k, v in full.items()}, "token_map": tm[:3]}, {**raw, "truncated_vocab_size": 3})
+    write({**blocks, **{k: v[tm[:3]] for k, v in full.items()}, "token_map": tm[:3]},
+          {**raw, "truncated_vocab_size": 3})
     lcfg, lp = load_heads(str(tmp_path))
     assert (lcfg.topk, lcfg.proposal_vocab_size) == (3, 3)
     np.testing.assert_array_equal(np.asarray(head_topk(lcfg, lp, h, None, 2, 1))[..., 0],

@@ -813,7 +813,7 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     for bias, message in (({"x": 1}, "'x' is not a token id in"), ({"10": 1}, r"'10' is not a token id in \[0, 10\)"),
                           ({"-1": 1}, "is not a token id"), ({"5": "1"}, r"number in \[-100, 100\], got '1'"),
                           ({"5": True}, "got True"), ([5], "must be an object"),
-                          ({"\u0665": 1}, "is not a token id"), ({"\uff15": 1}, "is not a token id"),  # non-ASCII digits
+                          ({"\u0665": 1}, "is not a token id"), ({"\uff15": 1}, "is not a token id"),  # not ASCII
                           ({"5": 1, "05": 2}, r"token 5 is given twice \(as '05' too\)"),
                           ({str(i): 1 for i in range(301)}, "at most 300 tokens, got 301")):
         with pytest.raises(RequestError, match=message) as e:

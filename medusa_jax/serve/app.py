@@ -332,7 +332,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             if not c.stopped:
                 c.text.feed([], final=True)
             lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending[:c.text.used], chat, pieces,
-                                                                         TextOffsets(pieces))
+                                                                         c.offsets)
             out.append(protocol.choice(i, chat, c.text.text, c.reason(), lp))
         metrics.observe_end(time.perf_counter() - t0)
         return protocol.completion(rid, gen.model, chat, out, protocol.usage(len(ids), sum(c.used() for c in choices)),
@@ -395,7 +395,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                     delta, c.stopped = c.text.feed(payload)
                     if c.stopped:
                         c.handle.cancel("stop")
-                        del c.pending[max(c.text.used - c.sent_tokens, 0):]  # tokens after the stop are not the answer's
+                        del c.pending[max(c.text.used - c.sent_tokens, 0):]  # after the stop: not the answer's
                     if delta:
                         yield sse(part(text=delta, logprobs=logprobs(c), index=i))
                     continue
