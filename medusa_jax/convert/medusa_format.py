@@ -731,7 +731,8 @@ def export_vllm(path: str, cfg: MedusaConfig, params, base_lm_head=None, dtype=n
     ``vllm/model_executor/models/medusa.py`` reads them.
 
     Args:
-      cfg, params: Medusa heads (`load_heads`, the trainer's); own lm_heads are written per head.
+      cfg, params: Medusa heads (`load_heads`, the trainer's); own lm_heads are written per head
+        unless they are all equal.
       base_lm_head: [D, V] float, the base model's lm_head; required for heads that share it.
       dtype: the floating tensors' dtype (float32 or float16).
       lm_head_copies: heads sharing the base lm_head (or whose own lm_heads are all equal) are

@@ -12,6 +12,8 @@ queue answers 429 with ``Retry-After``; a client that disconnects cancels its re
 freed at the engine's next iteration; an error inside one request ends that request (an SSE error
 event when streaming), never the server or the other requests; at shutdown the server stops taking
 requests (uvicorn closes its sockets; a request already read gets 503) and ends the engine's.
+A request's ``n`` choices are ``n`` engine requests (choice i sampling with seed + i) whose events
+share one queue; their log-probabilities carry each token's own bytes (`serve.text.TokenPieces`).
 Besides OpenAI's fields, vLLM's commonest extensions are honoured (`protocol.check_request`), and
 browser pages may call it (CORS, ``allowed_origins``).
 """

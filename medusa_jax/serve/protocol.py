@@ -2,8 +2,9 @@
 field and becomes a 4xx with OpenAI's error body), and the response objects and stream chunks.
 
 Reference: the OpenAI API's chat completions and completions objects (``chat.completion``,
-``chat.completion.chunk``, ``text_completion``, the ``usage`` object, ``stream_options``); the
-server adds a ``speculation`` object (steps, tokens per step, draft and accepted tokens).
+``chat.completion.chunk``, ``text_completion``, the ``usage`` and ``logprobs`` objects,
+``stream_options``); the server adds a ``speculation`` object (steps, tokens per step, draft and
+accepted tokens, summed over a request's choices).
 """
 from __future__ import annotations
 
@@ -162,7 +163,9 @@ def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
 def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_size: int = 2 ** 31) -> Generation:
     """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
 
-    Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
+    OpenAI's fields include ``logprobs`` / ``top_logprobs`` (`_logprobs`), ``n`` (up to `MAX_CHOICES`)
+    and ``logit_bias`` (`_logit_bias`); tools, penalties and guided output are refused. Besides
+    OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
     ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut before ``top_p``), and for chats
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the
     template, e.g. Qwen3's ``enable_thinking``) are honoured; its other extensions are refused unless at
@@ -337,9 +340,10 @@ def _logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:
 
 def _logprobs(body: dict, chat: bool) -> Optional[int]:
     """The alternatives per token a request asks for with its log-probabilities, or None for none.
-    A chat's ``logprobs`` is a flag (false or 0: none; true or 1) and ``top_logprobs`` the alternatives (which
-    need the flag, as OpenAI says); a completion's ``logprobs`` is the number of alternatives (0: the
-    chosen token's own log-probability; null: none). At most `MAX_TOP_LOGPROBS`, vLLM's default."""
+    A chat's ``logprobs`` is a flag (false or 0: none; true or 1) and ``top_logprobs`` the
+    alternatives (which need the flag, as OpenAI says); a completion's ``logprobs`` is the number
+    of alternatives (0: the chosen token's own log-probability; null: none). At most
+    `MAX_TOP_LOGPROBS`, vLLM's default."""
     if not chat:
         if body.get("top_logprobs") is not None:
             raise RequestError("top_logprobs is a chat field; a completion's logprobs gives the number of "
