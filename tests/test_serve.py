@@ -533,7 +533,7 @@ def test_requests_past_the_shutdown_grace_get_the_shutdown_error(smollm2_path):
 class _CompilingEngine:
     """An engine stuck in a compile: requests are taken, but no token or end comes out, and
     `cancel_all` only marks them (the real engine acts on it at its next iteration)."""
-    max_len, queued, live, waiting, stats, eos = 512, 0, 0, 0, {}, (0,)
+    max_len, max_batch, queued, live, waiting, stats, eos = 512, 4, 0, 0, 0, {}, (0,)
 
     class cfg:
         vocab_size = 100
