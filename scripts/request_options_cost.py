@@ -5,11 +5,13 @@ answer with each option against none, the variants interleaved over several roun
 
 On the default model and its shipped heads and tree (`medusa_jax.resolve_heads`), one Engine (so the
 compiled steps are shared; each variant compiles its own step once, in a first untimed round) answers
-the same chat prompt with: no option; ``logprobs=0`` (the chosen token's log-probability);
+the same chat prompt (EOS ignored, so every answer has the same length) with: no option (twice,
+as a control: the two differ only by the run's noise); ``logprobs=0`` (the chosen token's log-probability);
 ``logprobs=20`` (OpenAI's most alternatives); a ``logit_bias`` of one token at +0.5 (the bias array
 on every step, the answer unchanged unless that token is a near-tie). Prints tok/s of the decode
 phase (`Finished.decode_s`) per variant and its ratio to no option, and checks that every variant's
-tokens equal the first's (the bias's token is chosen to be absent from the answer).
+tokens equal the first's (the bias's token is chosen to be absent from the answer). Each round
+starts with another variant, so that none always runs first.
 """
 from __future__ import annotations
 
@@ -43,12 +45,13 @@ def main(argv=None) -> int:
 
     first = answer()
     absent = next(t for t in range(1000, model.cfg.vocab_size) if t not in first.tokens)
-    variants = {"none": {}, "logprobs=0": {"logprobs": 0}, "logprobs=20": {"logprobs": 20},
+    variants = {"none": {}, "none, again": {}, "logprobs=0": {"logprobs": 0}, "logprobs=20": {"logprobs": 20},
                 "logit_bias (1 token, +0.5)": {"logit_bias": {absent: 0.5}}}
     best = {k: 0.0 for k in variants}
-    for _ in range(1 + args.rounds):  # the first round compiles each variant's step
-        for name, kw in variants.items():
-            fin = answer(**kw)
+    names = list(variants)
+    for r in range(1 + args.rounds):  # the first round compiles each variant's step
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each round starts with another
+            fin = answer(**variants[name])
             assert fin.tokens == first.tokens, f"{name}: the answer changed"
             best[name] = max(best[name], len(fin.tokens) / fin.decode_s)
     print(f"{len(first.tokens)} tokens, {first.tokens_per_step:.2f} tokens/step, tree {tree}")
