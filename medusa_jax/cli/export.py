@@ -81,7 +81,7 @@ def main(argv=None) -> int:
     from medusa_jax import resolve
     from medusa_jax.cli import common
     from medusa_jax.convert.load import check_model_path
-    from medusa_jax.convert.medusa_format import export_official, export_vllm, load_heads
+    from medusa_jax.convert.medusa_format import export_official, export_vllm, load_heads, read_heads_config
     from medusa_jax.convert.tuned_layers import check_output_dir, tuned_layers_path
 
     heads = resolve.heads_location(args.heads)
@@ -138,9 +138,9 @@ def main(argv=None) -> int:
         left.append("the tuned backbone layers (medusa-merge writes them into the backbone)")
     if left:
         print(f"note: the format has no place for {'; '.join(left)}", file=sys.stderr)
-    one = base is not None and args.to == "vllm" and not args.lm_head_copies
-    lm = ("" if base is None else ", with the base lm_head shared (original_lm_head)" if one
-          else ", with a copy of the base lm_head each")
+    one = bool(read_heads_config(args.out).get("original_lm_head"))  # as export_vllm decided
+    lm = (f", with {'the base' if base is not None else 'one'} lm_head shared (original_lm_head)" if one
+          else "" if base is None else ", with a copy of the base lm_head each")
     vocab = (f", proposing from the {hcfg.proposal_vocab_size}-token token_map"
              if hcfg.proposal_vocab_size and args.to == "vllm" else "")
     print(f"wrote {hcfg.num_heads} Medusa heads ({hcfg.num_layers} block layer(s) each{lm}{vocab}) to {path} and "

@@ -452,9 +452,6 @@ def load_heads(path: str, model_cfg: Optional[ModelConfig] = None, num_heads: Op
     return cfg, params
 
 
-_VLLM_LM_RE = re.compile(r"^lm_heads?(\.\d+)?\.weight$")
-
-
 def _vllm_untruncated(tensors: Mapping[str, np.ndarray], raw: dict,
                       source: str) -> Tuple[Dict[str, np.ndarray], Optional[np.ndarray]]:
     """vLLM's truncated vocabulary as our proposal vocabulary.
@@ -483,7 +480,8 @@ def _vllm_untruncated(tensors: Mapping[str, np.ndarray], raw: dict,
                                f"[0, {V}); got shape {tuple(tm.shape)}, dtype {tm.dtype}")
     out = dict(tensors)
     for name, arr in tensors.items():
-        if not _VLLM_LM_RE.match(name):
+        m = _VLLM_RE.match(name)
+        if not m or (m.group(4) is None and name != "lm_head.weight"):  # not an lm_head
             continue
         if arr.ndim == 2 and arr.shape[0] == N:
             full = np.zeros((V, arr.shape[1]), arr.dtype)

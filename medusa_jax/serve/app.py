@@ -104,6 +104,26 @@ class _Choice:
         self.pending: list = []
         self.sent_tokens = 0
 
+    def feed(self, tokens: List[int]) -> str:
+        """The text delta of a step's tokens ("" once a stop sequence ended the choice); the token
+        that completes a stop sequence cancels the engine's request and drops the log-probabilities
+        of the tokens after it (not the answer's)."""
+        if self.stopped:
+            return ""
+        delta, self.stopped = self.text.feed(tokens)
+        if self.stopped:
+            self.handle.cancel("stop")
+            del self.pending[max(self.text.used - self.sent_tokens, 0):]
+        return delta
+
+    def add_logprobs(self, entries: list) -> None:
+        if not self.stopped:
+            self.pending.extend(entries)
+
+    def final(self) -> str:
+        """The text held back until the answer ended (a possible stop sequence's start)."""
+        return "" if self.stopped else self.text.feed([], final=True)[0]
+
     def reason(self) -> str:
         return "stop" if self.stopped else protocol.finish_reason(self.fin.reason)
 
@@ -307,13 +327,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 c = choices[i]
                 if kind == "tokens":
                     _observe(t0, payload, c.handle)
-                    if not c.stopped:
-                        _, c.stopped = c.text.feed(payload)
-                        if c.stopped:
-                            c.handle.cancel("stop")
+                    c.feed(payload)
                 elif kind == "logprobs":
-                    if not c.stopped:
-                        c.pending.extend(payload)
+                    c.add_logprobs(payload)
                 else:
                     c.fin = payload
         finally:
@@ -331,10 +347,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                          code="server_shutdown")
         out = []
         for i, c in enumerate(choices):
-            if not c.stopped:
-                c.text.feed([], final=True)
-            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending[:c.text.used], chat, pieces,
-                                                                         c.offsets)
+            c.final()
+            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
             out.append(protocol.choice(i, chat, c.text.text, c.reason(), lp))
         metrics.observe_end(time.perf_counter() - t0)
         return protocol.completion(rid, gen.model, chat, out, protocol.usage(len(ids), sum(c.used() for c in choices)),
@@ -392,18 +406,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 c = choices[i]
                 if kind == "tokens":
                     _observe(t0, payload, c.handle)
-                    if c.stopped:
-                        continue
-                    delta, c.stopped = c.text.feed(payload)
-                    if c.stopped:
-                        c.handle.cancel("stop")
-                        del c.pending[max(c.text.used - c.sent_tokens, 0):]  # after the stop: not the answer's
+                    delta = c.feed(payload)
                     if delta:
                         yield sse(part(text=delta, logprobs=logprobs(c), index=i))
                     continue
                 if kind == "logprobs":
-                    if not c.stopped:
-                        c.pending.extend(payload)
+                    c.add_logprobs(payload)
                     continue
                 c.fin = payload
                 if c.fin.reason == "error":
@@ -415,10 +423,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                                   code="server_shutdown"))
                     yield "data: [DONE]\n\n"
                     return
-                if not c.stopped:
-                    delta, _ = c.text.feed([], final=True)
-                    if delta:
-                        yield sse(part(text=delta, logprobs=logprobs(c), index=i))
+                delta = c.final()
+                if delta:
+                    yield sse(part(text=delta, logprobs=logprobs(c), index=i))
                 yield sse(part(reason=c.reason(), logprobs=logprobs(c) if c.pending else None, index=i))
             if any(c.fin is None for c in choices):
                 return
