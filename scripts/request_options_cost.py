@@ -1,4 +1,4 @@
-"""What a request's logprobs and logit_bias cost per token: the engine's decode speed on one greedy
+"""What a request's logprobs, logit_bias and penalties cost per token: the engine's decode speed on one greedy
 answer with each option against none, the variants interleaved over several rounds (best kept).
 
     .venv/bin/python scripts/request_options_cost.py [--rounds 5] [--max-new-tokens 128]
@@ -8,7 +8,9 @@ compiled steps are shared; each variant compiles its own step once, in a first u
 the same chat prompt (EOS ignored, so every answer has the same length) with: no option (twice,
 as a control: the two differ only by the run's noise); ``logprobs=0`` (the chosen token's log-probability);
 ``logprobs=20`` (OpenAI's most alternatives); a ``logit_bias`` of one token at +0.5 (the bias array
-on every step, the answer unchanged unless that token is a near-tie). Prints tok/s of the decode
+on every step, the answer unchanged unless that token is a near-tie); a presence penalty of 1e-4
+(the output's token counts scattered every step, the tree nodes' paths added; the answer unchanged
+unless a near-tie). Prints tok/s of the decode
 phase (`Finished.decode_s`) per variant and its ratio to no option, and checks that every variant's
 tokens equal the first's (the bias's token is chosen to be absent from the answer). Each round
 starts with another variant, so that none always runs first.
@@ -31,7 +33,7 @@ def main(argv=None) -> int:
 
     import medusa_jax as mj
     from medusa_jax.decoding.engine import Engine
-    from medusa_jax.decoding.requests import Request
+    from medusa_jax.decoding.requests import Request, SamplingParams
 
     model = mj.load_model(weights="as-stored")
     heads, tree, _ = mj.resolve_heads(model, None)
@@ -46,7 +48,8 @@ def main(argv=None) -> int:
     first = answer()
     absent = next(t for t in range(1000, model.cfg.vocab_size) if t not in first.tokens)
     variants = {"none": {}, "none, again": {}, "logprobs=0": {"logprobs": 0}, "logprobs=20": {"logprobs": 20},
-                "logit_bias (1 token, +0.5)": {"logit_bias": {absent: 0.5}}}
+                "logit_bias (1 token, +0.5)": {"logit_bias": {absent: 0.5}},
+                "presence_penalty=1e-4": {"sampling": SamplingParams(presence_penalty=1e-4)}}
     best = {k: 0.0 for k in variants}
     names = list(variants)
     for r in range(1 + args.rounds):  # the first round compiles each variant's step

@@ -737,6 +737,35 @@ def test_logit_bias_bans_and_forces_tokens_as_plain_decoding_does(client, smollm
     assert r.choices[0].text == smollm2.tokenizer.decode([forced] * 5)
 
 
+def test_penalties_are_plain_decodings_with_the_same_penalties(client, smollm2):
+    """presence_penalty, frequency_penalty (OpenAI's), repetition_penalty and min_p (vLLM's, through
+    the openai client's extra_body) with the openai client: the server's Medusa answer is the engine's
+    plain decoding with the same settings, greedy and sampled, and the penalties change the answer."""
+    import medusa_jax as mj
+    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.decoding.requests import Request as EngineRequest
+    from medusa_jax.decoding.requests import SamplingParams
+
+    q = QUESTIONS[1]
+    msgs = [{"role": "user", "content": q}]
+    ids = mj.apply_chat_template(smollm2.tokenizer, q)
+    engine = Engine(smollm2.cfg, smollm2.params, max_batch=1, speculation="off")
+    first = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, temperature=0)
+    answers = []
+    for kw, sampling in (
+            (dict(frequency_penalty=1.0, presence_penalty=0.5), SamplingParams(presence_penalty=0.5,
+                                                                              frequency_penalty=1.0)),
+            (dict(temperature=0.8, seed=3, extra_body={"repetition_penalty": 1.3, "min_p": 0.05}),
+             SamplingParams(0.8, 1.0, 3, min_p=0.05, repetition_penalty=1.3))):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=48, **dict({"temperature": 0}, **kw))
+        handle = engine.submit(EngineRequest(ids, 48, sampling))
+        engine.run()
+        want = smollm2.tokenizer.decode(handle.finished.tokens, skip_special_tokens=True)
+        assert r.choices[0].message.content == want, kw
+        answers.append(want)
+    assert answers[0] != first.choices[0].message.content  # the greedy penalties changed the answer
+
+
 def test_openai_defaults_and_vllm_extensions_are_checked():
     """Fields sent at their defaults pass (clients send them); vLLM's extensions are honoured or
     refused, never ignored; any 64-bit seed maps into the engine's; integral floats are integers;
@@ -750,11 +779,22 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     gen = check_request(dict(body, **defaults), [MODEL], 64, True)
     assert (gen.temperature, gen.stop_token_ids, gen.ignore_eos, gen.include_stop) == (1.0, None, False, False)
     assert gen.eos_override([2]) is None and gen.add_generation_prompt and not gen.continue_final_message
-    for name, value in (("skip_special_tokens", False), ("repetition_penalty", 1.2), ("best_of", 2),
-                        ("suffix", "x"), ("tool_choice", "auto"), ("min_p", 0.1)):
+    for name, value in (("skip_special_tokens", False), ("best_of", 2), ("suffix", "x"), ("tool_choice", "auto"),
+                        ("min_tokens", 3)):
         with pytest.raises(RequestError, match=f"^{name}") as e:
             check_request(dict(body, **{name: value}), [MODEL], 64, True)
         assert e.value.param == name and e.value.code == "unsupported_parameter"
+    gen = check_request(dict(body, presence_penalty=-2, frequency_penalty=1.5, repetition_penalty=1.2, min_p=0.1),
+                        [MODEL], 64, True)
+    assert (gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty, gen.min_p) == (-2.0, 1.5, 1.2, 0.1)
+    gen = check_request(body, [MODEL], 64, True)
+    assert (gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty, gen.min_p) == (0.0, 0.0, 1.0, 0.0)
+    for name, bad, interval in (("presence_penalty", 2.5, r"\[-2.0, 2.0\]"), ("frequency_penalty", -3, r"\[-2.0, 2.0\]"),
+                                ("repetition_penalty", 0, r"\(0.0, 2.0\]"), ("min_p", 1.01, r"\[0.0, 1.0\]"),
+                                ("min_p", True, "")):
+        with pytest.raises(RequestError, match=f"^{name} must be {'in ' + interval if interval else 'a number'}") as e:
+            check_request(dict(body, **{name: bad}), [MODEL], 64, True)
+        assert e.value.param == name
     assert check_request(dict(body, top_k=1, temperature=0.9), [MODEL], 64, True).temperature == 0.0  # greedy
     for k, want in ((-1, 0), (0, 0), (5, 5), (10 ** 12, 10)):  # k >= the vocabulary: every token
         assert check_request(dict(body, top_k=k), [MODEL], 64, True, vocab_size=10).top_k == want, k

@@ -35,6 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_dtype_arg(p)
     common.add_acceptance_args(p, seeds_help="answer i of the session (counting from 0, across /reset) uses "
                                              "(seed + i) mod 2**31")
+    common.add_penalty_args(p)
     common.add_lookup_arg(p)
     return p
 
@@ -46,6 +47,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p = build_parser()
     args = p.parse_args(argv)
     acc = common.acceptance_from_args(p, args)
+    penalties = common.penalties_from_args(p, args)
     if args.max_new_tokens < 1:
         p.error(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.prefix_cache_mb < 0:
@@ -121,7 +123,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                 prompt = render_chat(model.tokenizer,
                                      ([{"role": "system", "content": system}] if system else []) + messages)
                 handle = engine.submit(Request(prompt, args.max_new_tokens,
-                                               acc.sampling(prompt_seed(args.seed, turn))))
+                                               acc.sampling(prompt_seed(args.seed, turn))._replace(**penalties)))
             except ValueError as e:  # the conversation outgrew the context (or this message alone fills it)
                 print(f"error: {e}" + ("; /reset starts a new conversation" if len(messages) > 1 else ""),
                       file=sys.stderr)

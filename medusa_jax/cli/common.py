@@ -384,6 +384,40 @@ def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (
     p.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling, in [0, 2**31); " + seeds_help)
 
 
+def add_penalty_args(p) -> None:
+    """The penalty and min-p flags of medusa-chat (`penalties_from_args`; the engine's, as vLLM's)."""
+    p.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="divide a positive logit (multiply a negative one) of every token already in the conversation "
+                        "or the answer by this, in (0, 2]; 1 (the default) is off, above 1 discourages repeats")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token the answer already holds, in [-2, 2] (OpenAI's)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count in the answer so far from its logit, in [-2, 2] "
+                        "(OpenAI's)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="sampling (temperature > 0): drop tokens less likely than this fraction of the most likely "
+                        "one, in [0, 1]; 0 (the default) keeps every token")
+
+
+def penalties_from_args(p, args) -> dict:
+    """The `decoding.requests.SamplingParams` fields of `add_penalty_args`' flags (min_p,
+    presence_penalty, frequency_penalty, repetition_penalty), checked: a bad value exits through
+    ``p.error`` with a one-line message. Greedy answers with penalties stay plain greedy's with them."""
+    from medusa_jax.decoding.args import check_penalties
+    from medusa_jax.decoding.requests import SamplingParams
+
+    fields = {name: getattr(args, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
+                                                     "repetition_penalty")}
+    try:
+        check_penalties(SamplingParams(**fields))
+    except ValueError as e:
+        name = str(e).split(" ")[0]
+        p.error(f"--{name.replace('_', '-')}{str(e)[len(name):]}")
+    if args.temperature == 0 and args.min_p != 0:
+        print(f"note: --min-p {args.min_p} has no effect at temperature 0 (greedy decoding)", file=sys.stderr)
+    return fields
+
+
 def acceptance_from_args(p, args):
     """The `decoding.acceptance.Acceptance` of the flags from `add_acceptance_args`; sets ``args.acceptance`` to
     the method that runs ("greedy" at temperature 0, "exact" by default above). Bad values exit

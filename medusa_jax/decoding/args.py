@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 import operator
 from typing import Any, Callable, List, Optional, Sequence, Tuple
 
@@ -215,6 +216,18 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
     return out, eos
 
 
+def check_penalties(s) -> None:
+    """Raise ValueError unless a `SamplingParams`' min_p is in [0, 1], its presence and frequency
+    penalties in [-2, 2] (OpenAI's range) and its repetition penalty in (0, 2] (vLLM's)."""
+    for name, low, high in (("min_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Real) or not low <= v <= high:
+            raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {v!r}")
+    r = s.repetition_penalty
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 < r <= 2:
+        raise ValueError(f"repetition_penalty must be a number in (0, 2] (1 = off), got {r!r}")
+
+
 def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
                     default_id: Callable[[], str]) -> Request:
     """`request` checked for an engine whose model has `vocab_size` tokens and whose rows hold
@@ -223,7 +236,7 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
 
     Raises ValueError saying what is wrong (an empty prompt, an id outside the vocabulary,
     max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a top_k that is not an int in
-    [0, 2**31), a seed outside [0, 2**31), logprobs outside [0, `MAX_TOP_LOGPROBS`], a logit_bias
+    [0, 2**31), a seed outside [0, 2**31), penalties or a min_p out of range (`check_penalties`), logprobs outside [0, `MAX_TOP_LOGPROBS`], a logit_bias
     with an id outside the vocabulary or a value that is not a finite number) and PromptTooLongError
     (a prompt that leaves no room for an answer)."""
     p = [int(t) for t in request.prompt]
@@ -243,6 +256,9 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
     check_top_k(s.top_k)
     if not 0 <= int(s.seed) < SEED_LIMIT:
         raise ValueError(f"seed must be in [0, 2**31), got {s.seed}")
+    check_penalties(s)
+    s = s._replace(min_p=float(s.min_p), presence_penalty=float(s.presence_penalty),
+                   frequency_penalty=float(s.frequency_penalty), repetition_penalty=float(s.repetition_penalty))
     lp = request.logprobs
     if lp is not None and (isinstance(lp, bool) or not isinstance(lp, int) or not 0 <= lp <= MAX_TOP_LOGPROBS):
         raise ValueError(f"logprobs must be None or an int in [0, {MAX_TOP_LOGPROBS}], got {lp!r}")

@@ -1,19 +1,19 @@
 """The engine's batch on the device: one decoding step over the live rows, a prefilled row copied
-in, the batch re-laid (rows gathered, cache grown), an empty batch, and the rows' logit biases.
+in, the batch re-laid (rows gathered, cache grown), and an empty batch.
 Jitted; the engine compiles
 them ahead of time (`decoding.compile.aot`) so that no timing includes a compilation."""
 from __future__ import annotations
 
 import functools
-from typing import Mapping, Optional, Sequence, Tuple
+from typing import Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from medusa_jax import sharding
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.loop import put_row
+from medusa_jax.decoding.processors import LogitsProcessors
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.step import medusa_step
 from medusa_jax.decoding.tree import TreeBuffers
@@ -26,12 +26,12 @@ from medusa_jax.models.llama import compute_dtype
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnames=("state",))
 def engine_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
                 logprobs: Optional[int], params, head_params, state: DecodeState,
-                live: jax.Array, bias: Optional[jax.Array] = None) -> Tuple[StepOutput, DecodeState]:
+                live: jax.Array, procs: Optional[LogitsProcessors] = None) -> Tuple[StepOutput, DecodeState]:
     """`medusa_step` over the batch, every row that is not `live` ([B] bool) left at length 0 (a
-    free row computes, but never grows out of its cache); `logprobs` and `bias` ([B, V] float32 or
-    None) as there (logprobs None: off, N: the emitted tokens' log-probabilities with N alternatives
-    each). The state is donated."""
-    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state, logprobs, bias)
+    free row computes, but never grows out of its cache); `logprobs` and `procs` (the rows' logit
+    bias, penalties and min_p, or None) as there (logprobs None: off, N: the emitted tokens'
+    log-probabilities with N alternatives each). The state is donated."""
+    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state, logprobs, procs)
     lengths = jnp.where(live, st.cache.lengths, 0)
     return out, constrain_state(st.replace(cache=st.cache.replace(lengths=lengths)))
 
@@ -76,14 +76,3 @@ def empty_batch(cfg: ModelConfig, params, rows: int, size: int) -> DecodeState:
     return DecodeState(logits=put(state.logits), hidden=put(state.hidden), cache=cache, key=put(state.key),
                        temperature=put(state.temperature), top_p=put(state.top_p), top_k=put(state.top_k))
 
-
-def dense_bias(biases: Sequence[Optional[Mapping[int, float]]], vocab_size: int) -> Optional[np.ndarray]:
-    """[B, V] float32 of the rows' logit biases (token id -> value added to its logit; None or {}:
-    none), or None when no row has one (the step then compiles without)."""
-    if not any(biases):
-        return None
-    out = np.zeros((len(biases), vocab_size), np.float32)
-    for b, bias in enumerate(biases):
-        if bias:
-            out[b, list(bias)] = list(bias.values())
-    return out

@@ -43,11 +43,12 @@ import numpy as np
 
 from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
 from medusa_jax.decoding.args import CONTEXT, checked_request
-from medusa_jax.decoding.batch import dense_bias, empty_batch, engine_step, insert_row, regroup
+from medusa_jax.decoding.batch import empty_batch, engine_step, insert_row, regroup
 from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
+from medusa_jax.decoding.processors import changes_logits, dense_processors
 from medusa_jax.decoding.requests import FINISH_REASONS, Finished, Request, RequestHandle, TokenLogprob
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.state import DecodeState, StepOutput
@@ -146,9 +147,9 @@ class Engine:
         self.progress = progress
         self.compile_s = 0.0  # seconds spent compiling and in first calls (`compile.warm_up`); left out of every timing
         self.state: Optional[DecodeState] = None
-        self._steps: dict = {}  # (tree index, rows, cache size, acceptance, logprobs, bias) -> compiled step
+        self._steps: dict = {}  # (tree index, rows, cache size, acceptance, logprobs, processors) -> compiled step
         self._live_masks: dict = {}  # live rows (a tuple of bools) -> the [B] mask on the device
-        self._bias = (None, None)  # (the rows it was built for, the rows' [B, V] logit biases on the device or None)
+        self._procs = (None, None)  # (the rows it was built for, their `LogitsProcessors` on the device, or None)
         self.flights: "collections.deque[_Flight]" = collections.deque()  # steps dispatched, not read back
         self._mark = (0.0, 0.0)  # (time, compile_s) of the last read-back: a step's cost runs from there
         self._clean = True  # only decoding steps ran since the mark (their interval is a step cost)
@@ -446,14 +447,15 @@ class Engine:
         mask = tuple(r is not None for r in self.rows)
         if mask not in self._live_masks:
             self._live_masks[mask] = jnp.asarray(np.asarray(mask, bool))
-        biased = tuple(r if r is not None and r.request.logit_bias else None for r in self.rows)
-        if biased != self._bias[0]:  # rebuilt when the rows with a logit bias change
-            dense = dense_bias([r and r.request.logit_bias for r in biased], self.cfg.vocab_size)
-            self._bias = (biased, None if dense is None else jnp.asarray(dense))
-        args = (self.params, self.head_params, self.state, self._live_masks[mask], self._bias[1])
+        processing = tuple(r if r is not None and changes_logits(r.request) else None for r in self.rows)
+        if processing != self._procs[0]:  # rebuilt when the rows with a logit bias, penalty or min_p change
+            dense = dense_processors([r and r.request for r in processing], self.cfg.vocab_size)
+            self._procs = (processing, None if dense is None else jax.tree_util.tree_map(jnp.asarray, dense))
+        procs = self._procs[1]
+        args = (self.params, self.head_params, self.state, self._live_masks[mask], procs)
         asked = [self.rows[b].request.logprobs for b in live_rows if self.rows[b].request.logprobs is not None]
         lp = max(asked) if asked else None  # rows asking for fewer alternatives keep their first ones
-        key = (i, len(self.rows), self.S, acc, lp, self._bias[1] is not None)
+        key = (i, len(self.rows), self.S, acc, lp, None if procs is None else procs.used)
         fn = self._steps.get(key)
         if fn is None:
             fn = self._steps[key] = self._compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc, lp), args)

@@ -17,11 +17,23 @@ FINISH_REASONS = ("eos", "stop", "length", "cache_full", "cancelled", "error")
 class SamplingParams(NamedTuple):
     """A request's sampling: temperature 0 = greedy; top_p in (0, 1]; seed in [0, 2**31) (the token at
     each position is chosen by that position's uniform from the seed: `decoding.sampling`); top_k >= 0
-    (0 = every token; applied before top_p, as vLLM does)."""
+    (0 = every token; applied before top_p, as vLLM does).
+
+    The penalties and min_p follow vLLM's `SamplingParams` (`decoding.processors`):
+    presence_penalty and frequency_penalty in [-2, 2] (OpenAI's: subtracted once for a token the
+    answer already holds, and once per occurrence); repetition_penalty > 0 (1: off; a token of the
+    prompt or the answer has its logit divided by it when positive, multiplied when negative);
+    min_p in [0, 1] (sampled rows only: tokens below min_p times the most likely token's
+    probability are dropped). Greedy rows apply the penalties too, so a greedy answer with
+    penalties is plain greedy decoding's with the same penalties."""
     temperature: float = 0.0
     top_p: float = 1.0
     seed: int = 0
     top_k: int = 0
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
 
 @dataclass

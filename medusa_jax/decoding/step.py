@@ -32,6 +32,7 @@ from medusa_jax.decoding.draft import draft_tokens
 from medusa_jax.decoding.dynamic import dynamic_draft
 from medusa_jax.decoding.logprobs import emitted_logprobs
 from medusa_jax.decoding.lookup import ngram_draft, ngram_drafts
+from medusa_jax.decoding.processors import LogitsProcessors, step_logits
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.tree import TreeBuffers, chain_tree, check_depth
@@ -64,17 +65,17 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
     return KVCache(k=k, v=v, lengths=new_lengths, tokens=tokens)
 
 
-def step_root(acc: Acceptance, state: DecodeState) -> jax.Array:
+def step_root(acc: Acceptance, state: DecodeState, procs: Optional[LogitsProcessors] = None) -> jax.Array:
     """[B] int32, the root token `medusa_step` decodes from `state`: each row's choice from
-    ``state.logits`` at its position ``cache.lengths`` (the argmax, or a sample by that position's
-    uniform: `decoding.sampling.sample_tokens`)."""
-    return sample_tokens(state.logits, state.key, state.cache.lengths, state.temperature, state.top_p,
+    ``state.logits`` (processed by `procs`: `decoding.processors`) at its position ``cache.lengths``
+    (the argmax, or a sample by that position's uniform: `decoding.sampling.sample_tokens`)."""
+    return sample_tokens(step_logits(procs, state), state.key, state.cache.lengths, state.temperature, state.top_p,
                          sampled=acc.mode != "greedy", nucleus=acc.filters, top_k=state.top_k)
 
 
 def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
                 params, head_params, state: DecodeState, logprobs: Optional[int] = None,
-                bias: Optional[jax.Array] = None) -> Tuple[StepOutput, DecodeState]:
+                procs: Optional[LogitsProcessors] = None) -> Tuple[StepOutput, DecodeState]:
     """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
 
     1. Root token: the argmax, or a sample at the row's temperature and top-p, of ``state.logits``
@@ -104,15 +105,17 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     nodes for its T slots (`decoding.dynamic.add_chain_tokens`), not a replacement for it.
 
     With `logprobs` N (static; None: off) the output also holds the emitted tokens' log-probabilities
-    and their N most likely alternatives (`decoding.logprobs.emitted_logprobs`). With `bias` ([B, V]
-    float32, OpenAI's ``logit_bias``) every token is chosen from logits + bias, the root's and the
-    posterior's alike, so a plain step and a Medusa step still choose the same tokens; the heads'
-    drafts, the log-probabilities and the logits handed to the next step stay the model's own.
+    and their N most likely alternatives (`decoding.logprobs.emitted_logprobs`). With `procs` (the
+    rows' logit bias, penalties and min_p: `decoding.processors.LogitsProcessors`) every token is
+    chosen from the processed logits, the root's and each tree node's alike (a node's penalties
+    count the tokens on its path), so a plain step and a Medusa step still choose the same tokens;
+    the heads' drafts, the log-probabilities and the logits handed to the next step stay the
+    model's own.
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
     """
-    root = step_root(acc, state if bias is None else state.replace(logits=state.logits + bias))
+    root = step_root(acc, state, procs)
     D = tree.max_depth
     if D > 0:
         if heads_cfg is None:
@@ -132,11 +135,11 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     compact = tree.dynamic is not None or tree.size > D + 1
     if tree.lookup is None:
         verified, tokens = heads_draft(None)
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, bias)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, procs)
     if tree.dynamic is not None:  # the copied chains compete with the heads' nodes for the T slots
         drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m], [B]
         verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts)
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, bias)
+        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, procs)
     copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
     # by data (a lax.cond around the forward made XLA copy the KV cache every step)
@@ -151,16 +154,16 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
     per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h)
     arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), heads_rows)
-    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width, logprobs, bias)
+    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width, logprobs, procs)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
                  tree_tokens: jax.Array, width: int, logprobs: Optional[int] = None,
-                 bias: Optional[jax.Array] = None) -> Tuple[StepOutput, DecodeState]:
+                 procs: Optional[LogitsProcessors] = None) -> Tuple[StepOutput, DecodeState]:
     """Steps 3-5 of `medusa_step` for the [B, T] tokens on the nodes of `tree` (a `TreeBuffers`, or
     `TreeArrays` with a row axis: each row's own tree; root first). compact (static): whether the
     accepted path's K/V must move (False for a chain, whose accepted prefix is in place). The
-    emitted tokens (and their `logprobs`, when asked for) are padded to `width` columns; `bias`: as
+    emitted tokens (and their `logprobs`, when asked for) are padded to `width` columns; `procs`: as
     `medusa_step`'s."""
     B = tree_tokens.shape[0]
     tr = tree_rows(tree, B)
@@ -170,8 +173,8 @@ def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params,
     logits, hidden, cache = LlamaModel(cfg).apply(
         {"params": params}, tree_tokens, positions, state.cache, tr.ancestor_mask)
     if D > 0:
-        best, acc_len = evaluate_posterior(logits if bias is None else logits + bias[:, None], tree_tokens, tr, acc,
-                                           state, start)
+        chosen_from = step_logits(procs, state, logits, tree_tokens, tr.ancestor_mask)
+        best, acc_len = evaluate_posterior(chosen_from, tree_tokens, tr, acc, state, start)
         path_nodes = jnp.take_along_axis(tr.retrieve_indices, best[:, None, None], axis=1)[:, 0]  # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]
         if compact:

@@ -305,7 +305,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         choices = []
         try:
             for i in range(gen.n):  # choice i samples with seed + i (greedy choices are all alike)
-                sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + i) % 2 ** 31, gen.top_k)
+                sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + i) % 2 ** 31, gen.top_k, gen.min_p,
+                                          gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty)
                 handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
                                                      logprobs=gen.logprobs, logit_bias=gen.logit_bias),
                                        on_event=functools.partial(on_event, i))

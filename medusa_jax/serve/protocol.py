@@ -28,7 +28,7 @@ UNSUPPORTED: Dict[str, Any] = {
     "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None, "suffix": "",
     "best_of": 1, "echo": False,
     # vLLM's sampling and output extensions (its defaults)
-    "min_tokens": 0, "repetition_penalty": 1.0, "min_p": 0.0, "use_beam_search": False, "length_penalty": 1.0,
+    "min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
     "bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
@@ -91,6 +91,10 @@ class Generation:
     logprobs: Optional[int] = None                # alternatives per token when logprobs were asked for
     n: int = 1                                    # choices (choice i samples with seed + i)
     logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit (None: none)
+    presence_penalty: float = 0.0                 # OpenAI's, [-2, 2]
+    frequency_penalty: float = 0.0                # OpenAI's, [-2, 2]
+    repetition_penalty: float = 1.0               # vLLM's, (0, 2] (1: off)
+    min_p: float = 0.0                            # vLLM's, [0, 1] (0: off)
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -163,10 +167,11 @@ def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
 def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_size: int = 2 ** 31) -> Generation:
     """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
 
-    OpenAI's fields include ``logprobs`` / ``top_logprobs`` (`_logprobs`), ``n`` (up to `MAX_CHOICES`)
-    and ``logit_bias`` (`_logit_bias`); tools, penalties and guided output are refused. Besides
-    OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``, ``include_stop_str_in_output``,
-    ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut before ``top_p``), and for chats
+    OpenAI's fields include ``logprobs`` / ``top_logprobs`` (`_logprobs`), ``n`` (up to `MAX_CHOICES`),
+    ``logit_bias`` (`_logit_bias`) and ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]); tools
+    and guided output are refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
+    ``include_stop_str_in_output``, ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut
+    before ``top_p``), ``repetition_penalty`` ((0, 2], 1: off), ``min_p`` ([0, 1]), and for chats
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the
     template, e.g. Qwen3's ``enable_thinking``) are honoured; its other extensions are refused unless at
     their defaults.
@@ -194,13 +199,9 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                                code="unsupported_parameter")
     logprobs = _logprobs(body, chat)
     logit_bias = _logit_bias(body, vocab_size)
-    for name in ("presence_penalty", "frequency_penalty"):
-        v = body.get(name)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-            raise RequestError(f"{name} must be a number, got {v!r}", name)
-        if v not in (None, 0, 0.0):
-            raise RequestError(f"{name} is not supported by this server (only 0)", name,
-                               code="unsupported_parameter")
+    penalties = {name: _number(body, name, 0.0, -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty")}
+    penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True)
+    penalties["min_p"] = _number(body, "min_p", 0.0, 0.0, 1.0)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
         raise RequestError("response_format: only {'type': 'text'} is supported", "response_format",
@@ -308,7 +309,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       created=created, stop_token_ids=stop_ids or None,
                       ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
-                      n=n, logit_bias=logit_bias, **extras)
+                      n=n, logit_bias=logit_bias, **penalties, **extras)
 
 
 def _logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:

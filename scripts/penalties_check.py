@@ -1,0 +1,104 @@
+"""Medusa with penalties on the real model: every answer of the engine's Medusa steps (the shipped
+heads and tree) against its plain steps with the same penalties, token for token.
+
+    .venv/bin/python scripts/penalties_check.py --prompts ../shared/data/FastChat_mt_bench_question.jsonl
+
+For each setting (greedy: a repetition penalty of 1.3; presence 0.5 with frequency 0.5; sampled at
+temperature 0.7 with min_p 0.05 and a repetition penalty of 1.2, seed = the prompt's index), the first
+turn of each prompt is answered by an Engine with speculation off and one with it always on; the
+two must be identical. A greedy difference is counted as a near-tie when the penalized logits'
+top-2 gap at the first differing token (one plain forward, vLLM's penalties in numpy) is below
+`evals.lossless.TIE_GAPS` (as `medusa-check` does). Prints per setting: identical / prompts,
+near-ties, tokens per step, and how many answers the penalties changed against the greedy answer
+without them. Exits 1 when an answer differs and is not a near-tie.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+SETTINGS = {
+    "repetition 1.3": dict(repetition_penalty=1.3),
+    "presence 0.5 + frequency 0.5": dict(presence_penalty=0.5, frequency_penalty=0.5),
+    "sampled 0.7, min_p 0.05, repetition 1.2": dict(temperature=0.7, min_p=0.05, repetition_penalty=1.2),
+}
+
+
+def penalized_gap(cfg, params, prompt, answer, s) -> float:
+    """Top-2 gap of the penalized logits after prompt + answer (one plain forward)."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from medusa_jax.models.llama import LlamaModel
+
+    ids = jnp.asarray([list(prompt) + list(answer)], jnp.int32)
+    logits = np.asarray(LlamaModel(cfg).apply({"params": params}, ids, jnp.arange(ids.shape[1])[None])[0][0, -1],
+                        np.float64)
+    V = logits.shape[-1]
+    counts = np.bincount(np.asarray(answer, int), minlength=V)
+    seen = (counts > 0) | (np.bincount(np.asarray(prompt, int), minlength=V) > 0)
+    r = np.where(seen, s.repetition_penalty, 1.0)
+    x = np.where(logits > 0, logits / r, logits * r) - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
+    top = np.sort(x)[-2:]
+    return float(top[1] - top[0])
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--prompts", required=True, help="a JSONL file of questions (MT-bench's 'turns', or 'prompt')")
+    p.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
+    p.add_argument("--max-batch", type=int, default=4, help="rows of each engine")
+    args = p.parse_args(argv)
+
+    import medusa_jax as mj
+    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.decoding.requests import Request, SamplingParams
+    from medusa_jax.evals.lossless import TIE_GAPS
+    from medusa_jax.evals.lossless import first_difference as diff
+
+    with open(args.prompts) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    texts = [r["turns"][0] if "turns" in r else r["prompt"] for r in records]
+    texts = texts[:args.limit] if args.limit else texts
+    model = mj.load_model(weights="as-stored")
+    heads, tree, _ = mj.resolve_heads(model, None)
+    prompts = [mj.apply_chat_template(model.tokenizer, t) for t in texts]
+    plain = Engine(model.cfg, model.params, max_batch=args.max_batch, speculation="off", progress=False)
+    medusa = Engine(model.cfg, model.params, heads=heads, tree=tree, max_batch=args.max_batch, speculation="always",
+                    progress=False)
+
+    def answers(engine, sampling):
+        handles = [engine.submit(Request(ids, args.max_new_tokens, s)) for ids, s in zip(prompts, sampling)]
+        engine.run()
+        return [h.finished for h in handles]
+
+    unpenalized = [f.tokens for f in answers(plain, [SamplingParams()] * len(prompts))]
+    failed = 0
+    print(f"{len(prompts)} prompts, {args.max_new_tokens} tokens, tree {tree}")
+    for name, kw in SETTINGS.items():
+        sampling = [SamplingParams(seed=i, **kw) for i in range(len(prompts))]
+        ref, got = answers(plain, sampling), answers(medusa, sampling)
+        same = ties = 0
+        for ids, s, a, b in zip(prompts, sampling, ref, got):
+            i = diff(a.tokens, b.tokens)
+            if i is None:
+                same += 1
+            elif (s.temperature == 0 and i < min(len(a.tokens), len(b.tokens))
+                  and penalized_gap(model.cfg, model.params, ids, a.tokens[:i], s) < TIE_GAPS["float32"]):
+                ties += 1
+            else:
+                failed += 1
+        changed = sum(a.tokens != u for a, u in zip(ref, unpenalized))
+        tps = sum(len(f.tokens) for f in got) / sum(f.steps for f in got)
+        print(f"{name:42s} identical {same}/{len(prompts)}, near-ties {ties}, {tps:.3f} tokens/step "
+              f"(answers changed by the setting: {changed}/{len(prompts)})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

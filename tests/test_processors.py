@@ -1,0 +1,170 @@
+"""Penalties (presence, frequency, repetition) and min_p: the functions against a numpy transcription
+of vLLM's sampler, answers against a plain forward over them, and Medusa steps choosing exactly
+what plain steps choose (greedy and sampled), a variant that forgets the tree paths' tokens failing."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from conftest import random_heads, tiny_decoding_model
+
+from medusa_jax.decoding import compile as compile_mod
+from medusa_jax.decoding import processors
+from medusa_jax.decoding.engine import Engine
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.decoding.requests import Request, SamplingParams
+from medusa_jax.decoding.tree import get_tree, with_lookup
+from medusa_jax.models.llama import LlamaModel
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+V = 64
+TREE = with_lookup(get_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)], topk=4),
+                   PromptLookup(num_tokens=3, max_ngram=3, min_ngram=1))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg, params = tiny_decoding_model(V)
+    heads = random_heads(cfg, params, num_heads=3)
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, V, size=int(rng.integers(3, 40))).tolist() for _ in range(8)]
+    return cfg, params, heads, prompts
+
+
+def vllm_penalties(logits, prompt, output, presence, frequency, repetition):
+    """vLLM's ``apply_penalties`` for one row, in numpy: [V] logits, token lists."""
+    counts = np.bincount(np.asarray(output, int), minlength=logits.shape[-1]).astype(np.float32)
+    seen = (counts > 0) | (np.bincount(np.asarray(prompt, int), minlength=logits.shape[-1]) > 0)
+    r = np.where(seen, repetition, 1.0)
+    out = np.where(logits > 0, logits / r, logits * r)
+    return out - frequency * counts - presence * (counts > 0)
+
+
+def test_counts_and_penalties_match_numpy():
+    rng = np.random.default_rng(0)
+    B, S, T, Vs = 3, 12, 5, 9
+    tokens = rng.integers(0, Vs, (B, S)).astype(np.int32)
+    lengths, prompt_len = np.array([12, 7, 0], np.int32), np.array([4, 7, 0], np.int32)
+    counts, in_prompt = processors.context_counts(jnp.asarray(tokens), jnp.asarray(lengths),
+                                                  jnp.asarray(prompt_len), Vs)
+    for b in range(B):
+        np.testing.assert_array_equal(counts[b], np.bincount(tokens[b, prompt_len[b]:lengths[b]], minlength=Vs))
+        np.testing.assert_array_equal(in_prompt[b], np.bincount(tokens[b, :prompt_len[b]], minlength=Vs) > 0)
+    parents = [-1, 0, 0, 1, 3]
+    anc = np.zeros((T, T), bool)
+    for t in range(T):
+        a = t
+        while a >= 0:
+            anc[t, a], a = True, parents[a]
+    tree_tokens = rng.integers(0, Vs, (B, T)).astype(np.int32)
+    per_node = processors.path_counts(counts, jnp.asarray(np.broadcast_to(anc, (B, T, T))), jnp.asarray(tree_tokens))
+    for b in range(B):
+        for t in range(T):
+            path = tree_tokens[b, anc[t]]
+            np.testing.assert_array_equal(per_node[b, t], np.asarray(counts[b]) + np.bincount(path, minlength=Vs))
+    pen = np.array([[0.5, 0.3, 1.4], [-1.0, 2.0, 0.6], [0.0, 0.0, 1.0]], np.float32)
+    logits = rng.normal(size=(B, Vs)).astype(np.float32) * 3
+    got = processors.penalized(jnp.asarray(logits), jnp.asarray(pen), counts, in_prompt)
+    for b in range(B):
+        want = vllm_penalties(logits[b], tokens[b, :prompt_len[b]], tokens[b, prompt_len[b]:lengths[b]], *pen[b])
+        np.testing.assert_allclose(got[b], want, rtol=1e-6)
+    # min_p: a token survives iff its tempered probability is at least min_p times the largest
+    min_p, temp = np.array([0.2, 0.0, 0.5], np.float32), np.array([0.7, 1.0, 0.0], np.float32)
+    kept = np.isfinite(processors.min_p_filtered(jnp.asarray(logits), jnp.asarray(min_p), jnp.asarray(temp)))
+    p = np.exp(logits[0] / 0.7 - np.max(logits[0] / 0.7))
+    np.testing.assert_array_equal(kept[0], p >= 0.2)
+    assert kept[1].all() and kept[2].all()  # min_p 0; a greedy row
+
+
+def _raw_logits(cfg, params, prompt, answer):
+    """[len(answer), V] float32 logits of one plain forward over prompt + answer."""
+    ids = jnp.asarray([list(prompt) + list(answer)], jnp.int32)
+    logits = LlamaModel(cfg).apply({"params": params}, ids, jnp.arange(ids.shape[1])[None])[0][0]
+    return np.asarray(logits[len(prompt) - 1:-1], np.float32)
+
+
+def _answers(engine, requests):
+    handles = [engine.submit(r) for r in requests]
+    while not engine.idle():
+        engine.step()
+    return [list(h.finished.tokens) for h in handles], handles
+
+
+SETTINGS = [dict(presence_penalty=1.5), dict(frequency_penalty=2.0, repetition_penalty=1.5),
+            dict(frequency_penalty=-1.0, repetition_penalty=0.7), dict(repetition_penalty=1.8, min_p=0.2), {}]
+
+
+def test_greedy_penalties_are_vllms(tiny):
+    """Each greedy token is the argmax of vLLM's penalties applied to a plain forward's logits over
+    the answer so far, and the penalties change the answers."""
+    cfg, params, _, prompts = tiny
+    reqs = [Request(p, 24, SamplingParams(**s)) for p, s in zip(prompts, SETTINGS)]
+    got, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"), reqs)
+    unpenalized, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"),
+                              [Request(r.prompt, 24) for r in reqs])
+    assert sum(g != u for g, u in zip(got[:4], unpenalized[:4])) >= 3 and got[4] == unpenalized[4]
+    for r, answer in zip(reqs, got):
+        raw = _raw_logits(cfg, params, r.prompt, answer)
+        s = r.sampling
+        for j, tok in enumerate(answer):
+            x = vllm_penalties(raw[j], r.prompt, answer[:j], s.presence_penalty, s.frequency_penalty,
+                               s.repetition_penalty)
+            assert x[tok] >= x.max() - 1e-4, (j, tok, int(np.argmax(x)))
+
+
+def test_sampled_min_p_keeps_likely_tokens(tiny):
+    cfg, params, _, prompts = tiny
+    reqs = [Request(p, 32, SamplingParams(1.5, 1.0, seed, min_p=0.3)) for seed, p in enumerate(prompts[:4])]
+    got, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"), reqs)
+    free, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"),
+                       [Request(r.prompt, 32, r.sampling._replace(min_p=0.0)) for r in reqs])
+    low = 0
+    for r, answer, other in zip(reqs, got, free):
+        raw = _raw_logits(cfg, params, r.prompt, answer) / 1.5
+        p = np.exp(raw - raw.max(axis=-1, keepdims=True))
+        assert all(p[j, t] >= 0.3 - 1e-5 for j, t in enumerate(answer)), r.prompt
+        raw = _raw_logits(cfg, params, r.prompt, other) / 1.5
+        p = np.exp(raw - raw.max(axis=-1, keepdims=True))
+        low += sum(p[j, t] < 0.3 for j, t in enumerate(other))
+    assert low > 0  # without min_p the same seeds do draw such tokens
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, monkeypatch):
+    """Rows with penalties and min_p beside a row without: Medusa's answers are plain decoding's,
+    token for token; with the tree paths' own tokens left out of the counts they are not."""
+    cfg, params, heads, prompts = tiny
+    base = SamplingParams(0.9, 0.95, 11) if sampled else SamplingParams()
+    reqs = [Request(p, 40, base._replace(**s)) for p, s in zip(prompts, SETTINGS)]
+    plain, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"), reqs)
+    medusa, handles = _answers(Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="always"), reqs)
+    assert medusa == plain
+    accepted = sum(sum(h.finished.step_tokens) - h.finished.steps for h in handles[:4])
+    assert accepted > 3, accepted  # the tree's nodes past the root were chosen from, with their paths' counts
+
+    def no_path(counts, ancestor_mask, tree_tokens):
+        return jnp.broadcast_to(counts[:, None, :], tree_tokens.shape + counts.shape[-1:])
+
+    monkeypatch.setattr(processors, "path_counts", no_path)
+    jax.clear_caches()
+    compile_mod._COMPILED.clear()
+    try:
+        broken, _ = _answers(Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="always"), reqs)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+        compile_mod._COMPILED.clear()
+        compile_mod._CALLED.clear()
+    assert broken != plain
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("presence_penalty", 2.5, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
+    ("frequency_penalty", float("nan"), r"frequency_penalty must be a number in \[-2, 2\]"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be a number in \(0, 2\] \(1 = off\), got 0.0"),
+    ("min_p", 1.5, r"min_p must be a number in \[0, 1\], got 1.5"),
+    ("min_p", "0.1", r"min_p must be a number")])
+def test_bad_penalties_are_refused(tiny, field, value, message):
+    cfg, params, _, prompts = tiny
+    with pytest.raises(ValueError, match=message):
+        Engine(cfg, params, max_batch=1).submit(Request(prompts[0], 4, SamplingParams(**{field: value})))
