@@ -14,7 +14,7 @@ from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.generate import generate
 from medusa_jax.decoding.lookup import PromptLookup
-from medusa_jax.decoding.requests import Request, SamplingParams
+from medusa_jax.decoding.requests import EngineStopped, Request, SamplingParams
 from medusa_jax.decoding.tree import build_tree, get_tree, with_lookup
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -214,6 +214,16 @@ def test_background_thread_serves_concurrent_submitters(tiny):
     for i in range(8):
         streamed, final = results[i]
         assert streamed == final == alone(cfg, params, prompts[i], 12)
+    # stopped, the engine refuses new requests rather than queueing them where nothing runs them; started
+    # again, it answers
+    with pytest.raises(EngineStopped, match="the engine was stopped"):
+        engine.submit(Request(prompts[0], 4))
+    assert engine.idle()
+    engine.start()
+    try:
+        assert engine.submit(Request(prompts[0], 4)).result(600).tokens == alone(cfg, params, prompts[0], 4)
+    finally:
+        engine.stop()
 
 
 def test_bad_requests_are_refused_and_errors_stay_with_their_request(tiny, monkeypatch):
@@ -378,3 +388,14 @@ def test_logit_bias_steers_medusa_and_plain_steps_alike(tiny, sampled):
                           ({3: float("nan")}, "finite"), ({"3": 1.0}, "must map token ids")):
         with pytest.raises(ValueError, match=message):
             engine.submit(Request(prompts[0], 4, logit_bias=bias))
+
+
+def test_adaptive_engine_re_measures_the_other_trees(tiny):
+    """Once every tree is measured, the adaptive chooser still re-measures the ones it does not pick
+    (every `explore_every` steps, where their steps are compiled), also for requests with logprobs
+    and penalties, whose compiled steps' keys hold more than the tree and the shapes."""
+    cfg, params, heads, prompts = tiny
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=1, speculation="adaptive")
+    engine.chooser.explore_every = 4
+    run_staggered(engine, [Request(prompts[0], 160, SamplingParams(presence_penalty=0.1), logprobs=1)])
+    assert min(engine.chooser.chosen) > 2 * engine.chooser.min_measured, engine.chooser.chosen

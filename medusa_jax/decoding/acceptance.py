@@ -16,7 +16,7 @@ without copying full-vocabulary logits per path.
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -88,6 +88,18 @@ class Acceptance(NamedTuple):
             raise ValueError("typical acceptance needs posterior_threshold in (0, 1] and posterior_alpha >= 0, got "
                              f"{self.posterior_threshold} and {self.posterior_alpha}")
         return self
+
+
+def step_acceptance(sampling: Sequence[SamplingParams], method: str, posterior_threshold: float,
+                    posterior_alpha: float) -> Acceptance:
+    """The static `Acceptance` of one batched step over rows with these `SamplingParams` (each row
+    reads its own temperature, top-p and top-k from the state; greedy rows are greedy under any
+    rule): sampling with `method` when some row samples, with the filters' sort when some sampled
+    row cuts by top-p or top-k; else greedy."""
+    sampled = [s for s in sampling if s.temperature > 0]
+    return Acceptance(temperature=1.0 if sampled else 0.0, top_p=min([s.top_p for s in sampled] or [1.0]),
+                      top_k=max([s.top_k for s in sampled] or [0]), method=method if sampled else "exact",
+                      posterior_threshold=posterior_threshold, posterior_alpha=posterior_alpha)
 
 
 def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acceptance,

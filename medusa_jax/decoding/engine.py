@@ -41,7 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, Acceptance
+from medusa_jax.decoding.acceptance import ACCEPTANCE_METHODS, step_acceptance
 from medusa_jax.decoding.args import CONTEXT, checked_request
 from medusa_jax.decoding.batch import empty_batch, engine_step, insert_row, regroup
 from medusa_jax.decoding.chooser import TreeChooser
@@ -49,7 +49,8 @@ from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
 from medusa_jax.decoding.processors import changes_logits, dense_processors
-from medusa_jax.decoding.requests import FINISH_REASONS, Finished, Request, RequestHandle, TokenLogprob
+from medusa_jax.decoding.requests import (FINISH_REASONS, EngineStopped, Finished, Request, RequestHandle,
+                                         TokenLogprob)
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.state import DecodeState, StepOutput
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers, tree_with_budget, with_lookup
@@ -162,7 +163,8 @@ class Engine:
         self.jobs: List[Tuple[RequestHandle, PrefillJob]] = []  # prefills under way
         self._ids = itertools.count()
         self._wake = threading.Event()
-        self._stop = threading.Event()
+        self._stop = threading.Event()  # set by stop(), cleared by start(): submissions are refused while set
+        self._submitting = threading.Lock()
         self._thread: Optional[threading.Thread] = None
         self.stats = {"steps": 0, "row_steps": 0, "tokens": 0, "prompt_tokens": 0, "prefill_tokens": 0,
                       "reused_tokens": 0,
@@ -185,11 +187,15 @@ class Engine:
 
         on_event: called from the engine's thread with ``("tokens", [ids])`` each step and
         ``("done", Finished)`` at the end; without it the events go to the handle's queue.
-        Raises: as `check` (nothing is queued then).
+        Raises: as `check`, and EngineStopped after `stop` (nothing is queued then).
         """
         handle = RequestHandle(self.check(request), on_event)
-        self._open.add(handle)
-        self.inbox.put(handle)
+        with self._submitting:  # a submission is queued before a stop, or refused after it
+            if self._stop.is_set():
+                raise EngineStopped(f"request {handle.request.request_id}: the engine was stopped (Engine.stop); "
+                                    "start() it again to submit")
+            self._open.add(handle)
+            self.inbox.put(handle)
         self._wake.set()
         return handle
 
@@ -247,10 +253,11 @@ class Engine:
 
     def stop(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
         """End the background loop; with `cancel`, every request still running or waiting ends
-        ("cancelled") first."""
+        ("cancelled") first. Later submissions raise EngineStopped until `start`."""
         if cancel:
             self.cancel_all()
-        self._stop.set()
+        with self._submitting:
+            self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
@@ -422,9 +429,11 @@ class Engine:
 
     def _dispatch(self, alone: bool) -> None:
         live_rows = [b for b, r in enumerate(self.rows) if r is not None]
-        acc = self._acceptance(live_rows)
+        acc = step_acceptance([self.rows[b].request.sampling for b in live_rows], self.method, self.threshold,
+                              self.alpha)
+        shape = (len(self.rows), self.S, acc)  # a compiled step's key also holds its logprobs and processors
         i = self.chooser.choose(len(self.rows), len(live_rows),
-                                ready=lambda j: (j, len(self.rows), self.S, acc) in self._steps)
+                                ready=lambda j: any(k[0] == j and k[1:4] == shape for k in self._steps))
         tree = self.chooser.trees[i]
         longest = int(max(self.lengths[b] for b in live_rows))  # exact here unless a step has room ahead
         if longest + tree.step_size > self.S and self.S < self.max_len:
@@ -441,7 +450,8 @@ class Engine:
             live_rows = [b for b, r in enumerate(self.rows) if r is not None]
             if not live_rows:
                 return
-            acc = self._acceptance(live_rows)  # retired rows may have been the sampled ones (a regroup keeps them all)
+            acc = step_acceptance([self.rows[b].request.sampling for b in live_rows], self.method, self.threshold,
+                                  self.alpha)  # retired rows may have been the sampled ones (a regroup keeps them all)
         # per-step host work kept small (a plain step on this CPU is ~18 ms): the compiled step and
         # the live mask are looked up by plain keys
         mask = tuple(r is not None for r in self.rows)
@@ -465,16 +475,6 @@ class Engine:
             self._mark, self._clean = (time.perf_counter(), self.compile_s), True
         out, self.state = fn(*args)
         self.flights.append(_Flight(out, i, list(self.rows)))
-
-    def _acceptance(self, live_rows: List[int]) -> Acceptance:
-        """The acceptance rule of a step over these rows (greedy rows are greedy under any rule)."""
-        sampled = [self.rows[b].request.sampling for b in live_rows]
-        temps = [s.temperature for s in sampled if s.temperature > 0]
-        return Acceptance(temperature=1.0 if temps else 0.0,
-                          top_p=min([s.top_p for s in sampled if s.temperature > 0] or [1.0]),
-                          top_k=max([s.top_k for s in sampled if s.temperature > 0] or [0]),
-                          method=self.method if temps else "exact", posterior_threshold=self.threshold,
-                          posterior_alpha=self.alpha)
 
     def _read_back(self) -> None:
         """Wait for the oldest step in flight and hand its tokens to the rows it ran for (those that

@@ -14,6 +14,10 @@ SPECULATION = ("adaptive", "always", "off")
 FINISH_REASONS = ("eos", "stop", "length", "cache_full", "cancelled", "error")
 
 
+class EngineStopped(RuntimeError):
+    """`Engine.submit` after `Engine.stop`: nothing would run the request (`Engine.start` again first)."""
+
+
 class SamplingParams(NamedTuple):
     """A request's sampling: temperature 0 = greedy; top_p in (0, 1]; seed in [0, 2**31) (the token at
     each position is chosen by that position's uniform from the seed: `decoding.sampling`); top_k >= 0

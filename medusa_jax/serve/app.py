@@ -36,7 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from medusa_jax.chat import render_chat
 from medusa_jax.decoding.args import PromptTooLongError, check_prompt_room, new_token_room
 from medusa_jax.decoding.engine import Engine
-from medusa_jax.decoding.requests import Finished
+from medusa_jax.decoding.requests import EngineStopped, Finished
 from medusa_jax.decoding.requests import Request as EngineRequest
 from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
@@ -312,9 +312,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                        on_event=functools.partial(on_event, i))
                 choices.append(_Choice(handle, TextStream(tokenizer, gen.stop, gen.include_stop,
                                                           gen.stop_token_ids or ()), TextOffsets(pieces)))
-        except ValueError as e:
+        except (ValueError, EngineStopped) as e:
             for c in choices:
                 c.handle.cancel()
+            if isinstance(e, EngineStopped):  # the shutdown stopped the engine while this request was read
+                return error(503, "the server is shutting down", "server_error")
             raise RequestError(str(e), field) from None
         live[events] = [c.handle for c in choices]
         rid = protocol.new_id(chat)
