@@ -168,3 +168,28 @@ def test_bad_penalties_are_refused(tiny, field, value, message):
     cfg, params, _, prompts = tiny
     with pytest.raises(ValueError, match=message):
         Engine(cfg, params, max_batch=1).submit(Request(prompts[0], 4, SamplingParams(**{field: value})))
+
+
+def test_generate_takes_penalties_by_name(tiny):
+    """`generate(penalties=...)` (decode.py's path): Medusa with penalties answers what the engine's
+    plain steps answer with them; an unknown name or a bad value is refused before decoding."""
+    from medusa_jax.decoding.acceptance import Acceptance
+    from medusa_jax.decoding.generate import generate
+
+    cfg, params, heads, prompts = tiny
+    kw = dict(repetition_penalty=1.6, frequency_penalty=0.3)
+    got = generate(cfg, params, prompts[2], max_new_tokens=24, heads=heads, tree=TREE, penalties=kw,
+                   progress=False).tokens
+    want, _ = _answers(Engine(cfg, params, max_batch=1, speculation="off"),
+                       [Request(prompts[2], 24, SamplingParams(**kw))])
+    assert got == want[0] != generate(cfg, params, prompts[2], max_new_tokens=24, progress=False).tokens
+    sampled = dict(min_p=0.2, presence_penalty=-0.5)
+    got = generate(cfg, params, prompts[3], max_new_tokens=24, heads=heads, tree=TREE, penalties=sampled,
+                   acceptance=Acceptance(temperature=0.8), seed=4, progress=False).tokens
+    want, _ = _answers(Engine(cfg, params, max_batch=1, speculation="off"),
+                       [Request(prompts[3], 24, SamplingParams(0.8, seed=4, **sampled))])
+    assert got == want[0]
+    with pytest.raises(ValueError, match="unknown penalties typo_penalty"):
+        generate(cfg, params, prompts[2], max_new_tokens=4, penalties={"typo_penalty": 1.0}, progress=False)
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \(0, 2\]"):
+        generate(cfg, params, prompts[2], max_new_tokens=4, penalties={"repetition_penalty": 3}, progress=False)

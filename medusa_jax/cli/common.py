@@ -385,10 +385,12 @@ def add_acceptance_args(p, temperature_help: str = "0 = greedy; > 0 = sampling (
 
 
 def add_penalty_args(p) -> None:
-    """The penalty and min-p flags of medusa-chat (`penalties_from_args`; the engine's, as vLLM's)."""
+    """The penalty and min-p flags of decode.py and medusa-chat (`penalties_from_args`; the engine's,
+    as vLLM's)."""
     p.add_argument("--repetition-penalty", type=float, default=1.0,
-                   help="divide a positive logit (multiply a negative one) of every token already in the conversation "
-                        "or the answer by this, in (0, 2]; 1 (the default) is off, above 1 discourages repeats")
+                   help="divide a positive logit (multiply a negative one) of every token already in the prompt (a "
+                        "chat: the conversation) or the answer by this, in (0, 2]; 1 (the default) is off, above 1 "
+                        "discourages repeats")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of every token the answer already holds, in [-2, 2] (OpenAI's)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
@@ -406,8 +408,9 @@ def penalties_from_args(p, args) -> dict:
     from medusa_jax.decoding.args import check_penalties
     from medusa_jax.decoding.requests import SamplingParams
 
-    fields = {name: getattr(args, name) for name in ("min_p", "presence_penalty", "frequency_penalty",
-                                                     "repetition_penalty")}
+    from medusa_jax.decoding.requests import PENALTY_FIELDS
+
+    fields = {name: getattr(args, name) for name in PENALTY_FIELDS}
     try:
         check_penalties(SamplingParams(**fields))
     except ValueError as e:

@@ -54,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     common.add_dtype_arg(p)
     common.add_mesh_arg(p)
     common.add_acceptance_args(p)
+    common.add_penalty_args(p)
     common.add_lookup_arg(p)
     p.add_argument("--json", action="store_true",
                    help="print one JSON object at the end (text, new_tokens, steps, mean_accepted, "
@@ -72,6 +73,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     from medusa_jax.cli import common
 
     args.acc = common.acceptance_from_args(p, args)
+    args.penalties = common.penalties_from_args(p, args)
+    if args.prompts_file is not None and args.penalties != {n: p.get_default(n) for n in args.penalties}:
+        p.error("the penalties and --min-p work with one prompt (--prompt, --prompt-file), not --prompts-file")
     if args.batch_size is not None and args.prompts_file is None:
         p.error("--batch-size goes with --prompts-file (one prompt is decoded alone)")
     args.batch_size = 4 if args.batch_size is None else args.batch_size
@@ -188,7 +192,7 @@ def main(argv=None) -> int:
     try:
         result = mj.generate(model.cfg, model.params, prompt_ids, heads=heads, tree=tree,
                               max_new_tokens=args.max_new_tokens, acceptance=acc, seed=args.seed,
-                              on_tokens=printer.push, progress=progress)
+                              on_tokens=printer.push, progress=progress, penalties=args.penalties)
     except ValueError as e:
         print(f"\nerror: {e}", file=sys.stderr)
         return 2

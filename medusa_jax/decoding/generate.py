@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Generator, Iterable, Iterator, List, NamedTuple, Optional, Sequence, Tuple, Union
+from typing import (Callable, Generator, Iterable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple,
+                    Union)
 
 import jax
 import jax.numpy as jnp
@@ -23,7 +24,7 @@ from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.loop import generate_jit, grow_carry, init_carry
 from medusa_jax.decoding.prefill import bucket, cache_size_for, progress_bar, start_state
-from medusa_jax.decoding.requests import Finished, Request
+from medusa_jax.decoding.requests import PENALTY_FIELDS, Finished, Request
 from medusa_jax.decoding.sampling import prompt_seed, row_seeds
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.decoding.tree import TreeBuffers
@@ -72,7 +73,7 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                     heads: Optional[Tuple[MedusaConfig, dict]] = None, tree: Optional[TreeBuffers] = None,
                     acceptance: Acceptance = Acceptance(), seed: int = 0,
                     eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
-                    progress: bool = True,
+                    progress: bool = True, penalties: Optional[Mapping[str, float]] = None,
                     _caller: str = "generate_stream") -> Generator[List[int], None, GenerationResult]:
     """Generate for one prompt, yielding the tokens accepted at each step.
 
@@ -93,13 +94,16 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
       cache_size: S, at most the model's context (``cfg.max_position_embeddings``); default
         `cache_size_for` the prompt, budget and tree.
       progress: a progress bar on stderr for a long prefill (`start_state`); False: silent.
+      penalties: `SamplingParams` fields by name, any of min_p, presence_penalty, frequency_penalty
+        and repetition_penalty (vLLM's meanings: `decoding.processors`); greedy output with them
+        stays plain greedy's with them.
     Yields:
       lists of new token ids, one list per step (the EOS included, nothing after it).
     Returns (as the generator's value): a `GenerationResult`.
     Raises: ValueError for a misused argument (`check_generation_args`: an empty prompt, several
       prompts, ids outside the vocabulary, max_new_tokens < 1, a cache_size beyond the model's
-      context, heads without a tree or a tree deeper than the heads...), PromptTooLongError,
-      HeadsMismatchError.
+      context, heads without a tree or a tree deeper than the heads, an unknown or out-of-range
+      penalty...), PromptTooLongError, HeadsMismatchError.
     """
     (prompt,), eos = check_generation_args(cfg, prompt, caller=_caller, batch=False,
                                            max_new_tokens=max_new_tokens, cache_size=cache_size,
@@ -111,7 +115,10 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                     acceptance=acceptance.method if acceptance.mode != "greedy" else "exact",
                     posterior_threshold=acceptance.posterior_threshold, posterior_alpha=acceptance.posterior_alpha,
                     eos_token_ids=eos, progress=progress)
-    request = Request(prompt, max_new_tokens, acceptance.sampling(seed))
+    unknown = sorted(set(penalties or ()) - set(PENALTY_FIELDS))
+    if unknown:
+        raise ValueError(f"{_caller}: unknown penalties {', '.join(unknown)} (give any of {', '.join(PENALTY_FIELDS)})")
+    request = engine.check(Request(prompt, max_new_tokens, acceptance.sampling(seed)._replace(**(penalties or {}))))
     return _stream(engine, request)
 
 

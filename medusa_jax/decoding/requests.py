@@ -40,6 +40,10 @@ class SamplingParams(NamedTuple):
     repetition_penalty: float = 1.0
 
 
+#: The `SamplingParams` fields that change the logits rather than how a token is drawn from them.
+PENALTY_FIELDS = ("min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+
+
 @dataclass
 class Request:
     """What a caller asks for.
