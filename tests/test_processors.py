@@ -193,3 +193,16 @@ def test_generate_takes_penalties_by_name(tiny):
         generate(cfg, params, prompts[2], max_new_tokens=4, penalties={"typo_penalty": 1.0}, progress=False)
     with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \(0, 2\]"):
         generate(cfg, params, prompts[2], max_new_tokens=4, penalties={"repetition_penalty": 3}, progress=False)
+
+
+def test_typical_acceptance_judges_candidates_by_the_processed_logits(tiny):
+    """Typical acceptance is not exact, but its posterior reads the processed logits too: with a
+    token forced (logit_bias +100) every token is that one, the heads' other candidates rejected
+    and prompt lookup's copies of it accepted; with penalties beside, nothing fails."""
+    cfg, params, heads, prompts = tiny
+    sp = SamplingParams(1.0, 1.0, 2, repetition_penalty=1.5)
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=2, speculation="always", acceptance="typical")
+    got, handles = _answers(engine, [Request(prompts[0], 48, sp, logit_bias={7: 100.0}),
+                                     Request(prompts[1], 48, sp._replace(presence_penalty=1.0))])
+    assert got[0] == [7] * 48 and len(got[1]) == 48
+    assert sum(handles[0].finished.step_tokens) - handles[0].finished.steps > 10  # the copies were accepted
