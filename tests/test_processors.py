@@ -206,3 +206,30 @@ def test_typical_acceptance_judges_candidates_by_the_processed_logits(tiny):
                                      Request(prompts[1], 48, sp._replace(presence_penalty=1.0))])
     assert got[0] == [7] * 48 and len(got[1]) == 48
     assert sum(handles[0].finished.step_tokens) - handles[0].finished.steps > 10  # the copies were accepted
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_min_tokens_bans_the_stop_ids_until_then(tiny, sampled):
+    """min_tokens (vLLM's): the stop ids cannot end the answer before it has that many tokens; each
+    early token is the argmax of a plain forward's logits without the stop ids (greedy), and Medusa
+    chooses what plain steps choose."""
+    cfg, params, heads, prompts = tiny
+    sp = SamplingParams(0.9, 1.0, 5) if sampled else SamplingParams()
+    free, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"), [Request(p, 30, sp) for p in prompts[:4]])
+    stops = [[a[1], a[3]] for a in free]  # tokens that would end each answer early
+    reqs = [Request(p, 30, sp, stop_token_ids=s, min_tokens=m) for p, s, m in zip(prompts, stops, (12, 0, 30, 5))]
+    plain, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"), reqs)
+    medusa, handles = _answers(Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="always"), reqs)
+    assert medusa == plain
+    assert len(plain[1]) == 2  # min_tokens 0: the first stop id ends it, as without
+    for r, a in zip(reqs, plain):
+        assert len(a) >= r.min_tokens + (len(a) < 30) and not set(a[:r.min_tokens]) & set(r.stop_token_ids), (r, a)
+        if not sampled:
+            raw = _raw_logits(cfg, params, r.prompt, a)
+            for j, tok in enumerate(a):
+                x = raw[j].copy()
+                if j < r.min_tokens:
+                    x[r.stop_token_ids] = -np.inf
+                assert x[tok] >= x.max() - 1e-4
+    with pytest.raises(ValueError, match=r"min_tokens must be an int in \[0, max_new_tokens = 4\], got 5"):
+        Engine(cfg, params, max_batch=1).submit(Request(prompts[0], 4, min_tokens=5))

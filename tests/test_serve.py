@@ -211,8 +211,9 @@ BAD = [
     ("body over --max-request-mb", b'{"model": "%s", "prompt": "%s"}' % (MODEL.encode(), b"word " * 300000), 413),
     ("image content part", {"model": MODEL, "messages": [
         {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400),
-    ("vLLM's min_tokens (not honoured, so refused)", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
-                                                      "min_tokens": 5}, 400),
+    ("vLLM's use_beam_search (not honoured, so refused)", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
+                                                           "use_beam_search": True}, 400),
+    ("completions min_tokens above max_tokens's default", {"model": MODEL, "prompt": "x", "min_tokens": 17}, 400),
     ("top_k below -1", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "top_k": -5}, 400),
     ("continue_final_message after a user message", {"model": MODEL, "messages": [{"role": "user", "content": "x"}],
                                                       "continue_final_message": True,
@@ -238,7 +239,9 @@ def test_bad_requests_get_4xx_and_the_server_goes_on(server, client, what, body,
     if "far beyond" in what:
         assert err["code"] == "context_length_exceeded" and "from its first" in err["message"], err
     if "vLLM" in what:
-        assert err["code"] == "unsupported_parameter" and err["param"] == "min_tokens", err
+        assert err["code"] == "unsupported_parameter" and err["param"] == "use_beam_search", err
+    if "min_tokens" in what:
+        assert err["param"] == "min_tokens" and "at most max_tokens (16, its default here)" in err["message"], err
     if "top_k" in what:
         assert err["param"] == "top_k" and "at least 1" in err["message"], err
     if "stream_options" in what:
@@ -345,6 +348,25 @@ def test_text_stream_stops_at_the_earliest_stop_sequence_however_the_tokens_arri
                     break
             assert stopped and ts.text == "".join(deltas) == "1. 1\n2. ", (stop, size, ts.text)
             assert ts.used == first, (stop, size)
+
+
+def test_text_stream_ignores_stops_completed_within_min_tokens(smollm2):
+    """min_tokens (vLLM's): a stop sequence completed by one of the first min_tokens tokens does not
+    end the answer (the same stop later does), however many tokens each step delivered."""
+    from medusa_jax.serve.text import TextStream
+
+    tok = smollm2.tokenizer
+    ids = tok.encode("1. 1\n2. 2\n3. 3\n4. 4\n5. 5")
+    ends = [n for n in range(1, len(ids) + 1) if tok.decode(ids[:n]).count("\n") > tok.decode(ids[:n - 1]).count("\n")]
+    for min_tokens, want in ((0, "1. 1"), (ends[0] - 1, "1. 1"), (ends[0], "1. 1\n2. 2"), (ends[1], "1. 1\n2. 2\n3. 3")):
+        for size in (1, 3, len(ids)):
+            ts, out, stopped = TextStream(tok, ["\n"], min_tokens=min_tokens), "", False
+            for i in range(0, len(ids), size):
+                delta, stopped = ts.feed(ids[i:i + size])
+                out += delta
+                if stopped:
+                    break
+            assert stopped and out == ts.text == want, (min_tokens, size, out)
 
 
 def test_text_stream_leaves_out_a_character_the_answer_ended_inside(smollm2):
@@ -766,6 +788,32 @@ def test_penalties_are_plain_decodings_with_the_same_penalties(client, smollm2):
     assert answers[0] != first.choices[0].message.content  # the greedy penalties changed the answer
 
 
+def test_min_tokens_holds_off_eos_and_stop_strings(client, smollm2):
+    """min_tokens (vLLM's, the openai client's extra_body): a short answer goes on past its EOS to
+    min_tokens tokens, as the engine's plain steps with min_tokens decode it, and a stop string
+    within them does not end it."""
+    import medusa_jax as mj
+    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.decoding.requests import Request as EngineRequest
+
+    q = QUESTIONS[5]
+    msgs = [{"role": "user", "content": q}]
+    free = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0)
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens < 40
+    r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0,
+                                       extra_body={"min_tokens": 48})
+    assert r.usage.completion_tokens >= 48
+    engine = Engine(smollm2.cfg, smollm2.params, max_batch=1, speculation="off")
+    handle = engine.submit(EngineRequest(mj.apply_chat_template(smollm2.tokenizer, q), 64, min_tokens=48))
+    engine.run()
+    assert r.choices[0].message.content == smollm2.tokenizer.decode(handle.finished.tokens, skip_special_tokens=True)
+    assert r.choices[0].message.content.startswith(free.choices[0].message.content)
+    stop = free.choices[0].message.content.split()[1]  # a word of the answer's first tokens
+    cut = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=64, temperature=0, stop=[stop],
+                                         extra_body={"min_tokens": 48})
+    assert len(cut.choices[0].message.content) > len(free.choices[0].message.content.split(stop)[0])
+
+
 def test_openai_defaults_and_vllm_extensions_are_checked():
     """Fields sent at their defaults pass (clients send them); vLLM's extensions are honoured or
     refused, never ignored; any 64-bit seed maps into the engine's; integral floats are integers;
@@ -780,7 +828,7 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     assert (gen.temperature, gen.stop_token_ids, gen.ignore_eos, gen.include_stop) == (1.0, None, False, False)
     assert gen.eos_override([2]) is None and gen.add_generation_prompt and not gen.continue_final_message
     for name, value in (("skip_special_tokens", False), ("best_of", 2), ("suffix", "x"), ("tool_choice", "auto"),
-                        ("min_tokens", 3)):
+                        ("use_beam_search", True)):
         with pytest.raises(RequestError, match=f"^{name}") as e:
             check_request(dict(body, **{name: value}), [MODEL], 64, True)
         assert e.value.param == name and e.value.code == "unsupported_parameter"

@@ -235,8 +235,9 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
     (``default_id()`` when it has none).
 
     Raises ValueError saying what is wrong (an empty prompt, an id outside the vocabulary,
-    max_new_tokens < 1, a temperature < 0, top_p outside (0, 1], a top_k that is not an int in
-    [0, 2**31), a seed outside [0, 2**31), penalties or a min_p out of range (`check_penalties`), logprobs outside [0, `MAX_TOP_LOGPROBS`], a logit_bias
+    max_new_tokens < 1, a min_tokens outside [0, max_new_tokens], a temperature < 0, top_p outside
+    (0, 1], a top_k that is not an int in [0, 2**31), a seed outside [0, 2**31), penalties or a
+    min_p out of range (`check_penalties`), logprobs outside [0, `MAX_TOP_LOGPROBS`], a logit_bias
     with an id outside the vocabulary or a value that is not a finite number) and PromptTooLongError
     (a prompt that leaves no room for an answer)."""
     p = [int(t) for t in request.prompt]
@@ -248,6 +249,9 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
     check_prompt_room(len(p), max_len, where)
     if int(request.max_new_tokens) < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {request.max_new_tokens}")
+    m = request.min_tokens
+    if isinstance(m, bool) or not isinstance(m, (int, np.integer)) or not 0 <= m <= int(request.max_new_tokens):
+        raise ValueError(f"min_tokens must be an int in [0, max_new_tokens = {request.max_new_tokens}], got {m!r}")
     s = request.sampling
     if not (math.isfinite(s.temperature) and s.temperature >= 0):
         raise ValueError(f"temperature must be a finite number >= 0 (0 = greedy), got {s.temperature}")
@@ -274,4 +278,5 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
                              "finite numbers")
     rid = request.request_id if request.request_id is not None else default_id()
     return Request(prompt=p, max_new_tokens=int(request.max_new_tokens), sampling=s,
-                   stop_token_ids=request.stop_token_ids, request_id=rid, logprobs=lp, logit_bias=bias or None)
+                   stop_token_ids=request.stop_token_ids, request_id=rid, logprobs=lp, logit_bias=bias or None,
+                   min_tokens=int(m))

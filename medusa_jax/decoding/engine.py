@@ -459,7 +459,8 @@ class Engine:
             self._live_masks[mask] = jnp.asarray(np.asarray(mask, bool))
         processing = tuple(r if r is not None and changes_logits(r.request) else None for r in self.rows)
         if processing != self._procs[0]:  # rebuilt when the rows with a logit bias, penalty or min_p change
-            dense = dense_processors([r and r.request for r in processing], self.cfg.vocab_size)
+            dense = dense_processors([r and r.request for r in processing], self.cfg.vocab_size,
+                                     [r and r.stop for r in processing])
             self._procs = (processing, None if dense is None else jax.tree_util.tree_map(jnp.asarray, dense))
         procs = self._procs[1]
         args = (self.params, self.head_params, self.state, self._live_masks[mask], procs)

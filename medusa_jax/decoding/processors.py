@@ -1,9 +1,9 @@
 """Per-request changes to the logits every token is chosen from: OpenAI's ``logit_bias``,
-``presence_penalty`` and ``frequency_penalty``, and vLLM's ``repetition_penalty`` and ``min_p``
-(`LogitsProcessors`), applied alike to a step's root and to every node of its tree.
+``presence_penalty`` and ``frequency_penalty``, and vLLM's ``repetition_penalty``, ``min_p`` and
+``min_tokens`` (`LogitsProcessors`), applied alike to a step's root and to every node of its tree.
 
 The order is vLLM's sampler's (``vllm/v1/sample/sampler.py``): the bias is added to the model's
-logits; then the penalties (``vllm/model_executor/layers/utils.py``, ``apply_penalties``): the
+logits and, before ``min_tokens`` output tokens, the request's stop ids are banned; then the penalties (``vllm/model_executor/layers/utils.py``, ``apply_penalties``): the
 repetition penalty (Keskar et al. 2019, "CTRL", Sec. 4.1) divides a positive logit, and multiplies
 a negative one, by r for every token that occurs in the prompt or the output so far; the frequency
 penalty subtracts f times the token's count in the output, and the presence penalty p once for a
@@ -14,7 +14,8 @@ probability is below min_p times the most likely token's are dropped) and top-k/
 Speculation stays exact with penalties because a tree node's counts are its own: the context's
 (read from the KV cache's token ids, ``cache.tokens``) plus the tokens on the node's path through
 the tree (its ancestors, the root and itself), so each node's logits are those a plain step would
-choose from after the same tokens. The heads draft from the model's own logits; the
+choose from after the same tokens; likewise a node's output length (for ``min_tokens``) is the
+row's plus its depth. The heads draft from the model's own logits; the
 log-probabilities a request asks for stay the model's own too (vLLM's ``raw_logprobs``).
 """
 from __future__ import annotations
@@ -36,11 +37,15 @@ class LogitsProcessors(NamedTuple):
     prompt_len: [B] int32, the row's prompt length: the cache's tokens before it are the prompt,
       those from it on the output (needed with `penalties`).
     min_p: [B] float32 in [0, 1] (0: off; a greedy row ignores it).
+    min_tokens: [B] int32, the row's ``min_tokens`` (needs `prompt_len`); stop_ids: [B, V] bool,
+      the row's stop ids, banned while its output is shorter than min_tokens.
     """
     bias: Optional[jax.Array] = None
     penalties: Optional[jax.Array] = None
     prompt_len: Optional[jax.Array] = None
     min_p: Optional[jax.Array] = None
+    min_tokens: Optional[jax.Array] = None
+    stop_ids: Optional[jax.Array] = None
 
     @property
     def used(self) -> tuple:
@@ -103,14 +108,21 @@ def min_p_filtered(logits: jax.Array, min_p: jax.Array, temperature: jax.Array) 
 
 
 def processed(procs: Optional[LogitsProcessors], logits: jax.Array, temperature: jax.Array,
-              counts: Optional[jax.Array] = None, in_prompt: Optional[jax.Array] = None) -> jax.Array:
-    """`logits` [B, ..., V] float32 as the rows' tokens are chosen from them: bias, penalties (with
-    `counts` shaped like `logits` and `in_prompt` [B, V], from `context_counts` / `path_counts`),
-    min_p at the rows' `temperature` [B]; the logits themselves when `procs` is None."""
+              counts: Optional[jax.Array] = None, in_prompt: Optional[jax.Array] = None,
+              emitted: Optional[jax.Array] = None) -> jax.Array:
+    """`logits` [B, ..., V] float32 as the rows' tokens are chosen from them: bias, the stop ids
+    while fewer than min_tokens output tokens come before (`emitted`: [B, ...] int32, those before
+    each token), penalties (with `counts` shaped like `logits` and `in_prompt` [B, V], from
+    `context_counts` / `path_counts`), min_p at the rows' `temperature` [B]; the logits themselves
+    when `procs` is None."""
     if procs is None:
         return logits
+    rows = lambda a: a.reshape(a.shape[:1] + (1,) * (logits.ndim - 2) + a.shape[1:])  # noqa: E731 [B, V] -> [B, ..., V]
     if procs.bias is not None:
-        logits = logits + procs.bias.reshape(procs.bias.shape[:1] + (1,) * (logits.ndim - 2) + procs.bias.shape[1:])
+        logits = logits + rows(procs.bias)
+    if procs.min_tokens is not None:
+        early = emitted < procs.min_tokens.reshape((-1,) + (1,) * (emitted.ndim - 1))
+        logits = jnp.where(rows(procs.stop_ids) & early[..., None], -jnp.inf, logits)
     if procs.penalties is not None:
         logits = penalized(logits, procs.penalties, counts, in_prompt)
     if procs.min_p is not None:
@@ -119,43 +131,57 @@ def processed(procs: Optional[LogitsProcessors], logits: jax.Array, temperature:
 
 
 def step_logits(procs: Optional[LogitsProcessors], state, tree_logits: Optional[jax.Array] = None,
-                tree_tokens: Optional[jax.Array] = None, ancestor_mask: Optional[jax.Array] = None) -> jax.Array:
+                tree_tokens: Optional[jax.Array] = None, tree=None) -> jax.Array:
     """The logits a step chooses from, processed (`processed`): the root's ([B, V], from
     ``state.logits``) when `tree_logits` is None, else the tree nodes' ([B, T, V] `tree_logits`,
-    each node's counts including its path: `tree_tokens` [B, T], `ancestor_mask` [B, T, T]).
-    `state`: the step's `DecodeState`, before the tree forward (its cache holds the context)."""
-    counts = in_prompt = None
+    for their children; each node's counts include its path and its output length its depth:
+    `tree_tokens` [B, T], `tree` the rows' `TreeArrays`, ``ancestor_mask`` [B, T, T] and
+    ``depth`` [B, T]). `state`: the step's `DecodeState`, before the tree forward (its cache holds
+    the context)."""
+    counts = in_prompt = emitted = None
+    c = state.cache
     if procs is not None and procs.penalties is not None:
-        c = state.cache
         counts, in_prompt = context_counts(c.tokens, c.lengths, procs.prompt_len, state.logits.shape[-1])
         if tree_logits is not None:
-            counts = path_counts(counts, ancestor_mask, tree_tokens)
+            counts = path_counts(counts, tree.ancestor_mask, tree_tokens)
+    if procs is not None and procs.min_tokens is not None:
+        emitted = c.lengths - procs.prompt_len  # before the root
+        if tree_logits is not None:
+            emitted = emitted[:, None] + tree.depth + 1  # before a node's children
     logits = state.logits if tree_logits is None else tree_logits
-    return processed(procs, logits, state.temperature, counts, in_prompt)
+    return processed(procs, logits, state.temperature, counts, in_prompt, emitted)
 
 
 def changes_logits(request) -> bool:
-    """Whether a `decoding.requests.Request` asks for a logit bias, a penalty or (sampled) min_p."""
+    """Whether a `decoding.requests.Request` asks for a logit bias, a penalty, (sampled) min_p or
+    min_tokens."""
     s = request.sampling
     return bool(request.logit_bias) or (s.presence_penalty, s.frequency_penalty, s.repetition_penalty) != (
-        0.0, 0.0, 1.0) or (s.min_p > 0 and s.temperature > 0)
+        0.0, 0.0, 1.0) or (s.min_p > 0 and s.temperature > 0) or request.min_tokens > 0
 
 
-def dense_processors(rows: Sequence, vocab_size: int) -> Optional[LogitsProcessors]:
+def dense_processors(rows: Sequence, vocab_size: int, stops: Sequence = ()) -> Optional[LogitsProcessors]:
     """The `LogitsProcessors` (numpy arrays) of a batch's rows, each a `decoding.requests.Request`
-    or None (a free row); None when no row changes its logits (the step then compiles without).
-    A field no row uses stays None."""
+    or None (a free row), with `stops` the rows' stop ids (for min_tokens; None for a free row);
+    None when no row changes its logits (the step then compiles without). A field no row uses
+    stays None."""
     live = [r for r in rows if r is not None]
     bias = _dense_bias([r and r.logit_bias for r in rows], vocab_size)
     pen = [(r.sampling.presence_penalty, r.sampling.frequency_penalty, r.sampling.repetition_penalty)
            if r is not None else (0.0, 0.0, 1.0) for r in rows]
-    penalties = prompt_len = min_p = None
+    penalties = prompt_len = min_p = min_tokens = stop_ids = None
     if any(p != (0.0, 0.0, 1.0) for p in pen):
         penalties = np.asarray(pen, np.float32)
-        prompt_len = np.asarray([len(r.prompt) if r is not None else 0 for r in rows], np.int32)
     if any(r.sampling.min_p > 0 and r.sampling.temperature > 0 for r in live):
         min_p = np.asarray([r.sampling.min_p if r is not None else 0.0 for r in rows], np.float32)
-    procs = LogitsProcessors(bias, penalties, prompt_len, min_p)
+    if any(r.min_tokens > 0 for r in live):
+        min_tokens = np.asarray([r.min_tokens if r is not None else 0 for r in rows], np.int32)
+        stop_ids = np.zeros((len(rows), vocab_size), bool)
+        for b, ids in enumerate(stops):
+            stop_ids[b, list(ids or ())] = True
+    if penalties is not None or min_tokens is not None:
+        prompt_len = np.asarray([len(r.prompt) if r is not None else 0 for r in rows], np.int32)
+    procs = LogitsProcessors(bias, penalties, prompt_len, min_p, min_tokens, stop_ids)
     return procs if any(procs.used) else None
 
 

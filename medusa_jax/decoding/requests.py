@@ -56,7 +56,8 @@ class Request:
     before each ``("tokens", ...)`` event and in `Finished.logprobs`. logit_bias: token id -> a
     value added to its logit before every choice (OpenAI's ``logit_bias``: -100 bans a token, +100
     forces it), Medusa's verification included, so greedy answers stay plain greedy's with the
-    same bias.
+    same bias. min_tokens: the answer's stop ids (EOS, or `stop_token_ids`) are banned until it
+    has this many tokens (vLLM's ``min_tokens``; at most max_new_tokens).
     """
     prompt: Sequence[int]
     max_new_tokens: int = 256
@@ -65,6 +66,7 @@ class Request:
     request_id: Optional[str] = None
     logprobs: Optional[int] = None
     logit_bias: Optional[Mapping[int, float]] = None
+    min_tokens: int = 0
 
 
 class TokenLogprob(NamedTuple):

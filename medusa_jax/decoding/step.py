@@ -173,7 +173,7 @@ def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params,
     logits, hidden, cache = LlamaModel(cfg).apply(
         {"params": params}, tree_tokens, positions, state.cache, tr.ancestor_mask)
     if D > 0:
-        chosen_from = step_logits(procs, state, logits, tree_tokens, tr.ancestor_mask)
+        chosen_from = step_logits(procs, state, logits, tree_tokens, tr)
         best, acc_len = evaluate_posterior(chosen_from, tree_tokens, tr, acc, state, start)
         path_nodes = jnp.take_along_axis(tr.retrieve_indices, best[:, None, None], axis=1)[:, 0]  # [B, D+1]
         last = jnp.take_along_axis(path_nodes, acc_len[:, None], axis=1)[:, 0]

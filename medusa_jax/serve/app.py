@@ -284,6 +284,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                f"context is {context}, so at most {budget} new tokens fit",
                                "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
                                code="context_length_exceeded")
+        if gen.min_tokens > max_tokens:
+            raise RequestError(f"min_tokens ({gen.min_tokens}) must be at most max_tokens ({max_tokens}"
+                               f"{', its default here' if gen.max_tokens is None else ''})", "min_tokens")
         if gen.n > engine.max_batch + max_waiting:
             raise RequestError(f"n={gen.n} choices need a row or a place in the queue each; this server has "
                                f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)", "n")
@@ -308,10 +311,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + i) % 2 ** 31, gen.top_k, gen.min_p,
                                           gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty)
                 handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
-                                                     logprobs=gen.logprobs, logit_bias=gen.logit_bias),
+                                                     logprobs=gen.logprobs, logit_bias=gen.logit_bias,
+                                                     min_tokens=gen.min_tokens),
                                        on_event=functools.partial(on_event, i))
                 choices.append(_Choice(handle, TextStream(tokenizer, gen.stop, gen.include_stop,
-                                                          gen.stop_token_ids or ()), TextOffsets(pieces)))
+                                                          gen.stop_token_ids or (), gen.min_tokens), TextOffsets(pieces)))
         except (ValueError, EngineStopped) as e:
             for c in choices:
                 c.handle.cancel()

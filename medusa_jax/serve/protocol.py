@@ -28,7 +28,7 @@ UNSUPPORTED: Dict[str, Any] = {
     "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None, "suffix": "",
     "best_of": 1, "echo": False,
     # vLLM's sampling and output extensions (its defaults)
-    "min_tokens": 0, "use_beam_search": False, "length_penalty": 1.0,
+    "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
     "bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
@@ -95,6 +95,7 @@ class Generation:
     frequency_penalty: float = 0.0                # OpenAI's, [-2, 2]
     repetition_penalty: float = 1.0               # vLLM's, (0, 2] (1: off)
     min_p: float = 0.0                            # vLLM's, [0, 1] (0: off)
+    min_tokens: int = 0                           # vLLM's: no EOS, stop id or stop string before this many tokens
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -171,7 +172,8 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     ``logit_bias`` (`_logit_bias`) and ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]); tools
     and guided output are refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
     ``include_stop_str_in_output``, ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut
-    before ``top_p``), ``repetition_penalty`` ((0, 2], 1: off), ``min_p`` ([0, 1]), and for chats
+    before ``top_p``), ``repetition_penalty`` ((0, 2], 1: off), ``min_p`` ([0, 1]), ``min_tokens`` (at
+    most ``max_tokens``), and for chats
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the
     template, e.g. Qwen3's ``enable_thinking``) are honoured; its other extensions are refused unless at
     their defaults.
@@ -234,6 +236,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
         max_tokens = _integer(body, "max_completion_tokens", 1, context)
     else:
         max_tokens = _integer(body, "max_tokens", 1, context)
+    penalties["min_tokens"] = _integer(body, "min_tokens", 0, context) or 0  # <= max_tokens: checked with its default
     stop = body.get("stop")
     if stop is None:
         stop = []

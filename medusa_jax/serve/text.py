@@ -26,10 +26,12 @@ class TextStream:
     completion_tokens: tokens the engine made after it are not the answer's). Stops are looked for
     only in whole characters, so a stop of U+FFFD does not match a character whose bytes are still
     coming. `hidden_ids` (a request's stop token ids) end the answer without their text unless
-    `include_stop` (vLLM leaves a stop token's text out; special tokens have none anyway)."""
+    `include_stop` (vLLM leaves a stop token's text out; special tokens have none anyway). As in
+    vLLM, a stop sequence completed by one of the first `min_tokens` tokens does not count."""
 
-    def __init__(self, tokenizer, stop: List[str], include_stop: bool = False, hidden_ids=()):
+    def __init__(self, tokenizer, stop: List[str], include_stop: bool = False, hidden_ids=(), min_tokens: int = 0):
         self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
+        self.min_tokens = min_tokens
         self.hidden = frozenset(() if include_stop else hidden_ids)
         self.tokens: List[int] = []
         self.sent = 0     # characters handed out
@@ -64,7 +66,7 @@ class TextStream:
             since = self.checked
             for n in range(before + 1, len(self.tokens) + 1):
                 upto = text if n == len(self.tokens) else self._decode(self.tokens[:n])
-                end = self._stop_at(upto, since)
+                end = self._stop_at(upto, since) if n > self.min_tokens else None
                 if end is not None:
                     self.used, self.text = n, upto[:end]
                     delta, self.sent = self.text[self.sent:], max(len(self.text), self.sent)
