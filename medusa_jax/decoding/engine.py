@@ -35,7 +35,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Callable, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -49,41 +49,14 @@ from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
 from medusa_jax.decoding.processors import changes_logits, dense_processors
-from medusa_jax.decoding.requests import (FINISH_REASONS, EngineStopped, Finished, Request, RequestHandle,
-                                         TokenLogprob)
+from medusa_jax.decoding.requests import FINISH_REASONS, EngineStopped, Finished, Request, RequestHandle, TokenLogprob
+from medusa_jax.decoding.rows import Flight, Row
 from medusa_jax.decoding.setup import decoding_setup
-from medusa_jax.decoding.state import DecodeState, StepOutput
+from medusa_jax.decoding.state import DecodeState
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers, tree_with_budget, with_lookup
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import grow_cache
-
-
-class _Flight(NamedTuple):
-    """A step dispatched and not yet read back: its output, its tree (an index into the chooser's
-    trees) and the rows it ran for (the `_Row` objects: a row freed or replaced since is not read)."""
-    out: StepOutput
-    index: int
-    rows: List[Optional["_Row"]]
-
-
-class _Row:
-    """A live row: its handle, the tokens so far, its stop ids and budget."""
-
-    def __init__(self, handle: RequestHandle, stop: Tuple[int, ...], job: PrefillJob):
-        self.handle = handle
-        self.request = handle.request
-        self.stop = set(stop)
-        self.tokens: List[int] = []
-        self.steps = 0
-        self.draft_tokens = 0
-        self.depth_hist: List[int] = []
-        self.prefill_s = job.seconds
-        self.reused = job.reused
-        self.first_token_at: Optional[float] = None
-        self.decode_s = 0.0
-        self.step_tokens: List[int] = []
-        self.logprobs: Optional[List[TokenLogprob]] = None if self.request.logprobs is None else []
 
 
 def _pow2(n: int) -> int:
@@ -151,10 +124,10 @@ class Engine:
         self._steps: dict = {}  # (tree index, rows, cache size, acceptance, logprobs, processors) -> compiled step
         self._live_masks: dict = {}  # live rows (a tuple of bools) -> the [B] mask on the device
         self._procs = (None, None)  # (the rows it was built for, their `LogitsProcessors` on the device, or None)
-        self.flights: "collections.deque[_Flight]" = collections.deque()  # steps dispatched, not read back
+        self.flights: "collections.deque[Flight]" = collections.deque()  # steps dispatched, not read back
         self._mark = (0.0, 0.0)  # (time, compile_s) of the last read-back: a step's cost runs from there
         self._clean = True  # only decoding steps ran since the mark (their interval is a step cost)
-        self.rows: List[Optional[_Row]] = []
+        self.rows: List[Optional[Row]] = []
         self.lengths = np.zeros((0,), np.int64)
         self.S = 0
         self.inbox: "queue.Queue[RequestHandle]" = queue.Queue()
@@ -364,7 +337,7 @@ class Engine:
         self.state = self._compiled(insert_row, (), args)(*args)
         req = h.request
         stop = tuple(req.stop_token_ids) if req.stop_token_ids is not None else self.eos
-        self.rows[free] = _Row(h, stop, job)
+        self.rows[free] = Row(h, stop, job)
         self.lengths[free] = len(req.prompt)
         self.stats["prompt_tokens"] += len(req.prompt)
         self.stats["prefill_tokens"] += len(req.prompt) - job.reused
@@ -475,7 +448,7 @@ class Engine:
         if alone or not self.flights:
             self._mark, self._clean = (time.perf_counter(), self.compile_s), True
         out, self.state = fn(*args)
-        self.flights.append(_Flight(out, i, list(self.rows)))
+        self.flights.append(Flight(out, i, list(self.rows)))
 
     def _read_back(self) -> None:
         """Wait for the oldest step in flight and hand its tokens to the rows it ran for (those that
@@ -565,14 +538,7 @@ class Engine:
                 k, v = snapshot(self.state.cache, b, n)
                 ids = list(row.request.prompt) + row.tokens
                 self.prefix.add(ids[:n], k, v)
-        now = time.perf_counter()
-        first = row.first_token_at or now
-        self._finish_handle(row.handle, Finished(
-            reason, tokens=row.tokens, steps=row.steps, prompt_tokens=len(row.request.prompt),
-            reused_tokens=row.reused, prefill_s=row.prefill_s, first_token_s=first - row.handle.submitted,
-            decode_s=row.decode_s, draft_tokens=row.draft_tokens, accepted_per_depth=row.depth_hist,
-            logprobs=row.logprobs,
-            step_tokens=row.step_tokens))
+        self._finish_handle(row.handle, row.finished(reason))
         self.lengths[b] = 0
 
     def _shrink(self) -> None:
