@@ -53,6 +53,7 @@ def main(argv=None) -> int:
     p.add_argument("--limit", type=int, default=0, help="the first N prompts only (0: all)")
     p.add_argument("--max-new-tokens", type=int, default=128, help="tokens per answer")
     p.add_argument("--max-batch", type=int, default=4, help="rows of each engine")
+    p.add_argument("--only", default="", help="the settings whose name contains this text only")
     args = p.parse_args(argv)
 
     import medusa_jax as mj
@@ -80,7 +81,7 @@ def main(argv=None) -> int:
     unpenalized = [f.tokens for f in answers(plain, [SamplingParams()] * len(prompts))]
     failed = 0
     print(f"{len(prompts)} prompts, {args.max_new_tokens} tokens, tree {tree}")
-    for name, kw in SETTINGS.items():
+    for name, kw in ((n, kw) for n, kw in SETTINGS.items() if args.only in n):
         sampling = [SamplingParams(seed=i, **kw) for i in range(len(prompts))]
         ref, got = answers(plain, sampling), answers(medusa, sampling)
         same = ties = 0

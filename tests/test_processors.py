@@ -12,7 +12,7 @@ from medusa_jax.decoding import processors
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.requests import Request, SamplingParams
-from medusa_jax.decoding.tree import get_tree, with_lookup
+from medusa_jax.decoding.tree import dynamic_tree, get_tree, with_lookup
 from medusa_jax.models.llama import LlamaModel
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -129,18 +129,36 @@ def test_sampled_min_p_keeps_likely_tokens(tiny):
     assert low > 0  # without min_p the same seeds do draw such tokens
 
 
+def _heads_and_tree(cfg, params, heads, kind):
+    """The test's heads and tree: a static tree, a dynamic one (medusa heads), a dynamic one with
+    hydra heads (whose drafts see the rows' penalties: `processors.draft_adjuster`); all with prompt
+    lookup."""
+    lookup = PromptLookup(num_tokens=3, max_ngram=3, min_ngram=1)
+    if kind == "static":
+        return heads, TREE
+    if kind == "dynamic":
+        return heads, with_lookup(dynamic_tree(6, 3, topk=4), lookup)
+    return random_heads(cfg, params, num_heads=3, head_type="hydra"), with_lookup(dynamic_tree(6, 3, topk=4, width=2),
+                                                                                  lookup)
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic", "hydra"])
 @pytest.mark.parametrize("sampled", [False, True])
-def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, monkeypatch):
+def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, kind, monkeypatch):
     """Rows with penalties and min_p beside a row without: Medusa's answers are plain decoding's,
-    token for token; with the tree paths' own tokens left out of the counts they are not."""
+    token for token, whatever the tree; with the tree paths' own tokens left out of the counts
+    they are not (static tree)."""
     cfg, params, heads, prompts = tiny
+    heads, tree = _heads_and_tree(cfg, params, heads, kind)
     base = SamplingParams(0.9, 0.95, 11) if sampled else SamplingParams()
     reqs = [Request(p, 40, base._replace(**s)) for p, s in zip(prompts, SETTINGS)]
     plain, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"), reqs)
-    medusa, handles = _answers(Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="always"), reqs)
+    medusa, handles = _answers(Engine(cfg, params, heads=heads, tree=tree, max_batch=4, speculation="always"), reqs)
     assert medusa == plain
     accepted = sum(sum(h.finished.step_tokens) - h.finished.steps for h in handles[:4])
     assert accepted > 3, accepted  # the tree's nodes past the root were chosen from, with their paths' counts
+    if kind != "static":  # the path counts are the same code for every tree; the static one shows their effect
+        return
 
     def no_path(counts, ancestor_mask, tree_tokens):
         return jnp.broadcast_to(counts[:, None, :], tree_tokens.shape + counts.shape[-1:])
@@ -149,7 +167,7 @@ def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, mo
     jax.clear_caches()
     compile_mod._COMPILED.clear()
     try:
-        broken, _ = _answers(Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="always"), reqs)
+        broken, _ = _answers(Engine(cfg, params, heads=heads, tree=tree, max_batch=4, speculation="always"), reqs)
     finally:
         monkeypatch.undo()
         jax.clear_caches()
@@ -161,7 +179,8 @@ def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, mo
 @pytest.mark.parametrize("field, value, message", [
     ("presence_penalty", 2.5, r"presence_penalty must be a number in \[-2, 2\], got 2.5"),
     ("frequency_penalty", float("nan"), r"frequency_penalty must be a number in \[-2, 2\]"),
-    ("repetition_penalty", 0.0, r"repetition_penalty must be a number in \(0, 2\] \(1 = off\), got 0.0"),
+    ("repetition_penalty", 0.0, r"repetition_penalty must be a number in \[0.01, 2\] \(1 = off\), got 0.0"),
+    ("repetition_penalty", 1e-40, r"repetition_penalty must be a number in \[0.01, 2\]"),
     ("min_p", 1.5, r"min_p must be a number in \[0, 1\], got 1.5"),
     ("min_p", "0.1", r"min_p must be a number")])
 def test_bad_penalties_are_refused(tiny, field, value, message):
@@ -191,7 +210,7 @@ def test_generate_takes_penalties_by_name(tiny):
     assert got == want[0]
     with pytest.raises(ValueError, match="unknown penalties typo_penalty"):
         generate(cfg, params, prompts[2], max_new_tokens=4, penalties={"typo_penalty": 1.0}, progress=False)
-    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \(0, 2\]"):
+    with pytest.raises(ValueError, match=r"repetition_penalty must be a number in \[0.01, 2\]"):
         generate(cfg, params, prompts[2], max_new_tokens=4, penalties={"repetition_penalty": 3}, progress=False)
 
 
@@ -233,3 +252,33 @@ def test_min_tokens_bans_the_stop_ids_until_then(tiny, sampled):
                 assert x[tok] >= x.max() - 1e-4
     with pytest.raises(ValueError, match=r"min_tokens must be an int in \[0, max_new_tokens = 4\], got 5"):
         Engine(cfg, params, max_batch=1).submit(Request(prompts[0], 4, min_tokens=5))
+
+
+def test_the_heads_draft_from_the_processed_logits():
+    """`draft_adjuster`: the heads' logits over their proposal ids get each row's bias and penalties
+    (from the context's counts), as the target's do, so that they draft what it would choose."""
+    from types import SimpleNamespace
+
+    rng = np.random.default_rng(3)
+    B, S, Vs, J = 2, 10, 12, 2
+    tokens = rng.integers(0, Vs, (B, S)).astype(np.int32)
+    lengths, prompt_len = np.array([10, 6], np.int32), np.array([4, 6], np.int32)
+    bias = np.zeros((B, Vs), np.float32)
+    bias[0, 3], bias[1, 5] = 2.0, -1.5
+    pen = np.array([[0.5, 0.25, 1.4], [0.0, 0.0, 1.0]], np.float32)
+    procs = processors.LogitsProcessors(bias=jnp.asarray(bias), penalties=jnp.asarray(pen),
+                                        prompt_len=jnp.asarray(prompt_len))
+    state = SimpleNamespace(cache=SimpleNamespace(tokens=jnp.asarray(tokens), lengths=jnp.asarray(lengths)),
+                            logits=jnp.zeros((B, Vs)), temperature=jnp.zeros((B,)))
+    adjust = processors.draft_adjuster(procs, state)
+    ids = np.array([3, 5, 7, 0, 11], np.int32)
+    logits = rng.normal(size=(J, B, 3, len(ids))).astype(np.float32) * 3
+    got = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(ids)))
+    for j in range(J):
+        for b in range(B):
+            for i in range(3):
+                full = np.zeros(Vs, np.float32)
+                full[ids] = logits[j, b, i] + bias[b, ids]
+                want = vllm_penalties(full, tokens[b, :prompt_len[b]], tokens[b, prompt_len[b]:lengths[b]], *pen[b])
+                np.testing.assert_allclose(got[j, b, i], want[ids], rtol=1e-6)
+    assert processors.draft_adjuster(processors.LogitsProcessors(min_p=jnp.ones((B,))), state) is None

@@ -838,7 +838,9 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     gen = check_request(body, [MODEL], 64, True)
     assert (gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty, gen.min_p) == (0.0, 0.0, 1.0, 0.0)
     for name, bad, interval in (("presence_penalty", 2.5, r"\[-2.0, 2.0\]"), ("frequency_penalty", -3, r"\[-2.0, 2.0\]"),
-                                ("repetition_penalty", 0, r"\(0.0, 2.0\]"), ("min_p", 1.01, r"\[0.0, 1.0\]"),
+                                ("repetition_penalty", 0, r"\[0.01, 2.0\]"), ("min_p", 1.01, r"\[0.0, 1.0\]"),
+                                ("presence_penalty", 10 ** 400, r"\[-2.0, 2.0\], got an integer of 401 digits"),
+                                ("temperature", -10 ** 400, r"\[0.0, 2.0\], got an integer of 401 digits"),
                                 ("min_p", True, "")):
         with pytest.raises(RequestError, match=f"^{name} must be {'in ' + interval if interval else 'a number'}") as e:
             check_request(dict(body, **{name: bad}), [MODEL], 64, True)

@@ -389,7 +389,7 @@ def add_penalty_args(p) -> None:
     as vLLM's)."""
     p.add_argument("--repetition-penalty", type=float, default=1.0,
                    help="divide a positive logit (multiply a negative one) of every token already in the prompt (a "
-                        "chat: the conversation) or the answer by this, in (0, 2]; 1 (the default) is off, above 1 "
+                        "chat: the conversation) or the answer by this, in [0.01, 2]; 1 (the default) is off, above 1 "
                         "discourages repeats")
     p.add_argument("--presence-penalty", type=float, default=0.0,
                    help="subtract this from the logit of every token the answer already holds, in [-2, 2] (OpenAI's)")

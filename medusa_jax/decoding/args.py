@@ -216,16 +216,22 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
     return out, eos
 
 
+#: The smallest repetition penalty taken (vLLM takes any > 0; below ~1e-37 a positive float32 logit
+#: divided by it overflows to inf, and far above that it is already every repeated token forced).
+MIN_REPETITION_PENALTY = 0.01
+
+
 def check_penalties(s) -> None:
     """Raise ValueError unless a `SamplingParams`' min_p is in [0, 1], its presence and frequency
-    penalties in [-2, 2] (OpenAI's range) and its repetition penalty in (0, 2] (vLLM's)."""
+    penalties in [-2, 2] (OpenAI's range) and its repetition penalty in [`MIN_REPETITION_PENALTY`, 2]
+    (vLLM's (0, 2], without the values whose division overflows)."""
     for name, low, high in (("min_p", 0.0, 1.0), ("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
         v = getattr(s, name)
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not low <= v <= high:
             raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {v!r}")
     r = s.repetition_penalty
-    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not 0 < r <= 2:
-        raise ValueError(f"repetition_penalty must be a number in (0, 2] (1 = off), got {r!r}")
+    if isinstance(r, bool) or not isinstance(r, numbers.Real) or not MIN_REPETITION_PENALTY <= r <= 2:
+        raise ValueError(f"repetition_penalty must be a number in [{MIN_REPETITION_PENALTY}, 2] (1 = off), got {r!r}")
 
 
 def checked_request(request: Request, vocab_size: int, max_len: int, where: str,

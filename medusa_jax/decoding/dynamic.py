@@ -28,7 +28,7 @@ random numbers, exact acceptance stays exact.
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Callable, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -110,18 +110,19 @@ def select_tree(tokens: jax.Array, scores: jax.Array, parents: jax.Array, depths
 
 
 def dynamic_draft(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params, state: DecodeState,
-                  root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None
-                  ) -> Tuple[TreeArrays, jax.Array]:
+                  root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None,
+                  adjust: Optional[Callable] = None) -> Tuple[TreeArrays, jax.Array]:
     """This step's tree and its tokens: `draft_tree` at ``state.hidden`` with the backbone's lm_head
-    and input embeddings (`params`, in decoding layout; head_params prepared for the depth)."""
+    and input embeddings (`params`, in decoding layout; head_params prepared for the depth);
+    `adjust`: the rows' logits processing applied to the heads' logits (`heads.topk.states_topk`)."""
     emb = token_embeddings(params) if heads_cfg.head_type == "hydra" else None
     return draft_tree(heads_cfg, head_params, lm_head_matrix(cfg, params), emb, state.hidden, root, tree,
-                      lookup_draft)
+                      lookup_draft, adjust)
 
 
 def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, embeddings, hidden: jax.Array,
-               root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None
-               ) -> Tuple[TreeArrays, jax.Array]:
+               root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None,
+               adjust: Optional[Callable] = None) -> Tuple[TreeArrays, jax.Array]:
     """A tree chosen from the heads' proposals (module docstring): the heads' top-``tree.topk`` per
     expanded node, depth by depth to ``tree.max_depth``, then the best ``tree.size - 1``
     (`select_tree`); with `lookup_draft`, prompt lookup's copied chains compete for the same slots
@@ -135,19 +136,21 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
       tree: a dynamic tree (``tree.dynamic`` set: `decoding.tree.dynamic_tree`).
       lookup_draft: (copied [B, m, k] int32, found [B, m] bool, ngram [B] int32) from
         `decoding.lookup.ngram_drafts` (without ngram, every copy scores by `lookup_confidence`), or None.
+      adjust: None, or a change to the heads' logits before their top-k (`heads.topk.states_topk`).
     Returns:
       (TreeArrays with a row axis, tokens [B, T] int32), as `select_tree`, paths as deep as
       ``tree.max_accepted``.
     Raises:
       ValueError: hydra heads whose width drafts fewer than T - 1 candidates.
     """
-    cands = draft_candidates(heads_cfg, head_params, base_lm_head, embeddings, hidden, root, tree, lookup_draft)
+    cands = draft_candidates(heads_cfg, head_params, base_lm_head, embeddings, hidden, root, tree, lookup_draft,
+                             adjust)
     return select_tree(*cands, root, tree.dynamic.budget, tree.max_accepted)
 
 
 def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, embeddings, hidden: jax.Array,
-                     root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None
-                     ) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
+                     root: jax.Array, tree: TreeBuffers, lookup_draft: Optional[Tuple[jax.Array, ...]] = None,
+                     adjust: Optional[Callable] = None) -> Tuple[jax.Array, jax.Array, jax.Array, np.ndarray]:
     """Everything a dynamic tree drafts, before the selection (`draft_tree`'s args).
 
     Depth by depth: the heads draft the top-k children of each node expanded at the depth above;
@@ -185,7 +188,7 @@ def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Arr
     if hydra:
         h = hidden[:, None, :]
     else:
-        ids, logp = head_topk(heads_cfg, head_params, hidden, lm, D, k, logprobs=True)  # [D, B, k]
+        ids, logp = head_topk(heads_cfg, head_params, hidden, lm, D, k, logprobs=True, adjust=adjust)  # [D, B, k]
     score = jnp.zeros((B, 1), jnp.float32)              # the expanded nodes' scores, [B, n]
     index = jnp.full((B, 1), -1, jnp.int32)             # their candidate indices (-1: the root)
     path = root[:, None, None]                          # hydra: their paths' tokens [B, n, d+1]
@@ -200,7 +203,7 @@ def draft_candidates(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Arr
             if hydra:
                 states = head_state(heads_cfg, head_params, d, h, kernels.take_rows(embeddings, path))  # [B, n, D]
                 t, lp = (x[0] for x in states_topk(heads_cfg, head_params, states[None], lm, k, first=d,
-                                                   logprobs=True))
+                                                   logprobs=True, adjust=adjust))
             else:
                 t, lp = jnp.broadcast_to(ids[d][:, None], (B, n, k)), logp[d][:, None]
             sc = (score[:, :, None] + node_confidence(spec, d, lp) - DEPTH_COST).reshape(B, n * k)

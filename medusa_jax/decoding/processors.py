@@ -20,7 +20,7 @@ log-probabilities a request asks for stay the model's own too (vLLM's ``raw_logp
 """
 from __future__ import annotations
 
-from typing import Mapping, NamedTuple, Optional, Sequence
+from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -150,6 +150,32 @@ def step_logits(procs: Optional[LogitsProcessors], state, tree_logits: Optional[
             emitted = emitted[:, None] + tree.depth + 1  # before a node's children
     logits = state.logits if tree_logits is None else tree_logits
     return processed(procs, logits, state.temperature, counts, in_prompt, emitted)
+
+
+def draft_adjuster(procs: Optional[LogitsProcessors], state) -> Optional[Callable]:
+    """The rows' bias and penalties (from the context's counts, not the tree paths') as a change to
+    the heads' logits, `heads.topk.states_topk`'s ``adjust``: ``adjust(logits [J, B, ..., N], ids [N]
+    or None) -> logits``, so that the heads draft what the processed target would choose (a draft
+    only affects speed; verification judges it against the exact processed logits). None when no
+    row has a bias or a penalty."""
+    if procs is None or (procs.bias is None and procs.penalties is None):
+        return None
+    counts = in_prompt = None
+    if procs.penalties is not None:
+        c = state.cache
+        counts, in_prompt = context_counts(c.tokens, c.lengths, procs.prompt_len, state.logits.shape[-1])
+    draft = LogitsProcessors(bias=procs.bias, penalties=procs.penalties)
+
+    def adjust(logits, ids):
+        cols = (lambda a: a) if ids is None else (lambda a: a[:, ids])  # noqa: E731 [B, V] -> [B, N]
+        x = jnp.moveaxis(logits, 1, 0)                                   # [B, J, ..., N]
+        shape = x.shape[:1] + (1,) * (x.ndim - 2) + x.shape[-1:]
+        p = draft._replace(bias=None if draft.bias is None else cols(draft.bias))
+        out = processed(p, x, state.temperature, None if counts is None else cols(counts).reshape(shape),
+                        None if in_prompt is None else cols(in_prompt))
+        return jnp.moveaxis(out, 0, 1)
+
+    return adjust
 
 
 def changes_logits(request) -> bool:

@@ -32,7 +32,7 @@ from medusa_jax.decoding.draft import draft_tokens
 from medusa_jax.decoding.dynamic import dynamic_draft
 from medusa_jax.decoding.logprobs import emitted_logprobs
 from medusa_jax.decoding.lookup import ngram_draft, ngram_drafts
-from medusa_jax.decoding.processors import LogitsProcessors, step_logits
+from medusa_jax.decoding.processors import LogitsProcessors, draft_adjuster, step_logits
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.tree import TreeBuffers, chain_tree, check_depth
@@ -110,7 +110,8 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     chosen from the processed logits, the root's and each tree node's alike (a node's penalties
     count the tokens on its path), so a plain step and a Medusa step still choose the same tokens;
     the heads' drafts, the log-probabilities and the logits handed to the next step stay the
-    model's own.
+    model's own, but a dynamic tree's heads draft from their logits with the rows' bias and
+    penalties (`decoding.processors.draft_adjuster`).
 
     Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
     near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
@@ -125,7 +126,8 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     def heads_draft(_):
         """(the tree to verify: the static one, or this step's per-row arrays; its tokens [B, T])."""
         if tree.dynamic is not None:
-            return dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree)
+            return dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree,
+                                 adjust=draft_adjuster(procs, state))
         return tree, (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
                       else root[:, None])
 
@@ -138,7 +140,8 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
         return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, procs)
     if tree.dynamic is not None:  # the copied chains compete with the heads' nodes for the T slots
         drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m], [B]
-        verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts)
+        verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts,
+                                         draft_adjuster(procs, state))
         return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, procs)
     copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
     # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen

@@ -2,7 +2,7 @@
 vocabulary or the heads' proposal vocabulary (`heads.medusa.prepare_heads`)."""
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -14,17 +14,19 @@ from medusa_jax.heads.medusa import BLOCK_KEYS, MedusaHeads, proposal_projection
 
 
 def states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm_head: Optional[jax.Array],
-                topk: int, first: int = 0, logprobs: bool = False):
+                topk: int, first: int = 0, logprobs: bool = False, adjust: Optional[Callable] = None):
     """Top-k token ids from head states: [J, ..., D] states of heads first..first+J-1 -> [J, ..., topk]
     int32, over the proposal vocabulary when the heads have one (module `heads`). With `logprobs`,
     also their log-probabilities [J, ..., topk] float32 under the head's softmax over that vocabulary
-    (the draft probabilities a dynamic tree ranks its nodes by: `decoding.dynamic`)."""
+    (the draft probabilities a dynamic tree ranks its nodes by: `decoding.dynamic`). `adjust`:
+    ``adjust(logits [J, ..., N], ids [N] int32 or None) -> logits``, applied before the top-k (a
+    request's penalties and bias: `decoding.processors.draft_adjuster`)."""
     J = states.shape[0]
     ids = None
     if "proposal_lm_head_t" in head_params:  # [N, D] shared proposal projection (heads.prepare_heads):
         ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)  # an array or GGUF blocks, streamed as stored
         logits = kernels.matmul_nt(states, kernels.weight_for(head_params["proposal_lm_head_t"], states.dtype))
-        return _top(logits, ids, topk, logprobs)
+        return _top(logits, ids, topk, logprobs, adjust)
     if heads_cfg.proposal_vocab_size:
         ids = jnp.asarray(head_params["proposal_ids"], jnp.int32)
         proj = head_params.get("proposal_lm_head")
@@ -43,12 +45,14 @@ def states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm
         logits = kernels.matmul_nt(states, kernels.weight_for(proj.T, states.dtype))
     else:
         logits = jnp.einsum("k...d,kdv->k...v", states, proj[first:first + J].astype(states.dtype))
-    return _top(logits, ids, topk, logprobs)
+    return _top(logits, ids, topk, logprobs, adjust)
 
 
-def _top(logits: jax.Array, ids: Optional[jax.Array], topk: int, logprobs: bool):
+def _top(logits: jax.Array, ids: Optional[jax.Array], topk: int, logprobs: bool, adjust: Optional[Callable] = None):
     """`states_topk`'s result from the logits [..., N] over ``ids`` [N] (None: the whole vocabulary)."""
     logits = logits.astype(jnp.float32)
+    if adjust is not None:
+        logits = adjust(logits, ids)
     top, idx = jax.lax.top_k(logits, topk)
     idx = idx.astype(jnp.int32)
     tokens = idx if ids is None else ids[idx]
@@ -59,7 +63,7 @@ def _top(logits: jax.Array, ids: Optional[jax.Array], topk: int, logprobs: bool)
 
 def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_head: Optional[jax.Array],
               depth: int, topk: int, path_tokens: Optional[jax.Array] = None,
-              embeddings: Optional[jax.Array] = None, logprobs: bool = False):
+              embeddings: Optional[jax.Array] = None, logprobs: bool = False, adjust: Optional[Callable] = None):
     """Top-k proposals of the first `depth` heads.
 
     Args:
@@ -75,7 +79,7 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
       (gathered here, every call, when absent).
       Params from `heads.medusa.prepare_heads` (with ``depth`` = this depth) make this slice- and
       gather-free; others work, at the cost of copying the first `depth` heads' weights per call.
-      logprobs: also return the tokens' log-probabilities (`states_topk`).
+      logprobs: also return the tokens' log-probabilities (`states_topk`); adjust: as there.
     Returns:
       [depth, N, topk] int32 token ids, best first; head k guesses the token k + 2 positions
       after each hidden state's own token. With `logprobs`: (ids, [depth, N, topk] float32).
@@ -92,4 +96,4 @@ def head_topk(heads_cfg: MedusaConfig, head_params, hidden: jax.Array, base_lm_h
         blocks = {k: head_params[k][:depth] for k in BLOCK_KEYS}
         states = MedusaHeads(heads_cfg.replace(num_heads=depth, shared_lm_head=True, proposal_vocab_size=0)).apply(
             {"params": blocks}, hidden, method=MedusaHeads.head_states)                  # [depth, N, D]
-    return states_topk(heads_cfg, head_params, states, base_lm_head, topk, logprobs=logprobs)
+    return states_topk(heads_cfg, head_params, states, base_lm_head, topk, logprobs=logprobs, adjust=adjust)

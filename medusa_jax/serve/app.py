@@ -279,13 +279,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         budget = new_token_room(len(ids), context)
         default = max_tokens_default or (budget if chat else protocol.COMPLETIONS_MAX_TOKENS)
         max_tokens = gen.max_tokens if gen.max_tokens is not None else min(default, budget)
+        budget_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
         if max_tokens > budget:
-            raise RequestError(f"max_tokens {max_tokens} is too large: the prompt has {len(ids)} tokens and the "
-                               f"context is {context}, so at most {budget} new tokens fit",
-                               "max_completion_tokens" if chat and "max_completion_tokens" in body else "max_tokens",
+            raise RequestError(f"{budget_field} {max_tokens} is too large: the prompt has {len(ids)} tokens and the "
+                               f"context is {context}, so at most {budget} new tokens fit", budget_field,
                                code="context_length_exceeded")
         if gen.min_tokens > max_tokens:
-            raise RequestError(f"min_tokens ({gen.min_tokens}) must be at most max_tokens ({max_tokens}"
+            raise RequestError(f"min_tokens ({gen.min_tokens}) must be at most {budget_field} ({max_tokens}"
                                f"{', its default here' if gen.max_tokens is None else ''})", "min_tokens")
         if gen.n > engine.max_batch + max_waiting:
             raise RequestError(f"n={gen.n} choices need a row or a place in the queue each; this server has "

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from medusa_jax.chat import check_messages, check_text
+from medusa_jax.decoding.args import MIN_REPETITION_PENALTY
 from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
 
 #: Fields this server cannot honour, with their default values: refused with a 400 when a request
@@ -93,7 +94,7 @@ class Generation:
     logit_bias: Optional[Dict[int, float]] = None  # token id -> added to its logit (None: none)
     presence_penalty: float = 0.0                 # OpenAI's, [-2, 2]
     frequency_penalty: float = 0.0                # OpenAI's, [-2, 2]
-    repetition_penalty: float = 1.0               # vLLM's, (0, 2] (1: off)
+    repetition_penalty: float = 1.0               # vLLM's, [0.01, 2] (1: off)
     min_p: float = 0.0                            # vLLM's, [0, 1] (0: off)
     min_tokens: int = 0                           # vLLM's: no EOS, stop id or stop string before this many tokens
 
@@ -112,6 +113,8 @@ def _number(body: dict, name: str, default: float, low: float, high: float, open
     if v is None:
         return default
     interval = f"{'(' if open_low else '['}{low}, {high}]"
+    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2 ** 64:  # beyond a float: out of any interval
+        raise RequestError(f"{name} must be in {interval}, got an integer of {len(str(abs(v)))} digits", name)
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
         raise RequestError(f"{name} must be a number, got {v!r}", name)
     if not (low < v if open_low else low <= v) or not v <= high:
@@ -172,7 +175,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     ``logit_bias`` (`_logit_bias`) and ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]); tools
     and guided output are refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
     ``include_stop_str_in_output``, ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut
-    before ``top_p``), ``repetition_penalty`` ((0, 2], 1: off), ``min_p`` ([0, 1]), ``min_tokens`` (at
+    before ``top_p``), ``repetition_penalty`` ([0.01, 2], 1: off), ``min_p`` ([0, 1]), ``min_tokens`` (at
     most ``max_tokens``), and for chats
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the
     template, e.g. Qwen3's ``enable_thinking``) are honoured; its other extensions are refused unless at
@@ -202,7 +205,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     logprobs = _logprobs(body, chat)
     logit_bias = _logit_bias(body, vocab_size)
     penalties = {name: _number(body, name, 0.0, -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty")}
-    penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True)
+    penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 2.0)
     penalties["min_p"] = _number(body, "min_p", 0.0, 0.0, 1.0)
     fmt = body.get("response_format")
     if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
