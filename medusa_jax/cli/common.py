@@ -406,9 +406,7 @@ def penalties_from_args(p, args) -> dict:
     presence_penalty, frequency_penalty, repetition_penalty), checked: a bad value exits through
     ``p.error`` with a one-line message. Greedy answers with penalties stay plain greedy's with them."""
     from medusa_jax.decoding.args import check_penalties
-    from medusa_jax.decoding.requests import SamplingParams
-
-    from medusa_jax.decoding.requests import PENALTY_FIELDS
+    from medusa_jax.decoding.requests import PENALTY_FIELDS, SamplingParams
 
     fields = {name: getattr(args, name) for name in PENALTY_FIELDS}
     try:

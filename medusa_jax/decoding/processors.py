@@ -3,12 +3,13 @@
 ``min_tokens`` (`LogitsProcessors`), applied alike to a step's root and to every node of its tree.
 
 The order is vLLM's sampler's (``vllm/v1/sample/sampler.py``): the bias is added to the model's
-logits and, before ``min_tokens`` output tokens, the request's stop ids are banned; then the penalties (``vllm/model_executor/layers/utils.py``, ``apply_penalties``): the
-repetition penalty (Keskar et al. 2019, "CTRL", Sec. 4.1) divides a positive logit, and multiplies
-a negative one, by r for every token that occurs in the prompt or the output so far; the frequency
-penalty subtracts f times the token's count in the output, and the presence penalty p once for a
-token the output holds; then temperature, min_p (Nguyen et al. 2024, "min-p sampling": tokens whose
-probability is below min_p times the most likely token's are dropped) and top-k/top-p
+logits and, before ``min_tokens`` output tokens, the request's stop ids are banned; then the
+penalties (``vllm/model_executor/layers/utils.py``, ``apply_penalties``): the repetition penalty
+(Keskar et al. 2019, "CTRL", Sec. 4.1) divides a positive logit, and multiplies a negative one, by
+r for every token that occurs in the prompt or the output so far; the frequency penalty subtracts
+f times the token's count in the output, and the presence penalty p once for a token the output
+holds; then temperature, min_p (Nguyen et al. 2024, "min-p sampling": tokens whose probability is
+below min_p times the most likely token's are dropped) and top-k/top-p
 (`decoding.sampling.filtered_logits`).
 
 Speculation stays exact with penalties because a tree node's counts are its own: the context's

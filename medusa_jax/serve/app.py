@@ -279,7 +279,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         budget = new_token_room(len(ids), context)
         default = max_tokens_default or (budget if chat else protocol.COMPLETIONS_MAX_TOKENS)
         max_tokens = gen.max_tokens if gen.max_tokens is not None else min(default, budget)
-        budget_field = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+        budget_field = ("max_completion_tokens" if chat and body.get("max_completion_tokens") is not None
+                        else "max_tokens")
         if max_tokens > budget:
             raise RequestError(f"{budget_field} {max_tokens} is too large: the prompt has {len(ids)} tokens and the "
                                f"context is {context}, so at most {budget} new tokens fit", budget_field,
