@@ -227,10 +227,10 @@ class Engine:
     def stop(self, cancel: bool = True, timeout: Optional[float] = None) -> None:
         """End the background loop; with `cancel`, every request still running or waiting ends
         ("cancelled") first. Later submissions raise EngineStopped until `start`."""
+        with self._submitting:  # first: a request submitted from now on is refused, any before it cancelled
+            self._stop.set()
         if cancel:
             self.cancel_all()
-        with self._submitting:
-            self._stop.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout)
