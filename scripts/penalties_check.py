@@ -29,21 +29,20 @@ SETTINGS = {
 
 
 def penalized_gap(cfg, params, prompt, answer, s) -> float:
-    """Top-2 gap of the penalized logits after prompt + answer (one plain forward)."""
+    """Top-2 gap of the penalized logits after prompt + answer (one plain forward, the engine's
+    `decoding.processors.penalized`)."""
     import jax.numpy as jnp
     import numpy as np
 
+    from medusa_jax.decoding.processors import context_counts, penalized
     from medusa_jax.models.llama import LlamaModel
 
     ids = jnp.asarray([list(prompt) + list(answer)], jnp.int32)
-    logits = np.asarray(LlamaModel(cfg).apply({"params": params}, ids, jnp.arange(ids.shape[1])[None])[0][0, -1],
-                        np.float64)
-    V = logits.shape[-1]
-    counts = np.bincount(np.asarray(answer, int), minlength=V)
-    seen = (counts > 0) | (np.bincount(np.asarray(prompt, int), minlength=V) > 0)
-    r = np.where(seen, s.repetition_penalty, 1.0)
-    x = np.where(logits > 0, logits / r, logits * r) - s.frequency_penalty * counts - s.presence_penalty * (counts > 0)
-    top = np.sort(x)[-2:]
+    logits = LlamaModel(cfg).apply({"params": params}, ids, jnp.arange(ids.shape[1])[None])[0][:, -1]
+    counts, in_prompt = context_counts(ids, jnp.asarray([ids.shape[1]]), jnp.asarray([len(prompt)]),
+                                       logits.shape[-1])
+    pen = jnp.asarray([[s.presence_penalty, s.frequency_penalty, s.repetition_penalty]], jnp.float32)
+    top = np.sort(np.asarray(penalized(logits, pen, counts, in_prompt)[0], np.float64))[-2:]
     return float(top[1] - top[0])
 
 

@@ -350,6 +350,17 @@ def test_text_stream_stops_at_the_earliest_stop_sequence_however_the_tokens_arri
             assert ts.used == first, (stop, size)
 
 
+def _fed(ts, ids, size):
+    """Feed `ids` to a TextStream `size` tokens at a time until it stops: (the text handed out, stopped)."""
+    out, stopped = "", False
+    for i in range(0, len(ids), size):
+        delta, stopped = ts.feed(ids[i:i + size])
+        out += delta
+        if stopped:
+            break
+    return out, stopped
+
+
 def test_text_stream_ignores_stops_completed_within_min_tokens(smollm2):
     """min_tokens (vLLM's): a stop sequence completed by one of the first min_tokens tokens does not
     end the answer (the same stop later does), however many tokens each step delivered."""
@@ -360,12 +371,8 @@ def test_text_stream_ignores_stops_completed_within_min_tokens(smollm2):
     ends = [n for n in range(1, len(ids) + 1) if tok.decode(ids[:n]).count("\n") > tok.decode(ids[:n - 1]).count("\n")]
     for min_tokens, want in ((0, "1. 1"), (ends[0] - 1, "1. 1"), (ends[0], "1. 1\n2. 2"), (ends[1], "1. 1\n2. 2\n3. 3")):
         for size in (1, 3, len(ids)):
-            ts, out, stopped = TextStream(tok, ["\n"], min_tokens=min_tokens), "", False
-            for i in range(0, len(ids), size):
-                delta, stopped = ts.feed(ids[i:i + size])
-                out += delta
-                if stopped:
-                    break
+            ts = TextStream(tok, ["\n"], min_tokens=min_tokens)
+            out, stopped = _fed(ts, ids, size)
             assert stopped and out == ts.text == want, (min_tokens, size, out)
 
 
@@ -401,12 +408,8 @@ def test_text_stream_stop_sequences_match_whole_characters_and_can_be_kept(smoll
         assert out + ts.feed([], final=True)[0] == "Fish 🐟🐠🐬 and more"
     for include, want in ((False, "Fish 🐟"), (True, "Fish 🐟🐠")):
         for size in (1, 3):
-            ts, out, stopped = TextStream(tok, ["🐠", "🐬"], include_stop=include), "", False
-            for i in range(0, len(ids), size):
-                delta, stopped = ts.feed(ids[i:i + size])
-                out += delta
-                if stopped:
-                    break
+            ts = TextStream(tok, ["🐠", "🐬"], include_stop=include)
+            out, stopped = _fed(ts, ids, size)
             assert stopped and out == ts.text == want, (include, size, out)
             assert tok.decode(ids[:ts.used]).startswith("Fish 🐟🐠") and not \
                 tok.decode(ids[:ts.used - 1]).startswith("Fish 🐟🐠")
