@@ -3,6 +3,7 @@ an assistant's turn, and prompt files (their first turns)."""
 from __future__ import annotations
 
 import json
+import re
 from typing import List, Optional, Sequence
 
 #: End-of-turn markers of common chat templates; when a tokenizer's chat template uses one, its
@@ -11,8 +12,8 @@ END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>")
 
 
 #: The roles a chat message may have ("developer", OpenAI's name for the system message of its
-#: newer models, is taken as "system": chat templates know only the three).
-ROLES = ("system", "user", "assistant", "developer")
+#: newer models, is taken as "system", which chat templates know; "tool": a tool's result).
+ROLES = ("system", "user", "assistant", "tool", "developer")
 
 
 def check_text(text: str, where: str) -> str:
@@ -55,8 +56,11 @@ def check_messages(messages: Sequence[dict]) -> List[dict]:
     role is one of `ROLES` ("developer" becomes "system") and whose content is a string or a list
     of text parts (OpenAI's; joined with newlines) of valid Unicode, possibly empty. Any role may
     come last, as OpenAI's API allows: the chat template then renders what follows it (a new
-    assistant turn after an assistant's message or a lone system message). Raises ValueError
-    naming the message and the field (``messages[2].role``)."""
+    assistant turn after an assistant's message or a lone system message). Tool calling, as
+    OpenAI's messages carry it: an assistant's ``tool_calls`` (its content may then be null) kept
+    with their arguments decoded to objects (`_tool_calls`), and a tool's result (role "tool")
+    with its ``tool_call_id``. Raises ValueError naming the message and the field
+    (``messages[2].role``)."""
     if not isinstance(messages, (list, tuple)) or not messages:
         raise ValueError("messages: give a non-empty list of {'role', 'content'} messages")
     out = []
@@ -73,27 +77,81 @@ def check_messages(messages: Sequence[dict]) -> List[dict]:
         content = m.get("content")
         content = "" if role == "assistant" and content is None else _content(content, where)  # (tool calls: null)
         out.append({"role": role, "content": content})
+        if role == "assistant" and m.get("tool_calls"):
+            out[-1]["tool_calls"] = _tool_calls(m["tool_calls"], where)
+        if role == "tool":
+            if not isinstance(m.get("tool_call_id"), str):
+                raise ValueError(f"{where}.tool_call_id: a tool's result needs the id of the call it answers "
+                                 f"(a string), got {m.get('tool_call_id')!r}")
+            out[-1]["tool_call_id"] = m["tool_call_id"]
+        if role == "tool" and isinstance(m.get("name"), str):
+            out[-1]["name"] = m["name"]
+    return out
+
+
+def _tool_calls(calls, where: str) -> List[dict]:
+    """An assistant message's ``tool_calls`` (OpenAI's ``[{"id", "type": "function", "function":
+    {"name", "arguments"}}]``, the arguments a JSON string) in the form chat templates render:
+    the arguments decoded to an object, as vLLM passes them (templates write them with
+    ``tojson``). Raises ValueError naming the field."""
+    if not isinstance(calls, list):
+        raise ValueError(f"{where}.tool_calls: expected a list of tool calls, got {type(calls).__name__}")
+    out = []
+    for j, call in enumerate(calls):
+        at = f"{where}.tool_calls[{j}]"
+        if not isinstance(call, dict) or not isinstance(call.get("function"), dict):
+            raise ValueError(f"{at}: expected {{'id', 'type': 'function', 'function': {{'name', 'arguments'}}}}")
+        fn = call["function"]
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise ValueError(f"{at}.function.name: the called function's name (a string) is required")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args or "{}")
+            except ValueError as e:
+                raise ValueError(f"{at}.function.arguments: not valid JSON ({e})") from None
+        if not isinstance(args, dict):
+            raise ValueError(f"{at}.function.arguments: must be a JSON object, as a string")
+        if not isinstance(call.get("id", ""), str):
+            raise ValueError(f"{at}.id: must be a string")
+        out.append({"id": call.get("id", ""), "type": "function", "function": {"name": fn["name"], "arguments": args}})
     return out
 
 
 def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool = True,
-                continue_final_message: bool = False, template_kwargs: Optional[dict] = None) -> List[int]:
+                continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
+                tools: Optional[List[dict]] = None) -> List[int]:
     """Token ids of a whole chat through the tokenizer's chat template (transformers'
     ``apply_chat_template``); with `add_generation_prompt`, ready for the assistant's next answer;
     with `continue_final_message`, ending inside the last message (an assistant's answer to be
     continued from its text: vLLM's "assistant prefill"); `template_kwargs`: more variables for the
-    template (e.g. Qwen3's ``enable_thinking``). Raises ValueError for a tokenizer without a chat
-    template."""
+    template (e.g. Qwen3's ``enable_thinking``); `tools`: OpenAI's tool definitions, for a template
+    that tells the model about them (`template_takes_tools`). Raises ValueError for a tokenizer
+    without a chat template, or tools and a template that has no place for them."""
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("the tokenizer has no chat template")
     extra = dict(template_kwargs or {})
     if continue_final_message:
         extra["continue_final_message"] = True
+    if tools:
+        if not template_takes_tools(tokenizer):
+            raise ValueError("the model's chat template has no place for tools, so the model would never see them; "
+                             "serve it with a chat template that renders tools (medusa-serve --chat-template)")
+        extra["tools"] = list(tools)
     out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
                                         **extra)
     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+def template_takes_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template renders OpenAI-style tool definitions (it reads a
+    ``tools`` variable, as Qwen2.5's, Qwen3's, Hermes' and Llama 3.1's do)."""
+    template = getattr(tokenizer, "chat_template", None) or ""
+    if isinstance(template, dict):  # named templates (e.g. "default" and "tool_use")
+        template = "\n".join(str(t) for t in template.values())
+    return bool(re.search(r"\btools\b", template))
 
 
 def encode_raw(tokenizer, prompt: str) -> List[int]:

@@ -24,6 +24,11 @@ TREE = with_lookup(get_tree([(0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (2,)
 
 @pytest.fixture(scope="module")
 def tiny():
+    return tiny_setup()
+
+
+def tiny_setup():
+    """A tiny random model of `V` tokens, 3 random medusa heads and 8 random prompts."""
     cfg, params = tiny_decoding_model(V)
     heads = random_heads(cfg, params, num_heads=3)
     rng = np.random.default_rng(5)

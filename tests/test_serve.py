@@ -791,6 +791,48 @@ def test_penalties_are_plain_decodings_with_the_same_penalties(client, smollm2):
     assert answers[0] != first.choices[0].message.content  # the greedy penalties changed the answer
 
 
+def test_bad_words_and_allowed_token_ids_are_plain_decodings_with_the_same_bans(client, server, smollm2):
+    """vLLM's bad_words and allowed_token_ids through the openai client's extra_body: the words are
+    tokenized as vLLM does (at the start and after a space), the server's Medusa answer is the
+    engine's plain decoding with the same bans, it holds none of the words, and a bad word of the
+    free answer changes it."""
+    import medusa_jax as mj
+    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.decoding.requests import Request as EngineRequest
+    from medusa_jax.serve.text import bad_words_ids
+
+    tok = smollm2.tokenizer
+    q = "Name three primary colours."
+    msgs = [{"role": "user", "content": q}]
+    ids = mj.apply_chat_template(tok, q)
+    free = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0)
+    words = [w.strip(",.") for w in free.choices[0].message.content.split()[2:6]]
+    assert bad_words_ids(tok, ["Paris"]) == [tok.encode("Paris", add_special_tokens=False)] + (
+        [tok.encode(" Paris", add_special_tokens=False)] if len(tok.encode(" Paris", add_special_tokens=False)) ==
+        len(tok.encode("Paris", add_special_tokens=False)) else [])
+    engine = Engine(smollm2.cfg, smollm2.params, max_batch=1, speculation="off")
+    allowed = sorted(set(ids) | set(tok.encode(" red blue yellow green and the colours are Red Blue Yellow.\n",
+                                              add_special_tokens=False)) | set(engine.eos))
+    for extra in ({"bad_words": words}, {"allowed_token_ids": allowed}):
+        r = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=40, temperature=0, extra_body=extra)
+        handle = engine.submit(EngineRequest(ids, 40, allowed_token_ids=extra.get("allowed_token_ids"),
+                                             bad_words=bad_words_ids(tok, extra.get("bad_words", []))))
+        engine.run()
+        want = tok.decode(handle.finished.tokens, skip_special_tokens=True)
+        assert r.choices[0].message.content == want, extra
+        assert want != free.choices[0].message.content, extra
+        if "bad_words" in extra:
+            out = list(handle.finished.tokens)
+            assert not any(out[k:k + len(w)] == w for w in bad_words_ids(tok, words) for k in range(len(out)))
+        else:
+            assert set(handle.finished.tokens) <= set(allowed)
+    for extra, message in (({"allowed_token_ids": []}, "allowed_token_ids is empty"),
+                           ({"bad_words": ["ok", ""]}, "bad_words must be a list of non-empty strings"),
+                           ({"bad_words": ["word " * 40]}, "bad_words: a word of")):
+        r = httpx.post(server[0] + "/v1/chat/completions", json=dict(model=MODEL, messages=msgs, **extra))
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+
+
 def test_min_tokens_holds_off_eos_and_stop_strings(client, smollm2):
     """min_tokens (vLLM's, the openai client's extra_body): a short answer goes on past its EOS to
     min_tokens tokens, as the engine's plain steps with min_tokens decode it, and a stop string
@@ -830,7 +872,7 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
     gen = check_request(dict(body, **defaults), [MODEL], 64, True)
     assert (gen.temperature, gen.stop_token_ids, gen.ignore_eos, gen.include_stop) == (1.0, None, False, False)
     assert gen.eos_override([2]) is None and gen.add_generation_prompt and not gen.continue_final_message
-    for name, value in (("skip_special_tokens", False), ("best_of", 2), ("suffix", "x"), ("tool_choice", "auto"),
+    for name, value in (("skip_special_tokens", False), ("best_of", 2), ("suffix", "x"), ("tool_choice", "required"),
                         ("use_beam_search", True)):
         with pytest.raises(RequestError, match=f"^{name}") as e:
             check_request(dict(body, **{name: value}), [MODEL], 64, True)

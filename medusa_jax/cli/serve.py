@@ -60,6 +60,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="web origins whose pages may call the API from a browser (CORS), comma-separated or a "
                         "JSON list as vLLM takes them, e.g. http://localhost:3000; '*' (the default, as vLLM's): any "
                         "origin; '': none")
+    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+                   help="how the model writes a tool call, so that chats with 'tools' get them back as tool_calls "
+                        "(vLLM's names): 'hermes' for <tool_call>{...}</tool_call> (Qwen2.5, Qwen3, Hermes), "
+                        "'llama3_json' for a JSON call (Llama 3.1-3.3); default: none (a chat with tools must "
+                        "then give tool_choice 'none')")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="a Jinja chat template file to use instead of the tokenizer's own (e.g. one that renders "
+                        "tools); its end-of-turn token also ends answers")
     common.add_dtype_arg(p)
     common.add_mesh_arg(p)
     common.add_lookup_arg(p)
@@ -98,11 +106,21 @@ def main(argv: Optional[List[str]] = None) -> int:
         origins = parse_origins(args.allowed_origins)
     except ValueError as e:  # (json's errors are ValueErrors too)
         p.error(f"--allowed-origins {args.allowed_origins}: {e}")
+    template = None
+    if args.chat_template is not None:
+        try:
+            with open(args.chat_template, encoding="utf-8") as f:
+                template = f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--chat-template {args.chat_template}: {getattr(e, 'strerror', None) or e}")
+        if not template.strip():
+            p.error(f"--chat-template {args.chat_template}: the file is empty")
 
     import uvicorn
 
     from medusa_jax import resolve
-    from medusa_jax.convert.load import weights_of
+    from medusa_jax.chat import render_chat
+    from medusa_jax.convert.load import complete_eos_ids, weights_of
     from medusa_jax.cli import common
     from medusa_jax.decoding.engine import Engine
     from medusa_jax.serve import create_app
@@ -114,6 +132,16 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     if note:
         print(f"note: {note}", file=sys.stderr)
+    eos = None
+    if template is not None:
+        model.tokenizer.chat_template = template
+        try:
+            render_chat(model.tokenizer, [{"role": "user", "content": "Hello"}])
+        except Exception as e:  # noqa: BLE001 - Jinja's errors, or the template's own raise_exception
+            print(f"error: --chat-template {args.chat_template}: the template cannot render a user message: {e}",
+                  file=sys.stderr)
+            return 2
+        eos = complete_eos_ids(model.cfg, model.tokenizer).eos_token_ids
     priors = None
     calibration = resolve.heads_calibration(args.heads, weights_of(model.params))
     predicted = resolve.predicted_tokens_per_step(tree, calibration) if heads else None
@@ -121,13 +149,13 @@ def main(argv: Optional[List[str]] = None) -> int:
         priors = [1.0, 1.0 + (predicted[0] - 1.0) / 2, predicted[0]]
     engine = Engine(model.cfg, model.params, heads=heads, tree=tree, max_batch=args.max_batch,
                     speculation=args.speculation, acceptance=args.acceptance,
-                    prefix_cache_bytes=args.prefix_cache_mb << 20, priors=priors)
+                    prefix_cache_bytes=args.prefix_cache_mb << 20, priors=priors, eos_token_ids=eos)
     if priors is not None and len(priors) != len(engine.chooser.trees):
         engine.chooser.gain = [1.0] * len(engine.chooser.trees)
     name = args.served_model_name or default_model_name(model.path)
     app = create_app(engine, model.tokenizer, name, max_waiting=args.max_waiting, max_tokens_default=args.max_tokens,
                      allowed_origins=origins,
-                     max_request_bytes=int(args.max_request_mb * (1 << 20)))
+                     max_request_bytes=int(args.max_request_mb * (1 << 20)), tool_call_parser=args.tool_call_parser)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, speculation "
           f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens)", file=sys.stderr,
           flush=True)

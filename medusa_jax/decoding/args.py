@@ -244,8 +244,9 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
     max_new_tokens < 1, a min_tokens outside [0, max_new_tokens], a temperature < 0, top_p outside
     (0, 1], a top_k that is not an int in [0, 2**31), a seed outside [0, 2**31), penalties or a
     min_p out of range (`check_penalties`), logprobs outside [0, `MAX_TOP_LOGPROBS`], a logit_bias
-    with an id outside the vocabulary or a value that is not a finite number) and PromptTooLongError
-    (a prompt that leaves no room for an answer)."""
+    with an id outside the vocabulary or a value that is not a finite number, allowed_token_ids or
+    bad_words that are not ids of the vocabulary: `check_token_sets`) and PromptTooLongError (a
+    prompt that leaves no room for an answer)."""
     p = [int(t) for t in request.prompt]
     if not p:
         raise ValueError("the prompt is empty: give at least one token")
@@ -282,7 +283,36 @@ def checked_request(request: Request, vocab_size: int, max_len: int, where: str,
         if bad is not None:
             raise ValueError(f"logit_bias: token {bad[0]} -> {bad[1]}: ids must be in [0, {vocab_size}) and values "
                              "finite numbers")
+    allowed, bad_words = check_token_sets(request.allowed_token_ids, request.bad_words, vocab_size)
     rid = request.request_id if request.request_id is not None else default_id()
     return Request(prompt=p, max_new_tokens=int(request.max_new_tokens), sampling=s,
                    stop_token_ids=request.stop_token_ids, request_id=rid, logprobs=lp, logit_bias=bias or None,
-                   min_tokens=int(m))
+                   min_tokens=int(m), allowed_token_ids=allowed, bad_words=bad_words)
+
+
+def check_token_sets(allowed, bad_words, vocab_size: int) -> Tuple[Optional[List[int]], Optional[List[List[int]]]]:
+    """A request's ``allowed_token_ids`` (None, or a non-empty list of ids) and ``bad_words`` (None,
+    or token id sequences, each non-empty) as lists of ints; ValueError naming the field for an
+    id outside [0, `vocab_size`), a value of another shape, or allowed ids that are all one-token
+    bad words."""
+    def ids(v, what: str) -> List[int]:
+        try:
+            out = [int(operator.index(t)) for t in v]
+        except TypeError:
+            raise ValueError(f"{what} must be a list of token ids (ints), got {v!r}") from None
+        bad = next((t for t in out if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise ValueError(f"{what}: token id {bad} is outside the model's vocabulary [0, {vocab_size})")
+        return out
+
+    if allowed is not None:
+        allowed = ids(allowed, "allowed_token_ids")
+        if not allowed:
+            raise ValueError("allowed_token_ids is empty: no token could be chosen; give at least one id, or None")
+    if bad_words:
+        bad_words = [ids(w, f"bad_words[{i}]") for i, w in enumerate(bad_words)]
+        if not all(bad_words):
+            raise ValueError("bad_words: a word is an empty list of token ids")
+    if allowed and bad_words and set(allowed) <= {w[0] for w in bad_words if len(w) == 1}:
+        raise ValueError("every one of allowed_token_ids is a bad word, so no token could be chosen")
+    return allowed, bad_words or None

@@ -57,7 +57,10 @@ class Request:
     value added to its logit before every choice (OpenAI's ``logit_bias``: -100 bans a token, +100
     forces it), Medusa's verification included, so greedy answers stay plain greedy's with the
     same bias. min_tokens: the answer's stop ids (EOS, or `stop_token_ids`) are banned until it
-    has this many tokens (vLLM's ``min_tokens``; at most max_new_tokens).
+    has this many tokens (vLLM's ``min_tokens``; at most max_new_tokens). allowed_token_ids: the
+    only ids the answer may hold (vLLM's; None: all). bad_words: token id sequences the answer
+    may not contain (vLLM's ``bad_words``, tokenized: a word's last token is banned right after its
+    other tokens, when those are the answer's own).
     """
     prompt: Sequence[int]
     max_new_tokens: int = 256
@@ -67,6 +70,8 @@ class Request:
     logprobs: Optional[int] = None
     logit_bias: Optional[Mapping[int, float]] = None
     min_tokens: int = 0
+    allowed_token_ids: Optional[Sequence[int]] = None
+    bad_words: Optional[Sequence[Sequence[int]]] = None
 
 
 class TokenLogprob(NamedTuple):

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from medusa_jax.chat import render_chat
+from medusa_jax.chat import render_chat, template_takes_tools
 from medusa_jax.decoding.args import PromptTooLongError, check_prompt_room, new_token_room
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import EngineStopped, Finished
@@ -42,7 +42,8 @@ from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
-from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces
+from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces, bad_words_ids
+from medusa_jax.serve.tools import TOOL_PARSERS, ToolCallParser
 
 
 #: The largest request body read by default (bytes): far above any prompt that fits a context (a
@@ -96,16 +97,21 @@ async def read_body(request: Request, limit: int) -> bytes:
 class _Choice:
     """One of a request's ``n`` choices while it runs: its engine handle, its text, whether a stop
     sequence ended it, its end, and the log-probabilities not yet sent (the tokens sent, and where
-    the next one's text starts)."""
+    the next one's text starts). With a tool-call parser (`serve.tools`), the text is the message's
+    content up to where a tool call may start (held back until the end: `final` parses it), and
+    `calls` the answer's tool calls."""
 
-    def __init__(self, handle, text: TextStream, offsets: TextOffsets):
-        self.handle, self.text, self.offsets = handle, text, offsets
+    def __init__(self, handle, text: TextStream, offsets: TextOffsets, tools: Optional[ToolCallParser] = None):
+        self.handle, self.text, self.offsets, self.tools = handle, text, offsets, tools
         self.stopped, self.fin = False, None
         self.pending: list = []
         self.sent_tokens = 0
+        self.content_sent = 0  # with tools: characters of the text sent as content
+        self.answer: Optional[str] = None  # with tools: the content, after `final`
+        self.calls: List[dict] = []
 
     def feed(self, tokens: List[int]) -> str:
-        """The text delta of a step's tokens ("" once a stop sequence ended the choice); the token
+        """The content delta of a step's tokens ("" once a stop sequence ended the choice); the token
         that completes a stop sequence cancels the engine's request and drops the log-probabilities
         of the tokens after it (not the answer's)."""
         if self.stopped:
@@ -114,6 +120,15 @@ class _Choice:
         if self.stopped:
             self.handle.cancel("stop")
             del self.pending[max(self.text.used - self.sent_tokens, 0):]
+        return self._content(delta)
+
+    def _content(self, delta: str) -> str:
+        """The part of the text handed out (`delta`: its newest) that is surely content."""
+        if self.tools is None:
+            return delta
+        out = self.text.text[:self.text.sent]
+        end = max(self.tools.releasable(out), self.content_sent)
+        delta, self.content_sent = out[self.content_sent:end], end
         return delta
 
     def add_logprobs(self, entries: list) -> None:
@@ -121,10 +136,23 @@ class _Choice:
             self.pending.extend(entries)
 
     def final(self) -> str:
-        """The text held back until the answer ended (a possible stop sequence's start)."""
-        return "" if self.stopped else self.text.feed([], final=True)[0]
+        """The content held back until the answer ended (a possible stop sequence's start, a possible
+        tool call's); the answer's tool calls are parsed into `calls`."""
+        delta = "" if self.stopped else self.text.feed([], final=True)[0]
+        if self.tools is None:
+            return delta
+        self.answer, self.calls = self.tools.parse(self.text.text)
+        delta = (self.answer or "")[self.content_sent:]
+        self.content_sent += len(delta)
+        return delta
+
+    def content(self) -> Optional[str]:
+        """The whole answer's content, after `final` (None: only tool calls)."""
+        return self.text.text if self.tools is None else self.answer
 
     def reason(self) -> str:
+        if self.calls:
+            return "tool_calls"
         return "stop" if self.stopped else protocol.finish_reason(self.fin.reason)
 
     def used(self) -> int:
@@ -134,7 +162,7 @@ class _Choice:
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
                max_tokens_default: Optional[int] = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               allowed_origins: Sequence[str] = ("*",)) -> FastAPI:
+               allowed_origins: Sequence[str] = ("*",), tool_call_parser: Optional[str] = None) -> FastAPI:
     """The ASGI app serving `engine` (started by the app's lifespan if it is not running).
 
     Args:
@@ -148,7 +176,14 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
       max_request_bytes: the largest request body accepted; a larger one gets 413 (`read_body`).
       allowed_origins: the web origins whose pages may call the server from a browser (CORS, with any
         method and header, as vLLM's ``--allowed-origins``); ``"*"``: any; empty: no CORS headers.
+      tool_call_parser: how the model writes a tool call, one of `serve.tools.TOOL_PARSERS` (vLLM's
+        ``--tool-call-parser``); None: chats with ``tools`` need ``tool_choice: "none"``.
+    Raises:
+      ValueError: an unknown `tool_call_parser`.
     """
+    if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
+        raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; choose one of {', '.join(TOOL_PARSERS)}")
+    tools = TOOL_PARSERS.get(tool_call_parser)
     context = engine.max_len
     metrics = Metrics(engine, model_name)
     state = {"shutting_down": False, "started": time.time()}
@@ -255,9 +290,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             raise RequestError("the request body nests too deeply to parse") from None
         gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
         field = "messages" if chat else "prompt"
+        if gen.tool_choice == "auto" and tools is None:
+            raise RequestError("tool calls need the server started with --tool-call-parser (hermes or llama3_json: "
+                               "the format the model writes them in); or give tool_choice 'none'", "tool_choice")
+        if gen.tools and not template_takes_tools(tokenizer):
+            raise RequestError("the model's chat template has no place for tools, so the model would never see "
+                               "them; serve it with a chat template that renders tools (medusa-serve --chat-template)",
+                               "tools")
         if chat:
             encode = functools.partial(render_chat, tokenizer, gen.messages, gen.add_generation_prompt,
-                                       gen.continue_final_message, gen.template_kwargs)
+                                       gen.continue_final_message, gen.template_kwargs, gen.tools)
         else:
             encode = lambda: list(tokenizer.encode(gen.prompt))  # noqa: E731
         texts = [m["content"] for m in gen.messages] if chat else [gen.prompt]
@@ -285,6 +327,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             raise RequestError(f"{budget_field} {max_tokens} is too large: the prompt has {len(ids)} tokens and the "
                                f"context is {context}, so at most {budget} new tokens fit", budget_field,
                                code="context_length_exceeded")
+        bad_words = bad_words_ids(tokenizer, gen.bad_words) if gen.bad_words else None
+        long_word = next((w for w in bad_words or () if len(w) > protocol.MAX_BAD_WORD_TOKENS), None)
+        if long_word is not None:
+            raise RequestError(f"bad_words: a word of {len(long_word)} tokens; each may have at most "
+                               f"{protocol.MAX_BAD_WORD_TOKENS}", "bad_words")
         if gen.min_tokens > max_tokens:
             raise RequestError(f"min_tokens ({gen.min_tokens}) must be at most {budget_field} ({max_tokens}"
                                f"{', its default here' if gen.max_tokens is None else ''})", "min_tokens")
@@ -313,10 +360,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                           gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty)
                 handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
                                                      logprobs=gen.logprobs, logit_bias=gen.logit_bias,
-                                                     min_tokens=gen.min_tokens),
+                                                     min_tokens=gen.min_tokens, allowed_token_ids=gen.allowed_token_ids,
+                                                     bad_words=bad_words),
                                        on_event=functools.partial(on_event, i))
-                choices.append(_Choice(handle, TextStream(tokenizer, gen.stop, gen.include_stop,
-                                                          gen.stop_token_ids or (), gen.min_tokens), TextOffsets(pieces)))
+                text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens)
+                choices.append(_Choice(handle, text, TextOffsets(pieces), tools if gen.tool_choice == "auto" else None))
         except (ValueError, EngineStopped) as e:
             for c in choices:
                 c.handle.cancel()
@@ -357,7 +405,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         for i, c in enumerate(choices):
             c.final()
             lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
-            out.append(protocol.choice(i, chat, c.text.text, c.reason(), lp))
+            out.append(protocol.choice(i, chat, c.content(), c.reason(), lp, c.calls))
         metrics.observe_end(time.perf_counter() - t0)
         return protocol.completion(rid, gen.model, chat, out, protocol.usage(len(ids), sum(c.used() for c in choices)),
                                    [c.fin for c in choices], gen.created)
@@ -434,6 +482,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 delta = c.final()
                 if delta:
                     yield sse(part(text=delta, logprobs=logprobs(c), index=i))
+                if c.calls:
+                    yield sse(part(tool_calls=c.calls, index=i))
                 yield sse(part(reason=c.reason(), logprobs=logprobs(c) if c.pending else None, index=i))
             if any(c.fin is None for c in choices):
                 return

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
 from medusa_jax.chat import check_messages, check_text
+from medusa_jax.serve.tools import ToolError, check_tools
 from medusa_jax.decoding.args import MIN_REPETITION_PENALTY
 from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
 
@@ -31,7 +32,7 @@ UNSUPPORTED: Dict[str, Any] = {
     # vLLM's sampling and output extensions (its defaults)
     "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
-    "bad_words": [], "allowed_token_ids": None, "truncate_prompt_tokens": None, "guided_json": None,
+    "truncate_prompt_tokens": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
     "echo_prompt": None, "chat_template": None, "mm_processor_kwargs": None, "documents": None}
 #: transformers' ``apply_chat_template`` arguments, which ``chat_template_kwargs`` may not set (the
@@ -45,6 +46,9 @@ MAX_STOP = 4
 MAX_CHOICES = 128
 #: The most tokens a request's ``logit_bias`` may set (OpenAI's limit).
 MAX_LOGIT_BIAS = 300
+#: The most ``bad_words`` a request may give, and the most tokens of one.
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 32
 #: The budget of a ``/v1/completions`` request without ``max_tokens`` (OpenAI's and vLLM's default;
 #: a chat's is the rest of the context, as theirs).
 COMPLETIONS_MAX_TOKENS = 16
@@ -97,6 +101,10 @@ class Generation:
     repetition_penalty: float = 1.0               # vLLM's, [0.01, 2] (1: off)
     min_p: float = 0.0                            # vLLM's, [0, 1] (0: off)
     min_tokens: int = 0                           # vLLM's: no EOS, stop id or stop string before this many tokens
+    allowed_token_ids: Optional[List[int]] = None  # vLLM's: the only ids the answer may hold
+    bad_words: Optional[List[str]] = None         # vLLM's: words the answer may not contain
+    tools: Optional[List[dict]] = None            # OpenAI's (chat): the functions the model may call
+    tool_choice: str = "none"                     # "auto" (the default with tools): the answer may call them
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -172,11 +180,13 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
 
     OpenAI's fields include ``logprobs`` / ``top_logprobs`` (`_logprobs`), ``n`` (up to `MAX_CHOICES`),
-    ``logit_bias`` (`_logit_bias`) and ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]); tools
-    and guided output are refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
+    ``logit_bias`` (`_logit_bias`), ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]) and a chat's
+    ``tools`` with ``tool_choice`` "none" or "auto" (`serve.tools.check_tools`); guided output is
+    refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
     ``include_stop_str_in_output``, ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut
     before ``top_p``), ``repetition_penalty`` ([0.01, 2], 1: off), ``min_p`` ([0, 1]), ``min_tokens`` (at
-    most ``max_tokens``), and for chats
+    most ``max_tokens``), ``allowed_token_ids`` (non-empty), ``bad_words`` (at most `MAX_BAD_WORDS`
+    strings; tokenized by the app: `serve.text.bad_words_ids`), and for chats
     ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the
     template, e.g. Qwen3's ``enable_thinking``) are honoured; its other extensions are refused unless at
     their defaults.
@@ -199,6 +209,8 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            status=404, code="model_not_found")
     created = int(time.time())
     for name, default in UNSUPPORTED.items():
+        if chat and name in ("tools", "tool_choice"):  # a chat's: `tools.check_tools`
+            continue
         if not _is_default(body.get(name), default):
             raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
                                code="unsupported_parameter")
@@ -282,14 +294,16 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            "add_special_tokens", code="unsupported_parameter")
     if top_k == 1:  # only the most likely token: greedy, whatever the temperature
         temperature = 0.0
-    raw_stop_ids = body.get("stop_token_ids")
-    stop_ids = [_whole(t) for t in raw_stop_ids] if isinstance(raw_stop_ids, list) else None
-    if raw_stop_ids is not None and (stop_ids is None or not all(t is not None and 0 <= t < vocab_size
-                                                                 for t in stop_ids)):
-        raise RequestError(f"stop_token_ids must be a list of token ids in [0, {vocab_size}), got {raw_stop_ids!r}",
-                           "stop_token_ids")
-    extras = {}
+    stop_ids = _token_ids(body, "stop_token_ids", vocab_size)
+    extras = {"allowed_token_ids": _token_ids(body, "allowed_token_ids", vocab_size), "bad_words": _bad_words(body)}
+    if extras["allowed_token_ids"] == []:
+        raise RequestError("allowed_token_ids is empty, so no token could be chosen; give at least one id",
+                           "allowed_token_ids")
     if chat:
+        try:
+            extras["tools"], extras["tool_choice"] = check_tools(body.get("tools"), body.get("tool_choice"))
+        except ToolError as e:
+            raise RequestError(str(e), e.field, code=e.code) from None
         kwargs = body.get("chat_template_kwargs")
         if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
             raise RequestError(f"chat_template_kwargs must be an object of named values, got {kwargs!r}",
@@ -316,6 +330,33 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
                       n=n, logit_bias=logit_bias, **penalties, **extras)
+
+
+def _token_ids(body: dict, name: str, vocab_size: int) -> Optional[List[int]]:
+    """Field `name` as a list of token ids in [0, `vocab_size`) (whole floats taken), or None when
+    absent; RequestError naming the field otherwise."""
+    raw = body.get(name)
+    ids = [_whole(t) for t in raw] if isinstance(raw, list) else None
+    if raw is not None and (ids is None or not all(t is not None and 0 <= t < vocab_size for t in ids)):
+        raise RequestError(f"{name} must be a list of token ids in [0, {vocab_size}), got {raw!r}", name)
+    return ids
+
+
+def _bad_words(body: dict) -> Optional[List[str]]:
+    """vLLM's ``bad_words``: at most `MAX_BAD_WORDS` non-empty strings (None when absent or empty)."""
+    raw = body.get("bad_words")
+    if raw is None:
+        return None
+    if not isinstance(raw, list) or not all(isinstance(w, str) and w.strip() for w in raw):
+        raise RequestError(f"bad_words must be a list of non-empty strings, got {raw!r}", "bad_words")
+    if len(raw) > MAX_BAD_WORDS:
+        raise RequestError(f"bad_words may give at most {MAX_BAD_WORDS} words, got {len(raw)}", "bad_words")
+    for w in raw:
+        try:
+            check_text(w, "bad_words")
+        except ValueError as e:
+            raise RequestError(str(e), "bad_words") from None
+    return raw or None
 
 
 def _logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:
@@ -413,12 +454,16 @@ def logprobs_obj(entries: List[Any], chat: bool, pieces, offsets=None) -> dict:
                              for e in entries], "text_offset": [offsets.next(e.token) for e in entries]}
 
 
-def choice(index: int, chat: bool, text: str, reason: str, logprobs: Optional[dict] = None) -> dict:
-    """One choice of a non-streaming response: its text (a chat's assistant message), finish_reason
-    and `logprobs_obj` (None when the request asked for none)."""
+def choice(index: int, chat: bool, text: Optional[str], reason: str, logprobs: Optional[dict] = None,
+           tool_calls: Optional[List[dict]] = None) -> dict:
+    """One choice of a non-streaming response: its text (a chat's assistant message, with its
+    `tool_calls` when it has some: `serve.tools.tool_call` objects), finish_reason and
+    `logprobs_obj` (None when the request asked for none)."""
     out: Dict[str, Any] = {"index": index, "finish_reason": reason, "logprobs": logprobs}
     if chat:
         out["message"] = {"role": "assistant", "content": text}
+        if tool_calls:
+            out["message"]["tool_calls"] = tool_calls
     else:
         out["text"] = text
     return out
@@ -436,8 +481,10 @@ def completion(rid: str, model: str, chat: bool, choices: List[dict], usage_obj:
 
 def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = None, reason: Optional[str] = None,
           role: bool = False, usage_obj: Optional[dict] = None, spec: Optional[dict] = None,
-          include_usage: bool = False, logprobs: Optional[dict] = None, index: int = 0) -> dict:
-    """One streamed chunk: a text delta, the first (the role) or the last (finish_reason); with
+          include_usage: bool = False, logprobs: Optional[dict] = None, index: int = 0,
+          tool_calls: Optional[List[dict]] = None) -> dict:
+    """One streamed chunk: a text delta, the first (the role), a chat's `tool_calls` (each whole, with
+    its index in the message, as OpenAI's deltas number them) or the last (finish_reason); with
     `usage_obj`, the usage chunk (no choices); with `include_usage`, the others carry ``"usage":
     null`` (as OpenAI's do when the stream's usage was asked for)."""
     out: Dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
@@ -453,6 +500,8 @@ def chunk(rid: str, model: str, chat: bool, created: int, text: Optional[str] = 
             delta["role"] = "assistant"
         if text is not None:
             delta["content"] = text
+        if tool_calls:
+            delta["tool_calls"] = [dict(call, index=k) for k, call in enumerate(tool_calls)]
         out["choices"] = [{"index": index, "delta": delta, "finish_reason": reason, "logprobs": logprobs}]
     else:
         out["choices"] = [{"index": index, "text": text or "", "finish_reason": reason, "logprobs": logprobs}]

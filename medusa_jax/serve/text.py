@@ -152,3 +152,17 @@ class TextOffsets:
             at += len(pending.decode("utf-8", errors="replace"))
         self.chars += len(self.decoder.decode(data))
         return at
+
+
+def bad_words_ids(tokenizer, words: List[str]) -> List[List[int]]:
+    """The token id sequences of vLLM's ``bad_words`` (``SamplingParams.update_from_tokenizer``): each
+    word (its leading spaces stripped) as it would start the text, and, when that gives another first
+    token and as many tokens, after a space (as within the text)."""
+    out: List[List[int]] = []
+    for word in words:
+        plain = list(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        out.append(plain)
+        spaced = list(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return [w for w in out if w]

@@ -1,0 +1,202 @@
+"""Tool calling (OpenAI's ``tools`` and ``tool_choice``): the request's tools checked (`check_tools`),
+and the calls in a model's answer found by one of vLLM's tool-call formats (`TOOL_PARSERS`), whole
+or while the answer streams (`ToolCallParser.releasable`).
+
+The model is told about the tools by its chat template (transformers' ``apply_chat_template(...,
+tools=...)``, as vLLM does); it answers a call in the text its training taught it, which a parser
+turns into OpenAI's ``tool_calls``:
+
+- ``hermes`` (Hermes 2 Pro, Qwen2.5, Qwen3 and most newer chat models; vLLM's
+  ``hermes_tool_parser.py``): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, one block
+  per call; the text before the first block is the message's content.
+- ``llama3_json`` (Llama 3.1-3.3's templates; vLLM's ``llama_tool_parser.py``): an answer that is a
+  JSON object ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several separated by ``;``,
+  optionally after ``<|python_tag|>`` (a special token, left out of the text).
+
+An answer that starts a call but does not finish it as valid JSON is given back as plain content,
+whole, as vLLM gives it: nothing the model wrote is lost. The text is parsed as the model wrote it
+(after stop sequences); decoding (greedy, sampling, Medusa's trees) is unchanged by tools.
+``tool_choice`` ``"required"`` or a named function would need decoding constrained to a call
+(vLLM's guided decoding), which this server does not have: `check_tools` refuses them.
+"""
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from typing import Any, Dict, List, Optional, Tuple
+
+#: OpenAI's limits: tools per request, and a function name's characters.
+MAX_TOOLS = 128
+FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
+
+
+class ToolError(ValueError):
+    """A malformed ``tools`` / ``tool_choice`` / tool message; `field` names where (``tools[0].function.name``)."""
+
+    def __init__(self, message: str, field: str, code: Optional[str] = None):
+        super().__init__(f"{field}: {message}")
+        self.field, self.code = field, code
+
+
+def check_tools(tools: Any, tool_choice: Any) -> Tuple[Optional[List[dict]], str]:
+    """A request's ``tools`` and ``tool_choice``, checked as OpenAI checks them.
+
+    Args:
+      tools: None, or a list of at most `MAX_TOOLS` ``{"type": "function", "function": {"name",
+        "description"?, "parameters"?, "strict"?}}`` (names of 1-64 letters, digits, ``_`` and ``-``,
+        each once; ``parameters`` a JSON Schema object).
+      tool_choice: None, ``"none"`` or ``"auto"``.
+    Returns:
+      (the tools as the chat template takes them, or None for none; the choice: "none" or "auto",
+      default "auto" with tools, as OpenAI's).
+    Raises:
+      ToolError: naming the field; for ``"required"`` or a named function, which this server cannot
+        force (no guided decoding).
+    """
+    if tools is not None and not isinstance(tools, list):
+        raise ToolError(f"expected a list of {{'type': 'function', 'function': {{...}}}}, got {type(tools).__name__}",
+                        "tools")
+    tools = tools or None
+    if tools is not None and len(tools) > MAX_TOOLS:
+        raise ToolError(f"at most {MAX_TOOLS} tools, got {len(tools)}", "tools")
+    names = set()
+    for i, tool in enumerate(tools or ()):
+        where = f"tools[{i}]"
+        if not isinstance(tool, dict):
+            raise ToolError(f"expected an object {{'type': 'function', 'function': {{...}}}}, got {tool!r}", where)
+        if tool.get("type") != "function":
+            raise ToolError(f"only tools of type 'function' are supported, got {tool.get('type')!r}", f"{where}.type",
+                            code="unsupported_parameter")
+        fn = tool.get("function")
+        if not isinstance(fn, dict):
+            raise ToolError("expected an object with the function's name, description and parameters",
+                            f"{where}.function")
+        name = fn.get("name")
+        if not isinstance(name, str) or not FUNCTION_NAME.fullmatch(name):
+            raise ToolError(f"a name of 1-64 letters, digits, '_' and '-' is required, got {name!r}",
+                            f"{where}.function.name")
+        if name in names:
+            raise ToolError(f"the function {name!r} is given twice", f"{where}.function.name")
+        names.add(name)
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ToolError("must be a string", f"{where}.function.description")
+        if fn.get("parameters") is not None and not isinstance(fn["parameters"], dict):
+            raise ToolError("must be a JSON Schema object", f"{where}.function.parameters")
+    if tool_choice is None:
+        return tools, "auto" if tools else "none"
+    if tool_choice == "required" or isinstance(tool_choice, dict):
+        what = "'required'" if tool_choice == "required" else "a named function"
+        raise ToolError(f"{what} is not supported by this server (it would need decoding constrained to a "
+                        "call); give 'auto' and say in the prompt which tool to use", "tool_choice",
+                        code="unsupported_parameter")
+    if tool_choice not in ("none", "auto"):
+        raise ToolError(f"expected 'none' or 'auto', got {tool_choice!r}", "tool_choice")
+    if tool_choice == "auto" and not tools:
+        raise ToolError("'auto' needs tools: give the tools the model may call", "tool_choice")
+    return tools, tool_choice
+
+
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def tool_call(name: str, arguments: Any) -> dict:
+    """OpenAI's tool call object: a fresh id, the function's name and its arguments as a JSON string."""
+    return {"id": new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+
+class ToolCallParser:
+    """One tool-call format: `parse` splits a whole answer into content and calls; `releasable` says
+    how much of an answer streamed so far is surely content (may be sent before the answer ends)."""
+
+    def parse(self, text: str) -> Tuple[Optional[str], List[dict]]:
+        """(content, calls) of the answer `text`: calls as `tool_call` objects ([] when the answer
+        calls nothing, or starts a call it does not finish: the content is then `text` whole);
+        content None when the calls are all there is."""
+        raise NotImplementedError
+
+    def releasable(self, text: str) -> int:
+        """How many leading characters of `text` (the answer so far) are content whatever follows.
+        Never fewer for a longer text that extends it."""
+        raise NotImplementedError
+
+
+def _call(obj: Any, arguments_keys: Tuple[str, ...]) -> Optional[dict]:
+    """`tool_call` of a decoded JSON call ``{"name", <one of arguments_keys>: {...}}``, or None."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = next((obj[k] for k in arguments_keys if k in obj), {})
+    if isinstance(args, str):  # some models write the arguments as a JSON string
+        try:
+            args = json.loads(args)
+        except ValueError:
+            return None
+    return tool_call(obj["name"], args) if isinstance(args, dict) else None
+
+
+class HermesParser(ToolCallParser):
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` blocks (the last one may lack its
+    end tag, as an answer cut by EOS at the call's end does); the content is the text before the first."""
+    START, END = "<tool_call>", "</tool_call>"
+    BLOCK = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
+
+    def parse(self, text):
+        start = text.find(self.START)
+        if start < 0:
+            return text, []
+        calls = []
+        for closed, open_end in self.BLOCK.findall(text[start:]):
+            try:
+                call = _call(json.loads(closed or open_end), ("arguments", "parameters"))
+            except ValueError:
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        content = text[:start]
+        return (content if content.strip() else None), calls
+
+    def releasable(self, text):
+        start = text.find(self.START)
+        if start >= 0:
+            return start
+        for k in range(min(len(self.START) - 1, len(text)), 0, -1):  # a tail that may begin the tag
+            if self.START.startswith(text[-k:]):
+                return len(text) - k
+        return len(text)
+
+
+class Llama3JsonParser(ToolCallParser):
+    """An answer that is one or more JSON calls ``{"name": ..., "parameters": {...}}`` separated by
+    ``;`` (whitespace around them allowed); any other answer is content."""
+
+    def parse(self, text):
+        body = text.strip()
+        if not body.startswith("{"):
+            return text, []
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while at < len(body):
+            try:
+                obj, end = decoder.raw_decode(body, at)
+            except ValueError:
+                return text, []
+            call = _call(obj, ("parameters", "arguments"))
+            if call is None:
+                return text, []
+            calls.append(call)
+            at = end
+            while at < len(body) and (body[at].isspace() or body[at] == ";"):
+                at += 1
+            if at < len(body) and body[at] != "{":
+                return text, []
+        return None, calls
+
+    def releasable(self, text):
+        body = text.lstrip()
+        return 0 if not body or body.startswith("{") else len(text)
+
+
+#: The tool-call formats by vLLM's ``--tool-call-parser`` names.
+TOOL_PARSERS: Dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}

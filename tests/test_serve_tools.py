@@ -1,0 +1,318 @@
+"""Tool calling in the server: the tool-call formats parsed whole and streamed (nothing of a call
+is sent as content, nothing of the answer is lost), the request's tools and tool messages checked,
+and a real HTTP server (uvicorn on 127.0.0.1) talked to by the `openai` client, its engine replaced
+by one that answers a scripted text: tool_calls come back parsed, streamed or not, and the tools
+and the tool results reach the prompt through the chat template."""
+import json
+import threading
+import time
+
+import httpx
+import pytest
+
+from medusa_jax.chat import check_messages, render_chat
+from medusa_jax.serve.protocol import RequestError, check_request
+from medusa_jax.serve.tools import TOOL_PARSERS, ToolError, check_tools
+
+MODEL = "scripted"
+
+#: A Hermes-style chat template (the shape of Qwen2.5's): the tools in the system turn, calls as
+#: <tool_call> blocks, a tool's result as a <tool_response> in a user turn.
+HERMES_TEMPLATE = """
+{%- if tools %}<|im_start|>system
+You may call these functions:<tools>
+{%- for tool in tools %}
+{{ tool | tojson }}
+{%- endfor %}
+</tools>
+Answer a call as <tool_call>{"name": <name>, "arguments": <object>}</tool_call><|im_end|>
+{% endif %}
+{%- for message in messages %}
+{%- if message.role == "assistant" and message.tool_calls %}<|im_start|>assistant
+{{ message.content }}
+{%- for call in message.tool_calls %}<tool_call>
+{{ {"name": call.function.name, "arguments": call.function.arguments} | tojson }}
+</tool_call>{% endfor %}<|im_end|>
+{% elif message.role == "tool" %}<|im_start|>user
+<tool_response>{{ message.content }}</tool_response><|im_end|>
+{% else %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city now",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+HERMES_ANSWER = ('Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                 '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+
+
+# ---- the formats ----------------------------------------------------------------------------------
+
+def _fn(call):
+    return call["function"]["name"], json.loads(call["function"]["arguments"])
+
+
+def test_hermes_calls_are_parsed_with_the_text_before_them_as_content():
+    parse = TOOL_PARSERS["hermes"].parse
+    content, calls = parse(HERMES_ANSWER)
+    assert content == "Let me look that up.\n"
+    assert [_fn(c) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    assert calls[0]["id"] != calls[1]["id"]
+    # a call alone: no content; a last block cut before its end tag (EOS right after the JSON)
+    content, calls = parse('<tool_call>{"name": "get_time", "arguments": "{\\"tz\\": \\"UTC\\"}"}')
+    assert content is None and [_fn(c) for c in calls] == [("get_time", {"tz": "UTC"})]
+    # not a call: the answer whole, as content
+    for text in ("No tools needed: it is sunny.", "<tool_call>{not json}</tool_call>", "x <tool_call>[1, 2]",
+                 '<tool_call>{"arguments": {}}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>'):
+        assert parse(text) == (text, []), text
+
+
+def test_llama3_json_calls_are_the_whole_answer_or_none():
+    parse = TOOL_PARSERS["llama3_json"].parse
+    content, calls = parse(' {"name": "get_weather", "parameters": {"city": "Oslo"}}')
+    assert content is None and [_fn(c) for c in calls] == [("get_weather", {"city": "Oslo"})]
+    content, calls = parse('{"name": "get_time", "arguments": {}}; {"name": "get_weather", "parameters": {"city": '
+                           '"Rome"}}\n')
+    assert [_fn(c) for c in calls] == [("get_time", {}), ("get_weather", {"city": "Rome"})]
+    for text in ("The weather is fine.", '{"name": "f", "parameters": {}} and some words', '{"city": "Oslo"}',
+                 '{"name": "f", "parameters": {', ""):
+        assert parse(text) == (text, []), text
+
+
+@pytest.mark.parametrize("fmt,answers", [
+    ("hermes", [HERMES_ANSWER, "A plain answer with < and <tool but no call.", "<tool_call>{broken",
+                "Text then <tool_cal"]),
+    ("llama3_json", ['  {"name": "get_time", "parameters": {}}', "  Plain text.", "{ not json"])])
+def test_streaming_releases_only_content_and_loses_nothing(fmt, answers):
+    """Character by character, what `releasable` lets out never shrinks, is never part of a call,
+    and with the rest that parsing gives at the end makes the whole content."""
+    parser = TOOL_PARSERS[fmt]
+    for answer in answers:
+        sent = 0
+        for n in range(len(answer) + 1):
+            r = parser.releasable(answer[:n])
+            assert sent <= max(r, sent) <= n
+            sent = max(r, sent)
+        content, calls = parser.parse(answer)
+        assert (content or "").startswith(answer[:sent]), (answer, sent)
+        if not calls:
+            assert content == answer
+
+
+def test_tools_and_tool_choice_are_checked_as_openai_checks_them():
+    assert check_tools(None, None) == (None, "none")
+    assert check_tools([WEATHER], None) == ([WEATHER], "auto")
+    assert check_tools([WEATHER], "none") == ([WEATHER], "none")
+    assert check_tools([], "none") == (None, "none")
+    bad = [("nope", None, "tools: expected a list"),
+           ([{"type": "retrieval"}], None, r"tools\[0\].type"),
+           ([{"type": "function", "function": {"name": "a b"}}], None, r"tools\[0\].function.name"),
+           ([WEATHER, WEATHER], None, r"tools\[1\].function.name: the function 'get_weather' is given twice"),
+           ([{"type": "function", "function": {"name": "f", "parameters": "x"}}], None, "parameters"),
+           ([WEATHER], "required", "tool_choice: 'required' is not supported"),
+           ([WEATHER], {"type": "function", "function": {"name": "get_weather"}}, "a named function"),
+           ([WEATHER], "sometimes", "tool_choice: expected 'none' or 'auto'"),
+           (None, "auto", "tool_choice: 'auto' needs tools")]
+    for tools, choice, message in bad:
+        with pytest.raises(ToolError, match=message):
+            check_tools(tools, choice)
+    body = {"messages": [{"role": "user", "content": "x"}], "tools": [WEATHER], "tool_choice": "required"}
+    with pytest.raises(RequestError) as e:
+        check_request(body, [MODEL], 64, True)
+    assert e.value.param == "tool_choice" and e.value.code == "unsupported_parameter"
+    with pytest.raises(RequestError, match="tools is not supported"):  # not a completions field
+        check_request({"prompt": "x", "tools": [WEATHER]}, [MODEL], 64, False)
+
+
+def test_tool_messages_are_checked_and_their_arguments_decoded_for_the_template():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    out = check_messages([{"role": "user", "content": "Weather?"},
+                          {"role": "assistant", "content": None, "tool_calls": [call]},
+                          {"role": "tool", "tool_call_id": "call_1", "content": "18 C, clear"}])
+    assert out[1] == {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert out[2] == {"role": "tool", "content": "18 C, clear", "tool_call_id": "call_1"}
+    bad = [({"role": "tool", "content": "x"}, r"messages\[0\].tool_call_id"),
+           ({"role": "assistant", "tool_calls": {"id": "x"}}, r"messages\[0\].tool_calls: expected a list"),
+           ({"role": "assistant", "tool_calls": [dict(call, function={"name": "f", "arguments": "{x"})]},
+            r"messages\[0\].tool_calls\[0\].function.arguments: not valid JSON"),
+           ({"role": "assistant", "tool_calls": [{"function": {"arguments": "{}"}}]}, r"function.name")]
+    for message, pattern in bad:
+        with pytest.raises(ValueError, match=pattern):
+            check_messages([message])
+
+
+# ---- a real server, a scripted engine --------------------------------------------------------------
+
+class _ScriptedEngine:
+    """An engine that answers every request with the token ids of `answer` (a few per step, from its
+    own thread) and keeps each request's prompt ids."""
+    max_len, max_batch, queued, live, waiting, stats, eos = 2048, 4, 0, 0, 0, {}, (0,)
+
+    class cfg:
+        vocab_size = 49152
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.answer, self.prompts = tokenizer, "", []
+
+    def submit(self, request, on_event=None):
+        from medusa_jax.decoding.requests import Finished, RequestHandle
+
+        handle = RequestHandle(request, on_event)
+        self.prompts.append(list(request.prompt))
+        ids = self.tokenizer.encode(self.answer, add_special_tokens=False)
+
+        def run():
+            for k in range(0, len(ids), 3):
+                handle._emit("tokens", ids[k:k + 3])
+            handle._emit("done", Finished("eos", tokens=ids, steps=(len(ids) + 2) // 3,
+                                          prompt_tokens=len(request.prompt)))
+        threading.Thread(target=run, daemon=True).start()
+        return handle
+
+    def cancel_all(self):
+        pass
+
+    def start(self):
+        pass
+
+    def stop(self, cancel=True, timeout=None):
+        pass
+
+
+@pytest.fixture(scope="module")
+def tool_server(smollm2_path):
+    import uvicorn
+
+    from medusa_jax.convert.load import load_tokenizer
+    from medusa_jax.serve.app import create_app
+    from tests.test_serve import free_port
+
+    tokenizer = load_tokenizer(smollm2_path)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    engine = _ScriptedEngine(tokenizer)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, tokenizer, MODEL, tool_call_parser="hermes"),
+                                           host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    for _ in range(500):
+        if server.started:
+            break
+        time.sleep(0.02)
+    yield f"http://127.0.0.1:{port}", engine
+    server.should_exit = True
+    thread.join(10)
+
+
+def test_tool_calls_come_back_parsed_streamed_or_not(tool_server):
+    import openai
+
+    url, engine = tool_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    engine.answer = HERMES_ANSWER
+    messages = [{"role": "user", "content": "What's the weather and the time in Paris?"}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME])
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look that up.\n"
+    got = [(c.function.name, json.loads(c.function.arguments), c.type) for c in choice.message.tool_calls]
+    assert got == [("get_weather", {"city": "Paris"}, "function"), ("get_time", {}, "function")]
+    # the tools reached the model through the template
+    prompt = engine.tokenizer.decode(engine.prompts[-1])
+    assert "<tools>" in prompt and '"get_weather"' in prompt and '"The weather in a city now"' in prompt
+
+    content, calls, reasons = "", {}, []
+    for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME], stream=True):
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        assert "<tool" not in content  # a call's text is never streamed as content
+        for c in delta.tool_calls or ():
+            calls[c.index] = (c.function.name, json.loads(c.function.arguments), c.id)
+        reasons.append(chunk.choices[0].finish_reason)
+    assert content == "Let me look that up.\n" and reasons[-1] == "tool_calls"
+    assert [calls[k][:2] for k in sorted(calls)] == [(n, a) for n, a, _ in got]
+    assert all(calls[k][2].startswith("call_") for k in calls)
+
+    # the second turn: the call and its result rendered into the prompt
+    call = choice.message.tool_calls[0]
+    engine.answer = "It is 18 C and clear in Paris."
+    follow = messages + [{"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+                         {"role": "tool", "tool_call_id": call.id, "content": "18 C, clear"}]
+    r = client.chat.completions.create(model=MODEL, messages=follow, tools=[WEATHER, TIME])
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].message.content == "It is 18 C and clear in Paris."
+    assert not r.choices[0].message.tool_calls
+    prompt = engine.tokenizer.decode(engine.prompts[-1])
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in prompt
+    assert "<tool_response>18 C, clear</tool_response>" in prompt
+
+
+def test_answers_that_are_not_calls_are_content_whole(tool_server):
+    import openai
+
+    url, engine = tool_server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+    messages = [{"role": "user", "content": "Hi"}]
+    for answer in ("Hello! <tool_call is not how I greet.", "<tool_call>{broken json</tool_call>"):
+        engine.answer = answer
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+        assert (r.choices[0].message.content, r.choices[0].finish_reason) == (answer, "stop")
+        streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
+            model=MODEL, messages=messages, tools=[WEATHER], stream=True))
+        assert streamed == answer
+        # tool_choice "none": the tools reach the template, the answer is not parsed
+        engine.answer = HERMES_ANSWER
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none")
+        assert r.choices[0].message.content == HERMES_ANSWER and not r.choices[0].message.tool_calls
+
+
+def test_tool_requests_the_server_cannot_serve_get_400(tool_server, smollm2_path):
+    import asyncio
+
+    from medusa_jax.convert.load import load_tokenizer
+    from medusa_jax.serve.app import create_app
+
+    url, engine = tool_server
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather?"}], "tools": [WEATHER]}
+    r = httpx.post(url + "/v1/chat/completions", json=dict(body, tool_choice="required"))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "unsupported_parameter", r.text
+    r = httpx.post(url + "/v1/chat/completions", json=dict(body, tools=[{"type": "function", "function": {}}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools[0].function.name", r.text
+
+    async def ask(app, payload):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json=payload)
+
+    plain = load_tokenizer(smollm2_path)  # SmolLM2's own template has no place for tools
+    r = asyncio.run(ask(create_app(engine, plain, MODEL, tool_call_parser="hermes"), body))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
+    assert "no place for tools" in r.json()["error"]["message"]
+    r = asyncio.run(ask(create_app(engine, engine.tokenizer, MODEL), body))  # started without a parser
+    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"], r.text
+    with pytest.raises(ValueError, match="unknown tool-call parser"):
+        create_app(engine, plain, MODEL, tool_call_parser="mistral")
+    with pytest.raises(ValueError, match="no place for tools"):
+        render_chat(plain, body["messages"], tools=[WEATHER])
+
+
+def test_serve_refuses_a_chat_template_file_it_cannot_use(tmp_path, capsys):
+    from medusa_jax.cli.serve import main
+
+    empty = tmp_path / "empty.jinja"
+    empty.write_text("  \n")
+    for path, message in ((tmp_path / "missing.jinja", "No such file"), (empty, "the file is empty")):
+        with pytest.raises(SystemExit) as e:
+            main(["--chat-template", str(path)])
+        assert e.value.code == 2
+        err = capsys.readouterr().err
+        assert f"--chat-template {path}: " in err and message in err, err
+    with pytest.raises(SystemExit):
+        main(["--tool-call-parser", "mistral"])
+    assert "invalid choice: 'mistral'" in capsys.readouterr().err
