@@ -97,7 +97,7 @@ def test_recent_tokens_walk_each_nodes_path_then_the_cache():
 def test_medusa_with_bans_chooses_what_plain_steps_choose(tiny, sampled, kind, monkeypatch):
     """Rows with allowed ids and bad words beside rows without: Medusa's answers are plain
     decoding's, token for token; when every node looks only at the cache's tokens (not its path)
-    they are not (static tree)."""
+    they are not (static tree, greedy)."""
     cfg, params, heads, prompts = tiny
     heads, tree = _heads_and_tree(cfg, params, heads, kind)
     base = SamplingParams(0.9, 0.95, 11) if sampled else SamplingParams()
@@ -111,7 +111,7 @@ def test_medusa_with_bans_chooses_what_plain_steps_choose(tiny, sampled, kind, m
     assert plain[6:] == free[6:] and sum(p != f for p, f in zip(plain[:6], free[:6])) >= 4
     accepted = sum(sum(h.finished.step_tokens) - h.finished.steps for h in handles[:6])
     assert accepted > 3, accepted
-    if kind != "static":
+    if kind != "static" or sampled:  # the same code for every tree and mode
         return
     real = processors.recent_tokens
 

@@ -149,16 +149,16 @@ def test_patched_path_reproduces_generate_device(model):
                                   medusa_samples(cfg, params, heads, TREE_B, acc))
 
 
-_POSITION_UNIFORMS = sampling.position_uniforms  # the real one, for the broken variant below
+_POSITION_KEYS = sampling.position_keys  # the real one, for the broken variant below
 
 
-def _one_uniform_for_every_position(keys, positions):
-    """Every position of a row chooses with the same uniform: the tokens are no longer independent."""
-    return _POSITION_UNIFORMS(keys, jnp.zeros_like(positions))
+def _one_key_for_every_position(keys, positions):
+    """Every position of a row chooses with the same noise: the tokens are no longer independent."""
+    return _POSITION_KEYS(keys, jnp.zeros_like(positions))
 
 
 def _candidates_against_the_argmax(logits, keys, positions, temperature, top_p, sampled=True, nucleus=True, top_k=0):
-    """Candidates accepted when they are their parent's argmax, not the token the uniform chooses."""
+    """Candidates accepted when they are their parent's argmax, not the token the position's key chooses."""
     return jnp.argmax(logits, axis=-1).astype(jnp.int32)
 
 
@@ -166,7 +166,7 @@ _SAMPLE_TOKENS = sampling.sample_tokens
 
 
 def _candidates_without_top_k(logits, keys, positions, temperature, top_p, sampled=True, nucleus=True, top_k=0):
-    """Candidates accepted by the uniform's choice from the whole distribution, not its top-k."""
+    """Candidates accepted by the key's choice from the whole distribution, not its top-k."""
     return _SAMPLE_TOKENS(logits, keys, positions, temperature, top_p, sampled, nucleus)
 
 
@@ -182,14 +182,14 @@ def _every_earlier_node_visible(*args, **kwargs):
 
 
 @pytest.mark.parametrize("module,name,broken,tree,top_k", [
-    (sampling, "position_uniforms", _one_uniform_for_every_position, TREE_B, 0),
+    (sampling, "position_keys", _one_key_for_every_position, TREE_B, 0),
     (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_B, 0),
     (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_DYN, 0),
     (dynamic, "select_tree", _every_earlier_node_visible, TREE_DYN, 0),
     (acceptance, "sample_tokens", _candidates_without_top_k, TREE_B, 3)])
 def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken, tree, top_k):
-    """One uniform reused at every position, candidates accepted as the argmax instead of the
-    uniform's choice, a dynamic tree's mask that lets a node see its siblings, or candidates checked
+    """One key reused at every position, candidates accepted as the argmax instead of the
+    key's choice, a dynamic tree's mask that lets a node see its siblings, or candidates checked
     against the whole distribution under top-k: each visibly changes the distribution (or emits a
     token plain sampling never draws), and the test must say so."""
     cfg, params, logits = model
@@ -207,7 +207,7 @@ def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken,
 @pytest.mark.parametrize("head_type,tree_name,top_p", [("medusa", "A", 1.0), ("medusa", "B", 0.9),
                                                         ("hydra", "A+lookup", 1.0), ("medusa", "A+lookup", 0.8)])
 def test_exact_sampling_emits_plain_sampling_token_for_token(model, head_type, tree_name, top_p):
-    """The token at each position is chosen by that position's uniform (decoding.sampling), so exact
+    """The token at each position is chosen by that position's key (decoding.sampling), so exact
     Medusa sampling emits exactly plain sampling's tokens for the same seed, whatever the tree
     accepted, and candidates were accepted on the way."""
     cfg, params, _ = model
@@ -276,7 +276,7 @@ def test_sampled_rows_with_prompt_lookup_do_not_depend_on_the_batch(model, metho
     try:
         if method == "typical":
             assert answers(4) != runs[1], "the batch-wide choice gave the same answers: the test cannot fail"
-        else:  # exact sampling is coupled to the positions' uniforms: no choice of draft changes its tokens
+        else:  # exact sampling is coupled to the positions' keys: no choice of draft changes its tokens
             assert answers(4) == runs[1]
     finally:
         monkeypatch.undo()

@@ -174,7 +174,13 @@ def test_read_prompt_sources(tmp_path):
     f = tmp_path / "p.txt"
     f.write_text(big, encoding="utf-8")
     assert decode.read_prompt(None, str(f)) == big
-    assert decode.read_prompt("-", None, stdin=io.StringIO("from stdin\n")) == "from stdin\n"
+    # one trailing line end (echo's, an editor's) is not part of the message; the rest of the text is
+    assert decode.read_prompt("-", None, stdin=io.StringIO("from stdin\n")) == "from stdin"
+    assert decode.read_prompt("-", None, stdin=io.StringIO("two\nlines\r\n")) == "two\nlines"
+    assert decode.read_prompt("-", None, stdin=io.StringIO("gap\n\n")) == "gap\n"
+    (tmp_path / "q.txt").write_text("Name a colour.\n", encoding="utf-8")
+    assert decode.read_prompt(None, str(tmp_path / "q.txt")) == "Name a colour."
+    assert decode.read_prompt("keep\n", None) == "keep\n"  # --prompt is taken as given
     assert decode.read_prompt("hello", None) == "hello"
     assert decode.read_prompt(None, None) == decode.DEFAULT_PROMPT
     with pytest.raises(ValueError, match="from standard input is empty"):

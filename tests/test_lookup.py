@@ -160,8 +160,9 @@ def test_tree_file_round_trip_and_bad_settings(tmp_path):
     assert get_tree("chain2") != tree and get_tree("chain2").lookup is None
     with pytest.raises(ValueError, match="min_ngram <= max_ngram"):
         with_lookup(tree, PromptLookup(3, 1, 2))
-    with pytest.raises(ValueError, match="num_tokens >= 1"):
-        with_lookup(tree, {"num_tokens": 0})
+    for k in (0, 65):
+        with pytest.raises(ValueError, match=rf"prompt lookup copies 1 to 64 tokens \(num_tokens\), got {k}"):
+            with_lookup(tree, {"num_tokens": k})
     with pytest.raises(ValueError, match="unknown prompt_lookup keys"):
         with_lookup(tree, {"tokens": 3})
     with pytest.raises(ValueError, match="matches >= 1"):

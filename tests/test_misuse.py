@@ -239,6 +239,9 @@ def test_train_mesh_and_distributed_misuse(capsys, monkeypatch):
     ("medusa-check", ["--out", "{tmp}"], "--out {tmp}: is a directory; give a file name"),
     ("medusa-check", ["--heads", "zero", "--num-heads", "0"], "--num-heads must be >= 1"),
     ("medusa-serve", ["--shutdown-grace", "-1"], "--shutdown-grace must be a finite number of seconds >= 0"),
+    ("medusa-check", ["--prompt-lookup", "65"], "argument --prompt-lookup: takes the tokens copied per draft, an "
+                                               "integer in [0, 64] (0 = off), got '65'"),
+    ("medusa-serve", ["--prompt-lookup", "-1"], "argument --prompt-lookup: takes the tokens copied per draft"),
 ])
 def test_check_and_serve_flag_misuse(prog, argv, message, tmp_path, capsys):
     """Bad flags of medusa-check and medusa-serve exit 2 with one line before anything loads (the

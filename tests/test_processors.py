@@ -152,7 +152,7 @@ def _heads_and_tree(cfg, params, heads, kind):
 def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, kind, monkeypatch):
     """Rows with penalties and min_p beside a row without: Medusa's answers are plain decoding's,
     token for token, whatever the tree; with the tree paths' own tokens left out of the counts
-    they are not (static tree)."""
+    they are not (static tree, greedy)."""
     cfg, params, heads, prompts = tiny
     heads, tree = _heads_and_tree(cfg, params, heads, kind)
     base = SamplingParams(0.9, 0.95, 11) if sampled else SamplingParams()
@@ -162,7 +162,8 @@ def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, ki
     assert medusa == plain
     accepted = sum(sum(h.finished.step_tokens) - h.finished.steps for h in handles[:4])
     assert accepted > 3, accepted  # the tree's nodes past the root were chosen from, with their paths' counts
-    if kind != "static":  # the path counts are the same code for every tree; the static one shows their effect
+    if kind != "static" or sampled:  # the path counts are the same code for every tree and mode; greedy on the
+        # static tree shows their effect (sampled, the answers rarely reach a node whose path repeats a token)
         return
 
     def no_path(counts, ancestor_mask, tree_tokens):
@@ -232,6 +233,23 @@ def test_typical_acceptance_judges_candidates_by_the_processed_logits(tiny):
     assert sum(handles[0].finished.step_tokens) - handles[0].finished.steps > 10  # the copies were accepted
 
 
+def test_typical_acceptance_keeps_top_k_and_top_p_and_bans(tiny):
+    """Typical acceptance judges candidates by the distribution a plain step samples from: with top-k
+    1, or a nucleus of one token, every token is the greedy one (a candidate outside them has no
+    probability), and a banned token (-inf: allowed_token_ids) is never emitted while candidates
+    are still accepted (the entropy of a distribution with zeros is a number, not NaN)."""
+    cfg, params, heads, prompts = tiny
+    greedy, _ = _answers(Engine(cfg, params, max_batch=4, speculation="off"), [Request(p, 32) for p in prompts[:3]])
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=4, speculation="always", acceptance="typical")
+    allowed = sorted(set(range(0, V, 2)) | {greedy[2][0]})
+    got, handles = _answers(engine, [Request(prompts[0], 32, SamplingParams(0.9, 1.0, 1, top_k=1)),
+                                     Request(prompts[1], 32, SamplingParams(0.9, 1e-6, 2)),
+                                     Request(prompts[2], 32, SamplingParams(0.9, 1.0, 3), allowed_token_ids=allowed)])
+    assert got[:2] == greedy[:2]
+    assert set(got[2]) <= set(allowed)
+    assert all(sum(h.finished.step_tokens) > h.finished.steps for h in handles), "no candidate was accepted"
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_min_tokens_bans_the_stop_ids_until_then(tiny, sampled):
     """min_tokens (vLLM's): the stop ids cannot end the answer before it has that many tokens; each
@@ -287,3 +305,12 @@ def test_the_heads_draft_from_the_processed_logits():
                 want = vllm_penalties(full, tokens[b, :prompt_len[b]], tokens[b, prompt_len[b]:lengths[b]], *pen[b])
                 np.testing.assert_allclose(got[j, b, i], want[ids], rtol=1e-6)
     assert processors.draft_adjuster(processors.LogitsProcessors(min_p=jnp.ones((B,))), state) is None
+    # banned tokens (allowed_token_ids): far below the rest, finite even when every proposal is banned
+    banned = np.zeros((B, Vs), bool)
+    banned[0, ids] = True
+    banned[1, [5, 11]] = True
+    adjust = processors.draft_adjuster(processors.LogitsProcessors(banned=jnp.asarray(banned)), state)
+    got = np.asarray(adjust(jnp.asarray(logits), jnp.asarray(ids)))
+    assert np.all(got[:, 0] == processors.DRAFT_BANNED) and np.all(np.isfinite(jax.nn.log_softmax(got, -1)))
+    np.testing.assert_array_equal(got[:, 1, :, [0, 2, 3]], logits[:, 1, :, [0, 2, 3]])
+    assert np.all(got[:, 1, :, [1, 4]] == processors.DRAFT_BANNED)

@@ -301,9 +301,37 @@ def test_completions_stop_sequences_and_models(client, server):
     # vLLM's hit rate: hits / queries, both in prompt tokens (every prompt token is looked up)
     assert counter("vllm:prefix_cache_queries") == counter("vllm:prompt_tokens") > 0
     assert 0 <= counter("vllm:prefix_cache_hits") <= counter("vllm:prefix_cache_queries")
+    assert counter("vllm:num_preemptions") == 0
+
+    def hist(name, part):
+        return float(re.search(rf"^{name}_{part}{{[^}}]*}} (\S+)$", metrics, flags=re.M).group(1))
+
+    # each finished request's tokens and times (its tokens are among the engine's counted ones)
+    assert 0 < hist("vllm:request_generation_tokens", "sum") <= counter("vllm:generation_tokens")
+    assert 0 < hist("vllm:request_prompt_tokens", "sum") <= counter("vllm:prompt_tokens")
+    assert hist("vllm:request_prompt_tokens", "count") == hist("vllm:request_decode_time_seconds", "count") > 0
+    assert hist("vllm:request_prefill_time_seconds", "sum") > 0
     # without max_tokens a completion gets OpenAI's and vLLM's 16 tokens (a chat: the rest of the context)
     r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0)
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length"), r
+
+
+def test_completions_take_token_ids_as_the_prompt(client, server, smollm2):
+    """A completion's prompt as token ids (OpenAI's and vLLM's list of ints, or a list of one such
+    list) answers as its text does; several prompts in one request, or an id outside the
+    vocabulary, get a 400 naming the prompt."""
+    text = "Count: 1, 2, 3,"
+    ids = list(smollm2.tokenizer.encode(text))
+    want = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
+    for prompt in (ids, [ids]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+        assert (r.choices[0].text, r.usage.prompt_tokens) == (want.choices[0].text, len(ids))
+    for prompt, message in ((["a", "b"], "one prompt per request, got a list of 2"),
+                            ([ids, ids], "one prompt per request"),
+                            ([1, 10 ** 6], "token id 1000000 is outside the model's vocabulary")):
+        r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
+        assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["param"] == "prompt"
 
 
 def readme_serving_blocks():

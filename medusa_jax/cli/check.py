@@ -13,7 +13,7 @@ GGUF blocks against the dequantized float32 model).
 With ``--temperature > 0`` it samples instead and reports Medusa's tokens per step. With
 ``--acceptance exact`` (the default) each answer is also compared with plain sampling's for the same
 seed, which it must equal token for token (exact acceptance draws every position's token with the
-uniform of that seed and position, whatever the tree); a difference makes the command exit with
+noise of that seed and position, whatever the tree); a difference makes the command exit with
 status 1. ``typical`` acceptance changes the distribution, so its answers are not compared
 (tests/test_exact_sampling.py checks the distributions).
 """

@@ -16,6 +16,7 @@ from medusa_jax.convert.load import WEIGHTS, LoadedModel, check_model_path, load
 from medusa_jax.convert.medusa_format import read_heads_config
 from medusa_jax.convert.tuned_layers import (apply_tuned_layers, check_before_load, format_layers, read_tuned_layers,
                                              tuned_layers_path)
+from medusa_jax.decoding.lookup import MAX_LOOKUP_TOKENS
 from medusa_jax.decoding.tree import TreeBuffers, check_depth, get_tree
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.resolve import (DEFAULT_HEADS_DIR, DEFAULT_PROMPT_LOOKUP, DYNAMIC_LOOKUP_TOKENS, heads_location,
@@ -46,9 +47,9 @@ def add_lookup_arg(p) -> None:
             k = int(text)
         except ValueError:
             k = -1
-        if k < 0:
-            raise argparse.ArgumentTypeError(f"takes the tokens copied per draft, an integer >= 0 (0 = off), "
-                                             f"got {text!r}")
+        if not 0 <= k <= MAX_LOOKUP_TOKENS:
+            raise argparse.ArgumentTypeError(f"takes the tokens copied per draft, an integer in [0, "
+                                             f"{MAX_LOOKUP_TOKENS}] (0 = off), got {text!r}")
         return k
 
     p.add_argument("--prompt-lookup", type=tokens, default=None, metavar="K",

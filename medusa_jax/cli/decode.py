@@ -28,15 +28,15 @@ def build_parser() -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", default=None,
                      help=f"the user message (through the model's chat template, unless --raw); '-' reads it from "
-                          f"standard input; default: {DEFAULT_PROMPT!r}")
+                          f"standard input (less one trailing line end); default: {DEFAULT_PROMPT!r}")
     src.add_argument("--prompt-file", default=None, metavar="FILE",
                      help="read the user message from this UTF-8 text file (for prompts too long for the "
-                          "command line)")
+                          "command line), less one trailing line end")
     src.add_argument("--prompts-file", default=None, metavar="FILE",
                      help="answer every prompt of this JSONL file, one JSON object per line with a 'prompt' string "
                           "(MT-bench / Spec-Bench question files with 'turns' also work: the first turn is used); "
                           "prints one JSON line per prompt, in input order, with the fields of --json plus "
-                          "'index' and 'id'")
+                          "'index' and 'id' (the penalties and --min-p are not taken with it)")
     p.add_argument("--batch-size", type=int, default=None,
                    help="with --prompts-file: prompts decoded together; a finished row takes the next prompt at "
                         "once (continuous batching); default 4")
@@ -112,7 +112,10 @@ def read_prompts_file(path: str) -> list:
 
 
 def read_prompt(prompt, prompt_file, stdin=None) -> str:
-    """The user message from --prompt (``-``: standard input), --prompt-file, or the default.
+    """The user message from --prompt (``-``: standard input), --prompt-file, or the default. Text
+    read from a file or standard input loses one trailing line end (the one ``echo`` or an editor
+    adds, which would otherwise be part of the message and change the answer), as a line of
+    medusa-chat's piped input does.
 
     Raises ValueError for an empty message, OSError / UnicodeDecodeError for an unreadable file.
     """
@@ -133,6 +136,8 @@ def read_prompt(prompt, prompt_file, stdin=None) -> str:
         text, where = DEFAULT_PROMPT, "the default prompt"
     else:
         text, where = prompt, "--prompt"
+    if prompt_file is not None or prompt == "-":
+        text = text[:-2] if text.endswith("\r\n") else text[:-1] if text.endswith("\n") else text
     if not text.strip():
         raise ValueError(f"the prompt from {where} is empty; give some text to answer")
     from medusa_jax.chat import check_text

@@ -3,7 +3,7 @@ path of the tree): greedy (a candidate equals its parent's argmax), typical (Cai
 ICML 2024, Sec. 2.3.1) or exact.
 
 Exact acceptance (``Acceptance(method="exact")``) accepts a candidate when it is the token that its
-position's uniform chooses from its parent's distribution (`decoding.sampling.sample_tokens`): the
+position's key chooses from its parent's distribution (`decoding.sampling.sample_tokens`): the
 output is then token for token what plain sampling with the same seed emits, and so distributed
 exactly as the model's own sampling; each candidate is accepted with its own probability, as in
 speculative sampling with deterministic drafts (Chen et al. 2023, Alg. 2; several candidates per
@@ -23,7 +23,7 @@ import jax.numpy as jnp
 
 from medusa_jax import kernels
 from medusa_jax.decoding.requests import SamplingParams
-from medusa_jax.decoding.sampling import check_top_k, sample_tokens
+from medusa_jax.decoding.sampling import check_top_k, filtered_logits, sample_tokens
 from medusa_jax.decoding.tree_arrays import tree_rows
 
 ACCEPTANCE_METHODS = ("greedy", "typical", "exact")
@@ -41,7 +41,7 @@ class Acceptance(NamedTuple):
     temperature: 0 = greedy: every node's argmax decides, whatever `method` says. > 0: sampling from
       ``softmax(logits / temperature)`` restricted to the top-k tokens and the top-p nucleus.
     method: how a sampling step accepts candidates (`ACCEPTANCE_METHODS`):
-      "exact" (the default): a candidate is accepted when it is the token its position's uniform
+      "exact" (the default): a candidate is accepted when it is the token its position's key
         chooses (`decoding.sampling.sample_tokens`); the output equals plain sampling's with the same
         seed, token for token (lossless).
       "typical": Medusa's typical acceptance (Sec. 2.3.1) with posterior_threshold (epsilon) and
@@ -108,9 +108,10 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acc
 
     Greedy (a row at temperature 0, or ``acc.mode == "greedy"``): a candidate is accepted when it
     equals the argmax of its parent node's logits. Exact: when it equals the token its position's
-    uniform chooses from the parent's tempered, top-k- and nucleus-filtered distribution
+    key chooses from the parent's tempered, top-k- and nucleus-filtered distribution
     (`decoding.sampling.sample_tokens`). Typical acceptance (Medusa Sec. 2.3.1): when its probability
-    under ``softmax(parent_logits / temperature)`` exceeds
+    under the parent's tempered, top-k- and nucleus-filtered distribution (what a plain step samples
+    from: `decoding.sampling.filtered_logits`; a token it cuts has none) exceeds
     ``min(posterior_threshold, posterior_alpha * exp(-H(parent)))``.
     A path's accepted length is its number of consecutive accepted candidates from the root.
     The longest wins; ties go to the highest sum of the accepted tokens' log-probabilities
@@ -121,7 +122,7 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acc
       tree_tokens: [B, T] int32 candidate tokens on the nodes.
       tree: a `TreeBuffers`, or `TreeArrays` with a row axis (`decoding.tree_arrays.tree_rows`).
       state: the step's `DecodeState` (per-row keys, temperature, top_p, top_k); needed for exact
-        acceptance (typical reads its per-row temperature when given, else ``acc.temperature``).
+        acceptance (typical reads its per-row temperature, top_p and top_k when given, else `acc`'s).
       start: [B] int32, the root's position (the cache length before the step); needed with `state`.
     Returns:
       (best path index [B] int32 into the row's ``retrieve_indices``, accepted length [B] int32 in
@@ -143,11 +144,15 @@ def evaluate_posterior(logits: jax.Array, tree_tokens: jax.Array, tree, acc: Acc
     if acc.mode == "exact" and (state is None or start is None):
         raise ValueError("exact acceptance chooses each position's token with the row's key: pass state= (the "
                          "step's DecodeState, its per-row keys, temperature and top-p) and start= (the root's position)")
-    if acc.mode == "typical":  # each row's temperature (the state's, else the settings')
-        temp = state.temperature if state is not None else jnp.full((B,), acc.temperature, jnp.float32)
-        t = jnp.where(temp > 0, temp, 1.0)[:, None, None]
-        logp = jax.nn.log_softmax(logits / t, axis=-1)                                 # [B, T, V]
-        entropy = -jnp.sum(jnp.exp(logp) * logp, axis=-1)                             # [B, T]
+    if acc.mode == "typical":  # each row's temperature, top-p and top-k (the state's, else the settings')
+        if state is not None:
+            temp, top_p, top_k = state.temperature, state.top_p[:, None], state.top_k[:, None]
+        else:
+            temp, top_p, top_k = jnp.full((B,), acc.temperature, jnp.float32), acc.top_p, acc.top_k
+        t = jnp.where(temp > 0, temp, 1.0)[:, None]
+        # the distribution a plain step samples from: tokens outside top-k and the nucleus have none
+        logp = jax.nn.log_softmax(filtered_logits(logits, t, top_p, acc.filters, top_k), axis=-1)  # [B, T, V]
+        entropy = -jnp.sum(jnp.where(logp > -jnp.inf, jnp.exp(logp) * logp, 0.0), axis=-1)  # [B, T]
         thresh = jnp.minimum(acc.posterior_threshold, acc.posterior_alpha * jnp.exp(-entropy))
         node_tok = jnp.take_along_axis(logp, tree_tokens[:, None, :], axis=2)        # [B, T(parent), T(node)]
         cand_logp = node_tok[jnp.arange(B)[:, None, None], parent, child]             # [B, P, D]

@@ -23,7 +23,7 @@ One iteration (`Engine.step`):
 
 Exactness: greedy rows emit exactly plain greedy decoding's tokens whatever the tree, and sampled
 rows exactly plain sampling's for their seed (`decoding.sampling`: the token at each position is
-chosen by that position's uniform), so neither the load, nor the tree choice, nor the batch changes a
+chosen by that position's key), so neither the load, nor the tree choice, nor the batch changes a
 request's answer (up to float32 round-off where a batch's products sum in another order).
 Requests run in one thread; `Engine.start` runs it in the background (the server), `Engine.run`
 in the caller's (the library).

@@ -277,7 +277,7 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
     Every row accepts its own number of tokens per step, and a row's answer does not depend on the
     batch it ran in: greedy rows are plain greedy's (up to float32 round-off), sampled rows are plain
     sampling's for prompt i's seed (`decoding.sampling`: each position's token is chosen by that
-    position's uniform).
+    position's key).
 
     Args:
       prompts: N token-id lists (chat template applied), N >= 1: a list (or [N, T] array), checked

@@ -19,6 +19,11 @@ import jax
 import jax.numpy as jnp
 
 
+#: The most tokens prompt lookup copies per draft: a copied chain is accepted token by token, so
+#: its tail past a few dozen tokens is almost never reached, while the step verifies all of it.
+MAX_LOOKUP_TOKENS = 64
+
+
 class PromptLookup(NamedTuple):
     """Static prompt-lookup settings (hashable: part of a tree, a jit static argument).
 
@@ -37,8 +42,8 @@ class PromptLookup(NamedTuple):
 
     def check(self) -> "PromptLookup":
         """Raise ValueError for settings that cannot draft; return self."""
-        if self.num_tokens < 1:
-            raise ValueError(f"prompt lookup copies num_tokens >= 1 tokens, got {self.num_tokens}")
+        if not 1 <= self.num_tokens <= MAX_LOOKUP_TOKENS:
+            raise ValueError(f"prompt lookup copies 1 to {MAX_LOOKUP_TOKENS} tokens (num_tokens), got {self.num_tokens}")
         if not 1 <= self.min_ngram <= self.max_ngram:
             raise ValueError(f"prompt lookup needs 1 <= min_ngram <= max_ngram, got {self.min_ngram} and "
                              f"{self.max_ngram}")

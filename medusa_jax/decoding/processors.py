@@ -210,29 +210,34 @@ def step_logits(procs: Optional[LogitsProcessors], state, tree_logits: Optional[
     return processed(procs, logits, state.temperature, counts, in_prompt, emitted, recent)
 
 
+#: A banned token's logit in the heads' drafts: far below any other, yet finite (the target's is -inf).
+DRAFT_BANNED = -1e30
+
+
 def draft_adjuster(procs: Optional[LogitsProcessors], state) -> Optional[Callable]:
     """The rows' banned tokens, bias and penalties (from the context's counts, not the tree paths';
     not the bad words of several tokens) as a change to
     the heads' logits, `heads.topk.states_topk`'s ``adjust``: ``adjust(logits [J, B, ..., N], ids [N]
     or None) -> logits``, so that the heads draft what the processed target would choose (a draft
     only affects speed; verification judges it against the exact processed logits). None when no
-    row has a bias or a penalty."""
+    row has a bias, a penalty or a banned token."""
     if procs is None or (procs.bias is None and procs.penalties is None and procs.banned is None):
         return None
     counts = in_prompt = None
     if procs.penalties is not None:
         c = state.cache
         counts, in_prompt = context_counts(c.tokens, c.lengths, procs.prompt_len, state.logits.shape[-1])
-    draft = LogitsProcessors(bias=procs.bias, penalties=procs.penalties, banned=procs.banned)
+    draft = LogitsProcessors(bias=procs.bias, penalties=procs.penalties)
 
     def adjust(logits, ids):
         cols = (lambda a: a) if ids is None else (lambda a: a[:, ids])  # noqa: E731 [B, V] -> [B, N]
         x = jnp.moveaxis(logits, 1, 0)                                   # [B, J, ..., N]
         shape = x.shape[:1] + (1,) * (x.ndim - 2) + x.shape[-1:]
-        p = draft._replace(bias=None if draft.bias is None else cols(draft.bias),
-                           banned=None if draft.banned is None else cols(draft.banned))
+        p = draft._replace(bias=None if draft.bias is None else cols(draft.bias))
         out = processed(p, x, state.temperature, None if counts is None else cols(counts).reshape(shape),
                         None if in_prompt is None else cols(in_prompt))
+        if procs.banned is not None:  # finite, so that the heads' scores stay numbers when all they propose is banned
+            out = jnp.where(cols(procs.banned).reshape(shape), DRAFT_BANNED, out)
         return jnp.moveaxis(out, 0, 1)
 
     return adjust

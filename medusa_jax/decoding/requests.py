@@ -20,7 +20,7 @@ class EngineStopped(RuntimeError):
 
 class SamplingParams(NamedTuple):
     """A request's sampling: temperature 0 = greedy; top_p in (0, 1]; seed in [0, 2**31) (the token at
-    each position is chosen by that position's uniform from the seed: `decoding.sampling`); top_k >= 0
+    each position is chosen by that position's key from the seed: `decoding.sampling`); top_k >= 0
     (0 = every token; applied before top_p, as vLLM does).
 
     The penalties and min_p follow vLLM's `SamplingParams` (`decoding.processors`):

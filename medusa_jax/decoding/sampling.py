@@ -1,19 +1,22 @@
-"""Token choice from logits: greedy, or temperature and nucleus (top-p) sampling by the inverse CDF of
-one uniform per row and position.
+"""Token choice from logits: greedy, or temperature, top-k and nucleus (top-p) sampling by the
+Gumbel-max trick with noise fixed per row and position.
 
-The uniform that chooses the token at absolute position t of a row is drawn from that row's key
-(``[B, 2]`` uint32, `row_keys`, from the request's seed) folded with t (`position_uniforms`), never
+The noise that chooses the token at absolute position t of a row comes from that row's key
+(``[B, 2]`` uint32, `row_keys`, from the request's seed) folded with t (`position_keys`), never
 from a key that advances step by step. So the token at every position is a fixed function of the
 seed and the tokens before it: a row's sampled answer does not depend on the other rows of its
 batch, on the tree that verified it, or on how many tokens each step accepted. Speculative decoding
 with this coupling is exact in the strongest sense: Medusa sampling emits token for token what plain
 sampling with the same seed emits (a candidate is accepted when it is the token that position's
-uniform chooses, which happens with the candidate's own probability: the acceptance rate of
+key chooses, which happens with the candidate's own probability: the acceptance rate of
 speculative sampling with a deterministic draft, Chen et al. 2023, Alg. 2), and the output follows
 the model's distribution exactly (tests/test_exact_sampling.py). Several candidates per node
 (siblings) accept together with their summed probability, as sequential rejection over the tree does
-(Miao et al. 2024, "SpecInfer", Sec. 4.3). The two-level search of `inverse_cdf` keeps the choice to
-one pass over the vocabulary.
+(Miao et al. 2024, "SpecInfer", Sec. 4.3). The choice is an argmax over the logits plus noise
+(`gumbel_choice`, in two levels of 192 + 256 draws), so the float round-off by which one forward's
+logits differ from another's (batch shapes, tree against plain steps) changes a sampled token as
+rarely as it changes a greedy one (session 38; the inverse CDF used before changed about one sampled
+token in ten under such round-off, so a seeded answer could change with the load).
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from medusa_jax import kernels
 SEED_LIMIT = 2 ** 31
 """Seeds are in [0, SEED_LIMIT)."""
 
-#: Vocabulary entries per block of `inverse_cdf`'s two-level search.
+#: Vocabulary entries per block of `gumbel_choice`'s two levels.
 CDF_BLOCK = 256
 
 
@@ -108,32 +111,40 @@ def filtered_logits(logits: jax.Array, temperature, top_p=1.0, nucleus: bool = T
     return scaled
 
 
-def position_uniforms(keys: jax.Array, positions: jax.Array) -> jax.Array:
-    """One uniform in [0, 1) per row and position: ``uniform(fold_in(keys[b], positions[b, ...]))``.
+def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
+    """One PRNG key per row and position: ``fold_in(keys[b], positions[b, ...])``.
 
     Args:
       keys: [B, 2] uint32, one key per row (`row_keys`).
       positions: [B, ...] int32 absolute positions in the row's sequence.
     Returns:
-      [B, ...] float32.
+      [B, ..., 2] uint32.
     """
     def row(key, pos):
-        flat = pos.reshape(-1)
-        u = jax.vmap(lambda p: jax.random.uniform(jax.random.fold_in(key, p)))(flat)
-        return u.reshape(pos.shape)
+        return jax.vmap(lambda p: jax.random.fold_in(key, p))(pos.reshape(-1)).reshape(pos.shape + (2,))
 
     return jax.vmap(row)(keys, positions.astype(jnp.int32))
 
 
-def inverse_cdf(logits: jax.Array, u: jax.Array) -> jax.Array:
-    """The token a uniform chooses from ``softmax(logits)``: the first index whose cumulative
-    probability exceeds ``u`` (vocabulary order), by a two-level search (block sums, then one
-    block), so the work is one pass over the vocabulary. A token of probability 0 (-inf logit) is
-    never chosen.
+def gumbel_choice(logits: jax.Array, keys: jax.Array) -> jax.Array:
+    """A sample of ``softmax(logits)`` chosen by a key: the Gumbel-max trick in two levels. A block
+    of `CDF_BLOCK` tokens is the argmax of its log-mass plus Gumbel noise, then a token of that block
+    the argmax of its logit plus Gumbel noise (each level from its own half of the key): block b is
+    chosen with probability S_b / S and token i in it with p_i / S_b, so token i with p_i / S,
+    exactly, for 448 random numbers per choice (192 blocks of SmolLM's 49,152 tokens) where one
+    Gumbel per token would draw the whole vocabulary.
+
+    The choice is an argmax of the logits plus fixed noise, so logits that differ by float round-off
+    (another batch shape, a tree step's forward against a plain step's) change it only when its two
+    best perturbed scores are that close: a few in 10^5 per token, as near-ties are for greedy. (An
+    inverse CDF, one uniform against the cumulative probabilities in vocabulary order, changes its
+    choice whenever the uniform lands among the tail's tokens, whose CDF steps are as small as the
+    round-off: for about one sampled token in ten.) A token of probability 0 (-inf logit) is never
+    chosen.
 
     Args:
       logits: [..., V] float32 (-inf allowed, at least one finite).
-      u: [...] float32 in [0, 1).
+      keys: [..., 2] uint32 (`position_keys`).
     Returns:
       [...] int32.
     """
@@ -141,32 +152,29 @@ def inverse_cdf(logits: jax.Array, u: jax.Array) -> jax.Array:
     nb = -(-V // CDF_BLOCK)
     pad = nb * CDF_BLOCK - V
     x = jnp.pad(logits.astype(jnp.float32), [(0, 0)] * (logits.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
-    p = jnp.exp(x - jnp.max(x, axis=-1, keepdims=True))                     # unnormalised, [..., nb * block]
-    blocks = p.reshape(p.shape[:-1] + (nb, CDF_BLOCK))
-    sums = jnp.sum(blocks, axis=-1)                                          # [..., nb]
-    cum = jnp.cumsum(sums, axis=-1)
-    thr = u * cum[..., -1]
-    last_block = nb - 1 - jnp.argmax(jnp.flip(sums > 0, axis=-1), axis=-1)   # the last block with mass
-    k = jnp.minimum(jnp.sum(cum <= thr[..., None], axis=-1), last_block)
+    blocks = x.reshape(x.shape[:-1] + (nb, CDF_BLOCK))
+    top = jnp.max(x, axis=-1, keepdims=True)[..., None]                      # [..., 1, 1]
+    log_mass = jnp.log(jnp.sum(jnp.exp(blocks - top), axis=-1))              # [..., nb] (-inf: no mass)
+    flat = keys.reshape(-1, 2)
+    noise = lambda salt, n: jax.vmap(lambda k: jax.random.gumbel(jax.random.fold_in(k, salt), (n,)))(  # noqa: E731
+        flat).reshape(keys.shape[:-1] + (n,))
+    k = jnp.argmax(log_mass + noise(0, nb), axis=-1)
     within = jnp.take_along_axis(blocks, k[..., None, None], axis=-2)[..., 0, :]  # [..., block]
-    before = jnp.where(k > 0, jnp.take_along_axis(cum, jnp.maximum(k - 1, 0)[..., None], axis=-1)[..., 0], 0.0)
-    inner = before[..., None] + jnp.cumsum(within, axis=-1)
-    last_inner = CDF_BLOCK - 1 - jnp.argmax(jnp.flip(within > 0, axis=-1), axis=-1)
-    j = jnp.minimum(jnp.sum(inner <= thr[..., None], axis=-1), last_inner)
+    j = jnp.argmax(within + noise(1, CDF_BLOCK), axis=-1)
     return (k * CDF_BLOCK + j).astype(jnp.int32)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,
                   top_p: jax.Array, sampled: bool = True, nucleus: bool = True, top_k=0) -> jax.Array:
     """The token each row chooses at `positions` from `logits`: the argmax for a row whose temperature
-    is 0 (greedy), else the inverse CDF (`inverse_cdf`) of the tempered, top-k- and nucleus-filtered
-    distribution (`filtered_logits`) at that position's uniform (`position_uniforms`).
+    is 0 (greedy), else the sample (`gumbel_choice`) of the tempered, top-k- and nucleus-filtered
+    distribution (`filtered_logits`) that the position's key (`position_keys`) chooses.
 
     Args:
       logits: [B, ..., V] float32; keys: [B, 2] uint32; positions: [B, ...] int32, the absolute
         position of the token being chosen.
       temperature, top_p: [B] float32 per row; top_k: [B] int32 per row (0: off), or 0 for every row.
-      sampled: static; False: every row is greedy (no uniform is drawn, nothing is sorted).
+      sampled: static; False: every row is greedy (nothing is drawn, nothing is sorted).
       nucleus: static; False: no row uses top_p < 1 or top_k > 0.
     Returns:
       [B, ...] int32.
@@ -179,5 +187,5 @@ def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array, temp
     top = top_p.reshape(top_p.shape + extra)
     k = top_k if isinstance(top_k, int) else top_k.reshape(top_k.shape + extra)
     scaled = filtered_logits(logits, jnp.where(t > 0, t, 1.0), top, nucleus, k)
-    chosen = inverse_cdf(scaled, position_uniforms(keys, positions))
+    chosen = gumbel_choice(scaled, position_keys(keys, positions))
     return jnp.where(t > 0, chosen, greedy)

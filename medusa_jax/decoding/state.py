@@ -19,8 +19,8 @@ class DecodeState:
     hidden: [B, D], final-norm hidden state there (the heads' input).
     cache: the KV cache; ``cache.lengths[b]`` = tokens of row b in the cache (prompt + emitted).
     key: [B, 2] uint32, one PRNG key per row, from the row's seed (`decoding.sampling.row_keys`); it
-      never advances: the token at position t is chosen with the uniform of (key, t)
-      (`decoding.sampling.position_uniforms`).
+      never advances: the token at position t is chosen with the noise of (key, t)
+      (`decoding.sampling.position_keys`).
     temperature: [B] float32, the row's sampling temperature (0: greedy).
     top_p: [B] float32, the row's nucleus mass in (0, 1].
     top_k: [B] int32, the row's top-k (0: every token).

@@ -68,7 +68,7 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
 def step_root(acc: Acceptance, state: DecodeState, procs: Optional[LogitsProcessors] = None) -> jax.Array:
     """[B] int32, the root token `medusa_step` decodes from `state`: each row's choice from
     ``state.logits`` (processed by `procs`: `decoding.processors`) at its position ``cache.lengths``
-    (the argmax, or a sample by that position's uniform: `decoding.sampling.sample_tokens`)."""
+    (the argmax, or a sample by that position's key: `decoding.sampling.sample_tokens`)."""
     return sample_tokens(step_logits(procs, state), state.key, state.cache.lengths, state.temperature, state.top_p,
                          sampled=acc.mode != "greedy", nucleus=acc.filters, top_k=state.top_k)
 
@@ -86,7 +86,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     4. Posterior (`evaluate_posterior`: greedy, typical or exact), best path, accepted length a.
     5. Emits root + a candidates; the next logits/hidden are the last accepted node's; the path's
        K/V are compacted; lengths advance by a + 1.
-    A row's token at position t is chosen by the uniform of its own key and t, so rows are
+    A row's token at position t is chosen by the noise of its own key and t, so rows are
     independent of each other, and exact acceptance emits what plain sampling would.
     With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
     A tree with prompt-lookup settings (``tree.lookup``, `medusa_jax.decoding.lookup`) first searches the

@@ -301,8 +301,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             encode = functools.partial(render_chat, tokenizer, gen.messages, gen.add_generation_prompt,
                                        gen.continue_final_message, gen.template_kwargs, gen.tools)
         else:
-            encode = lambda: list(tokenizer.encode(gen.prompt))  # noqa: E731
-        texts = [m["content"] for m in gen.messages] if chat else [gen.prompt]
+            given = isinstance(gen.prompt, list)  # token ids
+            encode = lambda: list(gen.prompt) if given else list(tokenizer.encode(gen.prompt))  # noqa: E731
+        texts = [m["content"] for m in gen.messages] if chat else [] if given else [gen.prompt]
         run = asyncio.get_running_loop().run_in_executor
         at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context)
         if at_least is not None:
@@ -406,7 +407,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             c.final()
             lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
             out.append(protocol.choice(i, chat, c.content(), c.reason(), lp, c.calls))
-        metrics.observe_end(time.perf_counter() - t0)
+        metrics.observe_end(time.perf_counter() - t0, [c.fin for c in choices])
         return protocol.completion(rid, gen.model, chat, out, protocol.usage(len(ids), sum(c.used() for c in choices)),
                                    [c.fin for c in choices], gen.created)
 
@@ -491,7 +492,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 yield sse(protocol.chunk(rid, gen.model, chat, created,
                                          usage_obj=protocol.usage(len(ids), sum(c.used() for c in choices)),
                                          spec=protocol.speculation([c.fin for c in choices])))
-            metrics.observe_end(time.perf_counter() - t0)
+            metrics.observe_end(time.perf_counter() - t0, [c.fin for c in choices])
             yield "data: [DONE]\n\n"
         finally:
             live.pop(events, None)

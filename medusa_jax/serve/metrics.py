@@ -1,7 +1,8 @@
 """The server's Prometheus metrics (prometheus-client), named as vLLM names them so that existing
 dashboards read them: requests running and waiting, prompt and generated tokens, prefix-cache queries
-and hits (in tokens), finished requests by reason, time to first token, inter-token latency and
-end-to-end latency histograms, and the speculation counters ``vllm:spec_decode_num_drafts``,
+and hits (in tokens), finished requests by reason, preemptions (none: a row is never taken from a
+request), time to first token, inter-token latency and end-to-end latency histograms, each request's
+prompt and generated tokens and its prefill and decode time, and the speculation counters ``vllm:spec_decode_num_drafts``,
 ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos``
 (vLLM's spec-decode metrics).
 The counters are read from the engine's own statistics at each scrape (`EngineCollector`)."""
@@ -40,7 +41,8 @@ class EngineCollector:
                 ("vllm:prefix_cache_hits", "Prompt tokens whose KV cache was reused.", st["reused_tokens"]),
                 ("vllm:spec_decode_num_drafts", "Row-steps that verified a draft.", st["drafts"]),
                 ("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.", st["draft_tokens"]),
-                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", st["accepted_tokens"])):
+                ("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.", st["accepted_tokens"]),
+                ("vllm:num_preemptions", "Requests preempted (never: a request keeps its row to the end).", 0)):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric([self.model], value)
             yield c
@@ -60,9 +62,20 @@ class EngineCollector:
         yield c
 
 
+def token_buckets(max_len: int) -> tuple:
+    """vLLM's 1-2-5 buckets for token counts, up to `max_len` (``build_1_2_5_buckets``)."""
+    out, scale = [], 1
+    while True:
+        for m in (1, 2, 5):
+            if m * scale > max_len:
+                return tuple(out)
+            out.append(m * scale)
+        scale *= 10
+
+
 class Metrics:
-    """The registry of one server: the engine's counters and the latency histograms the server
-    observes (`observe_first_token`, `observe_tokens`, `observe_end`)."""
+    """The registry of one server: the engine's counters and the histograms the server observes
+    (`observe_first_token`, `observe_tokens`, `observe_end`)."""
 
     def __init__(self, engine, model_name: str):
         self.registry = CollectorRegistry()
@@ -73,6 +86,12 @@ class Metrics:
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time from the request to its first token.")
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between two output tokens of a request.")
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Time from the request to its last token.")
+        self.prefill = hist("vllm:request_prefill_time_seconds", "Compute time of a request's prefill.")
+        self.decode = hist("vllm:request_decode_time_seconds", "Compute time of the steps a request took part in.")
+        tokens = lambda name, doc: Histogram(name, doc, ["model_name"], registry=self.registry,  # noqa: E731
+                                             buckets=token_buckets(engine.max_len))
+        self.prompt_tokens = tokens("vllm:request_prompt_tokens", "Prompt tokens of a finished request.")
+        self.generation_tokens = tokens("vllm:request_generation_tokens", "Tokens generated for a finished request.")
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.labels(self.model).observe(seconds)
@@ -84,5 +103,12 @@ class Metrics:
         for _ in range(n):
             h.observe(per)
 
-    def observe_end(self, seconds: float) -> None:
+    def observe_end(self, seconds: float, fins=()) -> None:
+        """A request ended `seconds` after it came; `fins`: its choices' `decoding.requests.Finished`
+        (each an engine request, as vLLM counts ``n`` choices)."""
         self.e2e.labels(self.model).observe(seconds)
+        for f in fins:
+            self.prompt_tokens.labels(self.model).observe(f.prompt_tokens)
+            self.generation_tokens.labels(self.model).observe(len(f.tokens))
+            self.prefill.labels(self.model).observe(f.prefill_s)
+            self.decode.labels(self.model).observe(f.decode_s)

@@ -14,7 +14,7 @@ import secrets
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Union
 
 from medusa_jax.chat import check_messages, check_text
 from medusa_jax.serve.tools import ToolError, check_tools
@@ -76,7 +76,7 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
 class Generation:
     """A checked request: the prompt (messages or text), the budget, sampling and stop settings."""
     messages: Optional[List[dict]]
-    prompt: Optional[str]
+    prompt: Optional[Union[str, List[int]]]     # a completion's: text, or token ids
     max_tokens: Optional[int]
     temperature: float
     top_p: float
@@ -234,18 +234,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
             field = str(e).split(":")[0] if str(e).startswith("messages") else "messages"
             raise RequestError(str(e), field) from None
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if not isinstance(prompt, str):
-            raise RequestError(f"prompt must be a string (or a list of one string), got {type(prompt).__name__}",
-                               "prompt")
-        if not prompt:
-            raise RequestError("prompt is empty", "prompt")
-        try:
-            check_text(prompt, "prompt")
-        except ValueError as e:
-            raise RequestError(str(e), "prompt") from None
+        prompt = _completion_prompt(body.get("prompt"), vocab_size)
     if chat and body.get("max_completion_tokens") is not None:  # it wins over max_tokens (as in vLLM,
         _integer(body, "max_tokens", -2 ** 63, 2 ** 63 - 1)     # which then only needs to be an integer)
         max_tokens = _integer(body, "max_completion_tokens", 1, context)
@@ -330,6 +319,32 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
                       n=n, logit_bias=logit_bias, **penalties, **extras)
+
+
+def _completion_prompt(prompt: Any, vocab_size: int) -> Union[str, List[int]]:
+    """A completion's ``prompt``: a string, or token ids (OpenAI's and vLLM's list of ints), or a
+    list of one of those; RequestError for anything else (several prompts in one request too)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]
+    if isinstance(prompt, list) and prompt and all(_whole(t) is not None for t in prompt):
+        ids = [_whole(t) for t in prompt]
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"prompt: token id {bad} is outside the model's vocabulary [0, {vocab_size})",
+                               "prompt")
+        return ids
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise RequestError(f"prompt: this server answers one prompt per request, got a list of {len(prompt)}; "
+                           "send one request per prompt (they are decoded together)", "prompt",
+                           code="unsupported_parameter")
+    if not isinstance(prompt, str):
+        raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
+    if not prompt:
+        raise RequestError("prompt is empty", "prompt")
+    try:
+        return check_text(prompt, "prompt")
+    except ValueError as e:
+        raise RequestError(str(e), "prompt") from None
 
 
 def _token_ids(body: dict, name: str, vocab_size: int) -> Optional[List[int]]:
