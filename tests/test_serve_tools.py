@@ -294,6 +294,9 @@ def test_tool_requests_the_server_cannot_serve_get_400(tool_server, smollm2_path
     r = asyncio.run(ask(create_app(engine, plain, MODEL, tool_call_parser="hermes"), body))
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools", r.text
     assert "no place for tools" in r.json()["error"]["message"]
+    r = asyncio.run(ask(create_app(engine, plain, MODEL), dict(body, tool_choice="none")))
+    assert r.status_code == 200, r.text  # tools not to be called, which the template cannot show: left out
+    assert "get_weather" not in engine.tokenizer.decode(engine.prompts[-1])
     r = asyncio.run(ask(create_app(engine, engine.tokenizer, MODEL), body))  # started without a parser
     assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"], r.text
     with pytest.raises(ValueError, match="unknown tool-call parser"):

@@ -293,6 +293,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         if gen.tool_choice == "auto" and tools is None:
             raise RequestError("tool calls need the server started with --tool-call-parser (hermes or llama3_json: "
                                "the format the model writes them in); or give tool_choice 'none'", "tool_choice")
+        if gen.tools and gen.tool_choice == "none" and not template_takes_tools(tokenizer):
+            gen.tools = None  # not to be called, and the template would not show them: nothing is lost
         if gen.tools and not template_takes_tools(tokenizer):
             raise RequestError("the model's chat template has no place for tools, so the model would never see "
                                "them; serve it with a chat template that renders tools (medusa-serve --chat-template)",

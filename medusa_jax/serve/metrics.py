@@ -2,9 +2,9 @@
 dashboards read them: requests running and waiting, prompt and generated tokens, prefix-cache queries
 and hits (in tokens), finished requests by reason, preemptions (none: a row is never taken from a
 request), time to first token, inter-token latency and end-to-end latency histograms, each request's
-prompt and generated tokens and its prefill and decode time, and the speculation counters ``vllm:spec_decode_num_drafts``,
-``..._num_draft_tokens``, ``..._num_accepted_tokens`` and ``..._num_accepted_tokens_per_pos``
-(vLLM's spec-decode metrics).
+prompt and generated tokens and its prefill and decode time, and the speculation counters
+``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
+``..._num_accepted_tokens_per_pos`` (vLLM's spec-decode metrics).
 The counters are read from the engine's own statistics at each scrape (`EngineCollector`)."""
 from __future__ import annotations
 
