@@ -6,9 +6,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_processors import TREE, V, _answers, _heads_and_tree, _raw_logits, tiny_setup
+from test_processors import TREE, V, _answers, _answers_with, _heads_and_tree, _raw_logits, tiny_setup
 
-from medusa_jax.decoding import compile as compile_mod
 from medusa_jax.decoding import processors
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import Request, SamplingParams
@@ -122,17 +121,8 @@ def test_medusa_with_bans_chooses_what_plain_steps_choose(tiny, sampled, kind, m
         shape = tree_tokens.shape + (n,)
         return jnp.broadcast_to(ids[:, None], shape), jnp.broadcast_to(ok[:, None], shape)
 
-    monkeypatch.setattr(processors, "recent_tokens", cache_only)
-    jax.clear_caches()
-    compile_mod._COMPILED.clear()
-    try:
-        broken, _ = _answers(Engine(cfg, params, heads=heads, tree=tree, max_batch=4, speculation="always"), reqs)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-        compile_mod._COMPILED.clear()
-        compile_mod._CALLED.clear()
-    assert broken != plain
+    assert _answers_with(monkeypatch, "recent_tokens", cache_only,
+                         Engine(cfg, params, heads=heads, tree=tree, max_batch=4, speculation="always"), reqs) != plain
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -169,17 +169,22 @@ def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, ki
     def no_path(counts, ancestor_mask, tree_tokens):
         return jnp.broadcast_to(counts[:, None, :], tree_tokens.shape + counts.shape[-1:])
 
-    monkeypatch.setattr(processors, "path_counts", no_path)
+    assert _answers_with(monkeypatch, "path_counts", no_path, Engine(cfg, params, heads=heads, tree=tree, max_batch=4,
+                                                                     speculation="always"), reqs) != plain
+
+
+def _answers_with(monkeypatch, name, broken, engine, requests):
+    """`_answers` with ``processors.<name>`` replaced by `broken` (the compiled steps cleared before and after)."""
+    monkeypatch.setattr(processors, name, broken)
     jax.clear_caches()
     compile_mod._COMPILED.clear()
     try:
-        broken, _ = _answers(Engine(cfg, params, heads=heads, tree=tree, max_batch=4, speculation="always"), reqs)
+        return _answers(engine, requests)[0]
     finally:
         monkeypatch.undo()
         jax.clear_caches()
         compile_mod._COMPILED.clear()
         compile_mod._CALLED.clear()
-    assert broken != plain
 
 
 @pytest.mark.parametrize("field, value, message", [
