@@ -135,14 +135,18 @@ def render_chat(tokenizer, messages: Sequence[dict], add_generation_prompt: bool
         extra["continue_final_message"] = True
     if tools:
         if not template_takes_tools(tokenizer):
-            raise ValueError("the model's chat template has no place for tools, so the model would never see them; "
-                             "serve it with a chat template that renders tools (medusa-serve --chat-template)")
+            raise ValueError(NO_PLACE_FOR_TOOLS)
         extra["tools"] = list(tools)
     out = tokenizer.apply_chat_template(list(messages), add_generation_prompt=add_generation_prompt, tokenize=True,
                                         **extra)
     if hasattr(out, "keys") and "input_ids" in out:  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return [int(t) for t in out]
+
+
+#: Why tools are refused with a template that never reads them (`render_chat`, the server's 400).
+NO_PLACE_FOR_TOOLS = ("the model's chat template has no place for tools, so the model would never see them; serve "
+                      "it with a chat template that renders tools (medusa-serve --chat-template)")
 
 
 def template_takes_tools(tokenizer) -> bool:

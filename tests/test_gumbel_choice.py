@@ -9,7 +9,7 @@ from scipy.stats import chi2
 
 from medusa_jax.decoding import sampling
 
-V = 3 * sampling.CDF_BLOCK + 57  # four blocks, the last one partial
+V = 3 * sampling.CHOICE_BLOCK + 57  # four blocks, the last one partial
 
 
 def _choices(logits, n, seed=0):
@@ -23,7 +23,7 @@ def test_the_choice_follows_softmax_across_blocks():
     hot = np.array([3, 250, 300, 511, 600, V - 1])              # tokens in every block
     logits[hot] = rng.normal(size=len(hot)) * 0.7
     logits[rng.choice(V, 200, replace=False)] = -3.0           # a tail beside them
-    logits[2 * sampling.CDF_BLOCK:3 * sampling.CDF_BLOCK] = -np.inf  # a block with no mass at all
+    logits[2 * sampling.CHOICE_BLOCK:3 * sampling.CHOICE_BLOCK] = -np.inf  # a block with no mass at all
     logits[hot] = np.maximum(logits[hot], -2.0)
     p = np.exp(logits - logits.max())
     p /= p.sum()

@@ -16,7 +16,7 @@ the model's distribution exactly (tests/test_exact_sampling.py). Several candida
 (`gumbel_choice`, in two levels of 192 + 256 draws), so the float round-off by which one forward's
 logits differ from another's (batch shapes, tree against plain steps) changes a sampled token as
 rarely as it changes a greedy one (session 38; the inverse CDF used before changed about one sampled
-token in ten under such round-off, so a seeded answer could change with the load).
+token in a hundred under such round-off, so a seeded answer could change with the load).
 """
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ SEED_LIMIT = 2 ** 31
 """Seeds are in [0, SEED_LIMIT)."""
 
 #: Vocabulary entries per block of `gumbel_choice`'s two levels.
-CDF_BLOCK = 256
+CHOICE_BLOCK = 256
 
 
 def prompt_seed(seed: int, i: int) -> int:
@@ -128,19 +128,19 @@ def position_keys(keys: jax.Array, positions: jax.Array) -> jax.Array:
 
 def gumbel_choice(logits: jax.Array, keys: jax.Array) -> jax.Array:
     """A sample of ``softmax(logits)`` chosen by a key: the Gumbel-max trick in two levels. A block
-    of `CDF_BLOCK` tokens is the argmax of its log-mass plus Gumbel noise, then a token of that block
-    the argmax of its logit plus Gumbel noise (each level from its own half of the key): block b is
-    chosen with probability S_b / S and token i in it with p_i / S_b, so token i with p_i / S,
-    exactly, for 448 random numbers per choice (192 blocks of SmolLM's 49,152 tokens) where one
-    Gumbel per token would draw the whole vocabulary.
+    of `CHOICE_BLOCK` tokens is the argmax of its log-mass plus Gumbel noise, then a token of that
+    block the argmax of its logit plus Gumbel noise (each level's noise from the key folded with 0
+    or 1): block b is chosen with probability S_b / S and token i in it with p_i / S_b, so token i
+    with p_i / S, exactly, for 448 random numbers per choice (192 blocks of SmolLM's 49,152 tokens)
+    where one Gumbel per token would draw the whole vocabulary.
 
     The choice is an argmax of the logits plus fixed noise, so logits that differ by float round-off
     (another batch shape, a tree step's forward against a plain step's) change it only when its two
     best perturbed scores are that close: a few in 10^5 per token, as near-ties are for greedy. (An
     inverse CDF, one uniform against the cumulative probabilities in vocabulary order, changes its
     choice whenever the uniform lands among the tail's tokens, whose CDF steps are as small as the
-    round-off: for about one sampled token in ten.) A token of probability 0 (-inf logit) is never
-    chosen.
+    round-off: about one sampled token in a hundred, tests/test_gumbel_choice.py.) A token of
+    probability 0 (-inf logit) is never chosen.
 
     Args:
       logits: [..., V] float32 (-inf allowed, at least one finite).
@@ -149,10 +149,10 @@ def gumbel_choice(logits: jax.Array, keys: jax.Array) -> jax.Array:
       [...] int32.
     """
     V = logits.shape[-1]
-    nb = -(-V // CDF_BLOCK)
-    pad = nb * CDF_BLOCK - V
+    nb = -(-V // CHOICE_BLOCK)
+    pad = nb * CHOICE_BLOCK - V
     x = jnp.pad(logits.astype(jnp.float32), [(0, 0)] * (logits.ndim - 1) + [(0, pad)], constant_values=-jnp.inf)
-    blocks = x.reshape(x.shape[:-1] + (nb, CDF_BLOCK))
+    blocks = x.reshape(x.shape[:-1] + (nb, CHOICE_BLOCK))
     top = jnp.max(x, axis=-1, keepdims=True)[..., None]                      # [..., 1, 1]
     log_mass = jnp.log(jnp.sum(jnp.exp(blocks - top), axis=-1))              # [..., nb] (-inf: no mass)
     flat = keys.reshape(-1, 2)
@@ -160,8 +160,8 @@ def gumbel_choice(logits: jax.Array, keys: jax.Array) -> jax.Array:
         flat).reshape(keys.shape[:-1] + (n,))
     k = jnp.argmax(log_mass + noise(0, nb), axis=-1)
     within = jnp.take_along_axis(blocks, k[..., None, None], axis=-2)[..., 0, :]  # [..., block]
-    j = jnp.argmax(within + noise(1, CDF_BLOCK), axis=-1)
-    return (k * CDF_BLOCK + j).astype(jnp.int32)
+    j = jnp.argmax(within + noise(1, CHOICE_BLOCK), axis=-1)
+    return (k * CHOICE_BLOCK + j).astype(jnp.int32)
 
 
 def sample_tokens(logits: jax.Array, keys: jax.Array, positions: jax.Array, temperature: jax.Array,

@@ -33,7 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from medusa_jax.chat import render_chat, template_takes_tools
+from medusa_jax.chat import NO_PLACE_FOR_TOOLS, render_chat, template_takes_tools
 from medusa_jax.decoding.args import PromptTooLongError, check_prompt_room, new_token_room
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import EngineStopped, Finished
@@ -184,6 +184,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     if tool_call_parser is not None and tool_call_parser not in TOOL_PARSERS:
         raise ValueError(f"unknown tool-call parser {tool_call_parser!r}; choose one of {', '.join(TOOL_PARSERS)}")
     tools = TOOL_PARSERS.get(tool_call_parser)
+    takes_tools = template_takes_tools(tokenizer)  # the template is the server's, fixed
     context = engine.max_len
     metrics = Metrics(engine, model_name)
     state = {"shutting_down": False, "started": time.time()}
@@ -293,12 +294,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         if gen.tool_choice == "auto" and tools is None:
             raise RequestError("tool calls need the server started with --tool-call-parser (hermes or llama3_json: "
                                "the format the model writes them in); or give tool_choice 'none'", "tool_choice")
-        if gen.tools and gen.tool_choice == "none" and not template_takes_tools(tokenizer):
+        if gen.tools and not takes_tools:
+            if gen.tool_choice != "none":
+                raise RequestError(NO_PLACE_FOR_TOOLS, "tools")
             gen.tools = None  # not to be called, and the template would not show them: nothing is lost
-        if gen.tools and not template_takes_tools(tokenizer):
-            raise RequestError("the model's chat template has no place for tools, so the model would never see "
-                               "them; serve it with a chat template that renders tools (medusa-serve --chat-template)",
-                               "tools")
         if chat:
             encode = functools.partial(render_chat, tokenizer, gen.messages, gen.add_generation_prompt,
                                        gen.continue_final_message, gen.template_kwargs, gen.tools)

@@ -32,7 +32,7 @@ FUNCTION_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 
 
 class ToolError(ValueError):
-    """A malformed ``tools`` / ``tool_choice`` / tool message; `field` names where (``tools[0].function.name``)."""
+    """A malformed ``tools`` or ``tool_choice``; `field` names where (``tools[0].function.name``)."""
 
     def __init__(self, message: str, field: str, code: Optional[str] = None):
         super().__init__(f"{field}: {message}")
