@@ -316,22 +316,88 @@ def test_completions_stop_sequences_and_models(client, server):
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length"), r
 
 
-def test_completions_take_token_ids_as_the_prompt(client, server, smollm2):
+def test_completions_take_token_ids_and_several_prompts(client, server, smollm2):
     """A completion's prompt as token ids (OpenAI's and vLLM's list of ints, or a list of one such
-    list) answers as its text does; several prompts in one request, or an id outside the
-    vocabulary, get a 400 naming the prompt."""
+    list) answers as its text does; several prompts in one request (texts and token-id lists) give
+    choice k * n + j for prompt k's j-th, each the answer it gets alone, and usage counts every
+    prompt once; a bad prompt among several, or an id outside the vocabulary, gets a 400 naming it."""
     text = "Count: 1, 2, 3,"
     ids = list(smollm2.tokenizer.encode(text))
     want = client.completions.create(model=MODEL, prompt=text, max_tokens=8, temperature=0)
     for prompt in (ids, [ids]):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
         assert (r.choices[0].text, r.usage.prompt_tokens) == (want.choices[0].text, len(ids))
-    for prompt, message in ((["a", "b"], "one prompt per request, got a list of 2"),
-                            ([ids, ids], "one prompt per request"),
-                            ([1, 10 ** 6], "token id 1000000 is outside the model's vocabulary")):
+    other = "The colours of the rainbow are"
+    alone = client.completions.create(model=MODEL, prompt=other, max_tokens=8, temperature=0).choices[0].text
+    r = client.completions.create(model=MODEL, prompt=[other, ids], max_tokens=8, temperature=0, n=2)
+    assert [(c.index, c.text) for c in r.choices] == [(0, alone), (1, alone), (2, want.choices[0].text),
+                                                      (3, want.choices[0].text)]
+    assert r.usage.prompt_tokens == len(smollm2.tokenizer.encode(other)) + len(ids)
+    assert r.usage.completion_tokens == 4 * 8
+    chunks = list(client.completions.create(model=MODEL, prompt=[other, text], max_tokens=8, temperature=0,
+                                            stream=True))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in (0, 1)]
+    assert texts == [alone, want.choices[0].text]
+    for prompt, message in ((["a", ""], "prompt 1 is empty"), ([ids, [5, 10 ** 6]], "prompt 1: token id 1000000"),
+                            ([1, 10 ** 6], "token id 1000000 is outside the model's vocabulary"),
+                            ([[]], "must be a string or a list of token ids, got an empty list"),
+                            (["a"] * 129, "at most 128 prompts")):
         r = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 4})
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
         assert r.json()["error"]["param"] == "prompt"
+
+
+def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_asks(client, server, smollm2, smollm2_hf):
+    """What lm-evaluation-harness's loglikelihood tasks send (``echo``, ``logprobs: 1``, ``max_tokens``
+    1, token-id prompts, several per request): each choice's text is the prompt and its answer, and
+    its token_logprobs are the prompt tokens' own log-probabilities under the model (the first
+    null), equal to one forward of transformers' model, then the answer's; ``max_tokens: 0`` answers
+    the prompts alone; streamed, the prompt comes first; without echo, max_tokens 0 is a 400."""
+    import numpy as np
+    import torch
+
+    tok = smollm2.tokenizer
+    context, continuation = "The capital of France is", " Paris"
+    ids = list(tok.encode(context + continuation))
+    other = list(tok.encode("One, two, three, four"))
+    r = client.completions.create(model=MODEL, prompt=[ids, other], max_tokens=1, temperature=0, logprobs=1, echo=True)
+    plain = client.completions.create(model=MODEL, prompt=[ids, other], max_tokens=1, temperature=0)
+    for c, p, q in zip(r.choices, (ids, other), plain.choices):
+        lp = c.logprobs
+        assert c.text == tok.decode(p) + q.text and len(lp.tokens) == len(p) + 1
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+        assert lp.text_offset == [sum(len(t) for t in lp.tokens[:j]) for j in range(len(lp.tokens))]
+    from tests.conftest import torch_logits
+    logits = torch.log_softmax(torch.as_tensor(torch_logits(smollm2_hf, [ids])[0]).double(), -1).numpy()
+    want = logits[np.arange(len(ids) - 1), ids[1:]]
+    got = np.array(r.choices[0].logprobs.token_logprobs[1:len(ids)])
+    np.testing.assert_allclose(got, want, atol=2e-3)
+    # lm-eval's sum over the continuation and its is-greedy test (the tokens after the context)
+    n_ctx = len(tok.encode(context))
+    lp = r.choices[0].logprobs
+    assert abs(sum(lp.token_logprobs[n_ctx:-1]) - want[n_ctx - 1:].sum()) < 5e-3
+    greedy = all(x == max(d.values()) for x, d in zip(lp.token_logprobs[n_ctx:-1], lp.top_logprobs[n_ctx:-1]))
+    assert greedy == all(logits[j - 1].argmax() == ids[j] for j in range(n_ctx, len(ids)))
+    # max_tokens 0: the prompts alone (text as given), the same figures
+    alone = client.completions.create(model=MODEL, prompt=[context + continuation, other], max_tokens=0, n=2,
+                                      logprobs=1, echo=True)
+    assert [c.index for c in alone.choices] == [0, 1, 2, 3]
+    assert [c.finish_reason for c in alone.choices] == ["length"] * 4
+    assert alone.choices[0].text == context + continuation and alone.usage.completion_tokens == 0
+    assert alone.usage.prompt_tokens == len(ids) + len(other)
+    assert alone.choices[0].logprobs.token_logprobs == lp.token_logprobs[:-1]
+    streamed = list(client.completions.create(model=MODEL, prompt=context, max_tokens=6, temperature=0, echo=True,
+                                              stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in streamed if c.choices)
+    answer = client.completions.create(model=MODEL, prompt=context, max_tokens=6, temperature=0).choices[0].text
+    assert streamed[0].choices[0].text == context and text == context + answer
+    assert streamed[-1].usage.prompt_tokens == n_ctx
+    for body, field, message in (({"prompt": "x", "max_tokens": 0}, "max_tokens", "0 only with echo"),
+                                 ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo",
+                                  "not supported")):
+        path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+        e = httpx.post(server[0] + path, json=dict(body, model=MODEL))
+        assert e.status_code == 400 and message in e.json()["error"]["message"] and e.json()["error"]["param"] == field
 
 
 def readme_serving_blocks():
@@ -992,7 +1058,7 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
         assert e.value.param == param, (extra, e.value)
     assert check_request(dict(body, chat_template_kwargs={"enable_thinking": False}), [MODEL], 64,
                          True).template_kwargs == {"enable_thinking": False}
-    assert check_request({"prompt": "x", "add_special_tokens": True}, [MODEL], 64, False).prompt == "x"
+    assert check_request({"prompt": "x", "add_special_tokens": True}, [MODEL], 64, False).prompts == ["x"]
     prefill = {"model": MODEL, "messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "Sure"}]}
     with pytest.raises(RequestError, match="needs add_generation_prompt false"):
         check_request(dict(prefill, continue_final_message=True), [MODEL], 64, True)

@@ -48,6 +48,7 @@ from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
+from medusa_jax.decoding.prompt_logprobs import prompt_logprobs
 from medusa_jax.decoding.processors import changes_logits, dense_processors
 from medusa_jax.decoding.requests import FINISH_REASONS, EngineStopped, Finished, Request, RequestHandle, TokenLogprob
 from medusa_jax.decoding.rows import Flight, Row
@@ -171,6 +172,14 @@ class Engine:
             self.inbox.put(handle)
         self._wake.set()
         return handle
+
+    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0) -> List[Optional[TokenLogprob]]:
+        """Each prompt token's log-probability given the tokens before it, under the engine's backbone
+        (`decoding.prompt_logprobs.prompt_logprobs`: P entries, the first None; `top` in [0, 20]
+        alternatives each). Runs in the caller's thread, beside the engine's own steps, and changes
+        nothing of the engine's state. Raises ValueError for an empty prompt, an id outside the
+        vocabulary, or a prompt longer than the model's context."""
+        return prompt_logprobs(self.cfg, self.params, prompt, top)
 
     @property
     def live(self) -> int:

@@ -1,5 +1,5 @@
 """Log-probabilities of the tokens a step emits, for callers that ask for them (the server's
-``logprobs`` / ``top_logprobs``).
+``logprobs`` / ``top_logprobs``); a prompt's own tokens' are `decoding.prompt_logprobs`'.
 
 A step emits the root and the accepted candidates: token j of row b was chosen from the base
 model's distribution after the tokens before it, which is ``state.logits`` for the root and the tree
@@ -52,3 +52,4 @@ def emitted_logprobs(root_logits: jax.Array, node_logits: jax.Array, path_nodes:
     else:
         top_lp, top_ids = jnp.zeros((B, tokens.shape[1], 0), jnp.float32), jnp.zeros((B, tokens.shape[1], 0), jnp.int32)
     return StepLogprobs(chosen, top_ids.astype(jnp.int32), top_lp)
+

@@ -1,8 +1,9 @@
 """The HTTP face of the engine: an OpenAI-compatible ASGI app (FastAPI on Starlette; SSE streaming).
 
 Routes: ``POST /v1/chat/completions`` (messages through the model's chat template),
-``POST /v1/completions`` (raw prompt text), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
-(Prometheus, vLLM's metric names: `serve.metrics`).
+``POST /v1/completions`` (prompts as text or token ids, several per request; ``echo`` with the prompt
+tokens' log-probabilities from `Engine.prompt_logprobs`), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus, vLLM's metric names: `serve.metrics`).
 
 The engine runs in its own thread (`decoding.engine.Engine.start`); a request is submitted to it from
 the event loop, and its events come back through an asyncio queue fed with
@@ -12,8 +13,8 @@ queue answers 429 with ``Retry-After``; a client that disconnects cancels its re
 freed at the engine's next iteration; an error inside one request ends that request (an SSE error
 event when streaming), never the server or the other requests; at shutdown the server stops taking
 requests (uvicorn closes its sockets; a request already read gets 503) and ends the engine's.
-A request's ``n`` choices are ``n`` engine requests (choice i sampling with seed + i) whose events
-share one queue; their log-probabilities carry each token's own bytes (`serve.text.TokenPieces`).
+A request's ``n`` choices per prompt are engine requests (choice k * n + j: prompt k's, sampling with
+seed + j) whose events share one queue; their log-probabilities carry each token's own bytes (`serve.text.TokenPieces`).
 Besides OpenAI's fields, vLLM's commonest extensions are honoured (`protocol.check_request`), and
 browser pages may call it (CORS, ``allowed_origins``).
 """
@@ -23,6 +24,7 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import itertools
 import json
 import time
 from typing import AsyncIterator, List, Optional, Sequence
@@ -38,12 +40,13 @@ from medusa_jax.decoding.args import PromptTooLongError, check_prompt_room, new_
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import EngineStopped, Finished
 from medusa_jax.decoding.requests import Request as EngineRequest
-from medusa_jax.decoding.requests import SamplingParams
+from medusa_jax.decoding.requests import SamplingParams, TokenLogprob
 from medusa_jax.serve import protocol
+from medusa_jax.serve.choices import Choice, Echo, sse
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
 from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces, bad_words_ids
-from medusa_jax.serve.tools import TOOL_PARSERS, ToolCallParser
+from medusa_jax.serve.tools import TOOL_PARSERS
 
 
 #: The largest request body read by default (bytes): far above any prompt that fits a context (a
@@ -94,72 +97,6 @@ async def read_body(request: Request, limit: int) -> bytes:
     return b"".join(chunks)
 
 
-class _Choice:
-    """One of a request's ``n`` choices while it runs: its engine handle, its text, whether a stop
-    sequence ended it, its end, and the log-probabilities not yet sent (the tokens sent, and where
-    the next one's text starts). With a tool-call parser (`serve.tools`), the text is the message's
-    content up to where a tool call may start (held back until the end: `final` parses it), and
-    `calls` the answer's tool calls."""
-
-    def __init__(self, handle, text: TextStream, offsets: TextOffsets, tools: Optional[ToolCallParser] = None):
-        self.handle, self.text, self.offsets, self.tools = handle, text, offsets, tools
-        self.stopped, self.fin = False, None
-        self.pending: list = []
-        self.sent_tokens = 0
-        self.content_sent = 0  # with tools: characters of the text sent as content
-        self.answer: Optional[str] = None  # with tools: the content, after `final`
-        self.calls: List[dict] = []
-
-    def feed(self, tokens: List[int]) -> str:
-        """The content delta of a step's tokens ("" once a stop sequence ended the choice); the token
-        that completes a stop sequence cancels the engine's request and drops the log-probabilities
-        of the tokens after it (not the answer's)."""
-        if self.stopped:
-            return ""
-        delta, self.stopped = self.text.feed(tokens)
-        if self.stopped:
-            self.handle.cancel("stop")
-            del self.pending[max(self.text.used - self.sent_tokens, 0):]
-        return self._content(delta)
-
-    def _content(self, delta: str) -> str:
-        """The part of the text handed out (`delta`: its newest) that is surely content."""
-        if self.tools is None:
-            return delta
-        out = self.text.text[:self.text.sent]
-        end = max(self.tools.releasable(out), self.content_sent)
-        delta, self.content_sent = out[self.content_sent:end], end
-        return delta
-
-    def add_logprobs(self, entries: list) -> None:
-        if not self.stopped:
-            self.pending.extend(entries)
-
-    def final(self) -> str:
-        """The content held back until the answer ended (a possible stop sequence's start, a possible
-        tool call's); the answer's tool calls are parsed into `calls`."""
-        delta = "" if self.stopped else self.text.feed([], final=True)[0]
-        if self.tools is None:
-            return delta
-        self.answer, self.calls = self.tools.parse(self.text.text)
-        delta = (self.answer or "")[self.content_sent:]
-        self.content_sent += len(delta)
-        return delta
-
-    def content(self) -> Optional[str]:
-        """The whole answer's content, after `final` (None: only tool calls)."""
-        return self.text.text if self.tools is None else self.answer
-
-    def reason(self) -> str:
-        if self.calls:
-            return "tool_calls"
-        return "stop" if self.stopped else protocol.finish_reason(self.fin.reason)
-
-    def used(self) -> int:
-        """The answer's tokens (up to a stop sequence's)."""
-        return len(self.fin.tokens) if self.text.used is None else self.text.used
-
-
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
                max_tokens_default: Optional[int] = None, max_request_bytes: int = MAX_REQUEST_BYTES,
                allowed_origins: Sequence[str] = ("*",), tool_call_parser: Optional[str] = None) -> FastAPI:
@@ -191,6 +128,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     # prompts are tokenized off the event loop, one at a time (a tokenizer is not made to be entered
     # by several threads at once)
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
+    # echoed prompts' log-probabilities, one prompt at a time, beside the engine's steps
+    score_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-score")
     pieces = TokenPieces(tokenizer)  # each token's bytes and text, for logprobs
 
     # each running request's event queue and engine handles (one per choice): at the end of the shutdown grace the
@@ -219,6 +158,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             state["shutting_down"] = True
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
             tokenize_pool.shutdown(wait=False)
+            score_pool.shutdown(wait=False)
 
     app = FastAPI(title="medusa_jax", description="OpenAI-compatible server with Medusa decoding",
                   lifespan=lifespan, docs_url=None, redoc_url=None)  # their pages load scripts from a CDN
@@ -298,55 +238,43 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             if gen.tool_choice != "none":
                 raise RequestError(NO_PLACE_FOR_TOOLS, "tools")
             gen.tools = None  # not to be called, and the template would not show them: nothing is lost
-        if chat:
-            encode = functools.partial(render_chat, tokenizer, gen.messages, gen.add_generation_prompt,
-                                       gen.continue_final_message, gen.template_kwargs, gen.tools)
-        else:
-            given = isinstance(gen.prompt, list)  # token ids
-            encode = lambda: list(gen.prompt) if given else list(tokenizer.encode(gen.prompt))  # noqa: E731
-        texts = [m["content"] for m in gen.messages] if chat else [] if given else [gen.prompt]
-        run = asyncio.get_running_loop().run_in_executor
-        at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context)
-        if at_least is not None:
-            raise RequestError(f"the prompt has more than {at_least} tokens (from its first "
-                               f"{PROBE_CHARS_PER_TOKEN * context} characters alone) but the model's context is "
-                               f"{context}; shorten it", field, code="context_length_exceeded")
-        try:  # in a worker thread: a long prompt's tokenization must not stall the other requests' streams
-            ids = await run(tokenize_pool, encode)
-        except Exception as e:  # noqa: BLE001 - a template that refuses these messages
-            what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
-            raise RequestError(f"{what}: {e}", field) from None
-        try:
-            check_prompt_room(len(ids), context)
-        except PromptTooLongError as e:
-            raise RequestError(str(e), field, code="context_length_exceeded") from None
-        budget = new_token_room(len(ids), context)
-        default = max_tokens_default or (budget if chat else protocol.COMPLETIONS_MAX_TOKENS)
-        max_tokens = gen.max_tokens if gen.max_tokens is not None else min(default, budget)
+        prompts = await tokenized(gen, chat)
+        where = lambda k: f"prompt {k}: " if len(prompts) > 1 else ""  # noqa: E731
         budget_field = ("max_completion_tokens" if chat and body.get("max_completion_tokens") is not None
                         else "max_tokens")
-        if max_tokens > budget:
-            raise RequestError(f"{budget_field} {max_tokens} is too large: the prompt has {len(ids)} tokens and the "
-                               f"context is {context}, so at most {budget} new tokens fit", budget_field,
-                               code="context_length_exceeded")
+        limits = []  # each prompt's max_tokens
+        for k, ids in enumerate(prompts):
+            budget = new_token_room(len(ids), context)
+            default = max_tokens_default or (budget if chat else protocol.COMPLETIONS_MAX_TOKENS)
+            limits.append(gen.max_tokens if gen.max_tokens is not None else min(default, budget))
+            if limits[-1] > budget:
+                raise RequestError(f"{where(k)}{budget_field} {limits[-1]} is too large: the prompt has {len(ids)} "
+                                   f"tokens and the context is {context}, so at most {budget} new tokens fit",
+                                   budget_field, code="context_length_exceeded")
+            if gen.min_tokens > limits[-1]:
+                raise RequestError(f"min_tokens ({gen.min_tokens}) must be at most {budget_field} ({limits[-1]}"
+                                   f"{', its default here' if gen.max_tokens is None else ''})", "min_tokens")
         bad_words = bad_words_ids(tokenizer, gen.bad_words) if gen.bad_words else None
         long_word = next((w for w in bad_words or () if len(w) > protocol.MAX_BAD_WORD_TOKENS), None)
         if long_word is not None:
             raise RequestError(f"bad_words: a word of {len(long_word)} tokens; each may have at most "
                                f"{protocol.MAX_BAD_WORD_TOKENS}", "bad_words")
-        if gen.min_tokens > max_tokens:
-            raise RequestError(f"min_tokens ({gen.min_tokens}) must be at most {budget_field} ({max_tokens}"
-                               f"{', its default here' if gen.max_tokens is None else ''})", "min_tokens")
-        if gen.n > engine.max_batch + max_waiting:
-            raise RequestError(f"n={gen.n} choices need a row or a place in the queue each; this server has "
-                               f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)", "n")
+        total = 0 if gen.max_tokens == 0 else len(prompts) * gen.n  # engine requests (echo alone: none)
+        if total > engine.max_batch + max_waiting:
+            raise RequestError(f"{total} choices need a row or a place in the queue each; this server has "
+                               f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)",
+                               "n" if len(prompts) == 1 else "prompt")
         # each choice takes a row, or a place in the queue once the free rows are taken
-        if max(0, engine.waiting + gen.n - max(0, engine.max_batch - engine.live)) > max_waiting:
+        if total and max(0, engine.waiting + total - max(0, engine.max_batch - engine.live)) > max_waiting:
             return error(429, f"{engine.queued} requests are waiting for a row; try again shortly",
                          "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        echoes = await echoed(gen, prompts) if gen.echo else [None] * len(prompts)
+        rid = protocol.new_id(chat)
+        if gen.max_tokens == 0:
+            return echo_alone(gen, rid, prompts, echoes)
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue" = asyncio.Queue()  # (choice index, kind, payload) of all the choices
-        remaining = [gen.n]
+        remaining = [total]
 
         def on_event(i: int, kind: str, payload) -> None:  # on the engine's thread
             loop.call_soon_threadsafe(events.put_nowait, (i, kind, payload))
@@ -356,17 +284,18 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                     loop.call_soon_threadsafe(live.pop, events, None)
 
         choices = []
-        try:
-            for i in range(gen.n):  # choice i samples with seed + i (greedy choices are all alike)
-                sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + i) % 2 ** 31, gen.top_k, gen.min_p,
+        try:  # choice k * n + j: prompt k's j-th, sampling with seed + j (greedy choices are all alike)
+            for (ids, limit, echo), j in itertools.product(zip(prompts, limits, echoes), range(gen.n)):
+                sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + j) % 2 ** 31, gen.top_k, gen.min_p,
                                           gen.presence_penalty, gen.frequency_penalty, gen.repetition_penalty)
-                handle = engine.submit(EngineRequest(ids, max_tokens, sampling, gen.eos_override(engine.eos),
+                handle = engine.submit(EngineRequest(ids, limit, sampling, gen.eos_override(engine.eos),
                                                      logprobs=gen.logprobs, logit_bias=gen.logit_bias,
                                                      min_tokens=gen.min_tokens, allowed_token_ids=gen.allowed_token_ids,
                                                      bad_words=bad_words),
-                                       on_event=functools.partial(on_event, i))
+                                       on_event=functools.partial(on_event, len(choices)))
                 text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens)
-                choices.append(_Choice(handle, text, TextOffsets(pieces), tools if gen.tool_choice == "auto" else None))
+                choices.append(Choice(handle, text, TextOffsets(pieces), tools if gen.tool_choice == "auto" else None,
+                                       echo))
         except (ValueError, EngineStopped) as e:
             for c in choices:
                 c.handle.cancel()
@@ -374,14 +303,14 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 return error(503, "the server is shutting down", "server_error")
             raise RequestError(str(e), field) from None
         live[events] = [c.handle for c in choices]
-        rid = protocol.new_id(chat)
         t0 = time.perf_counter()
+        prompt_tokens = sum(len(ids) for ids in prompts)
         if gen.stream:
-            return StreamingResponse(stream(request, choices, events, gen, ids, rid, chat, t0),
+            return StreamingResponse(stream(request, choices, events, gen, prompt_tokens, rid, chat, t0),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         try:
-            async for i, kind, payload in _events(request, events, gen.n):
+            async for i, kind, payload in _events(request, events, len(choices)):
                 c = choices[i]
                 if kind == "tokens":
                     _observe(t0, payload, c.handle)
@@ -406,11 +335,85 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         out = []
         for i, c in enumerate(choices):
             c.final()
-            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
-            out.append(protocol.choice(i, chat, c.content(), c.reason(), lp, c.calls))
+            front = c.echo or Echo("", [])
+            lp = None if gen.logprobs is None else protocol.logprobs_obj(front.entries + c.pending, chat, pieces,
+                                                                         c.offsets)
+            content = c.content()
+            out.append(protocol.choice(i, chat, front.text + content if c.echo else content, c.reason(), lp, c.calls))
         metrics.observe_end(time.perf_counter() - t0, [c.fin for c in choices])
-        return protocol.completion(rid, gen.model, chat, out, protocol.usage(len(ids), sum(c.used() for c in choices)),
+        return protocol.completion(rid, gen.model, chat, out,
+                                   protocol.usage(prompt_tokens, sum(c.used() for c in choices)),
                                    [c.fin for c in choices], gen.created)
+
+    async def tokenized(gen: protocol.Generation, chat: bool) -> List[List[int]]:
+        """The token ids of each of the request's prompts (a chat's one, rendered by its template),
+        each checked to fit the context; RequestError naming the prompt otherwise. Tokenized off the
+        event loop, in a worker thread: a long prompt's tokenization must not stall the other
+        requests' streams."""
+        field = "messages" if chat else "prompt"
+        run = asyncio.get_running_loop().run_in_executor
+        if chat:
+            items = [(functools.partial(render_chat, tokenizer, gen.messages, gen.add_generation_prompt,
+                                        gen.continue_final_message, gen.template_kwargs, gen.tools),
+                      [m["content"] for m in gen.messages])]
+        else:  # a string, or token ids
+            items = [((lambda p=p: list(p)), []) if isinstance(p, list) else
+                     ((lambda p=p: list(tokenizer.encode(p))), [p]) for p in gen.prompts]
+        out = []
+        for k, (encode, texts) in enumerate(items):
+            where = f"prompt {k}: " if len(items) > 1 else ""
+            at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context)
+            if at_least is not None:
+                raise RequestError(f"{where}the prompt has more than {at_least} tokens (from its first "
+                                   f"{PROBE_CHARS_PER_TOKEN * context} characters alone) but the model's context is "
+                                   f"{context}; shorten it", field, code="context_length_exceeded")
+            try:
+                ids = await run(tokenize_pool, encode)
+            except Exception as e:  # noqa: BLE001 - a template that refuses these messages
+                what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
+                raise RequestError(f"{where}{what}: {e}", field) from None
+            try:
+                check_prompt_room(len(ids), context)
+            except PromptTooLongError as e:
+                raise RequestError(f"{where}{e}", field, code="context_length_exceeded") from None
+            out.append(ids)
+        return out
+
+    async def echoed(gen: protocol.Generation, prompts: List[List[int]]) -> List[Echo]:
+        """Each prompt as a completion's echo gives it back: the prompt's own text when it came as
+        text (its ids' text otherwise), and with ``logprobs`` its tokens' log-probabilities, computed
+        in a worker thread beside the engine's steps (`Engine.prompt_logprobs`)."""
+        out = []
+        for p, ids in zip(gen.prompts, prompts):
+            text = p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=True)
+            entries = []
+            if gen.logprobs is not None:
+                scored = await asyncio.get_running_loop().run_in_executor(
+                    score_pool, engine.prompt_logprobs, ids, gen.logprobs)
+                entries = [TokenLogprob(ids[0], None)] + scored[1:]
+            out.append(Echo(text, entries))
+        return out
+
+    def echo_alone(gen: protocol.Generation, rid: str, prompts: List[List[int]], echoes: List[Echo]):
+        """A completion with ``echo`` and ``max_tokens: 0`` (vLLM's): each prompt's `n` choices are the
+        prompt itself (finish_reason "length"), no token generated; streamed as one chunk per choice."""
+        out = [protocol.choice(k * gen.n + j, False, e.text, "length", e.logprobs(pieces, TextOffsets(pieces),
+                                                                                  gen.logprobs is not None))
+               for k, e in enumerate(echoes) for j in range(gen.n)]
+        used = protocol.usage(sum(len(ids) for ids in prompts), 0)
+        if not gen.stream:
+            return protocol.completion(rid, gen.model, False, out, used, [], gen.created)
+
+        def chunks():
+            for c in out:
+                yield sse(protocol.chunk(rid, gen.model, False, gen.created, c["text"], "length",
+                                          include_usage=gen.include_usage, logprobs=c["logprobs"], index=c["index"]))
+            if gen.include_usage:
+                yield sse(protocol.chunk(rid, gen.model, False, gen.created, usage_obj=used,
+                                          spec=protocol.speculation([])))
+            yield "data: [DONE]\n\n"
+        return StreamingResponse(chunks(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _observe(t0: float, tokens: List[int], handle) -> None:
         now = time.perf_counter()
@@ -444,12 +447,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             n -= item[1] == "done"
 
     async def stream(request: Request, choices: list, events: "asyncio.Queue", gen: protocol.Generation,
-                     ids: List[int], rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
+                     prompt_tokens: int, rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
         created = gen.created
-        sse = lambda obj: f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"  # noqa: E731
         part = functools.partial(protocol.chunk, rid, gen.model, chat, created, include_usage=gen.include_usage)
 
-        def logprobs(c: "_Choice") -> Optional[dict]:  # the logprobs of the tokens a chunk of choice c carries
+        def logprobs(c: "Choice") -> Optional[dict]:  # the logprobs of the tokens a chunk of choice c carries
             if gen.logprobs is None:
                 return None
             obj = protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
@@ -457,9 +459,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             c.pending.clear()
             return obj
         try:
-            if chat:
-                for i in range(len(choices)):
+            for i, c in enumerate(choices):
+                if chat:
                     yield sse(part(role=True, text="", index=i))
+                elif c.echo:  # the prompt first, in a chunk of its own
+                    yield sse(part(text=c.echo.text, logprobs=c.echo.logprobs(pieces, c.offsets, gen.logprobs is not None),
+                                   index=i))
             async for i, kind, payload in _events(request, events, len(choices)):
                 c = choices[i]
                 if kind == "tokens":
@@ -491,7 +496,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 return
             if gen.include_usage:
                 yield sse(protocol.chunk(rid, gen.model, chat, created,
-                                         usage_obj=protocol.usage(len(ids), sum(c.used() for c in choices)),
+                                         usage_obj=protocol.usage(prompt_tokens, sum(c.used() for c in choices)),
                                          spec=protocol.speculation([c.fin for c in choices])))
             metrics.observe_end(time.perf_counter() - t0, [c.fin for c in choices])
             yield "data: [DONE]\n\n"

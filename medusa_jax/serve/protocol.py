@@ -28,7 +28,7 @@ UNSUPPORTED: Dict[str, Any] = {
     # OpenAI's
     "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
     "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None, "suffix": "",
-    "best_of": 1, "echo": False,
+    "best_of": 1, "echo": False,  # echo: a completion's is honoured (`check_request`)
     # vLLM's sampling and output extensions (its defaults)
     "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
@@ -49,6 +49,8 @@ MAX_LOGIT_BIAS = 300
 #: The most ``bad_words`` a request may give, and the most tokens of one.
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 32
+#: The most prompts one ``/v1/completions`` request may give (each of its ``n`` choices takes a row).
+MAX_PROMPTS = MAX_CHOICES
 #: The budget of a ``/v1/completions`` request without ``max_tokens`` (OpenAI's and vLLM's default;
 #: a chat's is the rest of the context, as theirs).
 COMPLETIONS_MAX_TOKENS = 16
@@ -74,10 +76,11 @@ def error_body(message: str, type: str = "invalid_request_error", param: Optiona
 
 @dataclass
 class Generation:
-    """A checked request: the prompt (messages or text), the budget, sampling and stop settings."""
+    """A checked request: the prompt (messages, or a completion's prompts), the budget, sampling and
+    stop settings."""
     messages: Optional[List[dict]]
-    prompt: Optional[Union[str, List[int]]]     # a completion's: text, or token ids
-    max_tokens: Optional[int]
+    prompts: Optional[List[Union[str, List[int]]]]  # a completion's: each text, or token ids
+    max_tokens: Optional[int]                     # 0: a completion's echo alone
     temperature: float
     top_p: float
     seed: int
@@ -105,6 +108,7 @@ class Generation:
     bad_words: Optional[List[str]] = None         # vLLM's: words the answer may not contain
     tools: Optional[List[dict]] = None            # OpenAI's (chat): the functions the model may call
     tool_choice: str = "none"                     # "auto" (the default with tools): the answer may call them
+    echo: bool = False                            # a completion's: the prompt (and its logprobs) before the answer
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -179,7 +183,10 @@ def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
 def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_size: int = 2 ** 31) -> Generation:
     """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
 
-    OpenAI's fields include ``logprobs`` / ``top_logprobs`` (`_logprobs`), ``n`` (up to `MAX_CHOICES`),
+    OpenAI's fields include ``logprobs`` / ``top_logprobs`` (`_logprobs`), ``n`` (up to `MAX_CHOICES`), a
+    completion's ``echo`` (the prompt before the answer; with ``logprobs``, the prompt tokens' own
+    log-probabilities too, the first token's null; ``max_tokens: 0`` then answers the prompt alone, as
+    vLLM does) and several prompts (`_completion_prompts`: choice ``i * n + j`` is prompt i's j-th),
     ``logit_bias`` (`_logit_bias`), ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]) and a chat's
     ``tools`` with ``tool_choice`` "none" or "auto" (`serve.tools.check_tools`); guided output is
     refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
@@ -209,7 +216,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            status=404, code="model_not_found")
     created = int(time.time())
     for name, default in UNSUPPORTED.items():
-        if chat and name in ("tools", "tool_choice"):  # a chat's: `tools.check_tools`
+        if chat and name in ("tools", "tool_choice") or not chat and name == "echo":  # checked below
             continue
         if not _is_default(body.get(name), default):
             raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
@@ -224,7 +231,8 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
         raise RequestError("response_format: only {'type': 'text'} is supported", "response_format",
                            code="unsupported_parameter")
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    messages = prompt = None
+    messages = prompts = None
+    echo = False if chat else _flag(body, "echo", False)
     if chat:
         if "messages" not in body:
             raise RequestError("messages is required", "messages")
@@ -234,12 +242,18 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
             field = str(e).split(":")[0] if str(e).startswith("messages") else "messages"
             raise RequestError(str(e), field) from None
     else:
-        prompt = _completion_prompt(body.get("prompt"), vocab_size)
+        prompts = _completion_prompts(body.get("prompt"), vocab_size)
+        if len(prompts) * n > MAX_CHOICES:
+            raise RequestError(f"{len(prompts)} prompts with n={n} ask for {len(prompts) * n} choices; at most "
+                               f"{MAX_CHOICES} per request", "prompt")
     if chat and body.get("max_completion_tokens") is not None:  # it wins over max_tokens (as in vLLM,
         _integer(body, "max_tokens", -2 ** 63, 2 ** 63 - 1)     # which then only needs to be an integer)
         max_tokens = _integer(body, "max_completion_tokens", 1, context)
     else:
-        max_tokens = _integer(body, "max_tokens", 1, context)
+        max_tokens = _integer(body, "max_tokens", 0, context)
+        if max_tokens == 0 and not echo:
+            raise RequestError("max_tokens must be at least 1 (0 only with echo: true, which answers the prompt "
+                               "alone)", "max_tokens")
     penalties["min_tokens"] = _integer(body, "min_tokens", 0, context) or 0  # <= max_tokens: checked with its default
     stop = body.get("stop")
     if stop is None:
@@ -312,39 +326,44 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
             if messages[-1]["role"] != "assistant":
                 raise RequestError(f"continue_final_message: the last message must be the assistant's to continue, "
                                    f"got {messages[-1]['role']!r}", "messages")
-    return Generation(messages=messages, prompt=prompt, max_tokens=max_tokens, temperature=temperature,
+    return Generation(messages=messages, prompts=prompts, max_tokens=max_tokens, temperature=temperature,
                       top_p=_number(body, "top_p", 1.0, 0, 1, open_low=True), seed=seed,
                       stop=stop, stream=stream, include_usage=include_usage, model=model or models[0],
                       created=created, stop_token_ids=stop_ids or None,
                       ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
-                      n=n, logit_bias=logit_bias, **penalties, **extras)
+                      n=n, logit_bias=logit_bias, echo=echo, **penalties, **extras)
 
 
-def _completion_prompt(prompt: Any, vocab_size: int) -> Union[str, List[int]]:
-    """A completion's ``prompt``: a string, or token ids (OpenAI's and vLLM's list of ints), or a
-    list of one of those; RequestError for anything else (several prompts in one request too)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]
-    if isinstance(prompt, list) and prompt and all(_whole(t) is not None for t in prompt):
-        ids = [_whole(t) for t in prompt]
-        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"prompt: token id {bad} is outside the model's vocabulary [0, {vocab_size})",
-                               "prompt")
-        return ids
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
-        raise RequestError(f"prompt: this server answers one prompt per request, got a list of {len(prompt)}; "
-                           "send one request per prompt (they are decoded together)", "prompt",
-                           code="unsupported_parameter")
-    if not isinstance(prompt, str):
-        raise RequestError(f"prompt must be a string or a list of token ids, got {type(prompt).__name__}", "prompt")
-    if not prompt:
-        raise RequestError("prompt is empty", "prompt")
-    try:
-        return check_text(prompt, "prompt")
-    except ValueError as e:
-        raise RequestError(str(e), "prompt") from None
+def _completion_prompts(prompt: Any, vocab_size: int) -> List[Union[str, List[int]]]:
+    """A completion's ``prompt`` as its list of prompts (OpenAI's forms): a string, token ids (a list
+    of ints), or a list of strings and token-id lists (at most `MAX_PROMPTS`); RequestError for
+    anything else, naming the prompt at fault when there are several."""
+    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
+    items = prompt if many else [prompt]
+    if len(items) > MAX_PROMPTS:
+        raise RequestError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
+    out = []
+    for k, p in enumerate(items):
+        where = f"prompt {k}" if len(items) > 1 else "prompt"
+        if isinstance(p, list) and p and all(_whole(t) is not None for t in p):
+            ids = [_whole(t) for t in p]
+            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+            if bad is not None:
+                raise RequestError(f"{where}: token id {bad} is outside the model's vocabulary [0, {vocab_size})",
+                                   "prompt")
+            out.append(ids)
+            continue
+        if not isinstance(p, str):
+            what = "an empty list" if p == [] else type(p).__name__
+            raise RequestError(f"{where} must be a string or a list of token ids, got {what}", "prompt")
+        if not p:
+            raise RequestError(f"{where} is empty", "prompt")
+        try:
+            out.append(check_text(p, where))
+        except ValueError as e:
+            raise RequestError(str(e), "prompt") from None
+    return out
 
 
 def _token_ids(body: dict, name: str, vocab_size: int) -> Optional[List[int]]:
@@ -457,15 +476,18 @@ def logprobs_obj(entries: List[Any], chat: bool, pieces, offsets=None) -> dict:
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
     "bytes"}]}], "refusal": null}``; completion (legacy): ``{"tokens", "token_logprobs",
     "top_logprobs": [{token: logprob}] (the alternatives and the chosen token, as vLLM),
-    "text_offset"}``. `pieces`: the tokens' own bytes and text (`serve.text.TokenPieces`);
-    `offsets`: the answer's `serve.text.TextOffsets` so far (completions; advanced here)."""
-    lp = lambda x: max(float(x), LOGPROB_FLOOR)  # noqa: E731
+    "text_offset"}``; an echoed prompt's first token, which nothing precedes, has a null logprob
+    and top_logprobs (its entry's ``logprob`` is None). `pieces`: the tokens' own bytes and text
+    (`serve.text.TokenPieces`); `offsets`: the answer's `serve.text.TextOffsets` so far (completions;
+    advanced here)."""
+    lp = lambda x: None if x is None else max(float(x), LOGPROB_FLOOR)  # noqa: E731
     if chat:
         item = lambda t, x: {"token": pieces.text(t), "logprob": lp(x), "bytes": list(pieces.bytes(t))}  # noqa: E731
         return {"content": [dict(item(e.token, e.logprob), top_logprobs=[item(t, x) for t, x in e.top])
                             for e in entries], "refusal": None}
     return {"tokens": [pieces.text(e.token) for e in entries], "token_logprobs": [lp(e.logprob) for e in entries],
-            "top_logprobs": [dict([(pieces.text(t), lp(x)) for t, x in e.top] + [(pieces.text(e.token), lp(e.logprob))])
+            "top_logprobs": [None if e.logprob is None else
+                             dict([(pieces.text(t), lp(x)) for t, x in e.top] + [(pieces.text(e.token), lp(e.logprob))])
                              for e in entries], "text_offset": [offsets.next(e.token) for e in entries]}
 
 
