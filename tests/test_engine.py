@@ -193,6 +193,27 @@ def test_queued_counts_only_requests_beyond_the_free_rows(tiny):
     assert engine.queued == 0 and all(h.finished is not None for h in handles)
 
 
+def test_kv_cache_usage_and_queue_time(tiny):
+    """vLLM's kv_cache_usage_perc: the live rows' prompt and output tokens over max_batch * max_len
+    slots, 0 when idle; a request that waited for the only row reports that wait as its queue time."""
+    cfg, params, heads, prompts = tiny
+    engine = Engine(cfg, params, max_batch=1, max_len=256)
+    assert engine.kv_cache_usage == 0.0
+    first, second = engine.submit(Request(prompts[0], 12)), engine.submit(Request(prompts[1], 12))
+    seen = []
+    while first.finished is None:
+        row = next((r for r in engine.rows if r is not None), None)
+        if row is not None:
+            assert row.handle is first
+            seen.append((engine.kv_cache_usage, (len(prompts[0]) + len(row.tokens)) / 256))
+        engine.step()
+    engine.run()
+    assert seen and all(abs(got - want) < 1e-9 for got, want in seen) and seen[-1][0] > seen[0][0] - 1e-9
+    assert engine.kv_cache_usage == 0.0
+    assert second.finished.queue_s > first.finished.queue_s >= 0
+    assert second.finished.queue_s >= first.finished.first_token_s  # it waited for the first answer at least
+
+
 def test_background_thread_serves_concurrent_submitters(tiny):
     cfg, params, heads, prompts = tiny
     engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=4).start()

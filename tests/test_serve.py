@@ -311,6 +311,8 @@ def test_completions_stop_sequences_and_models(client, server):
     assert 0 < hist("vllm:request_prompt_tokens", "sum") <= counter("vllm:prompt_tokens")
     assert hist("vllm:request_prompt_tokens", "count") == hist("vllm:request_decode_time_seconds", "count") > 0
     assert hist("vllm:request_prefill_time_seconds", "sum") > 0
+    assert hist("vllm:request_queue_time_seconds", "count") == hist("vllm:request_prefill_time_seconds", "count")
+    assert 0.0 <= float(re.search(r"^vllm:kv_cache_usage_perc{[^}]*} (\S+)$", metrics, flags=re.M).group(1)) <= 1.0
     # without max_tokens a completion gets OpenAI's and vLLM's 16 tokens (a chat: the rest of the context)
     r = client.completions.create(model=MODEL, prompt="Count: 1, 2, 3,", temperature=0)
     assert (r.usage.completion_tokens, r.choices[0].finish_reason) == (16, "length"), r

@@ -186,6 +186,14 @@ class Engine:
         return sum(r is not None for r in self.rows)
 
     @property
+    def kv_cache_usage(self) -> float:
+        """The share of the KV cache the live rows hold, in [0, 1]: their prompt and output tokens over
+        ``max_batch * max_len`` slots (the most the engine's rows may hold; vLLM's
+        ``kv_cache_usage_perc``). Read from the host's bookkeeping, so any thread may ask at any time."""
+        used = sum(len(r.request.prompt) + len(r.tokens) for r in list(self.rows) if r is not None)
+        return min(used / (self.max_batch * self.max_len), 1.0)
+
+    @property
     def waiting(self) -> int:
         """Requests submitted or queued that have no row yet."""
         return self.inbox.qsize() + len(self.pending) + len(self.jobs)

@@ -235,7 +235,8 @@ class PrefillJob:
       progress: a progress bar on stderr (after `PROGRESS_DELAY_S`) for a prefill of several chunks.
     Attributes: ``done`` (the state is ready), ``state`` (the B = 1 `DecodeState` once done),
       ``seconds`` (the chunks' compute time, compilation excluded), ``compile_s`` (compilation and
-      first calls, `compile.warm_up`), ``reused`` (the prompt tokens whose K/V came with `prefix`).
+      first calls, `compile.warm_up`), ``reused`` (the prompt tokens whose K/V came with `prefix`),
+      ``started`` (`time.perf_counter` when the job was made: its request left the queue).
     """
 
     def __init__(self, cfg: ModelConfig, params, prompt: Sequence[int], cache_size: int, seed: int = 0,
@@ -243,6 +244,7 @@ class PrefillJob:
                  chunk_size: int = PREFILL_CHUNK,
                  kv_block: Optional[int] = PREFILL_KV_BLOCK, progress: bool = False):
         self.cfg, self.params, self.kv_block, self.chunk_size = cfg, params, kv_block, chunk_size
+        self.started = time.perf_counter()
         self.prompt = np.asarray(prompt, np.int32)
         if not 0 < len(self.prompt) < cache_size:
             raise PromptTooLongError(f"a prompt of {len(self.prompt)} tokens needs more than {cache_size} cache slots")

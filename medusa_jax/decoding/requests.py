@@ -87,7 +87,8 @@ class TokenLogprob(NamedTuple):
 class Finished:
     """How a request ended. reason: one of `FINISH_REASONS`; tokens: every token emitted; steps:
     decoding steps it took part in; prompt_tokens; reused_tokens: prompt tokens whose K/V came from
-    the prefix cache; prefill_s, first_token_s (from submission to the first token), decode_s
+    the prefix cache; queue_s (from submission to the start of its prefill: the time it waited for the
+    engine), prefill_s, first_token_s (from submission to the first token), decode_s
     (the wall time of the steps it took part in, from the tree's choice to the tokens handed out,
     compilation excluded); draft_tokens: the
     candidates verified for it; accepted_per_depth: [D] int, the steps that accepted at least d+1
@@ -99,6 +100,7 @@ class Finished:
     steps: int = 0
     prompt_tokens: int = 0
     reused_tokens: int = 0
+    queue_s: float = 0.0
     prefill_s: float = 0.0
     first_token_s: float = 0.0
     decode_s: float = 0.0

@@ -23,6 +23,7 @@ class Row:
         self.draft_tokens = 0
         self.depth_hist: List[int] = []
         self.prefill_s = job.seconds
+        self.queue_s = max(job.started - handle.submitted, 0.0)
         self.reused = job.reused
         self.first_token_at: Optional[float] = None
         self.decode_s = 0.0
@@ -33,7 +34,7 @@ class Row:
         """The row's `Finished` for `reason` (one of `requests.FINISH_REASONS`), now."""
         first = self.first_token_at or time.perf_counter()
         return Finished(reason, tokens=self.tokens, steps=self.steps, prompt_tokens=len(self.request.prompt),
-                        reused_tokens=self.reused, prefill_s=self.prefill_s,
+                        reused_tokens=self.reused, queue_s=self.queue_s, prefill_s=self.prefill_s,
                         first_token_s=first - self.handle.submitted, decode_s=self.decode_s,
                         draft_tokens=self.draft_tokens, accepted_per_depth=self.depth_hist, logprobs=self.logprobs,
                         step_tokens=self.step_tokens)

@@ -1,8 +1,9 @@
 """The server's Prometheus metrics (prometheus-client), named as vLLM names them so that existing
-dashboards read them: requests running and waiting, prompt and generated tokens, prefix-cache queries
+dashboards read them: requests running and waiting, the KV cache's usage (``kv_cache_usage_perc``),
+prompt and generated tokens, prefix-cache queries
 and hits (in tokens), finished requests by reason, preemptions (none: a row is never taken from a
 request), time to first token, inter-token latency and end-to-end latency histograms, each request's
-prompt and generated tokens and its prefill and decode time, and the speculation counters
+prompt and generated tokens and its queue, prefill and decode time, and the speculation counters
 ``vllm:spec_decode_num_drafts``, ``..._num_draft_tokens``, ``..._num_accepted_tokens`` and
 ``..._num_accepted_tokens_per_pos`` (vLLM's spec-decode metrics).
 The counters are read from the engine's own statistics at each scrape (`EngineCollector`)."""
@@ -33,6 +34,10 @@ class EngineCollector:
         yield gauge
         gauge = GaugeMetricFamily("vllm:num_requests_waiting", "Requests waiting for a row.", labels=labels)
         gauge.add_metric([self.model], e.waiting)
+        yield gauge
+        gauge = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                                  labels=labels)
+        gauge.add_metric([self.model], e.kv_cache_usage)
         yield gauge
         for name, doc, value in (
                 ("vllm:prompt_tokens", "Prompt tokens of the requests admitted.", st["prompt_tokens"]),
@@ -86,6 +91,7 @@ class Metrics:
         self.ttft = hist("vllm:time_to_first_token_seconds", "Time from the request to its first token.")
         self.itl = hist("vllm:inter_token_latency_seconds", "Time between two output tokens of a request.")
         self.e2e = hist("vllm:e2e_request_latency_seconds", "Time from the request to its last token.")
+        self.queue = hist("vllm:request_queue_time_seconds", "Time a request waited before its prefill began.")
         self.prefill = hist("vllm:request_prefill_time_seconds", "Compute time of a request's prefill.")
         self.decode = hist("vllm:request_decode_time_seconds", "Compute time of the steps a request took part in.")
         tokens = lambda name, doc: Histogram(name, doc, ["model_name"], registry=self.registry,  # noqa: E731
@@ -110,5 +116,6 @@ class Metrics:
         for f in fins:
             self.prompt_tokens.labels(self.model).observe(f.prompt_tokens)
             self.generation_tokens.labels(self.model).observe(len(f.tokens))
+            self.queue.labels(self.model).observe(f.queue_s)
             self.prefill.labels(self.model).observe(f.prefill_s)
             self.decode.labels(self.model).observe(f.decode_s)
