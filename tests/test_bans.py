@@ -136,3 +136,26 @@ def test_bad_bans_are_refused(tiny, kwargs, message):
     cfg, params, _, prompts = tiny
     with pytest.raises(ValueError, match=message):
         Engine(cfg, params, max_batch=1).submit(Request(prompts[0], 4, **kwargs))
+
+
+def test_generate_takes_the_bans_and_medusa_keeps_them(tiny):
+    """The library's `generate` takes allowed_token_ids and bad_words (and logit_bias, min_tokens) as
+    the engine's Request does: Medusa's greedy answer equals plain greedy's under the same bans, the
+    bans change it, and a banned word never appears; a bad id is refused by name."""
+    from medusa_jax.decoding.generate import generate
+
+    cfg, params, heads, prompts = tiny
+    heads, tree = _heads_and_tree(cfg, params, heads, "dynamic")
+    prompt = prompts[0]
+    free = generate(cfg, params, prompt, max_new_tokens=32, progress=False).tokens
+    words = [free[3:5], [free[8]]]
+    allowed = sorted(set(range(V)) - {free[12]})
+    kw = dict(max_new_tokens=32, progress=False, bad_words=words, allowed_token_ids=allowed,
+              logit_bias={free[20]: -100.0}, min_tokens=4)
+    plain = generate(cfg, params, prompt, **kw).tokens
+    assert plain != free and free[12] not in plain and free[8] not in plain
+    assert not any(plain[j:j + 2] == words[0] for j in range(len(plain) - 1))
+    assert generate(cfg, params, prompt, heads=heads, tree=tree, **kw).tokens == plain
+    with pytest.raises(ValueError, match="allowed_token_ids"):
+        generate(cfg, params, prompt, max_new_tokens=4, progress=False, allowed_token_ids=[V + 5])
+

@@ -74,6 +74,9 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                     acceptance: Acceptance = Acceptance(), seed: int = 0,
                     eos_token_ids: Optional[Sequence[int]] = None, cache_size: Optional[int] = None,
                     progress: bool = True, penalties: Optional[Mapping[str, float]] = None,
+                    logit_bias: Optional[Mapping[int, float]] = None, min_tokens: int = 0,
+                    allowed_token_ids: Optional[Sequence[int]] = None,
+                    bad_words: Optional[Sequence[Sequence[int]]] = None,
                     _caller: str = "generate_stream") -> Generator[List[int], None, GenerationResult]:
     """Generate for one prompt, yielding the tokens accepted at each step.
 
@@ -97,13 +100,18 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
       penalties: `SamplingParams` fields by name, any of min_p, presence_penalty, frequency_penalty
         and repetition_penalty (vLLM's meanings: `decoding.processors`); greedy output with them
         stays plain greedy's with them.
+      logit_bias, min_tokens, allowed_token_ids, bad_words: as the engine's `decoding.requests.Request`
+        takes them (OpenAI's ``logit_bias``; vLLM's ``min_tokens``, ``allowed_token_ids`` and
+        ``bad_words`` as token-id sequences); Medusa's verification applies them too, so greedy
+        output stays plain greedy's with them.
     Yields:
       lists of new token ids, one list per step (the EOS included, nothing after it).
     Returns (as the generator's value): a `GenerationResult`.
     Raises: ValueError for a misused argument (`check_generation_args`: an empty prompt, several
       prompts, ids outside the vocabulary, max_new_tokens < 1, a cache_size beyond the model's
       context, heads without a tree or a tree deeper than the heads, an unknown or out-of-range
-      penalty...), PromptTooLongError, HeadsMismatchError.
+      penalty, a logit_bias, min_tokens, allowed or banned id outside the vocabulary or its range
+      (`decoding.args.checked_request`)...), PromptTooLongError, HeadsMismatchError.
     """
     (prompt,), eos = check_generation_args(cfg, prompt, caller=_caller, batch=False,
                                            max_new_tokens=max_new_tokens, cache_size=cache_size,
@@ -118,7 +126,9 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
     unknown = sorted(set(penalties or ()) - set(PENALTY_FIELDS))
     if unknown:
         raise ValueError(f"{_caller}: unknown penalties {', '.join(unknown)} (give any of {', '.join(PENALTY_FIELDS)})")
-    request = engine.check(Request(prompt, max_new_tokens, acceptance.sampling(seed)._replace(**(penalties or {}))))
+    request = engine.check(Request(prompt, max_new_tokens, acceptance.sampling(seed)._replace(**(penalties or {})),
+                                   logit_bias=logit_bias, min_tokens=min_tokens,
+                                   allowed_token_ids=allowed_token_ids, bad_words=bad_words))
     return _stream(engine, request)
 
 
