@@ -402,6 +402,31 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_asks(client, server, 
         assert e.status_code == 400 and message in e.json()["error"]["message"] and e.json()["error"]["param"] == field
 
 
+def test_tokenize_and_detokenize_as_vllm(client, server, smollm2):
+    """vLLM's /tokenize counts a prompt (the tokenizer's ids) or a chat (the ids a chat request is
+    prefilled with: its usage's prompt_tokens), past the context too; /detokenize gives the text
+    back; bad bodies get a 400 naming the field."""
+    tok, url = smollm2.tokenizer, server[0]
+    text = "The capital of France is"
+    r = httpx.post(url + "/tokenize", json={"model": MODEL, "prompt": text, "return_token_strs": True}).json()
+    assert r["tokens"] == list(tok.encode(text)) and r["count"] == len(r["tokens"]) and r["max_model_len"] > 0
+    assert "".join(r["token_strs"]) == text
+    msgs = [{"role": "user", "content": QUESTIONS[0]}]
+    chat = httpx.post(url + "/tokenize", json={"messages": msgs}).json()
+    used = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=1, temperature=0).usage
+    assert chat["count"] == used.prompt_tokens and "token_strs" not in chat
+    long = httpx.post(url + "/tokenize", json={"prompt": "hello " * (r["max_model_len"] + 10)}).json()
+    assert long["count"] > long["max_model_len"]
+    back = httpx.post(url + "/detokenize", json={"model": MODEL, "tokens": chat["tokens"]}).json()
+    assert back["prompt"] == tok.decode(chat["tokens"], skip_special_tokens=False) and "<|im_start|>" in back["prompt"]
+    for path, body, param in (("/tokenize", {"prompt": ["a", "b"]}, "prompt"), ("/tokenize", {"prompt": 5}, "prompt"),
+                              ("/tokenize", {"messages": [{"role": "x"}]}, "messages[0].role"),
+                              ("/detokenize", {"tokens": [-1]}, "tokens"), ("/detokenize", {}, "tokens"),
+                              ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs")):
+        e = httpx.post(url + path, json=body)
+        assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
+
+
 def readme_serving_blocks():
     with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
         text = f.read()

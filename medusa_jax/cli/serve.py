@@ -5,7 +5,7 @@
         -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi!"}]}'
 
 Endpoints: /v1/chat/completions, /v1/completions (streaming with ``"stream": true``), /v1/models,
-/health, /metrics (Prometheus). One engine decodes every request (`medusa_jax.decoding.engine`):
+/tokenize, /detokenize, /health, /metrics (Prometheus). One engine decodes every request (`medusa_jax.decoding.engine`):
 requests share its rows (``--max-batch``), stream their tokens as steps accept them, reuse the
 KV cache of a conversation's earlier turns, and speculate as the load allows (``--speculation``).
 SIGTERM or Ctrl-C: the server stops taking requests, lets running ones finish for

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions`` (messages through the model's chat template),
 ``POST /v1/completions`` (prompts as text or token ids, several per request; ``echo`` with the prompt
 tokens' log-probabilities from `Engine.prompt_logprobs`), ``GET /v1/models``, ``GET /health``,
-``GET /metrics`` (Prometheus, vLLM's metric names: `serve.metrics`).
+``GET /metrics`` (Prometheus, vLLM's metric names: `serve.metrics`), and vLLM's ``POST /tokenize``
+and ``/detokenize``.
 
 The engine runs in its own thread (`decoding.engine.Engine.start`); a request is submitted to it from
 the event loop, and its events come back through an asyncio queue fed with
@@ -180,7 +181,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         message = str(e.detail)
         if e.status_code == 404:  # as OpenAI words it, with the routes there are
             message = (f"Invalid URL ({request.method} {request.url.path}): this server serves "
-                       "/v1/chat/completions, /v1/completions, /v1/models, /health and /metrics")
+                       "/v1/chat/completions, /v1/completions, /v1/models, /tokenize, /detokenize, /health and "
+                       "/metrics")
         return error(e.status_code, message, headers=getattr(e, "headers", None))  # 405: Allow
 
     @app.exception_handler(Exception)
@@ -219,16 +221,45 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     async def completions(request: Request):
         return await generate(request, chat=False)
 
-    async def generate(request: Request, chat: bool):
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """vLLM's ``/tokenize``: the token ids the server would feed the model for a completion's
+        ``prompt`` (one) or a chat's ``messages`` (with the same template fields as a chat request),
+        their ``count`` and the context (``max_model_len``); ``return_token_strs``: each token's text.
+        A prompt longer than the context is counted, not refused."""
+        body = await json_body(request)
+        chat = isinstance(body, dict) and "messages" in body
+        gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
+        if not chat and len(gen.prompts) != 1:
+            raise RequestError(f"prompt: /tokenize takes one prompt, got {len(gen.prompts)}", "prompt")
+        ids = (await tokenized(gen, chat, fit=False))[0]
+        out = {"count": len(ids), "max_model_len": context, "tokens": ids}
+        if protocol.flag(body, "return_token_strs", False):
+            out["token_strs"] = [pieces.text(t) for t in ids]
+        return out
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """vLLM's ``/detokenize``: the text of ``tokens`` (ids in the vocabulary), special tokens kept."""
+        body = await json_body(request)
+        ids = protocol.check_detokenize(body, [model_name], engine.cfg.vocab_size)
+        return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+    async def json_body(request: Request):
+        """The request's body parsed as JSON (a 503 while shutting down; RequestError for a body that
+        is too large or not JSON)."""
         if state["shutting_down"]:
-            return error(503, "the server is shutting down", "server_error")
+            raise RequestError("the server is shutting down", status=503, type="server_error")
         raw = await read_body(request, max_request_bytes)
         try:
-            body = json.loads(raw)
+            return json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as e:
             raise RequestError(f"the request body is not valid JSON ({e})") from None
         except RecursionError:
             raise RequestError("the request body nests too deeply to parse") from None
+
+    async def generate(request: Request, chat: bool):
+        body = await json_body(request)
         gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
         field = "messages" if chat else "prompt"
         if gen.tool_choice == "auto" and tools is None:
@@ -345,9 +376,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                    protocol.usage(prompt_tokens, sum(c.used() for c in choices)),
                                    [c.fin for c in choices], gen.created)
 
-    async def tokenized(gen: protocol.Generation, chat: bool) -> List[List[int]]:
+    async def tokenized(gen: protocol.Generation, chat: bool, fit: bool = True) -> List[List[int]]:
         """The token ids of each of the request's prompts (a chat's one, rendered by its template),
-        each checked to fit the context; RequestError naming the prompt otherwise. Tokenized off the
+        each checked to fit the context (unless not `fit`); RequestError naming the prompt otherwise. Tokenized off the
         event loop, in a worker thread: a long prompt's tokenization must not stall the other
         requests' streams."""
         field = "messages" if chat else "prompt"
@@ -362,7 +393,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         out = []
         for k, (encode, texts) in enumerate(items):
             where = f"prompt {k}: " if len(items) > 1 else ""
-            at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context)
+            at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context) if fit else None
             if at_least is not None:
                 raise RequestError(f"{where}the prompt has more than {at_least} tokens (from its first "
                                    f"{PROBE_CHARS_PER_TOKEN * context} characters alone) but the model's context is "
@@ -373,7 +404,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
                 raise RequestError(f"{where}{what}: {e}", field) from None
             try:
-                check_prompt_room(len(ids), context)
+                if fit:
+                    check_prompt_room(len(ids), context)
             except PromptTooLongError as e:
                 raise RequestError(f"{where}{e}", field, code="context_length_exceeded") from None
             out.append(ids)

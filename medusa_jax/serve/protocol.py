@@ -147,7 +147,8 @@ def _is_default(v: Any, default: Any) -> bool:
     return default is not None and v == default
 
 
-def _flag(body: dict, name: str, default: bool) -> bool:
+def flag(body: dict, name: str, default: bool) -> bool:
+    """Field `name` as a boolean (`default` when absent or null); RequestError naming it otherwise."""
     v = body.get(name)
     if v is None:
         return default
@@ -232,7 +233,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                            code="unsupported_parameter")
     n = _integer(body, "n", 1, MAX_CHOICES) or 1
     messages = prompts = None
-    echo = False if chat else _flag(body, "echo", False)
+    echo = False if chat else flag(body, "echo", False)
     if chat:
         if "messages" not in body:
             raise RequestError("messages is required", "messages")
@@ -317,8 +318,8 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                                "variable of it; give template variables only (e.g. enable_thinking)",
                                "chat_template_kwargs")
         extras["template_kwargs"] = kwargs or None
-        extras["add_generation_prompt"] = _flag(body, "add_generation_prompt", True)
-        extras["continue_final_message"] = _flag(body, "continue_final_message", False)
+        extras["add_generation_prompt"] = flag(body, "add_generation_prompt", True)
+        extras["continue_final_message"] = flag(body, "continue_final_message", False)
         if extras["continue_final_message"]:
             if extras["add_generation_prompt"]:
                 raise RequestError("continue_final_message needs add_generation_prompt false (the answer goes on "
@@ -330,8 +331,8 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       top_p=_number(body, "top_p", 1.0, 0, 1, open_low=True), seed=seed,
                       stop=stop, stream=stream, include_usage=include_usage, model=model or models[0],
                       created=created, stop_token_ids=stop_ids or None,
-                      ignore_eos=_flag(body, "ignore_eos", False), top_k=top_k,
-                      include_stop=_flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
+                      ignore_eos=flag(body, "ignore_eos", False), top_k=top_k,
+                      include_stop=flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
                       n=n, logit_bias=logit_bias, echo=echo, **penalties, **extras)
 
 
@@ -364,6 +365,21 @@ def _completion_prompts(prompt: Any, vocab_size: int) -> List[Union[str, List[in
         except ValueError as e:
             raise RequestError(str(e), "prompt") from None
     return out
+
+
+def check_detokenize(body: Any, models: List[str], vocab_size: int) -> List[int]:
+    """The body of vLLM's ``/detokenize``: ``{"model"?, "tokens": [ids]}``; the ids (each in [0,
+    `vocab_size`), possibly none). RequestError for a body that is not an object, an unknown model
+    (404), or tokens that are not such a list."""
+    if not isinstance(body, dict):
+        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+    model = body.get("model")
+    if model is not None and model not in models:
+        raise RequestError(f"the model {model!r} does not exist; this server serves {', '.join(models)}", "model",
+                           status=404, code="model_not_found")
+    if body.get("tokens") is None:
+        raise RequestError("tokens is required: the token ids to turn into text", "tokens")
+    return _token_ids(body, "tokens", vocab_size)
 
 
 def _token_ids(body: dict, name: str, vocab_size: int) -> Optional[List[int]]:
