@@ -240,6 +240,15 @@ def test_tool_calls_come_back_parsed_streamed_or_not(tool_server):
     assert [calls[k][:2] for k in sorted(calls)] == [(n, a) for n, a, _ in got]
     assert all(calls[k][2].startswith("call_") for k in calls)
 
+    # parallel_tool_calls false: the answer's first call only, streamed or not (OpenAI: at most one)
+    one = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                         parallel_tool_calls=False).choices[0]
+    assert [c.function.name for c in one.message.tool_calls] == ["get_weather"] and one.finish_reason == "tool_calls"
+    streamed = [c for chunk in client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER, TIME],
+                                                              stream=True, parallel_tool_calls=False)
+                for c in chunk.choices[0].delta.tool_calls or ()]
+    assert [c.function.name for c in streamed] == ["get_weather"]
+
     # the second turn: the call and its result rendered into the prompt
     call = choice.message.tool_calls[0]
     engine.answer = "It is 18 C and clear in Paris."

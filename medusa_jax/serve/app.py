@@ -326,7 +326,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                        on_event=functools.partial(on_event, len(choices)))
                 text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens)
                 choices.append(Choice(handle, text, TextOffsets(pieces), tools if gen.tool_choice == "auto" else None,
-                                       echo))
+                                      echo, None if gen.parallel_tool_calls else 1))
         except (ValueError, EngineStopped) as e:
             for c in choices:
                 c.handle.cancel()

@@ -33,8 +33,9 @@ class Choice:
     `calls` the answer's tool calls."""
 
     def __init__(self, handle, text: TextStream, offsets: TextOffsets, tools: Optional[ToolCallParser] = None,
-                 echo: Optional["Echo"] = None):
+                 echo: Optional["Echo"] = None, max_calls: Optional[int] = None):
         self.handle, self.text, self.offsets, self.tools = handle, text, offsets, tools
+        self.max_calls = max_calls  # OpenAI's parallel_tool_calls false: 1 (the answer's first call only)
         self.echo = echo  # a completion's echo: the prompt's text and log-probabilities, before the answer
         self.stopped, self.fin = False, None
         self.pending: list = []
@@ -75,6 +76,7 @@ class Choice:
         if self.tools is None:
             return delta
         self.answer, self.calls = self.tools.parse(self.text.text)
+        self.calls = self.calls[:self.max_calls]
         delta = (self.answer or "")[self.content_sent:]
         self.content_sent += len(delta)
         return delta

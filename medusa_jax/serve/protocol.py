@@ -108,6 +108,7 @@ class Generation:
     bad_words: Optional[List[str]] = None         # vLLM's: words the answer may not contain
     tools: Optional[List[dict]] = None            # OpenAI's (chat): the functions the model may call
     tool_choice: str = "none"                     # "auto" (the default with tools): the answer may call them
+    parallel_tool_calls: bool = True              # OpenAI's (chat): False keeps an answer's first call only
     echo: bool = False                            # a completion's: the prompt (and its logprobs) before the answer
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
@@ -189,7 +190,8 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     log-probabilities too, the first token's null; ``max_tokens: 0`` then answers the prompt alone, as
     vLLM does) and several prompts (`_completion_prompts`: choice ``i * n + j`` is prompt i's j-th),
     ``logit_bias`` (`_logit_bias`), ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]) and a chat's
-    ``tools`` with ``tool_choice`` "none" or "auto" (`serve.tools.check_tools`); guided output is
+    ``tools`` with ``tool_choice`` "none" or "auto" (`serve.tools.check_tools`) and
+    ``parallel_tool_calls`` (false: an answer's first call only); guided output is
     refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
     ``include_stop_str_in_output``, ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut
     before ``top_p``), ``repetition_penalty`` ([0.01, 2], 1: off), ``min_p`` ([0, 1]), ``min_tokens`` (at
@@ -306,6 +308,7 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
     if chat:
         try:
             extras["tools"], extras["tool_choice"] = check_tools(body.get("tools"), body.get("tool_choice"))
+            extras["parallel_tool_calls"] = flag(body, "parallel_tool_calls", True)
         except ToolError as e:
             raise RequestError(str(e), e.field, code=e.code) from None
         kwargs = body.get("chat_template_kwargs")
