@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
-from medusa_jax.decoding.prefill import PREFILL_KV_BLOCK, prefill_plan
+from medusa_jax.decoding.prefill import PREFILL_KV_BLOCK, bucket, prefill_plan
 from medusa_jax.decoding.requests import TokenLogprob
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, init_cache
@@ -68,7 +68,7 @@ def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 
         raise ValueError(f"prompt_logprobs: the prompt has {len(ids)} tokens; the model's context is "
                          f"{cfg.max_position_embeddings}")
     T, chunks = prefill_plan(len(ids), chunk_size)
-    size = T * chunks
+    size = bucket(T * chunks, T)  # a power of two: few compiled shapes whatever the prompts' lengths
     toks = np.zeros((1, size), np.int32)
     toks[0, :len(ids)] = ids
     targets = np.zeros((1, size), np.int32)
