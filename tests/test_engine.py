@@ -81,6 +81,26 @@ def test_sampled_rows_equal_the_same_request_alone(tiny):
         assert g == alone(cfg, params, r.prompt, 20, acc=acc, seed=s.seed)  # plain sampling, same seed
 
 
+def test_n_choices_of_one_prompt_prefill_it_once(tiny):
+    """Requests with the same prompt waiting together (a server's n choices) share one prefill: each
+    still answers as its request alone (its own seed and settings), the prompt is prefilled once,
+    and the others count it as reused; a different prompt beside them is prefilled on its own."""
+    cfg, params, heads, prompts = tiny
+    prompt, other = prompts[3] * 6, prompts[4]  # several chunks at a chunk size of 16
+    settings = [SamplingParams(0.9, 1.0, 11), SamplingParams(0.9, 1.0, 12), SamplingParams(0.0),
+                SamplingParams(1.2, 0.9, 13, 5)]
+    reqs = [Request(prompt, 16, s) for s in settings] + [Request(other, 16, SamplingParams(0.9, 1.0, 14))]
+    engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=8, prefill_chunk=16, speculation="always")
+    handles = [engine.submit(r) for r in reqs]
+    engine.run()
+    assert engine.stats["prefill_tokens"] == len(prompt) + len(other)
+    assert [h.finished.reused_tokens for h in handles] == [0, len(prompt), len(prompt), len(prompt), 0]
+    for r, h in zip(reqs, handles):
+        s = r.sampling
+        acc = Acceptance(temperature=s.temperature, top_p=s.top_p, top_k=s.top_k)
+        assert h.finished.tokens == alone(cfg, params, r.prompt, 16, heads, TREE, acc, s.seed)
+
+
 def test_prefix_reuse_gives_the_same_answers(tiny):
     """Turn 2 begins with turn 1's prompt and answer: with reuse its K/V come from turn 1's cache
     (most of the prompt is not prefilled again) and the answer is the same as without."""

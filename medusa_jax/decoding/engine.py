@@ -319,6 +319,10 @@ class Engine:
             if done:
                 self.jobs.remove((h, job))
                 self._admit(h, job)
+                for h2, other in [j for j in self.jobs if j[1].can_follow(job)]:  # n choices of one prompt
+                    other.follow(job)
+                    self.jobs.remove((h2, other))
+                    self._admit(h2, other)
             if not whole or self.live or self._stop.is_set():
                 return
             # between two chunks: arrivals join (the shortest goes first), cancelled requests leave

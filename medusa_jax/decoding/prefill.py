@@ -277,6 +277,25 @@ class PrefillJob:
     def done(self) -> bool:
         return self.state is not None
 
+    def can_follow(self, other: "PrefillJob") -> bool:
+        """Whether `other`'s finished prefill can be this job's (`follow`): the same prompt, the same
+        cache size, and this job not done."""
+        return (other.done and not self.done and other.cache.size == self.cache.size
+                and np.array_equal(other.prompt, self.prompt))
+
+    def follow(self, other: "PrefillJob") -> None:
+        """Take `other`'s finished prefill of the same prompt (`can_follow`) as this job's: its cache,
+        logits and hidden state, with this job's own key and sampling settings, which is what this
+        job's own chunks would compute (up to round-off, where the two were chunked differently).
+        So the ``n`` choices of one prompt prefill it once. The prompt counts as reused."""
+        rows = lambda x: sharding.put(x, self.mesh, sharding.batch_spec(1)) if self.mesh is not None else x
+        self.state = other.state.replace(key=self.key, temperature=rows(jnp.full((1,), self.temperature, jnp.float32)),
+                                         top_p=rows(jnp.full((1,), self.top_p, jnp.float32)),
+                                         top_k=rows(jnp.full((1,), self.top_k, jnp.int32)))
+        self.pos = self.reused = len(self.prompt)
+        if self.bar is not None:
+            self.bar.close()
+
     @property
     def remaining(self) -> int:
         """Prompt tokens still to prefill."""
