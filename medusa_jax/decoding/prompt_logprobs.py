@@ -18,7 +18,7 @@ from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, init_cache
 from medusa_jax.models.llama import LlamaModel, compute_dtype
 
-#: Prompt tokens scored per compiled call of `prompt_logprobs` (as prefill's chunks: `PREFILL_CHUNK`). of `prompt_logprobs` (as prefill's chunks: `PREFILL_CHUNK`).
+#: Prompt tokens scored per compiled call of `prompt_logprobs` (as prefill's chunks: `PREFILL_CHUNK`).
 SCORE_CHUNK = 256
 
 

@@ -15,7 +15,8 @@ freed at the engine's next iteration; an error inside one request ends that requ
 event when streaming), never the server or the other requests; at shutdown the server stops taking
 requests (uvicorn closes its sockets; a request already read gets 503) and ends the engine's.
 A request's ``n`` choices per prompt are engine requests (choice k * n + j: prompt k's, sampling with
-seed + j) whose events share one queue; their log-probabilities carry each token's own bytes (`serve.text.TokenPieces`).
+seed + j) whose events share one queue; their log-probabilities carry each token's own bytes
+(`serve.text.TokenPieces`).
 Besides OpenAI's fields, vLLM's commonest extensions are honoured (`protocol.check_request`), and
 browser pages may call it (CORS, ``allowed_origins``).
 """
@@ -378,9 +379,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
 
     async def tokenized(gen: protocol.Generation, chat: bool, fit: bool = True) -> List[List[int]]:
         """The token ids of each of the request's prompts (a chat's one, rendered by its template),
-        each checked to fit the context (unless not `fit`); RequestError naming the prompt otherwise. Tokenized off the
-        event loop, in a worker thread: a long prompt's tokenization must not stall the other
-        requests' streams."""
+        each checked to fit the context unless not `fit`; RequestError naming the prompt otherwise.
+        Tokenized off the event loop, in a worker thread: a long prompt's tokenization must not stall
+        the other requests' streams."""
         field = "messages" if chat else "prompt"
         run = asyncio.get_running_loop().run_in_executor
         if chat:
@@ -401,7 +402,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             try:
                 ids = await run(tokenize_pool, encode)
             except Exception as e:  # noqa: BLE001 - a template that refuses these messages
-                what = "the chat template could not render these messages" if chat else "the prompt could not be tokenized"
+                what = ("the chat template could not render these messages" if chat
+                        else "the prompt could not be tokenized")
                 raise RequestError(f"{where}{what}: {e}", field) from None
             try:
                 if fit:
@@ -495,8 +497,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 if chat:
                     yield sse(part(role=True, text="", index=i))
                 elif c.echo:  # the prompt first, in a chunk of its own
-                    yield sse(part(text=c.echo.text, logprobs=c.echo.logprobs(pieces, c.offsets, gen.logprobs is not None),
-                                   index=i))
+                    lp = c.echo.logprobs(pieces, c.offsets, gen.logprobs is not None)
+                    yield sse(part(text=c.echo.text, logprobs=lp, index=i))
             async for i, kind, payload in _events(request, events, len(choices)):
                 c = choices[i]
                 if kind == "tokens":
