@@ -284,6 +284,12 @@ def test_completions_stop_sequences_and_models(client, server):
     r = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0,
                                   stop=["."])
     assert r.choices[0].finish_reason == "stop" and "." not in r.choices[0].text
+    # more than OpenAI's 4 stop sequences, as vLLM takes them (lm-evaluation-harness's "until" lists)
+    many = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=16, temperature=0,
+                                     stop=["\n\n", "Question:", "</s>", "<|im_end|>", "zzz", "."])
+    assert many.choices[0].text == r.choices[0].text and many.choices[0].finish_reason == "stop"
+    too_many = httpx.post(server[0] + "/v1/completions", json={"model": MODEL, "prompt": "x", "stop": ["a"] * 65})
+    assert too_many.status_code == 400 and too_many.json()["error"]["param"] == "stop"
     assert [m.id for m in client.models.list().data] == [MODEL]
     assert client.models.retrieve(MODEL).id == MODEL
     missing = httpx.get(server[0] + "/v1/models/nope")

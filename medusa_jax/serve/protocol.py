@@ -40,8 +40,9 @@ UNSUPPORTED: Dict[str, Any] = {
 TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
                                 "continue_final_message", "tokenize", "padding", "truncation", "max_length",
                                 "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs"})
-#: The most stop sequences a request may give (OpenAI's limit).
-MAX_STOP = 4
+#: The most stop sequences a request may give: OpenAI's limit is 4, vLLM has none, and
+#: lm-evaluation-harness's tasks send more than 4 (their ``until`` lists).
+MAX_STOP = 64
 #: The most choices (``n``) a request may ask for (OpenAI's limit); each takes an engine row.
 MAX_CHOICES = 128
 #: The most tokens a request's ``logit_bias`` may set (OpenAI's limit).
