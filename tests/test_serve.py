@@ -400,6 +400,23 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_asks(client, server, 
     answer = client.completions.create(model=MODEL, prompt=context, max_tokens=6, temperature=0).choices[0].text
     assert streamed[0].choices[0].text == context and text == context + answer
     assert streamed[-1].usage.prompt_tokens == n_ctx
+    # special tokens written in a text prompt stay in its echo, and text_offset indexes the echoed text;
+    # the same prompt as token ids echoes the same text with the same offsets
+    special = "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    by_text = client.completions.create(model=MODEL, prompt=special, max_tokens=2, temperature=0, logprobs=1,
+                                        echo=True).choices[0]
+    by_ids = client.completions.create(model=MODEL, prompt=list(tok.encode(special)), max_tokens=2, temperature=0,
+                                       logprobs=1, echo=True).choices[0]
+    assert by_text.text.startswith(special) and by_ids.text == by_text.text
+    assert by_ids.logprobs.text_offset == by_text.logprobs.text_offset
+    assert all(by_text.text[o:].startswith(t) for o, t in zip(by_text.logprobs.text_offset, by_text.logprobs.tokens))
+    assert by_text.logprobs.text_offset[1] == len("<|im_start|>")
+    # echo alone needs no room for an answer: a prompt as long as the context is echoed
+    full = [ids[0]] * server_context(server)
+    whole = httpx.post(server[0] + "/v1/completions", json={"prompt": full, "max_tokens": 0, "echo": True}).json()
+    assert whole["usage"]["prompt_tokens"] == len(full) and whole["choices"][0]["finish_reason"] == "length"
+    over = httpx.post(server[0] + "/v1/completions", json={"prompt": full + full[:1], "max_tokens": 0, "echo": True})
+    assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
     for body, field, message in (({"prompt": "x", "max_tokens": 0}, "max_tokens", "0 only with echo"),
                                  ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo",
                                   "not supported")):
@@ -431,6 +448,10 @@ def test_tokenize_and_detokenize_as_vllm(client, server, smollm2):
                               ("/tokenize", {"prompt": "a", "return_token_strs": "yes"}, "return_token_strs")):
         e = httpx.post(url + path, json=body)
         assert e.status_code == 400 and e.json()["error"]["param"] == param, (path, body, e.text)
+
+
+def server_context(server) -> int:
+    return httpx.get(server[0] + "/v1/models").json()["data"][0]["max_model_len"]
 
 
 def readme_serving_blocks():

@@ -173,13 +173,16 @@ class Engine:
         self._wake.set()
         return handle
 
-    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0) -> List[Optional[TokenLogprob]]:
+    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0,
+                        stop: Optional[Callable[[], bool]] = None) -> List[Optional[TokenLogprob]]:
         """Each prompt token's log-probability given the tokens before it, under the engine's backbone
         (`decoding.prompt_logprobs.prompt_logprobs`: P entries, the first None; `top` in [0, 20]
         alternatives each). Runs in the caller's thread, beside the engine's own steps, and changes
         nothing of the engine's state. Raises ValueError for an empty prompt, an id outside the
-        vocabulary, or a prompt longer than the model's context."""
-        return prompt_logprobs(self.cfg, self.params, prompt, top)
+        vocabulary, or a prompt longer than the model's context; EngineStopped between two chunks
+        once the engine is stopped or `stop` returns True."""
+        return prompt_logprobs(self.cfg, self.params, prompt, top,
+                               stop=lambda: self._stop.is_set() or (stop is not None and stop()))
 
     @property
     def live(self) -> int:

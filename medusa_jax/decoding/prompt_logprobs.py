@@ -5,7 +5,7 @@ cache in chunks, as prefill runs it, keeping every position's logits."""
 from __future__ import annotations
 
 import functools
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +13,7 @@ import numpy as np
 
 from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
 from medusa_jax.decoding.prefill import PREFILL_KV_BLOCK, bucket, prefill_plan
-from medusa_jax.decoding.requests import TokenLogprob
+from medusa_jax.decoding.requests import EngineStopped, TokenLogprob
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, init_cache
 from medusa_jax.models.llama import LlamaModel, compute_dtype
@@ -40,7 +40,8 @@ def _score_chunk(cfg: ModelConfig, kv_block: Optional[int], top: int, params, to
 
 
 def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 0,
-                    chunk_size: int = SCORE_CHUNK) -> List[Optional[TokenLogprob]]:
+                    chunk_size: int = SCORE_CHUNK,
+                    stop: Optional[Callable[[], bool]] = None) -> List[Optional[TokenLogprob]]:
     """The log-probability of each prompt token under the model given the tokens before it: one
     causal forward over the prompt in chunks of `chunk_size` tokens through a KV cache, as prefill
     runs it, with the logits of every position (the module's docstring says who asks for them).
@@ -50,6 +51,7 @@ def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 
       prompt: P >= 1 token ids, each in [0, V).
       top: N in [0, `MAX_TOP_LOGPROBS`], the most likely tokens kept per position (0: none).
       chunk_size: tokens per compiled call; any value gives the same figures up to float32 round-off.
+      stop: asked before each chunk; True ends the scoring with EngineStopped (a server shutting down).
     Returns:
       P entries: None for the first token (nothing precedes it), then `decoding.requests.TokenLogprob`
       (token, its natural-log probability, the N most likely tokens at its position as (id,
@@ -57,6 +59,7 @@ def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 
     Raises:
       ValueError: an empty prompt, an id outside the vocabulary, `top` outside [0, 20], a prompt
         longer than the model's context.
+      EngineStopped: `stop` said so.
     """
     ids = [int(t) for t in prompt]
     if not ids or not all(0 <= t < cfg.vocab_size for t in ids):
@@ -78,6 +81,8 @@ def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 
     cache = init_cache(cfg, 1, size, compute_dtype(params))
     parts = []
     for c in range(chunks):
+        if stop is not None and stop():
+            raise EngineStopped(f"prompt_logprobs: stopped after {c} of {chunks} chunks")
         cols = slice(c * T, (c + 1) * T)
         cache, *out = _score_chunk(cfg, kv_block, k, params, jnp.asarray(toks[:, cols]),
                                    jnp.asarray(targets[:, cols]), cache)

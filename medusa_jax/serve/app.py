@@ -126,7 +126,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     takes_tools = template_takes_tools(tokenizer)  # the template is the server's, fixed
     context = engine.max_len
     metrics = Metrics(engine, model_name)
-    state = {"shutting_down": False, "started": time.time()}
+    state = {"shutting_down": False, "started": time.time(), "cancel": False, "scoring": 0}
     # prompts are tokenized off the event loop, one at a time (a tokenizer is not made to be entered
     # by several threads at once)
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
@@ -145,6 +145,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         the shutdown grace runs out. Call it on the event loop's thread."""
         state["shutting_down"] = True
         if cancel:
+            state["cancel"] = True  # prompts being scored for an echo stop at their next chunk
             for events, handles in list(live.items()):
                 for i, handle in enumerate(handles):
                     if handle.finished is None and not handle.cancelled.is_set():  # a stopped one ends by itself
@@ -194,7 +195,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     async def health():
         if state["shutting_down"]:
             return error(503, "the server is shutting down", "server_error")
-        return {"status": "ok", "running": engine.live, "waiting": engine.waiting}
+        return {"status": "ok", "running": engine.live, "waiting": engine.waiting, "scoring": state["scoring"]}
 
     model_card = {"id": model_name, "object": "model", "created": int(state["started"]), "owned_by": "medusa_jax",
                   "max_model_len": context}
@@ -270,7 +271,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             if gen.tool_choice != "none":
                 raise RequestError(NO_PLACE_FOR_TOOLS, "tools")
             gen.tools = None  # not to be called, and the template would not show them: nothing is lost
-        prompts = await tokenized(gen, chat)
+        prompts = await tokenized(gen, chat, room=0 if gen.max_tokens == 0 else 1)  # echo alone: the whole context
         where = lambda k: f"prompt {k}: " if len(prompts) > 1 else ""  # noqa: E731
         budget_field = ("max_completion_tokens" if chat and body.get("max_completion_tokens") is not None
                         else "max_tokens")
@@ -296,11 +297,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             raise RequestError(f"{total} choices need a row or a place in the queue each; this server has "
                                f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)",
                                "n" if len(prompts) == 1 else "prompt")
-        # each choice takes a row, or a place in the queue once the free rows are taken
+        echoes = await echoed(gen, prompts) if gen.echo else [None] * len(prompts)
+        # each choice takes a row, or a place in the queue once the free rows are taken (checked here,
+        # with nothing awaited before the submissions, so that concurrent requests cannot all pass it)
         if total and max(0, engine.waiting + total - max(0, engine.max_batch - engine.live)) > max_waiting:
             return error(429, f"{engine.queued} requests are waiting for a row; try again shortly",
                          "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
-        echoes = await echoed(gen, prompts) if gen.echo else [None] * len(prompts)
         rid = protocol.new_id(chat)
         if gen.max_tokens == 0:
             return echo_alone(gen, rid, prompts, echoes)
@@ -326,7 +328,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                                      bad_words=bad_words),
                                        on_event=functools.partial(on_event, len(choices)))
                 text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens)
-                choices.append(Choice(handle, text, TextOffsets(pieces), tools if gen.tool_choice == "auto" else None,
+                offsets = TextOffsets(pieces, start=len(echo.text) if echo else 0)  # an echo: after the prompt
+                choices.append(Choice(handle, text, offsets, tools if gen.tool_choice == "auto" else None,
                                       echo, None if gen.parallel_tool_calls else 1))
         except (ValueError, EngineStopped) as e:
             for c in choices:
@@ -367,19 +370,21 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         out = []
         for i, c in enumerate(choices):
             c.final()
-            front = c.echo or Echo("", [])
-            lp = None if gen.logprobs is None else protocol.logprobs_obj(front.entries + c.pending, chat, pieces,
-                                                                         c.offsets)
+            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
             content = c.content()
-            out.append(protocol.choice(i, chat, front.text + content if c.echo else content, c.reason(), lp, c.calls))
+            if c.echo:
+                content = c.echo.text + content
+                lp = lp and protocol.joined_logprobs(c.echo.logprobs(pieces, True), lp)
+            out.append(protocol.choice(i, chat, content, c.reason(), lp, c.calls))
         metrics.observe_end(time.perf_counter() - t0, [c.fin for c in choices])
         return protocol.completion(rid, gen.model, chat, out,
                                    protocol.usage(prompt_tokens, sum(c.used() for c in choices)),
                                    [c.fin for c in choices], gen.created)
 
-    async def tokenized(gen: protocol.Generation, chat: bool, fit: bool = True) -> List[List[int]]:
+    async def tokenized(gen: protocol.Generation, chat: bool, fit: bool = True, room: int = 1) -> List[List[int]]:
         """The token ids of each of the request's prompts (a chat's one, rendered by its template),
-        each checked to fit the context unless not `fit`; RequestError naming the prompt otherwise.
+        each checked to fit the context with `room` positions left (1: for an answer; 0: the prompt
+        alone) unless not `fit`; RequestError naming the prompt otherwise.
         Tokenized off the event loop, in a worker thread: a long prompt's tokenization must not stall
         the other requests' streams."""
         field = "messages" if chat else "prompt"
@@ -394,7 +399,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         out = []
         for k, (encode, texts) in enumerate(items):
             where = f"prompt {k}: " if len(items) > 1 else ""
-            at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context) if fit else None
+            at_least = await run(tokenize_pool, surely_too_long, tokenizer, texts, context + 1 - room) if fit else None
             if at_least is not None:
                 raise RequestError(f"{where}the prompt has more than {at_least} tokens (from its first "
                                    f"{PROBE_CHARS_PER_TOKEN * context} characters alone) but the model's context is "
@@ -407,7 +412,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 raise RequestError(f"{where}{what}: {e}", field) from None
             try:
                 if fit:
-                    check_prompt_room(len(ids), context)
+                    check_prompt_room(len(ids), context + 1 - room)
             except PromptTooLongError as e:
                 raise RequestError(f"{where}{e}", field, code="context_length_exceeded") from None
             out.append(ids)
@@ -415,24 +420,54 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
 
     async def echoed(gen: protocol.Generation, prompts: List[List[int]]) -> List[Echo]:
         """Each prompt as a completion's echo gives it back: the prompt's own text when it came as
-        text (its ids' text otherwise), and with ``logprobs`` its tokens' log-probabilities, computed
-        in a worker thread beside the engine's steps (`Engine.prompt_logprobs`)."""
-        out = []
-        for p, ids in zip(gen.prompts, prompts):
-            text = p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=True)
-            entries = []
-            if gen.logprobs is not None:
-                scored = await asyncio.get_running_loop().run_in_executor(
-                    score_pool, engine.prompt_logprobs, ids, gen.logprobs)
-                entries = [TokenLogprob(ids[0], None)] + scored[1:]
-            out.append(Echo(text, entries))
+        text (its ids' text, special tokens kept, otherwise), and with ``logprobs`` its tokens'
+        log-probabilities, computed in a worker thread beside the engine's steps
+        (`Engine.prompt_logprobs`), and where each token's text starts (`echo_offsets`). At most
+        `max_waiting` prompts wait to be scored (a 429 beyond); a shutdown's end stops the scoring
+        (503 ``server_shutdown``)."""
+        if gen.logprobs is not None and state["scoring"] + len(prompts) > max(max_waiting, protocol.MAX_PROMPTS):
+            raise RequestError(f"{state['scoring']} prompts are waiting to be scored; try again shortly", status=429,
+                               type="rate_limit_error", code="queue_full")
+        run = asyncio.get_running_loop().run_in_executor
+        out, queued = [], len(prompts) if gen.logprobs is not None else 0
+        state["scoring"] += queued
+        try:
+            for p, ids in zip(gen.prompts, prompts):
+                text = p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False,
+                                                                     clean_up_tokenization_spaces=False)
+                if gen.logprobs is None:
+                    out.append(Echo(text, [], []))
+                    continue
+                try:
+                    scored = await run(score_pool, functools.partial(engine.prompt_logprobs, ids, gen.logprobs,
+                                                                     stop=lambda: state["cancel"]))
+                except EngineStopped:
+                    raise RequestError("the server is shutting down; the prompt's scoring was cut", status=503,
+                                       type="server_error", code="server_shutdown") from None
+                finally:
+                    state["scoring"] -= 1
+                    queued -= 1
+                offsets = await run(tokenize_pool, echo_offsets, p, ids)
+                out.append(Echo(text, [TokenLogprob(ids[0], None)] + scored[1:], offsets))
+        finally:
+            state["scoring"] -= queued
         return out
+
+    def echo_offsets(prompt, ids: List[int]) -> List[int]:
+        """Where each prompt token's text starts in the echoed text: for a text prompt, the
+        tokenizer's own character offsets (a token it added, as BOS, at 0); for token ids, their
+        texts' lengths summed, special tokens included (as the echo decodes them)."""
+        if isinstance(prompt, str) and getattr(tokenizer, "is_fast", False):
+            spans = tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"]
+            if len(spans) == len(ids):
+                return [start for start, _ in spans]
+        offsets = TextOffsets(pieces, specials=True)
+        return [offsets.next(t) for t in ids]
 
     def echo_alone(gen: protocol.Generation, rid: str, prompts: List[List[int]], echoes: List[Echo]):
         """A completion with ``echo`` and ``max_tokens: 0`` (vLLM's): each prompt's `n` choices are the
         prompt itself (finish_reason "length"), no token generated; streamed as one chunk per choice."""
-        out = [protocol.choice(k * gen.n + j, False, e.text, "length", e.logprobs(pieces, TextOffsets(pieces),
-                                                                                  gen.logprobs is not None))
+        out = [protocol.choice(k * gen.n + j, False, e.text, "length", e.logprobs(pieces, gen.logprobs is not None))
                for k, e in enumerate(echoes) for j in range(gen.n)]
         used = protocol.usage(sum(len(ids) for ids in prompts), 0)
         if not gen.stream:
@@ -497,7 +532,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 if chat:
                     yield sse(part(role=True, text="", index=i))
                 elif c.echo:  # the prompt first, in a chunk of its own
-                    lp = c.echo.logprobs(pieces, c.offsets, gen.logprobs is not None)
+                    lp = c.echo.logprobs(pieces, gen.logprobs is not None)
                     yield sse(part(text=c.echo.text, logprobs=lp, index=i))
             async for i, kind, payload in _events(request, events, len(choices)):
                 c = choices[i]

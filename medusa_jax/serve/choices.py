@@ -17,12 +17,15 @@ def sse(obj: dict) -> str:
 
 class Echo(NamedTuple):
     """An echoed prompt (a completion's ``echo``): its text, and its tokens' log-probabilities
-    (`Engine.prompt_logprobs`, the first token's logprob None; empty when none were asked for)."""
+    (`Engine.prompt_logprobs`, the first token's logprob None) with where each token's text starts in
+    `text` (both empty when no log-probabilities were asked for)."""
     text: str
     entries: list
+    offsets: List[int]
 
-    def logprobs(self, pieces: TokenPieces, offsets: TextOffsets, asked: bool) -> Optional[dict]:
-        return protocol.logprobs_obj(self.entries, False, pieces, offsets) if asked else None
+    def logprobs(self, pieces: TokenPieces, asked: bool) -> Optional[dict]:
+        """The prompt's part of a completion's ``logprobs`` object (None when not `asked`)."""
+        return protocol.logprobs_obj(self.entries, False, pieces, text_offset=self.offsets) if asked else None
 
 
 class Choice:

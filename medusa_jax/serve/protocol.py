@@ -490,7 +490,7 @@ def speculation(fins: List[Any]) -> dict:
 LOGPROB_FLOOR = -9999.0
 
 
-def logprobs_obj(entries: List[Any], chat: bool, pieces, offsets=None) -> dict:
+def logprobs_obj(entries: List[Any], chat: bool, pieces, offsets=None, text_offset: Optional[List[int]] = None) -> dict:
     """OpenAI's ``logprobs`` object of some answer tokens (`decoding.requests.TokenLogprob`s).
 
     Chat: ``{"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob",
@@ -499,7 +499,7 @@ def logprobs_obj(entries: List[Any], chat: bool, pieces, offsets=None) -> dict:
     "text_offset"}``; an echoed prompt's first token, which nothing precedes, has a null logprob
     and top_logprobs (its entry's ``logprob`` is None). `pieces`: the tokens' own bytes and text
     (`serve.text.TokenPieces`); `offsets`: the answer's `serve.text.TextOffsets` so far (completions;
-    advanced here)."""
+    advanced here), or `text_offset`: the entries' offsets, known (an echoed prompt's)."""
     lp = lambda x: None if x is None else max(float(x), LOGPROB_FLOOR)  # noqa: E731
     if chat:
         item = lambda t, x: {"token": pieces.text(t), "logprob": lp(x), "bytes": list(pieces.bytes(t))}  # noqa: E731
@@ -508,7 +508,14 @@ def logprobs_obj(entries: List[Any], chat: bool, pieces, offsets=None) -> dict:
     return {"tokens": [pieces.text(e.token) for e in entries], "token_logprobs": [lp(e.logprob) for e in entries],
             "top_logprobs": [None if e.logprob is None else
                              dict([(pieces.text(t), lp(x)) for t, x in e.top] + [(pieces.text(e.token), lp(e.logprob))])
-                             for e in entries], "text_offset": [offsets.next(e.token) for e in entries]}
+                             for e in entries],
+            "text_offset": list(text_offset) if text_offset is not None else [offsets.next(e.token) for e in entries]}
+
+
+def joined_logprobs(first: dict, then: dict) -> dict:
+    """Two consecutive parts of a completion's legacy ``logprobs`` object as one (an echoed prompt's,
+    then its answer's)."""
+    return {k: first[k] + then[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
 
 
 def choice(index: int, chat: bool, text: Optional[str], reason: str, logprobs: Optional[dict] = None,

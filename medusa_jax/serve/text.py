@@ -135,16 +135,17 @@ class TextOffsets:
     """Where each token's text starts in an answer's text (the legacy ``text_offset``): characters
     decoded before it, a character split across tokens counted from the token that starts it, and
     bytes that a later token does not continue counted as the U+FFFD they decode to. Special tokens
-    (which the text leaves out) add nothing."""
+    (which an answer's text leaves out) add nothing, unless `specials` (a text that keeps them: an
+    echoed prompt given as token ids). `start`: the characters before the first token."""
 
-    def __init__(self, pieces: TokenPieces):
-        self.pieces = pieces
+    def __init__(self, pieces: TokenPieces, start: int = 0, specials: bool = False):
+        self.pieces, self.specials = pieces, specials
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self.chars = 0
+        self.chars = start
 
     def next(self, token: int) -> int:
         at = self.chars
-        if token in self.pieces.special:
+        if token in self.pieces.special and not self.specials:
             return at
         data = self.pieces.bytes(token)
         pending = self.decoder.getstate()[0]  # an earlier token's bytes of a character not yet whole
