@@ -423,7 +423,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         text (its ids' text, special tokens kept, otherwise), and with ``logprobs`` its tokens'
         log-probabilities, computed in a worker thread beside the engine's steps
         (`Engine.prompt_logprobs`), and where each token's text starts (`echo_offsets`). At most
-        `max_waiting` prompts wait to be scored (a 429 beyond); a shutdown's end stops the scoring
+        max(`max_waiting`, `protocol.MAX_PROMPTS`) prompts wait to be scored (a 429 beyond); a shutdown's end stops the scoring
         (503 ``server_shutdown``)."""
         if gen.logprobs is not None and state["scoring"] + len(prompts) > max(max_waiting, protocol.MAX_PROMPTS):
             raise RequestError(f"{state['scoring']} prompts are waiting to be scored; try again shortly", status=429,
