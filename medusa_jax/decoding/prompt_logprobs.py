@@ -76,7 +76,7 @@ def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 
     toks[0, :len(ids)] = ids
     targets = np.zeros((1, size), np.int32)
     targets[0, :len(ids) - 1] = ids[1:]
-    k = MAX_TOP_LOGPROBS if top else 0  # one compiled variant for every top > 0
+    k = min(MAX_TOP_LOGPROBS, cfg.vocab_size) if top else 0  # one compiled variant for every top > 0
     kv_block = PREFILL_KV_BLOCK if size > PREFILL_KV_BLOCK and size % PREFILL_KV_BLOCK == 0 else None
     cache = init_cache(cfg, 1, size, compute_dtype(params))
     parts = []

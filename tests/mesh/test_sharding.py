@@ -93,6 +93,18 @@ def test_batch_and_stream_on_mesh(model):
     assert_same(cfg, params, prompts[2], ref.tokens[2, :ref.count[2]], one.tokens, "generate")
 
 
+def test_prompt_logprobs_on_mesh_equal_one_device(model):
+    """A completion's echo scores its prompt on the params' mesh as on one device."""
+    from medusa_jax.decoding.prompt_logprobs import prompt_logprobs
+
+    cfg, params, _, prompts = model
+    prompt = prompts[2] * 3
+    ref = prompt_logprobs(cfg, params, prompt, top=2, chunk_size=16)
+    got = prompt_logprobs(cfg, sharding.shard_params(params, sharding.make_mesh(2, 4)), prompt, top=2, chunk_size=16)
+    np.testing.assert_allclose([e.logprob for e in got[1:]], [e.logprob for e in ref[1:]], atol=1e-4)
+    assert [e.top[0][0] for e in got[1:]] == [e.top[0][0] for e in ref[1:]]
+
+
 def test_kv_cache_follows_the_heads(model):
     cfg, params, _, prompts = model
     mesh = sharding.make_mesh(2, 4)
