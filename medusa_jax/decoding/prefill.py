@@ -288,10 +288,7 @@ class PrefillJob:
         logits and hidden state, with this job's own key and sampling settings, which is what this
         job's own chunks would compute (up to round-off, where the two were chunked differently).
         So the ``n`` choices of one prompt prefill it once. The prompt counts as reused."""
-        rows = lambda x: sharding.put(x, self.mesh, sharding.batch_spec(1)) if self.mesh is not None else x
-        self.state = other.state.replace(key=self.key, temperature=rows(jnp.full((1,), self.temperature, jnp.float32)),
-                                         top_p=rows(jnp.full((1,), self.top_p, jnp.float32)),
-                                         top_k=rows(jnp.full((1,), self.top_k, jnp.int32)))
+        self.state = self._own(other.state.replace(key=self.key))
         self.pos = self.reused = len(self.prompt)
         if self.bar is not None:
             self.bar.close()
@@ -300,6 +297,13 @@ class PrefillJob:
     def remaining(self) -> int:
         """Prompt tokens still to prefill."""
         return len(self.prompt) - self.pos
+
+    def _own(self, state: DecodeState) -> DecodeState:
+        """`state` with this job's sampling settings (temperature, top_p, top_k; on its mesh)."""
+        rows = lambda x: sharding.put(x, self.mesh, sharding.batch_spec(1)) if self.mesh is not None else x
+        return state.replace(temperature=rows(jnp.full((1,), self.temperature, jnp.float32)),
+                             top_p=rows(jnp.full((1,), self.top_p, jnp.float32)),
+                             top_k=rows(jnp.full((1,), self.top_k, jnp.int32)))
 
     def run_chunk(self, max_tokens: Optional[int] = None) -> bool:
         """Prefill the next chunk (at most `max_tokens` tokens, default ``chunk_size``; and, after
@@ -321,12 +325,7 @@ class PrefillJob:
         self.cache, self.last = run(*args)
         self.pos += len(chunk)
         if self.pos >= len(self.prompt):
-            state = finish(self.params, self.last, self.cache, self.key)
-            rows = lambda x: sharding.put(x, self.mesh, sharding.batch_spec(1)) if self.mesh is not None else x
-            self.state = jax.block_until_ready(state.replace(
-                temperature=rows(jnp.full((1,), self.temperature, jnp.float32)),
-                top_p=rows(jnp.full((1,), self.top_p, jnp.float32)),
-                top_k=rows(jnp.full((1,), self.top_k, jnp.int32))))
+            self.state = jax.block_until_ready(self._own(finish(self.params, self.last, self.cache, self.key)))
         else:
             jax.block_until_ready(self.last)
         self.seconds += time.perf_counter() - t0
