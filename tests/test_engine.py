@@ -120,6 +120,26 @@ def test_prefix_reuse_gives_the_same_answers(tiny):
     assert answers[0][1] == alone(cfg, params, prompts[0] + prompts[1] + answers[0][0] + prompts[2][:9], 16)
 
 
+def test_a_scored_prompt_is_prefilled_from_its_scoring_cache(tiny):
+    """`Engine.prompt_logprobs(keep=True)` (a loglikelihood request: echo, logprobs and an answer)
+    leaves the prompt's K/V in the prefix cache: the answer that follows prefills the last prompt
+    token only and is the same as without; without `keep` nothing is kept."""
+    cfg, params, heads, prompts = tiny
+    prompt = (prompts[5] * 8)[:300]  # two scoring chunks of 256
+    ref = alone(cfg, params, prompt, 12)
+    for keep in (False, True):
+        engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=2, prefix_cache_bytes=64 << 20)
+        scored = engine.prompt_logprobs(prompt, 2, keep=keep)
+        assert len(scored) == len(prompt) and scored[0] is None and scored[1].token == prompt[1]
+        handle = engine.submit(Request(prompt, 12))
+        engine.run()
+        assert handle.finished.tokens == ref
+        assert handle.finished.reused_tokens == (len(prompt) - 1 if keep else 0)
+    kept = len(engine.prefix.entries)
+    engine.prompt_logprobs(prompt[:engine.prefix.min_tokens], 0, keep=True)  # too short to be worth keeping
+    assert len(engine.prefix.entries) == kept
+
+
 def test_cancel_frees_the_row_and_the_others_finish(tiny):
     cfg, params, heads, prompts = tiny
     engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=2)

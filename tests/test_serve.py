@@ -386,6 +386,12 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_asks(client, server, 
     assert abs(sum(lp.token_logprobs[n_ctx:-1]) - want[n_ctx - 1:].sum()) < 5e-3
     greedy = all(x == max(d.values()) for x, d in zip(lp.token_logprobs[n_ctx:-1], lp.top_logprobs[n_ctx:-1]))
     assert greedy == all(logits[j - 1].argmax() == ids[j] for j in range(n_ctx, len(ids)))
+    # the scoring's KV cache is kept for the answer's prefill: a loglikelihood request of a prompt
+    # longer than the prefix cache's minimum prefills its last token only
+    long_ids = list(tok.encode("Loglikelihood of: " + " ".join(QUESTIONS)))
+    assert len(long_ids) > 20
+    ll = client.completions.create(model=MODEL, prompt=long_ids, max_tokens=1, temperature=0, logprobs=1, echo=True)
+    assert ll.model_extra["speculation"]["prompt_tokens_reused"] == len(long_ids) - 1
     # max_tokens 0: the prompts alone (text as given), the same figures
     alone = client.completions.create(model=MODEL, prompt=[context + continuation, other], max_tokens=0, n=2,
                                       logprobs=1, echo=True)

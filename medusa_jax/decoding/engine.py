@@ -48,7 +48,7 @@ from medusa_jax.decoding.chooser import TreeChooser
 from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefill import PREFILL_CHUNK, PrefillJob, bucket
 from medusa_jax.decoding.prefix_cache import PrefixCache, snapshot
-from medusa_jax.decoding.prompt_logprobs import prompt_logprobs
+from medusa_jax.decoding.prompt_logprobs import score_prompt
 from medusa_jax.decoding.processors import changes_logits, dense_processors
 from medusa_jax.decoding.requests import FINISH_REASONS, EngineStopped, Finished, Request, RequestHandle, TokenLogprob
 from medusa_jax.decoding.rows import Flight, Row
@@ -173,16 +173,25 @@ class Engine:
         self._wake.set()
         return handle
 
-    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0,
-                        stop: Optional[Callable[[], bool]] = None) -> List[Optional[TokenLogprob]]:
+    def prompt_logprobs(self, prompt: Sequence[int], top: int = 0, stop: Optional[Callable[[], bool]] = None,
+                        keep: bool = False) -> List[Optional[TokenLogprob]]:
         """Each prompt token's log-probability given the tokens before it, under the engine's backbone
-        (`decoding.prompt_logprobs.prompt_logprobs`: P entries, the first None; `top` in [0, 20]
-        alternatives each). Runs in the caller's thread, beside the engine's own steps, and changes
-        nothing of the engine's state. Raises ValueError for an empty prompt, an id outside the
-        vocabulary, or a prompt longer than the model's context; EngineStopped between two chunks
-        once the engine is stopped or `stop` returns True."""
-        return prompt_logprobs(self.cfg, self.params, prompt, top,
-                               stop=lambda: self._stop.is_set() or (stop is not None and stop()))
+        (`decoding.prompt_logprobs.score_prompt`: P entries, the first None; `top` in [0, 20]
+        alternatives each). Runs in the caller's thread, beside the engine's own steps.
+
+        keep: also put the prompt's K/V into the prefix cache (when it is on and the prompt has at
+        more than its ``min_tokens``), so that a request for the same prompt submitted next prefills its
+        last token only: a loglikelihood request (echo with ``logprobs`` and an answer) costs about
+        one prefill, not two. Nothing else of the engine's state changes.
+        Raises ValueError for an empty prompt, an id outside the vocabulary, or a prompt longer than
+        the model's context; EngineStopped between two chunks once the engine is stopped or `stop`
+        returns True."""
+        out, cache = score_prompt(self.cfg, self.params, prompt, top,
+                                  stop=lambda: self._stop.is_set() or (stop is not None and stop()))
+        if keep and self.prefix.enabled and len(out) > self.prefix.min_tokens:
+            k, v = snapshot(cache, 0, len(out))
+            self.prefix.add(list(prompt), k, v)
+        return out
 
     @property
     def live(self) -> int:

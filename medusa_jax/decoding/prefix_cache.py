@@ -13,6 +13,7 @@ differs from the generated ids still reuses everything before the first differen
 from __future__ import annotations
 
 import functools
+import threading
 from collections import OrderedDict
 from typing import Optional, Tuple
 
@@ -52,7 +53,8 @@ def snapshot(cache: KVCache, b: int, n: int) -> Tuple[jax.Array, jax.Array]:
 
 
 class PrefixCache:
-    """An LRU of `PrefixEntry` within a byte budget.
+    """An LRU of `PrefixEntry` within a byte budget; `add` and `lookup` may be called from several
+    threads (the engine's, and a scoring's: `Engine.prompt_logprobs`).
 
     Args:
       budget_bytes: the most bytes of K/V kept (0: off). The oldest entries go first.
@@ -69,6 +71,7 @@ class PrefixCache:
         self.bytes = 0
         self._next = 0
         self.hits = self.misses = self.reused_tokens = 0
+        self._lock = threading.Lock()
 
     @property
     def enabled(self) -> bool:
@@ -81,18 +84,23 @@ class PrefixCache:
         entry = PrefixEntry(np.asarray(tokens, np.int64), k, v)
         if entry.nbytes > self.budget:
             return
-        self.entries[self._next] = entry
-        self._next += 1
-        self.bytes += entry.nbytes
-        while self.bytes > self.budget:
-            _, old = self.entries.popitem(last=False)
-            self.bytes -= old.nbytes
+        with self._lock:
+            self.entries[self._next] = entry
+            self._next += 1
+            self.bytes += entry.nbytes
+            while self.bytes > self.budget:
+                _, old = self.entries.popitem(last=False)
+                self.bytes -= old.nbytes
 
     def lookup(self, prompt) -> Tuple[int, Optional[PrefixEntry]]:
         """(n, entry): the entry sharing the longest common prefix with `prompt`, and how many of its
         tokens to reuse (at most ``len(prompt) - 1``: the last prompt token is always prefilled, for
         its logits), or (0, None) when no entry shares at least ``min_tokens``. The entry becomes
         the most recently used."""
+        with self._lock:
+            return self._lookup(prompt)
+
+    def _lookup(self, prompt) -> Tuple[int, Optional[PrefixEntry]]:
         if not self.entries:
             self.misses += 1
             return 0, None

@@ -5,7 +5,7 @@ cache in chunks, as prefill runs it, keeping every position's logits."""
 from __future__ import annotations
 
 import functools
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +42,12 @@ def _score_chunk(cfg: ModelConfig, kv_block: Optional[int], top: int, params, to
 def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 0,
                     chunk_size: int = SCORE_CHUNK,
                     stop: Optional[Callable[[], bool]] = None) -> List[Optional[TokenLogprob]]:
+    """`score_prompt`'s log-probabilities alone (its arguments, returns and errors)."""
+    return score_prompt(cfg, params, prompt, top, chunk_size, stop)[0]
+
+
+def score_prompt(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 0, chunk_size: int = SCORE_CHUNK,
+                 stop: Optional[Callable[[], bool]] = None) -> Tuple[List[Optional[TokenLogprob]], KVCache]:
     """The log-probability of each prompt token under the model given the tokens before it: one
     causal forward over the prompt in chunks of `chunk_size` tokens through a KV cache, as prefill
     runs it, with the logits of every position (the module's docstring says who asks for them).
@@ -53,9 +59,12 @@ def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 
       chunk_size: tokens per compiled call; any value gives the same figures up to float32 round-off.
       stop: asked before each chunk; True ends the scoring with EngineStopped (a server shutting down).
     Returns:
-      P entries: None for the first token (nothing precedes it), then `decoding.requests.TokenLogprob`
-      (token, its natural-log probability, the N most likely tokens at its position as (id,
-      logprob) pairs, most likely first) for tokens 1 .. P - 1.
+      (entries, cache). entries: P of them, None for the first token (nothing precedes it), then
+      `decoding.requests.TokenLogprob` (token, its natural-log probability, the N most likely tokens
+      at its position as (id, logprob) pairs, most likely first) for tokens 1 .. P - 1. cache: a
+      B = 1 `KVCache` (S >= P slots, a power of two) whose first P slots hold the prompt's K/V (the
+      later ones padding's), which a prefill of the same prompt may reuse (`Engine.prompt_logprobs`'s
+      ``keep``).
     Raises:
       ValueError: an empty prompt, an id outside the vocabulary, `top` outside [0, 20], a prompt
         longer than the model's context.
@@ -92,4 +101,4 @@ def prompt_logprobs(cfg: ModelConfig, params, prompt: Sequence[int], top: int = 
     for j in range(1, len(ids)):
         alts = tuple((int(t), float(x)) for t, x in zip(top_ids[j - 1, :top], top_lp[j - 1, :top]))
         out.append(TokenLogprob(ids[j], float(chosen[j - 1]), alts))
-    return out
+    return out, cache

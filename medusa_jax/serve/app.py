@@ -42,9 +42,10 @@ from medusa_jax.decoding.args import PromptTooLongError, check_prompt_room, new_
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import EngineStopped, Finished
 from medusa_jax.decoding.requests import Request as EngineRequest
-from medusa_jax.decoding.requests import SamplingParams, TokenLogprob
+from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
-from medusa_jax.serve.choices import Choice, Echo, sse
+from medusa_jax.serve.choices import Choice, sse
+from medusa_jax.serve.echo import Echoer, echo_alone
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
 from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces, bad_words_ids
@@ -126,13 +127,13 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     takes_tools = template_takes_tools(tokenizer)  # the template is the server's, fixed
     context = engine.max_len
     metrics = Metrics(engine, model_name)
-    state = {"shutting_down": False, "started": time.time(), "cancel": False, "scoring": 0}
+    state = {"shutting_down": False, "started": time.time(), "cancel": False}
     # prompts are tokenized off the event loop, one at a time (a tokenizer is not made to be entered
     # by several threads at once)
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
-    # echoed prompts' log-probabilities, one prompt at a time, beside the engine's steps
-    score_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-score")
     pieces = TokenPieces(tokenizer)  # each token's bytes and text, for logprobs
+    echoer = Echoer(engine, tokenizer, pieces, tokenize_pool, max(max_waiting, protocol.MAX_PROMPTS),
+                    cancelled=lambda: state["cancel"])
 
     # each running request's event queue and engine handles (one per choice): at the end of the shutdown grace the
     # requests are answered from here, without waiting for the engine, which cannot be interrupted
@@ -161,7 +162,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             state["shutting_down"] = True
             await asyncio.get_running_loop().run_in_executor(None, engine.stop)
             tokenize_pool.shutdown(wait=False)
-            score_pool.shutdown(wait=False)
+            echoer.shutdown()
 
     app = FastAPI(title="medusa_jax", description="OpenAI-compatible server with Medusa decoding",
                   lifespan=lifespan, docs_url=None, redoc_url=None)  # their pages load scripts from a CDN
@@ -195,7 +196,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     async def health():
         if state["shutting_down"]:
             return error(503, "the server is shutting down", "server_error")
-        return {"status": "ok", "running": engine.live, "waiting": engine.waiting, "scoring": state["scoring"]}
+        return {"status": "ok", "running": engine.live, "waiting": engine.waiting, "scoring": echoer.scoring}
 
     model_card = {"id": model_name, "object": "model", "created": int(state["started"]), "owned_by": "medusa_jax",
                   "max_model_len": context}
@@ -297,7 +298,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             raise RequestError(f"{total} choices need a row or a place in the queue each; this server has "
                                f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)",
                                "n" if len(prompts) == 1 else "prompt")
-        echoes = await echoed(gen, prompts) if gen.echo else [None] * len(prompts)
+        echoes = await echoer.echoes(gen, prompts) if gen.echo else [None] * len(prompts)
         # each choice takes a row, or a place in the queue once the free rows are taken (checked here,
         # with nothing awaited before the submissions, so that concurrent requests cannot all pass it)
         if total and max(0, engine.waiting + total - max(0, engine.max_batch - engine.live)) > max_waiting:
@@ -305,7 +306,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                          "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
         rid = protocol.new_id(chat)
         if gen.max_tokens == 0:
-            return echo_alone(gen, rid, prompts, echoes)
+            return echo_alone(gen, rid, prompts, echoes, pieces)
         loop = asyncio.get_running_loop()
         events: "asyncio.Queue" = asyncio.Queue()  # (choice index, kind, payload) of all the choices
         remaining = [total]
@@ -417,72 +418,6 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                 raise RequestError(f"{where}{e}", field, code="context_length_exceeded") from None
             out.append(ids)
         return out
-
-    async def echoed(gen: protocol.Generation, prompts: List[List[int]]) -> List[Echo]:
-        """Each prompt as a completion's echo gives it back: the prompt's own text when it came as
-        text (its ids' text, special tokens kept, otherwise), and with ``logprobs`` its tokens'
-        log-probabilities, computed in a worker thread beside the engine's steps
-        (`Engine.prompt_logprobs`), and where each token's text starts (`echo_offsets`). At most
-        max(`max_waiting`, `protocol.MAX_PROMPTS`) prompts wait to be scored (a 429 beyond); a shutdown's end stops the scoring
-        (503 ``server_shutdown``)."""
-        if gen.logprobs is not None and state["scoring"] + len(prompts) > max(max_waiting, protocol.MAX_PROMPTS):
-            raise RequestError(f"{state['scoring']} prompts are waiting to be scored; try again shortly", status=429,
-                               type="rate_limit_error", code="queue_full")
-        run = asyncio.get_running_loop().run_in_executor
-        out, queued = [], len(prompts) if gen.logprobs is not None else 0
-        state["scoring"] += queued
-        try:
-            for p, ids in zip(gen.prompts, prompts):
-                text = p if isinstance(p, str) else tokenizer.decode(ids, skip_special_tokens=False,
-                                                                     clean_up_tokenization_spaces=False)
-                if gen.logprobs is None:
-                    out.append(Echo(text, [], []))
-                    continue
-                try:
-                    scored = await run(score_pool, functools.partial(engine.prompt_logprobs, ids, gen.logprobs,
-                                                                     stop=lambda: state["cancel"]))
-                except EngineStopped:
-                    raise RequestError("the server is shutting down; the prompt's scoring was cut", status=503,
-                                       type="server_error", code="server_shutdown") from None
-                finally:
-                    state["scoring"] -= 1
-                    queued -= 1
-                offsets = await run(tokenize_pool, echo_offsets, p, ids)
-                out.append(Echo(text, [TokenLogprob(ids[0], None)] + scored[1:], offsets))
-        finally:
-            state["scoring"] -= queued
-        return out
-
-    def echo_offsets(prompt, ids: List[int]) -> List[int]:
-        """Where each prompt token's text starts in the echoed text: for a text prompt, the
-        tokenizer's own character offsets (a token it added, as BOS, at 0); for token ids, their
-        texts' lengths summed, special tokens included (as the echo decodes them)."""
-        if isinstance(prompt, str) and getattr(tokenizer, "is_fast", False):
-            spans = tokenizer(prompt, return_offsets_mapping=True)["offset_mapping"]
-            if len(spans) == len(ids):
-                return [start for start, _ in spans]
-        offsets = TextOffsets(pieces, specials=True)
-        return [offsets.next(t) for t in ids]
-
-    def echo_alone(gen: protocol.Generation, rid: str, prompts: List[List[int]], echoes: List[Echo]):
-        """A completion with ``echo`` and ``max_tokens: 0`` (vLLM's): each prompt's `n` choices are the
-        prompt itself (finish_reason "length"), no token generated; streamed as one chunk per choice."""
-        out = [protocol.choice(k * gen.n + j, False, e.text, "length", e.logprobs(pieces, gen.logprobs is not None))
-               for k, e in enumerate(echoes) for j in range(gen.n)]
-        used = protocol.usage(sum(len(ids) for ids in prompts), 0)
-        if not gen.stream:
-            return protocol.completion(rid, gen.model, False, out, used, [], gen.created)
-
-        def chunks():
-            for c in out:
-                yield sse(protocol.chunk(rid, gen.model, False, gen.created, c["text"], "length",
-                                          include_usage=gen.include_usage, logprobs=c["logprobs"], index=c["index"]))
-            if gen.include_usage:
-                yield sse(protocol.chunk(rid, gen.model, False, gen.created, usage_obj=used,
-                                          spec=protocol.speculation([])))
-            yield "data: [DONE]\n\n"
-        return StreamingResponse(chunks(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
     def _observe(t0: float, tokens: List[int], handle) -> None:
         now = time.perf_counter()
