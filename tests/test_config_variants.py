@@ -7,7 +7,7 @@ import json
 
 import numpy as np
 import pytest
-from conftest import jax_logits, random_hf_model, random_tokens, tiny_config, torch_logits
+from conftest import jax_logits, llama3_rope_scaling, random_hf_model, random_tokens, tiny_config, torch_logits
 from test_convert import write_gguf
 
 from medusa_jax.convert.hf import ConversionError, load_hf
@@ -47,6 +47,14 @@ VARIANTS = [
     ("qwen2 with attention_bias false (its q/k/v biases are always there)", "qwen2", {},
      lambda c: c.update(attention_bias=False)),
     ("mistral with attention_bias true (it has none)", "mistral", {}, lambda c: c.update(attention_bias=True)),
+    ("qwen2 with num_key_value_heads null (one per query head)", "qwen2", dict(num_heads=8, num_kv_heads=8, head_dim=8),
+     lambda c: c.update(num_key_value_heads=None)),
+    ("qwen3 with num_key_value_heads null (one per query head)", "qwen3", dict(num_heads=8, num_kv_heads=8, head_dim=8),
+     lambda c: c.update(num_key_value_heads=None)),
+    ("llama3 RoPE without original_max_position_embeddings (the context's)", "llama",
+     dict(max_position_embeddings=64, rope_scaling=llama3_rope_scaling()), lambda c: [
+         d.pop("original_max_position_embeddings") for d in (c.get("rope_scaling"), c.get("rope_parameters"))
+         if isinstance(d, dict) and "original_max_position_embeddings" in d]),
 ]
 
 
@@ -63,6 +71,17 @@ def test_a_left_out_context_length_is_the_familys_default(tmp_path, arch):
     ref, path = saved(tmp_path, tiny_config(arch), lambda c: c.pop("max_position_embeddings"))
     cfg, _ = load_hf(path)
     assert cfg.max_position_embeddings == AutoConfig.from_pretrained(path).max_position_embeddings
+
+
+def test_unsupported_rope_and_pickled_weights_are_refused_with_what_to_do(tmp_path):
+    _, path = saved(tmp_path, tiny_config(), lambda c: c.update(rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+    with pytest.raises(ValueError, match=r"config.json: RoPE scaling 'yarn' .* is not supported; supported: llama3"):
+        load_hf(path)
+    c = json.loads((tmp_path / "model" / "config.json").read_text())
+    (tmp_path / "model" / "config.json").write_text(json.dumps(dict(c, rope_scaling=None)))
+    (tmp_path / "model" / "model.safetensors").rename(tmp_path / "model" / "pytorch_model.bin")
+    with pytest.raises(ConversionError, match=r"only pytorch_model.bin: PyTorch pickles.*save_pretrained"):
+        load_hf(path)
 
 
 def test_a_quantized_checkpoint_is_refused_by_name(tmp_path):

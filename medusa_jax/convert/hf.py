@@ -189,8 +189,11 @@ def safetensors_files(path: str) -> Iterable[str]:
         return [single]
     files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
     if not files:
+        bins = [fn for fn in os.listdir(path) if fn.endswith((".bin", ".pt", ".pth"))]
+        found = f" (only {', '.join(sorted(bins)[:3])}: PyTorch pickles, which this loader does not read)" if bins else ""
         raise ConversionError(f"{path}: no model.safetensors, no model.safetensors.index.json and no "
-                              "*.safetensors file; save the model with safe_serialization=True")
+                              f"*.safetensors file{found}; save the model as safetensors, e.g. with transformers: "
+                              "AutoModelForCausalLM.from_pretrained(path).save_pretrained(new_path)")
     return [os.path.join(path, fn) for fn in files]
 
 

@@ -96,10 +96,13 @@ FAMILY_DEFAULTS = {
 
 
 def kv_heads_of(cfg: Mapping[str, Any], arch: str) -> int:
-    """A config.json's KV head count: ``num_key_value_heads``, else the family's default in
+    """A config.json's KV head count: ``num_key_value_heads``; one per query head when it is null
+    (as every family's config class reads None); when the key is left out, the family's default in
     transformers (`FAMILY_DEFAULTS`), else one per query head."""
-    return int(cfg.get("num_key_value_heads") or FAMILY_DEFAULTS[arch]["num_key_value_heads"]
-               or cfg["num_attention_heads"])
+    if "num_key_value_heads" in cfg:
+        given = cfg["num_key_value_heads"]
+        return int(given if given is not None else cfg["num_attention_heads"])
+    return int(FAMILY_DEFAULTS[arch]["num_key_value_heads"] or cfg["num_attention_heads"])
 
 
 _SIZES = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
@@ -119,7 +122,7 @@ def check_sizes(cfg: Mapping[str, Any], arch: str, source: str = "config.json") 
             problems.append(f"{name} must be an integer >= 1, got {v!r}")
     if not problems:
         heads, kv = cfg["num_attention_heads"], kv_heads_of(cfg, arch)
-        left_out = "" if cfg.get("num_key_value_heads") else \
+        left_out = "" if "num_key_value_heads" in cfg else \
             f", transformers' default for {arch}: the config leaves it out"
         if heads % kv:
             problems.append(f"num_attention_heads ({heads}) must be a multiple of num_key_value_heads ({kv}{left_out})")
@@ -271,6 +274,7 @@ class ModelConfig:
         head_dim = cfg.get("head_dim")
         if head_dim is None:
             head_dim = QWEN3_DEFAULT_HEAD_DIM if arch == "qwen3" else 0
+        max_positions = int(cfg.get("max_position_embeddings") or FAMILY_DEFAULTS[arch]["max_position_embeddings"])
         return cls(
             arch=arch,
             vocab_size=int(cfg["vocab_size"]),
@@ -282,9 +286,8 @@ class ModelConfig:
             head_dim=int(head_dim),
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             rope_theta=float(theta),
-            rope_scaling=rope_scaling_from_dict(scaling_dict),
-            max_position_embeddings=int(cfg.get("max_position_embeddings")
-                                        or FAMILY_DEFAULTS[arch]["max_position_embeddings"]),
+            rope_scaling=rope_scaling_from_dict(scaling_dict, max_positions, source),
+            max_position_embeddings=max_positions,
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias={"qwen2": True, "mistral": False}.get(arch, bool(cfg.get("attention_bias", False))),
             sliding_window=window,
@@ -388,10 +391,13 @@ def sliding_layout_from_hf(arch: str, cfg: Mapping[str, Any], num_layers: int,
     return window, types
 
 
-def rope_scaling_from_dict(d: Optional[Mapping[str, Any]]) -> Optional[RopeScaling]:
-    """Parse an HF ``rope_scaling`` dict; None or type "default" gives None.
+def rope_scaling_from_dict(d: Optional[Mapping[str, Any]], max_position_embeddings: Optional[int] = None,
+                           source: str = "config.json") -> Optional[RopeScaling]:
+    """Parse an HF ``rope_scaling`` (or transformers 5's ``rope_parameters``) dict; None or type
+    "default" gives None. A llama3 scaling without ``original_max_position_embeddings`` takes the
+    model's `max_position_embeddings`, as transformers does (8192 when that is unknown too).
 
-    Raises ValueError for a scaling type other than "llama3" or "linear".
+    Raises ValueError (naming `source`) for a scaling type other than "llama3" or "linear".
     """
     if not d:
         return None
@@ -399,11 +405,14 @@ def rope_scaling_from_dict(d: Optional[Mapping[str, Any]]) -> Optional[RopeScali
     if kind in (None, "default"):
         return None
     if kind not in ("llama3", "linear"):
-        raise ValueError(f"unsupported rope scaling type {kind!r}; supported: llama3, linear")
+        raise ValueError(f"{source}: RoPE scaling {kind!r} (rope_scaling / rope_parameters) is not supported; "
+                         "supported: llama3, linear. Loading the model without it would decode wrongly, so it "
+                         "is refused")
+    original = d.get("original_max_position_embeddings") or max_position_embeddings or 8192
     return RopeScaling(
         kind=kind,
         factor=float(d.get("factor", 1.0)),
         low_freq_factor=float(d.get("low_freq_factor", 1.0)),
         high_freq_factor=float(d.get("high_freq_factor", 4.0)),
-        original_max_position_embeddings=int(d.get("original_max_position_embeddings", 8192)),
+        original_max_position_embeddings=int(original),
     )
