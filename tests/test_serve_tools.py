@@ -85,10 +85,45 @@ def test_llama3_json_calls_are_the_whole_answer_or_none():
         assert parse(text) == (text, []), text
 
 
+def test_pythonic_calls_are_a_list_of_calls_with_literal_arguments():
+    parse = TOOL_PARSERS["pythonic"].parse
+    content, calls = parse(' [get_weather(city="Paris", days=3), get_time()]\n')
+    assert content is None and [_fn(c) for c in calls] == [("get_weather", {"city": "Paris", "days": 3}),
+                                                            ("get_time", {})]
+    _, calls = parse('[f(x=-1.5, y=[1, (2, "b")], z={"k": None, "t": True})]')
+    assert [_fn(c) for c in calls] == [("f", {"x": -1.5, "y": [1, [2, "b"]], "z": {"k": None, "t": True}})]
+    # not a call list (positional arguments, attributes, code, non-JSON values, **kwargs): content, whole
+    for text in ("The weather is fine.", "[1, 2, 3]", "[]", "[f(1)]", "[a.b(x=1)]", "[f(x=g())]", "[f(x=1e999)]",
+                 "[f(x={1, 2})]", "[f(**k)]", "[f(x=1)] and more", "[f(x=1)", "[f(x=__import__('os'))]"):
+        assert parse(text) == (text, []), text
+
+
+def test_mistral_calls_follow_their_marker_with_ids_mistral_takes_back():
+    parse = TOOL_PARSERS["mistral"].parse
+    content, calls = parse('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                           '{"name": "get_time", "arguments": {}}]')
+    assert content == "Sure." and [_fn(c) for c in calls] == [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls) and calls[0]["id"] != calls[1]["id"]
+    # newer tokenizers: name[ARGS]{...} per call
+    content, calls = parse('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}')
+    assert content is None and [_fn(c) for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    for text in ("No call.", "[TOOL_CALLS] not json", '[TOOL_CALLS][{"arguments": {}}]', "[TOOL_CALLS]f[ARGS][1]",
+                 '[TOOL_CALLS]bad name[ARGS]{}', '[{"name": "f", "arguments": {}}]'):
+        assert parse(text) == (text, []), text
+
+
+def test_the_cli_offers_every_parser():
+    from medusa_jax.cli.serve import TOOL_PARSER_NAMES
+
+    assert set(TOOL_PARSER_NAMES) == set(TOOL_PARSERS)
+
+
 @pytest.mark.parametrize("fmt,answers", [
     ("hermes", [HERMES_ANSWER, "A plain answer with < and <tool but no call.", "<tool_call>{broken",
                 "Text then <tool_cal"]),
-    ("llama3_json", ['  {"name": "get_time", "parameters": {}}', "  Plain text.", "{ not json"])])
+    ("llama3_json", ['  {"name": "get_time", "parameters": {}}', "  Plain text.", "{ not json"]),
+    ("pythonic", [' [get_time(), get_weather(city="Rome")]', "Plain [text].", "[f(x=1) broken"]),
+    ("mistral", ['Sure.[TOOL_CALLS] [{"name": "get_time", "arguments": {}}]', "Plain [TOOL text", "a [TOOL_CALLS] b"])])
 def test_streaming_releases_only_content_and_loses_nothing(fmt, answers):
     """Character by character, what `releasable` lets out never shrinks, is never part of a call,
     and with the rest that parsing gives at the end makes the whole content."""
@@ -309,7 +344,7 @@ def test_tool_requests_the_server_cannot_serve_get_400(tool_server, smollm2_path
     r = asyncio.run(ask(create_app(engine, engine.tokenizer, MODEL), body))  # started without a parser
     assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"], r.text
     with pytest.raises(ValueError, match="unknown tool-call parser"):
-        create_app(engine, plain, MODEL, tool_call_parser="mistral")
+        create_app(engine, plain, MODEL, tool_call_parser="xlam")
     with pytest.raises(ValueError, match="no place for tools"):
         render_chat(plain, body["messages"], tools=[WEATHER])
 
@@ -326,5 +361,55 @@ def test_serve_refuses_a_chat_template_file_it_cannot_use(tmp_path, capsys):
         err = capsys.readouterr().err
         assert f"--chat-template {path}: " in err and message in err, err
     with pytest.raises(SystemExit):
-        main(["--tool-call-parser", "mistral"])
-    assert "invalid choice: 'mistral'" in capsys.readouterr().err
+        main(["--tool-call-parser", "xlam"])
+    assert "invalid choice: 'xlam'" in capsys.readouterr().err
+
+
+#: A Mistral-style template (tools before the last user turn); the answer's calls follow [TOOL_CALLS].
+MISTRAL_TEMPLATE = """{{ bos_token }}{%- for message in messages %}
+{%- if message.role == "user" %}{% if tools and loop.last %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]
+{%- endif %}[INST]{{ message.content }}[/INST]{% else %}{{ message.content }}{{ eos_token }}{% endif %}
+{%- endfor %}"""
+
+
+def test_mistral_markers_are_special_tokens_kept_for_the_parser(smollm2_path):
+    """Mistral's [TOOL_CALLS] and [ARGS] are special tokens, which an answer's text leaves out: with the
+    mistral parser the server keeps them in the text it parses (and sends a call's text as no content),
+    so the calls come back, streamed or not; without tools they stay out of the answer as before."""
+    import asyncio
+
+    from medusa_jax.convert.load import load_tokenizer
+    from medusa_jax.serve.app import create_app
+
+    tokenizer = load_tokenizer(smollm2_path)
+    tokenizer.add_tokens(["[TOOL_CALLS]", "[ARGS]"], special_tokens=True)
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    marker = tokenizer.convert_tokens_to_ids("[TOOL_CALLS]")
+    engine = _ScriptedEngine(tokenizer)
+    engine.cfg = type("cfg", (), {"vocab_size": len(tokenizer)})
+    app = create_app(engine, tokenizer, MODEL, tool_call_parser="mistral")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
+
+    async def ask(payload):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            return await client.post("/v1/chat/completions", json=payload)
+
+    for answer, content, calls in (
+            ('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Sure.",
+             [("get_weather", {"city": "Paris"})]),
+            ('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}', None, [("get_weather", {"city": "Oslo"})]),
+            ("[TOOL_CALLS] no call after all", "[TOOL_CALLS] no call after all", [])):
+        engine.answer = answer
+        assert marker in tokenizer.encode(answer, add_special_tokens=False)
+        msg = asyncio.run(ask(body)).json()["choices"][0]["message"]
+        assert msg["content"] == content and [_fn(c) for c in msg.get("tool_calls") or ()] == calls
+        assert all(len(c["id"]) == 9 for c in msg.get("tool_calls") or ())
+        lines = asyncio.run(ask(dict(body, stream=True))).text.splitlines()
+        deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines if x.startswith("data: {")]
+        streamed = "".join(d.get("content") or "" for d in deltas)
+        assert streamed == (content or "")  # a broken call's answer whole, its marker too (nothing lost)
+        assert [_fn(c) for d in deltas for c in d.get("tool_calls") or ()] == calls
+    engine.answer = 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    plain = asyncio.run(ask(dict(body, tool_choice="none"))).json()["choices"][0]["message"]
+    assert plain["content"] == 'Sure. [{"name": "get_weather", "arguments": {"city": "Paris"}}]'

@@ -22,6 +22,10 @@ from typing import List, Optional
 
 from medusa_jax.cli import interruptible
 
+#: `serve.tools.TOOL_PARSERS`' names (named here so that --help does not import the server; a test
+#: keeps the two equal).
+TOOL_PARSER_NAMES = ("hermes", "llama3_json", "pythonic", "mistral")
+
 
 def build_parser() -> argparse.ArgumentParser:
     from medusa_jax.cli import common
@@ -60,11 +64,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="web origins whose pages may call the API from a browser (CORS), comma-separated or a "
                         "JSON list as vLLM takes them, e.g. http://localhost:3000; '*' (the default, as vLLM's): any "
                         "origin; '': none")
-    p.add_argument("--tool-call-parser", choices=("hermes", "llama3_json"), default=None,
+    p.add_argument("--tool-call-parser", choices=TOOL_PARSER_NAMES, default=None,
                    help="how the model writes a tool call, so that chats with 'tools' get them back as tool_calls "
                         "(vLLM's names): 'hermes' for <tool_call>{...}</tool_call> (Qwen2.5, Qwen3, Hermes), "
-                        "'llama3_json' for a JSON call (Llama 3.1-3.3); default: none (a chat with tools must "
-                        "then give tool_choice 'none')")
+                        "'llama3_json' for a JSON call (Llama 3.1-3.3), 'pythonic' for [f(a=1), g()] (Llama 3.2 "
+                        "and 4 with a pythonic template), 'mistral' for [TOOL_CALLS][{...}] (Mistral); default: "
+                        "none (a chat with tools must then give tool_choice 'none')")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the tokenizer's own (e.g. one that renders "
                         "tools); its end-of-turn token also ends answers")

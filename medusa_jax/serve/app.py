@@ -48,7 +48,7 @@ from medusa_jax.serve.choices import Choice, sse
 from medusa_jax.serve.echo import Echoer, echo_alone
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
-from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces, bad_words_ids
+from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces, bad_words_ids, marker_ids
 from medusa_jax.serve.tools import TOOL_PARSERS
 
 
@@ -132,6 +132,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     # by several threads at once)
     tokenize_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="medusa-tokenize")
     pieces = TokenPieces(tokenizer)  # each token's bytes and text, for logprobs
+    markers = marker_ids(tokenizer, pieces, tools.markers) if tools else frozenset()  # kept in a tool answer's text
     echoer = Echoer(engine, tokenizer, pieces, tokenize_pool, max(max_waiting, protocol.MAX_PROMPTS),
                     cancelled=lambda: state["cancel"])
 
@@ -266,8 +267,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
         field = "messages" if chat else "prompt"
         if gen.tool_choice == "auto" and tools is None:
-            raise RequestError("tool calls need the server started with --tool-call-parser (hermes or llama3_json: "
-                               "the format the model writes them in); or give tool_choice 'none'", "tool_choice")
+            raise RequestError(f"tool calls need the server started with --tool-call-parser ({', '.join(TOOL_PARSERS)}"
+                               ": the format the model writes them in); or give tool_choice 'none'", "tool_choice")
         if gen.tools and not takes_tools:
             if gen.tool_choice != "none":
                 raise RequestError(NO_PLACE_FOR_TOOLS, "tools")
@@ -328,7 +329,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                                      min_tokens=gen.min_tokens, allowed_token_ids=gen.allowed_token_ids,
                                                      bad_words=bad_words),
                                        on_event=functools.partial(on_event, len(choices)))
-                text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens)
+                text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens,
+                                  markers if gen.tool_choice == "auto" else frozenset(), pieces.special)
                 offsets = TextOffsets(pieces, start=len(echo.text) if echo else 0)  # an echo: after the prompt
                 choices.append(Choice(handle, text, offsets, tools if gen.tool_choice == "auto" else None,
                                       echo, None if gen.parallel_tool_calls else 1))

@@ -6,7 +6,7 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from typing import Dict, List, Optional
+from typing import Dict, FrozenSet, List, Optional
 
 #: What a tokenizer's decode gives for bytes that do not (yet) make a whole UTF-8 character.
 PLACEHOLDER = "\ufffd"
@@ -27,11 +27,15 @@ class TextStream:
     only in whole characters, so a stop of U+FFFD does not match a character whose bytes are still
     coming. `hidden_ids` (a request's stop token ids) end the answer without their text unless
     `include_stop` (vLLM leaves a stop token's text out; special tokens have none anyway). As in
-    vLLM, a stop sequence completed by one of the first `min_tokens` tokens does not count."""
+    vLLM, a stop sequence completed by one of the first `min_tokens` tokens does not count.
+    `keep_ids`: special tokens whose text the text keeps (a tool-call parser's markers, such as
+    Mistral's ``[TOOL_CALLS]``), among `special_ids` (all the special tokens: `TokenPieces.special`)."""
 
-    def __init__(self, tokenizer, stop: List[str], include_stop: bool = False, hidden_ids=(), min_tokens: int = 0):
+    def __init__(self, tokenizer, stop: List[str], include_stop: bool = False, hidden_ids=(), min_tokens: int = 0,
+                 keep_ids: FrozenSet[int] = frozenset(), special_ids: FrozenSet[int] = frozenset()):
         self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.min_tokens = min_tokens
+        self.keep, self.special = frozenset(keep_ids), frozenset(special_ids)
         self.hidden = frozenset(() if include_stop else hidden_ids)
         self.tokens: List[int] = []
         self.sent = 0     # characters handed out
@@ -55,7 +59,9 @@ class TextStream:
         need not extend the text of n ("it '" + "s" -> "it's"), which a stream relies on."""
         if self.hidden:
             tokens = [t for t in tokens if t not in self.hidden]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=True, clean_up_tokenization_spaces=False)
+        if self.keep:  # the special tokens left out here, but for those kept
+            tokens = [t for t in tokens if t in self.keep or t not in self.special]
+        text = self.tokenizer.decode(tokens, skip_special_tokens=not self.keep, clean_up_tokenization_spaces=False)
         return text.rstrip(PLACEHOLDER)
 
     def feed(self, tokens: List[int], final: bool = False) -> tuple:
@@ -93,7 +99,11 @@ class TokenPieces:
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self.cache: Dict[int, bytes] = {}
-        self.special = set(getattr(tokenizer, "all_special_ids", ()) or ())
+        # the tokens a decode with skip_special_tokens leaves out: the named special tokens, and every
+        # added token marked special (chat and tool markers that the tokenizer does not name)
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.special = frozenset(set(getattr(tokenizer, "all_special_ids", ()) or ())
+                                 | {i for i, t in added.items() if getattr(t, "special", False)})
         self.byte_level = None
         backend = getattr(tokenizer, "backend_tokenizer", None)
         try:
@@ -153,6 +163,17 @@ class TextOffsets:
             at += len(pending.decode("utf-8", errors="replace"))
         self.chars += len(self.decoder.decode(data))
         return at
+
+
+def marker_ids(tokenizer, pieces: TokenPieces, markers) -> FrozenSet[int]:
+    """The ids of the special tokens among `markers` (token texts, a tool-call parser's) that the
+    tokenizer has (`TextStream`'s ``keep_ids``)."""
+    out = set()
+    for m in markers:
+        i = tokenizer.convert_tokens_to_ids(m)
+        if isinstance(i, int) and i in pieces.special and tokenizer.convert_ids_to_tokens(i) == m:
+            out.add(i)
+    return frozenset(out)
 
 
 def bad_words_ids(tokenizer, words: List[str]) -> List[List[int]]:

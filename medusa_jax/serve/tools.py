@@ -12,6 +12,14 @@ turns into OpenAI's ``tool_calls``:
 - ``llama3_json`` (Llama 3.1-3.3's templates; vLLM's ``llama_tool_parser.py``): an answer that is a
   JSON object ``{"name": ..., "parameters": {...}}`` (or ``"arguments"``), several separated by ``;``,
   optionally after ``<|python_tag|>`` (a special token, left out of the text).
+- ``pythonic`` (Llama 3.2's and Llama 4's pythonic templates, ToolACE; vLLM's
+  ``pythonic_tool_parser.py``): an answer that is a Python list of calls with keyword arguments of
+  literal values, ``[get_weather(city="Paris"), get_time()]``.
+- ``mistral`` (Mistral's instruct models; vLLM's ``mistral_tool_parser.py``): ``[TOOL_CALLS]`` then
+  a JSON list of ``{"name", "arguments"}`` objects (v0.3's tokenizer), or ``name[ARGS]{...}`` per
+  call (newer ones); the text before it is content. The markers are special tokens, which the
+  answer's text keeps for this parser (`ToolCallParser.markers`), and the calls' ids are 9 letters
+  and digits, the only ids Mistral's chat templates take back.
 
 An answer that starts a call but does not finish it as valid JSON is given back as plain content,
 whole, as vLLM gives it: nothing the model wrote is lost. The text is parsed as the model wrote it
@@ -21,8 +29,11 @@ whole, as vLLM gives it: nothing the model wrote is lost. The text is parsed as 
 """
 from __future__ import annotations
 
+import ast
 import json
+import random
 import re
+import string
 import uuid
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -101,15 +112,35 @@ def new_call_id() -> str:
     return "call_" + uuid.uuid4().hex[:24]
 
 
-def tool_call(name: str, arguments: Any) -> dict:
-    """OpenAI's tool call object: a fresh id, the function's name and its arguments as a JSON string."""
-    return {"id": new_call_id(), "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False)}}
+def mistral_call_id() -> str:
+    """A call id as Mistral's chat templates require them back: 9 letters and digits."""
+    return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+
+def tool_call(name: str, arguments: Any, call_id: Optional[str] = None) -> dict:
+    """OpenAI's tool call object: the id (default a fresh `new_call_id`), the function's name and its
+    arguments as a JSON string. Raises ValueError or TypeError for arguments that are not JSON (NaN,
+    infinities, sets, bytes)."""
+    return {"id": call_id or new_call_id(), "type": "function",
+            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, allow_nan=False)}}
+
+
+def _tool_call(name: str, arguments: Any, call_id: Optional[str] = None) -> Optional[dict]:
+    """`tool_call`, or None for arguments that are not a JSON object."""
+    if not isinstance(arguments, dict):
+        return None
+    try:
+        return tool_call(name, arguments, call_id)
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 class ToolCallParser:
     """One tool-call format: `parse` splits a whole answer into content and calls; `releasable` says
-    how much of an answer streamed so far is surely content (may be sent before the answer ends)."""
+    how much of an answer streamed so far is surely content (may be sent before the answer ends).
+    ``markers``: special tokens whose text the answer must keep for `parse` to see (special tokens
+    are otherwise left out of it)."""
+    markers: Tuple[str, ...] = ()
 
     def parse(self, text: str) -> Tuple[Optional[str], List[dict]]:
         """(content, calls) of the answer `text`: calls as `tool_call` objects ([] when the answer
@@ -123,7 +154,7 @@ class ToolCallParser:
         raise NotImplementedError
 
 
-def _call(obj: Any, arguments_keys: Tuple[str, ...]) -> Optional[dict]:
+def _call(obj: Any, arguments_keys: Tuple[str, ...], call_id: Optional[str] = None) -> Optional[dict]:
     """`tool_call` of a decoded JSON call ``{"name", <one of arguments_keys>: {...}}``, or None."""
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
@@ -131,9 +162,21 @@ def _call(obj: Any, arguments_keys: Tuple[str, ...]) -> Optional[dict]:
     if isinstance(args, str):  # some models write the arguments as a JSON string
         try:
             args = json.loads(args)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
-    return tool_call(obj["name"], args) if isinstance(args, dict) else None
+    return _tool_call(obj["name"], args, call_id)
+
+
+def _held_tag_tail(text: str, tag: str) -> int:
+    """`releasable` for a format whose calls start at `tag`: the text before the tag, less a tail
+    that may begin it."""
+    start = text.find(tag)
+    if start >= 0:
+        return start
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return len(text) - k
+    return len(text)
 
 
 class HermesParser(ToolCallParser):
@@ -150,7 +193,7 @@ class HermesParser(ToolCallParser):
         for closed, open_end in self.BLOCK.findall(text[start:]):
             try:
                 call = _call(json.loads(closed or open_end), ("arguments", "parameters"))
-            except ValueError:
+            except (ValueError, RecursionError):
                 call = None
             if call is None:
                 return text, []
@@ -159,13 +202,7 @@ class HermesParser(ToolCallParser):
         return (content if content.strip() else None), calls
 
     def releasable(self, text):
-        start = text.find(self.START)
-        if start >= 0:
-            return start
-        for k in range(min(len(self.START) - 1, len(text)), 0, -1):  # a tail that may begin the tag
-            if self.START.startswith(text[-k:]):
-                return len(text) - k
-        return len(text)
+        return _held_tag_tail(text, self.START)
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -180,7 +217,7 @@ class Llama3JsonParser(ToolCallParser):
         while at < len(body):
             try:
                 obj, end = decoder.raw_decode(body, at)
-            except ValueError:
+            except (ValueError, RecursionError):
                 return text, []
             call = _call(obj, ("parameters", "arguments"))
             if call is None:
@@ -198,5 +235,88 @@ class Llama3JsonParser(ToolCallParser):
         return 0 if not body or body.startswith("{") else len(text)
 
 
+class PythonicParser(ToolCallParser):
+    """An answer that is a Python list of calls, ``[f(a=1, b="x"), g()]``: each a function's name with
+    keyword arguments whose values are literals (strings, numbers, True/False/None, lists, dicts;
+    read with `ast.literal_eval`, nothing run); any other answer is content."""
+
+    def parse(self, text):
+        body = text.strip()
+        if not (body.startswith("[") and body.endswith("]")):
+            return text, []
+        try:
+            tree = ast.parse(body, mode="eval").body
+        except (SyntaxError, ValueError, RecursionError, MemoryError):
+            return text, []
+        if not isinstance(tree, ast.List) or not tree.elts:
+            return text, []
+        calls = []
+        for node in tree.elts:
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and not node.args
+                    and all(kw.arg is not None for kw in node.keywords)):
+                return text, []
+            try:
+                call = _tool_call(node.func.id, {kw.arg: ast.literal_eval(kw.value) for kw in node.keywords})
+            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):  # not literals
+                call = None
+            if call is None:
+                return text, []
+            calls.append(call)
+        return None, calls
+
+    def releasable(self, text):
+        body = text.lstrip()
+        return 0 if not body or body.startswith("[") else len(text)
+
+
+class MistralParser(ToolCallParser):
+    """``[TOOL_CALLS]`` followed by a JSON list of calls ``[{"name": ..., "arguments": {...}}, ...]``
+    (or one such object), or by ``name[ARGS]{...}`` for each call (``[TOOL_CALLS]`` again before each
+    further one); the text before the first ``[TOOL_CALLS]`` is the content. Call ids are
+    `mistral_call_id`s."""
+    START, ARGS = "[TOOL_CALLS]", "[ARGS]"
+    markers = (START, ARGS)
+
+    def parse(self, text):
+        start = text.find(self.START)
+        if start < 0:
+            return text, []
+        rest = text[start + len(self.START):]
+        calls = self._json_calls(rest) if self.ARGS not in rest else self._args_calls(rest)
+        if not calls:
+            return text, []
+        content = text[:start]
+        return (content if content.strip() else None), calls
+
+    def _json_calls(self, rest: str) -> List[dict]:
+        try:
+            obj = json.loads(rest)
+        except (ValueError, RecursionError):
+            return []
+        objs = obj if isinstance(obj, list) else [obj]
+        calls = [_call(o, ("arguments", "parameters"), mistral_call_id()) for o in objs]
+        return calls if calls and None not in calls else []
+
+    def _args_calls(self, rest: str) -> List[dict]:
+        calls = []
+        for part in rest.split(self.START):
+            name, sep, args = part.partition(self.ARGS)
+            name = name.strip()
+            if not sep or not FUNCTION_NAME.fullmatch(name):
+                return []
+            try:
+                call = _tool_call(name, json.loads(args), mistral_call_id())
+            except (ValueError, RecursionError):
+                call = None
+            if call is None:
+                return []
+            calls.append(call)
+        return calls
+
+    def releasable(self, text):
+        return _held_tag_tail(text, self.START)
+
+
 #: The tool-call formats by vLLM's ``--tool-call-parser`` names.
-TOOL_PARSERS: Dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser()}
+TOOL_PARSERS: Dict[str, ToolCallParser] = {"hermes": HermesParser(), "llama3_json": Llama3JsonParser(),
+                                           "pythonic": PythonicParser(), "mistral": MistralParser()}
