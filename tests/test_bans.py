@@ -159,3 +159,26 @@ def test_generate_takes_the_bans_and_medusa_keeps_them(tiny):
     with pytest.raises(ValueError, match="allowed_token_ids"):
         generate(cfg, params, prompt, max_new_tokens=4, progress=False, allowed_token_ids=[V + 5])
 
+
+def test_generate_batch_takes_the_same_settings_for_every_prompt(tiny):
+    """`generate_batch` takes penalties, logit_bias, min_tokens, allowed_token_ids and bad_words for
+    every prompt: each row's greedy answer, Medusa's or plain, is `generate`'s with the same
+    settings; bad settings are refused before anything runs."""
+    from medusa_jax.decoding.generate import generate, generate_batch
+
+    cfg, params, heads, prompts = tiny
+    heads, tree = _heads_and_tree(cfg, params, heads, "dynamic")
+    free = generate(cfg, params, prompts[0], max_new_tokens=24, progress=False).tokens
+    kw = dict(max_new_tokens=24, penalties={"repetition_penalty": 1.3, "presence_penalty": 0.5},
+              logit_bias={free[2]: -100.0}, min_tokens=3, allowed_token_ids=sorted(set(range(V)) - {free[5]}),
+              bad_words=[free[7:9]])
+    want = [generate(cfg, params, p, progress=False, **kw).tokens for p in prompts[:5]]
+    assert want[0] != free
+    for h, t in ((None, None), (heads, tree)):
+        got = dict(generate_batch(cfg, params, prompts[:5], batch_size=2, heads=h, tree=t, progress=False, **kw))
+        assert [got[i].tokens for i in range(5)] == want
+    for bad, match in (({"penalties": {"typo_penalty": 1.0}}, "unknown penalties typo_penalty"),
+                       ({"logit_bias": {V + 1: 1.0}}, "logit_bias"), ({"min_tokens": 30}, "min_tokens")):
+        with pytest.raises(ValueError, match=match):
+            generate_batch(cfg, params, prompts[:2], max_new_tokens=24, progress=False, **bad)
+

@@ -118,6 +118,23 @@ def test_decode_cli_prompts_file_in_input_order(tmp_path, capsys):
         assert x["text"] == alone["text"] and x["acceptance"] == "greedy" and x["medusa"]
 
 
+def test_decode_cli_prompts_file_takes_the_penalties(tmp_path, capsys):
+    """--prompts-file with penalties: each answer is the one --prompt gives with the same flags."""
+    from medusa_jax.cli import decode
+    f = tmp_path / "prompts.jsonl"
+    prompts = ["List the colours of the rainbow, then list them again.", "Count from one to twenty."]
+    f.write_text("\n".join(json.dumps({"prompt": x}) for x in prompts) + "\n")
+    flags = ["--max-new-tokens", "32", "--repetition-penalty", "1.3", "--frequency-penalty", "0.4"]
+    assert decode.main(["--prompts-file", str(f), "--no-progress"] + flags) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    for x, prompt in zip(lines, prompts):
+        assert decode.main(["--json", "--prompt", prompt] + flags) == 0
+        alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert decode.main(["--json", "--prompt", prompt, "--max-new-tokens", "32"]) == 0
+        free = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert x["text"] == alone["text"] != free["text"]
+
+
 def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
     from medusa_jax.cli import decode
     rc = decode.main(["--json", "--max-new-tokens", "16", "--temperature", "0.7", "--prompt", "Hi!"])

@@ -36,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="answer every prompt of this JSONL file, one JSON object per line with a 'prompt' string "
                           "(MT-bench / Spec-Bench question files with 'turns' also work: the first turn is used); "
                           "prints one JSON line per prompt, in input order, with the fields of --json plus "
-                          "'index' and 'id' (the penalties and --min-p are not taken with it)")
+                          "'index' and 'id'")
     p.add_argument("--batch-size", type=int, default=None,
                    help="with --prompts-file: prompts decoded together; a finished row takes the next prompt at "
                         "once (continuous batching); default 4")
@@ -74,8 +74,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
     args.acc = common.acceptance_from_args(p, args)
     args.penalties = common.penalties_from_args(p, args)
-    if args.prompts_file is not None and args.penalties != {n: p.get_default(n) for n in args.penalties}:
-        p.error("the penalties and --min-p work with one prompt (--prompt, --prompt-file), not --prompts-file")
     if args.batch_size is not None and args.prompts_file is None:
         p.error("--batch-size goes with --prompts-file (one prompt is decoded alone)")
     args.batch_size = 4 if args.batch_size is None else args.batch_size
@@ -285,7 +283,8 @@ def decode_batch(args, model, heads, tree, acc, progress: bool) -> int:
     if order:
         gen = mj.generate_batch(model.cfg, model.params, [ids[i] for i in order], batch_size=args.batch_size,
                                 heads=heads, tree=tree, max_new_tokens=args.max_new_tokens, acceptance=acc,
-                                seed=[prompt_seed(args.seed, i) for i in order], progress=progress)
+                                seed=[prompt_seed(args.seed, i) for i in order], progress=progress,
+                                penalties=args.penalties)
         tokens = steps = 0
         while True:
             try:

@@ -123,13 +123,29 @@ def generate_stream(cfg: ModelConfig, params, prompt: Sequence[int], *, max_new_
                     acceptance=acceptance.method if acceptance.mode != "greedy" else "exact",
                     posterior_threshold=acceptance.posterior_threshold, posterior_alpha=acceptance.posterior_alpha,
                     eos_token_ids=eos, progress=progress)
+    make = _request_maker(engine, _caller, max_new_tokens, acceptance, penalties, logit_bias, min_tokens,
+                          allowed_token_ids, bad_words)
+    return _stream(engine, engine.check(make(prompt, seed)))
+
+
+def _request_maker(engine: Engine, caller: str, max_new_tokens: int, acceptance: Acceptance,
+                   penalties: Optional[Mapping[str, float]],
+                   logit_bias: Optional[Mapping[int, float]], min_tokens: int,
+                   allowed_token_ids: Optional[Sequence[int]], bad_words: Optional[Sequence[Sequence[int]]]
+                   ) -> Callable[..., Request]:
+    """A function (prompt, seed, request_id=None) -> the engine `Request` of `max_new_tokens` with
+    these settings, after checking them on a one-token prompt (ValueError naming `caller` for an
+    unknown penalty; the engine's own checks, `decoding.args.checked_request`, for the values)."""
     unknown = sorted(set(penalties or ()) - set(PENALTY_FIELDS))
     if unknown:
-        raise ValueError(f"{_caller}: unknown penalties {', '.join(unknown)} (give any of {', '.join(PENALTY_FIELDS)})")
-    request = engine.check(Request(prompt, max_new_tokens, acceptance.sampling(seed)._replace(**(penalties or {})),
-                                   logit_bias=logit_bias, min_tokens=min_tokens,
-                                   allowed_token_ids=allowed_token_ids, bad_words=bad_words))
-    return _stream(engine, request)
+        raise ValueError(f"{caller}: unknown penalties {', '.join(unknown)} (give any of {', '.join(PENALTY_FIELDS)})")
+
+    def make(prompt: Sequence[int], seed: int, request_id: Optional[str] = None) -> Request:
+        return Request(prompt, max_new_tokens, acceptance.sampling(seed)._replace(**(penalties or {})),
+                       request_id=request_id, logit_bias=logit_bias, min_tokens=min_tokens,
+                       allowed_token_ids=allowed_token_ids, bad_words=bad_words)
+    engine.check(make([0], 0))  # the settings alone, before anything runs
+    return make
 
 
 def _stream(engine: Engine, request: Request) -> Generator[List[int], None, GenerationResult]:
@@ -280,7 +296,11 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
                    tree: Optional[TreeBuffers] = None, acceptance: Acceptance = Acceptance(),
                    seed: Union[int, Sequence[int]] = 0, eos_token_ids: Optional[Sequence[int]] = None,
                    cache_size: Optional[int] = None, speculation: str = "always",
-                   progress: bool = True) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
+                   progress: bool = True, penalties: Optional[Mapping[str, float]] = None,
+                   logit_bias: Optional[Mapping[int, float]] = None, min_tokens: int = 0,
+                   allowed_token_ids: Optional[Sequence[int]] = None,
+                   bad_words: Optional[Sequence[Sequence[int]]] = None,
+                   ) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
     """Decode many prompts, `batch_size` rows at a time, a finished row taking the next prompt
     (continuous batching), through the step-level engine (`decoding.engine.Engine`).
 
@@ -302,6 +322,8 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
         list, the model's context for lazily read prompts.
       speculation: "always" (the tree every step), "adaptive" (the engine chooses per step by
         measured speed) or "off" (plain steps).
+      penalties, logit_bias, min_tokens, allowed_token_ids, bad_words: for every prompt, as
+        `generate_stream` takes them (greedy rows stay plain greedy's with them).
       others: as `generate_device`.
     Yields:
       (i, GenerationResult) as prompt i finishes (completion order, not input order); the result's
@@ -334,8 +356,9 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
                     speculation=speculation, acceptance=acceptance.method if acceptance.mode != "greedy" else "exact",
                     posterior_threshold=acceptance.posterior_threshold, posterior_alpha=acceptance.posterior_alpha,
                     eos_token_ids=eos, progress=False)
-    return _batch_loop(engine, source, None if lazy else len(checked), batch_size, max_new_tokens, acceptance,
-                       progress)
+    make = _request_maker(engine, "generate_batch()", max_new_tokens, acceptance, penalties, logit_bias, min_tokens,
+                          allowed_token_ids, bad_words)
+    return _batch_loop(engine, source, None if lazy else len(checked), batch_size, make, progress)
 
 
 def _checked_prompts(cfg: ModelConfig, prompts: Iterator, cache_size: Optional[int],
@@ -348,10 +371,11 @@ def _checked_prompts(cfg: ModelConfig, prompts: Iterator, cache_size: Optional[i
 
 
 def _batch_loop(engine: Engine, source: Iterator[Tuple[List[int], int]], total: Optional[int], batch_size: int,
-                max_new_tokens: int, acceptance: Acceptance,
+                make: Callable[..., Request],
                 progress: bool) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
     """The generator behind `generate_batch`: keeps `batch_size` prompts of `source` ((ids, seed)
-    each, `total` of them when known) in the engine, the next one submitted once an answer is out."""
+    each, `total` of them when known) in the engine as `make`'s requests, the next one submitted once
+    an answer is out."""
     done: List[Tuple[int, Finished]] = []
     in_flight = 0
     next_i = 0
@@ -365,7 +389,7 @@ def _batch_loop(engine: Engine, source: Iterator[Tuple[List[int], int]], total: 
             return False
         ids, row_seed = nxt
         i = next_i
-        engine.submit(Request(ids, max_new_tokens, acceptance.sampling(row_seed), request_id=str(i)),
+        engine.submit(make(ids, row_seed, str(i)),
                       on_event=lambda kind, payload: done.append((i, payload)) if kind == "done" else None)
         in_flight, next_i = in_flight + 1, next_i + 1
         return True
