@@ -179,7 +179,7 @@ class Engine:
         (`decoding.prompt_logprobs.score_prompt`: P entries, the first None; `top` in [0, 20]
         alternatives each). Runs in the caller's thread, beside the engine's own steps.
 
-        keep: also put the prompt's K/V into the prefix cache (when it is on and the prompt has at
+        keep: also put the prompt's K/V into the prefix cache (when it is on and the prompt has
         more than its ``min_tokens``), so that a request for the same prompt submitted next prefills its
         last token only: a loglikelihood request (echo with ``logprobs`` and an answer) costs about
         one prefill, not two. Nothing else of the engine's state changes.
