@@ -204,21 +204,25 @@ def resolve_heads(model, heads_path: Optional[str], tree_spec=None, use_medusa: 
 
 
 def untuned_note(heads_path: Optional[str], heads, tree: Optional[TreeBuffers], calibration: Optional[dict],
-                 tree_spec=None) -> str:
+                 tree_spec=None, model_path: Optional[str] = None) -> str:
     """A hint for heads that `medusa_jax.cli.tune` never calibrated (no ``tree_search`` report: heads
     in the official or vLLM format, which have no place for one) decoding with the tree of their
     config (its ``medusa_choices``, or the default tree) because no `tree_spec` was given; ""
     otherwise. Without a proposal vocabulary every head projects onto the whole vocabulary each
     step: on a CPU such heads decoded at a tenth of plain decoding's speed, with nothing saying why.
 
-    heads: the (MedusaConfig, params) `resolve_heads` returned, or None."""
+    heads: the (MedusaConfig, params) `resolve_heads` returned, or None. model_path: the backbone
+    given (--model; None: the default model), named in the suggested command with the
+    self-distillation data tune needs for it."""
     if heads is None or tree is None or heads_path == "zero" or calibration or tree_spec is not None:
         return ""
     vocab = "" if heads[0].proposal_vocab_size else ", each head projecting onto the whole vocabulary"
     return (f"these heads have no medusa-tune report, so they decode with the {tree.size}-token tree of their "
-            f"config{vocab}: on this device that may be slower than plain decoding; `medusa-tune --heads "
-            f"{heads_path} --proposal-vocab 8192 --out DIR` writes them to DIR with a tree and a proposal "
-            "vocabulary chosen for this device (or give --tree)")
+            f"config{vocab}: on this device that may be slower than plain decoding; `medusa-tune "
+            + (f"--model {model_path} --data DISTILLED " if model_path else "")
+            + f"--heads {heads_path} --proposal-vocab 8192 --out DIR` writes them to DIR with a tree and a proposal "
+            "vocabulary chosen for this device" + (" (DISTILLED: medusa-distill's answers of this model)"
+                                                   if model_path else "") + " (or give --tree)")
 
 
 def heads_calibration(heads_path: Optional[str], weights: Optional[str] = None) -> Optional[dict]:

@@ -212,10 +212,12 @@ def random_heads(cfg: ModelConfig, params, num_heads: int = 3, head_type: str = 
     return hcfg, {k: jax.random.normal(kk, a.shape) * scale for kk, (k, a) in zip(keys, sorted(hp.items()))}
 
 
-def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None, args=(), gguf=None):
+def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None, args=(), gguf=None,
+                  num_heads: int = 3, topk: int = 5):
     """`medusa-tune` end to end on a tiny tied-embedding HF model saved in
     ``tmp_path/model`` (`gguf`, a ``gguf.GGMLQuantizationType``: written as a GGUF file of that type
-    instead, ``tmp_path/model.gguf``, loaded and tuned with ``--weights as-stored``), with 3 random heads (topk 5, `head_type`) saved in ``tmp_path/heads``
+    instead, ``tmp_path/model.gguf``, loaded and tuned with ``--weights as-stored``), with `num_heads` random heads
+    (`topk`, `head_type`) saved in ``tmp_path/heads``
     (`extra`: more config fields; `args`: more tune flags) and 40 synthetic chats (response ids < 64) in ``tmp_path/data``;
     the tuned heads go to ``tmp_path/tuned`` with a 64-token proposal vocabulary.
     Returns (the loaded backbone `LoadedModel`, tune's exit code)."""
@@ -239,7 +241,7 @@ def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra
         from test_convert import write_gguf
         path, weights = write_gguf(tmp_path / "model.gguf", cfg, hf_state_dict(model), qtype=gguf), "as-stored"
     lm = load_model(path, with_tokenizer=False, weights=weights)
-    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=3, topk=5,
+    hcfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size, num_heads=num_heads, topk=topk,
                         head_type=head_type)
     hp = init_heads(hcfg, lm_head_matrix(lm.cfg, lm.params))
     hp = {k: np.asarray(jax.random.normal(jax.random.PRNGKey(i), a.shape)) * 0.3 for i, (k, a) in enumerate(hp.items())}

@@ -143,12 +143,13 @@ def test_a_checkpoint_without_its_lm_head_is_named_as_such(tmp_path):
         params_from_hf_tensors(cfg, base)
 
 
-def test_a_directory_without_tokenizer_files_names_the_way_out(tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])  # transformers 5 makes an empty tokenizer of a qwen config
+def test_a_directory_without_tokenizer_files_names_the_way_out(tmp_path, arch):
     """A checkpoint directory without tokenizer files: the message says to copy them in, or to
     load with with_tokenizer=False, which works."""
     from medusa_jax.convert.hf import ConversionError
 
-    model, _ = random_hf_model(tiny_config("llama"))
+    model, _ = random_hf_model(tiny_config(arch))
     model.save_pretrained(tmp_path)
     with pytest.raises(ConversionError, match="no tokenizer files .* with_tokenizer=False"):
         load_model(str(tmp_path))

@@ -179,6 +179,8 @@ def test_heads_without_a_tune_report_get_a_note_unless_a_tree_is_given():
     note = untuned_note("/x/heads", (cfg, {}), tree, None)
     assert "no medusa-tune report" in note and f"{tree.size}-token tree" in note and "whole vocabulary" in note
     assert "`medusa-tune --heads /x/heads --proposal-vocab 8192 --out DIR`" in note
+    mine = untuned_note("/x/heads", (cfg, {}), tree, None, None, "/my/model")  # the user's own backbone
+    assert "`medusa-tune --model /my/model --data DISTILLED --heads /x/heads" in mine and "medusa-distill" in mine
     assert "whole vocabulary" not in untuned_note("/x/heads", (cfg.replace(proposal_vocab_size=16), {}), tree, None)
     for args in (("/x/heads", (cfg, {}), tree, {"device": "cpu"}),  # tuned
                  ("/x/heads", (cfg, {}), tree, None, "chain2"),  # a tree given

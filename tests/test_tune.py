@@ -244,6 +244,23 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     assert heads_calibration(str(tmp_path / "tuned"), "float32")["weights"] == "as-stored"
 
 
+def test_tune_fits_small_models_and_heads(tmp_path, capsys):
+    """A model whose context is below the default cache sizes, and heads whose trees are smaller than
+    prompt lookup's step: tune times what fits (the context's cache, a copy as long as the largest
+    tree), says so, and saves its choice (it crashed on both)."""
+    from conftest import tiny_tune_run
+
+    lm, rc = tiny_tune_run(tmp_path, sizes="2,3", num_heads=1, topk=2,
+                           args=["--dynamic-width", "0", "--cost-cache-sizes", "64,1024", "--prompt-lookup", "6"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "the model's context is 256 tokens; the steps are timed with KV caches of 64, 256 slots" in err
+    assert "prompt lookup copies at most 2 tokens with them (not 6)" in err
+    report = json.load(open(tmp_path / "tuned" / "config.json"))["tree_search"]
+    assert report["cost_cache_sizes"] == [64, 256] and report["prompt_lookup"]["num_tokens"] == 2
+    assert [r["size"] for r in report["rows"]] == [1, 2, 3]
+
+
 def _files(directory) -> dict:
     """{relative path: (bytes, mtime_ns)} of every file under `directory`."""
     out = {}

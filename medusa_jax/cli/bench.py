@@ -121,7 +121,7 @@ def main(argv=None) -> int:
         return 2
     calibration = resolve.heads_calibration(args.heads, weights_of(params))
     for line in (note, resolve.speed_note(tree, calibration)
-                 or resolve.untuned_note(args.heads, heads, tree, calibration, args.tree)):
+                 or resolve.untuned_note(args.heads, heads, tree, calibration, args.tree, args.model)):
         if line:
             print(f"note: {line}", file=sys.stderr)
     hf_model = load_hf_peer(model.path, args.torch_threads) if args.hf else None

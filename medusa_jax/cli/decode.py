@@ -176,7 +176,7 @@ def main(argv=None) -> int:
     if heads is not None and not heads_note:
         calibration = resolve.heads_calibration(args.heads, weights_of(model.params))
         heads_note = resolve.speed_note(tree, calibration) or resolve.untuned_note(args.heads, heads, tree,
-                                                                                  calibration, args.tree)
+                                                                                  calibration, args.tree, args.model)
     if heads_note and not args.json:
         print(f"note: {heads_note}", file=sys.stderr)
     acc = args.acc

@@ -196,6 +196,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as e:  # HeadsMismatchError: heads of another model
         print(f"error: {e}", file=sys.stderr)
         return 2
+    context = model.cfg.max_position_embeddings
+    if any(S > context for S in cache_sizes):  # a small model's context: its own length is the largest cache
+        fit = sorted({S for S in cache_sizes if S <= context} | ({context} if max(cache_sizes) > context else set()))
+        print(f"note: the model's context is {context} tokens; the steps are timed with KV caches of "
+              f"{', '.join(map(str, fit))} slots (not {', '.join(map(str, cache_sizes))})", file=sys.stderr)
+        cache_sizes = fit
     if args.proposal_vocab is not None and args.proposal_vocab > model.cfg.vocab_size:
         p.error(f"--proposal-vocab {args.proposal_vocab} is larger than the model's vocabulary "
                 f"({model.cfg.vocab_size}); give at most that (0: the whole vocabulary)")
@@ -226,6 +232,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
     order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
+    if lookup is not None and order and lookup.num_tokens > len(order):  # its step could not be timed
+        print(f"note: these heads draft static trees of at most {len(order) + 1} tokens, so prompt lookup copies "
+              f"at most {len(order)} tokens with them (not {lookup.num_tokens}): a copy of k tokens is verified in "
+              "a step of k + 1, timed with a static tree of that size", file=sys.stderr)
+        sizes = sorted({T for T in sizes if T != lookup.num_tokens + 1} | {len(order) + 1})
+        lookup = lookup._replace(num_tokens=len(order))
     trees = [build_tree(order[:T - 1], hcfg.topk) for T in sizes if T - 1 <= len(order)]
     if len(trees) < len(sizes):  # the heads' candidates (topk per head, depth num_heads) run out first
         print(f"note: these heads draft static trees of at most {len(order) + 1} tokens; "
@@ -301,7 +313,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               f"predicted {best['predicted_speedup']:.3f}x); that tree is the one kept with the heads, but "
               "decode.py --no-medusa is faster here", file=sys.stderr)
     # the static tree is kept either way (tools without dynamic trees read medusa_choices); its step's breakdown
-    static_best = best if "dynamic" not in best else max(rows, key=lambda r: (r["predicted_speedup"], -r["size"]))
+    static_best = best if "dynamic" not in best else max(rows[1:], key=lambda r: (r["predicted_speedup"], -r["size"]))
     chosen_tree = build_tree([tuple(p) for p in static_best["medusa_choices"]], hcfg.topk)
     breakdown = overhead_breakdown(model.cfg, model.params, (hcfg, jhp), chosen_tree, prompt, args.steps,
                                    args.repeats, cache_sizes[0])

@@ -130,14 +130,15 @@ def load_tokenizer(path: str, reader=None):
                                   f"({e}); install a supported one: pip install 'transformers>=5,<6'") from e
     from transformers import AutoTokenizer
 
+    files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "spiece.model")
+    if not any(os.path.exists(os.path.join(path, f)) for f in files):  # transformers 5 would build an empty
+        # tokenizer from a qwen2/qwen3 config alone
+        raise ConversionError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json): copy "
+                              "the model's tokenizer files into this directory (from Python, "
+                              "load_model(path, with_tokenizer=False) works with token ids)")
     try:
         return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-        if not any(os.path.exists(os.path.join(path, f)) for f in files):
-            raise ConversionError(f"{path}: no tokenizer files (tokenizer.json, tokenizer_config.json): copy "
-                                  "the model's tokenizer files into this directory (from Python, "
-                                  "load_model(path, with_tokenizer=False) works with token ids)") from e
         raise ConversionError(f"{path}: cannot load a tokenizer ({type(e).__name__}: {e}); expected "
                               "tokenizer.json / tokenizer_config.json in an HF directory, or tokenizer "
                               "metadata in a GGUF file") from e
