@@ -213,11 +213,11 @@ def random_heads(cfg: ModelConfig, params, num_heads: int = 3, head_type: str = 
 
 
 def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra=None, args=(), gguf=None,
-                  num_heads: int = 3, topk: int = 5):
+                  num_heads: int = 3, topk: int = 5, data_meta: Optional[dict] = None):
     """`medusa-tune` end to end on a tiny tied-embedding HF model saved in
     ``tmp_path/model`` (`gguf`, a ``gguf.GGMLQuantizationType``: written as a GGUF file of that type
     instead, ``tmp_path/model.gguf``, loaded and tuned with ``--weights as-stored``), with `num_heads` random heads
-    (`topk`, `head_type`) saved in ``tmp_path/heads``
+    (`topk`, `head_type`) saved in ``tmp_path/heads``; `data_meta`: the data's meta.json, if any
     (`extra`: more config fields; `args`: more tune flags) and 40 synthetic chats (response ids < 64) in ``tmp_path/data``;
     the tuned heads go to ``tmp_path/tuned`` with a 64-token proposal vocabulary.
     Returns (the loaded backbone `LoadedModel`, tune's exit code)."""
@@ -248,6 +248,8 @@ def tiny_tune_run(tmp_path, head_type: str = "medusa", sizes: str = "2,4", extra
     save_heads(str(tmp_path / "heads"), hcfg, hp, extra=extra)
     rng = np.random.RandomState(0)
     (tmp_path / "data").mkdir()
+    if data_meta is not None:
+        (tmp_path / "data" / "meta.json").write_text(json.dumps(data_meta))
     with open(tmp_path / "data" / "samples.jsonl", "w") as f:
         for i in range(40):
             f.write(json.dumps({"id": f"p{i}", "prompt_ids": rng.randint(0, 128, 12).tolist(),

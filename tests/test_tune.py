@@ -247,15 +247,17 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
 def test_tune_fits_small_models_and_heads(tmp_path, capsys):
     """A model whose context is below the default cache sizes, and heads whose trees are smaller than
     prompt lookup's step: tune times what fits (the context's cache, a copy as long as the largest
-    tree), says so, and saves its choice (it crashed on both)."""
+    tree), says so, and saves its choice (it crashed on both); data distilled from another model is
+    named in a note."""
     from conftest import tiny_tune_run
 
-    lm, rc = tiny_tune_run(tmp_path, sizes="2,3", num_heads=1, topk=2,
+    lm, rc = tiny_tune_run(tmp_path, sizes="2,3", num_heads=1, topk=2, data_meta={"model": "/x/SmolLM2.gguf"},
                            args=["--dynamic-width", "0", "--cost-cache-sizes", "64,1024", "--prompt-lookup", "6"])
     err = capsys.readouterr().err
     assert rc == 0, err
     assert "the model's context is 256 tokens; the steps are timed with KV caches of 64, 256 slots" in err
     assert "prompt lookup copies at most 2 tokens with them (not 6)" in err
+    assert "holds another model's answers (its meta.json)" in err  # the data named another model
     report = json.load(open(tmp_path / "tuned" / "config.json"))["tree_search"]
     assert report["cost_cache_sizes"] == [64, 256] and report["prompt_lookup"]["num_tokens"] == 2
     assert [r["size"] for r in report["rows"]] == [1, 2, 3]

@@ -51,6 +51,7 @@ from medusa_jax import kernels
 from medusa_jax.decoding.dynamic_spec import DEFAULT_DYNAMIC_WIDTH
 from medusa_jax.decoding.tree import build_tree, dynamic_tree, with_lookup
 from medusa_jax.train.distill import SAMPLES_FILE
+from medusa_jax.train.examples import distilled_for_another_model
 from medusa_jax.tuning.calibrate import (
     DEFAULT_OUT,
     DEFAULT_SIZES,
@@ -196,6 +197,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except (OSError, ValueError) as e:  # HeadsMismatchError: heads of another model
         print(f"error: {e}", file=sys.stderr)
         return 2
+    made_by = distilled_for_another_model(args.data, model.path)
+    if made_by is not None:  # the tree would be chosen by how often the heads match another model's answers
+        print(f"note: --data {args.data} holds another model's answers (its meta.json), not {model.path}'s: the "
+              "tree is chosen by how often the heads match those; give this model's own (medusa-distill "
+              f"--model {model.path} --out DIR, then --data DIR)", file=sys.stderr)
     context = model.cfg.max_position_embeddings
     if any(S > context for S in cache_sizes):  # a small model's context: its own length is the largest cache
         fit = sorted({S for S in cache_sizes if S <= context} | ({context} if max(cache_sizes) > context else set()))
