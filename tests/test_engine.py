@@ -140,6 +140,29 @@ def test_a_scored_prompt_is_prefilled_from_its_scoring_cache(tiny):
     assert len(engine.prefix.entries) == kept
 
 
+def test_prefix_lookup_takes_the_latest_of_equal_matches_that_fits():
+    """Of entries sharing as long a prefix, the latest is taken, and one too large for the request's
+    cache is passed over (an earlier, larger entry hid a fitting one: a loglikelihood request's
+    scoring cache beside a longer prompt's)."""
+    import jax.numpy as jnp
+
+    from medusa_jax.decoding.prefix_cache import PrefixCache
+
+    def kv(slots):
+        return jnp.zeros((1, 1, slots, 2)), jnp.zeros((1, 1, slots, 2))
+
+    cache = PrefixCache(1 << 20, min_tokens=4)
+    x = list(range(100))
+    cache.add(x[:90], *kv(128))  # shares 40 tokens with the prompt, but has 128 slots
+    cache.add(x[:40], *kv(64))   # shares the same 40 and fits a 64-slot cache
+    n, entry = cache.lookup(x[:40] + [7, 7], max_slots=64)
+    assert n == 40 and entry.k.shape[2] == 64
+    n, entry = cache.lookup(x[:40] + [7, 7])  # no bound: the latest of the equal matches
+    assert n == 40 and entry.k.shape[2] == 64
+    assert cache.lookup(x[:80], max_slots=32) == (0, None)  # nothing fits
+    assert cache.lookup(x[:80])[0] == 79
+
+
 def test_cancel_frees_the_row_and_the_others_finish(tiny):
     cfg, params, heads, prompts = tiny
     engine = Engine(cfg, params, heads=heads, tree=TREE, max_batch=2)

@@ -112,6 +112,20 @@ def test_mistral_calls_follow_their_marker_with_ids_mistral_takes_back():
         assert parse(text) == (text, []), text
 
 
+@pytest.mark.parametrize("fmt,text", [
+    ("hermes", '<tool_call>{"name": "f", "arguments": {"x": "\\ud800"}}</tool_call>'),
+    ("hermes", '<tool_call>{"name": "", "arguments": {}}</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": {"x": "\\udc00"}}'),
+    ("pythonic", '[f(x="\\ud800")]'),
+    ("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {"a": "\\ud800"}}]'),
+    ("mistral", '[TOOL_CALLS]f[ARGS]{"a": "\\udfff"}')])
+def test_a_call_that_cannot_be_sent_as_utf8_is_content(fmt, text):
+    """A JSON escape of a lone surrogate (or an empty name) makes a call the response could not carry
+    (UTF-8 has no surrogates: the server answered 500): the answer is content, whole."""
+    assert TOOL_PARSERS[fmt].parse(text) == (text, [])
+    text.encode("utf-8")  # the content itself is ASCII, as the model wrote it
+
+
 def test_the_cli_offers_every_parser():
     from medusa_jax.cli.serve import TOOL_PARSER_NAMES
 
@@ -413,3 +427,65 @@ def test_mistral_markers_are_special_tokens_kept_for_the_parser(smollm2_path):
     engine.answer = 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
     plain = asyncio.run(ask(dict(body, tool_choice="none"))).json()["choices"][0]["message"]
     assert plain["content"] == 'Sure. [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+
+
+def test_a_prompt_being_scored_answers_at_once_on_shutdown_or_a_client_gone(smollm2_path):
+    """An echo's scoring (seconds per chunk on a long prompt) is watched from the event loop: when the
+    shutdown's grace runs out the request gets 503 server_shutdown at once (uvicorn cut it off with a
+    bare 500 while a chunk ran past the grace), and a client that disconnects stops its scoring at
+    the next chunk (it ran to the end, holding the queue behind it)."""
+    import asyncio
+    import concurrent.futures
+
+    from medusa_jax.convert.load import load_tokenizer
+    from medusa_jax.serve.echo import ClientGone, Echoer
+    from medusa_jax.serve.protocol import Generation
+    from medusa_jax.serve.text import TokenPieces
+
+    class SlowEngine:  # 20 chunks of 3 s; it checks `stop` between chunks, as the real one does
+        def __init__(self):
+            self.chunks = 0
+
+        def prompt_logprobs(self, ids, top, stop=None, keep=False):
+            from medusa_jax.decoding.requests import EngineStopped
+            for _ in range(20):
+                if stop():
+                    raise EngineStopped("stopped")
+                time.sleep(3.0)
+                self.chunks += 1
+            return [None] * len(ids)
+
+    tokenizer = load_tokenizer(smollm2_path)
+    cancel = {"now": False}
+    engine = SlowEngine()
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    echoer = Echoer(engine, tokenizer, TokenPieces(tokenizer), pool, 128, cancelled=lambda: cancel["now"])
+    gen = Generation(messages=None, prompts=[[1, 2, 3]], max_tokens=1, temperature=0.0, top_p=1.0, seed=0, stop=[],
+                     stream=False, include_usage=False, model=MODEL, echo=True, logprobs=1)
+
+    async def scored(after, what):
+        async def gone():
+            return what == "client" and time.monotonic() > t0 + after
+
+        async def grace():
+            await asyncio.sleep(after)
+            cancel["now"] = what == "shutdown"
+        task = asyncio.ensure_future(grace())
+        try:
+            await echoer.echoes(gen, [[1, 2, 3]], gone)
+        finally:
+            await task
+    for what in ("shutdown", "client"):
+        cancel["now"], engine.chunks = False, 0
+        t0 = time.monotonic()
+        if what == "shutdown":
+            with pytest.raises(RequestError) as e:
+                asyncio.run(scored(1.0, what))
+            assert e.value.status == 503 and e.value.code == "server_shutdown"
+        else:
+            with pytest.raises(ClientGone):
+                asyncio.run(scored(1.0, what))
+        assert time.monotonic() - t0 < 2.5  # not at the end of the running chunk (3 s), nor of the scoring (60 s)
+        time.sleep(3.5)
+        assert engine.chunks <= 2 and echoer.scoring == 0  # the scoring stopped at its next chunk
+    pool.shutdown()

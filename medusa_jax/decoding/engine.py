@@ -345,8 +345,8 @@ class Engine:
         need = min(bucket(len(request.prompt) + self.step_size + 1, 128), self.max_len)
         size = max(need, self.S)
         prefix = None
-        n, entry = self.prefix.lookup(request.prompt) if self.prefix.enabled else (0, None)
-        if entry is not None and entry.k.shape[2] <= size:
+        n, entry = self.prefix.lookup(request.prompt, max_slots=size) if self.prefix.enabled else (0, None)
+        if entry is not None:
             toks = np.zeros((entry.k.shape[2],), np.int32)
             toks[:len(entry.tokens)] = entry.tokens[:entry.k.shape[2]]
             prefix = (entry.k, entry.v, jnp.asarray(toks), n)

@@ -92,27 +92,28 @@ class PrefixCache:
                 _, old = self.entries.popitem(last=False)
                 self.bytes -= old.nbytes
 
-    def lookup(self, prompt) -> Tuple[int, Optional[PrefixEntry]]:
-        """(n, entry): the entry sharing the longest common prefix with `prompt`, and how many of its
-        tokens to reuse (at most ``len(prompt) - 1``: the last prompt token is always prefilled, for
-        its logits), or (0, None) when no entry shares at least ``min_tokens``. The entry becomes
-        the most recently used."""
+    def lookup(self, prompt, max_slots: Optional[int] = None) -> Tuple[int, Optional[PrefixEntry]]:
+        """(n, entry): the entry sharing the longest common prefix with `prompt` (the most recent of
+        equals), and how many of its tokens to reuse (at most ``len(prompt) - 1``: the last prompt
+        token is always prefilled, for its logits), or (0, None) when no entry shares at least
+        ``min_tokens``. Entries of more than `max_slots` slots (a cache they cannot be copied into)
+        are passed over. The entry becomes the most recently used."""
         with self._lock:
-            return self._lookup(prompt)
+            return self._lookup(prompt, max_slots)
 
-    def _lookup(self, prompt) -> Tuple[int, Optional[PrefixEntry]]:
+    def _lookup(self, prompt, max_slots: Optional[int]) -> Tuple[int, Optional[PrefixEntry]]:
         if not self.entries:
             self.misses += 1
             return 0, None
         p = np.asarray(prompt, np.int64)
         best, best_id = 0, None
-        for eid, e in self.entries.items():
+        for eid, e in self.entries.items():  # oldest first: a later equal match replaces an earlier one
             m = min(len(e.tokens), len(p) - 1)
-            if m <= best:
+            if m < best or m == 0 or (max_slots is not None and e.k.shape[2] > max_slots):
                 continue
             diff = np.nonzero(e.tokens[:m] != p[:m])[0]
             n = int(diff[0]) if diff.size else m
-            if n > best:
+            if n >= best and n:
                 best, best_id = n, eid
         if best_id is None or best < self.min_tokens:
             self.misses += 1

@@ -45,7 +45,7 @@ from medusa_jax.decoding.requests import Request as EngineRequest
 from medusa_jax.decoding.requests import SamplingParams
 from medusa_jax.serve import protocol
 from medusa_jax.serve.choices import Choice, sse
-from medusa_jax.serve.echo import Echoer, echo_alone
+from medusa_jax.serve.echo import ClientGone, Echoer, echo_alone
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
 from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces, bad_words_ids, marker_ids
@@ -299,7 +299,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             raise RequestError(f"{total} choices need a row or a place in the queue each; this server has "
                                f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)",
                                "n" if len(prompts) == 1 else "prompt")
-        echoes = await echoer.echoes(gen, prompts) if gen.echo else [None] * len(prompts)
+        try:
+            echoes = await echoer.echoes(gen, prompts, request.is_disconnected) if gen.echo else [None] * len(prompts)
+        except ClientGone:
+            return Response(status_code=499)
         # each choice takes a row, or a place in the queue once the free rows are taken (checked here,
         # with nothing awaited before the submissions, so that concurrent requests cannot all pass it)
         if total and max(0, engine.waiting + total - max(0, engine.max_batch - engine.live)) > max_waiting:
@@ -414,8 +417,11 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                         else "the prompt could not be tokenized")
                 raise RequestError(f"{where}{what}: {e}", field) from None
             try:
-                if fit:
+                if fit and room:
                     check_prompt_room(len(ids), context + 1 - room)
+                elif fit and len(ids) > context:  # a prompt alone (an echo): the whole context is its
+                    raise PromptTooLongError(f"the prompt has {len(ids)} tokens but the model's context is "
+                                             f"{context}; shorten it")
             except PromptTooLongError as e:
                 raise RequestError(f"{where}{e}", field, code="context_length_exceeded") from None
             out.append(ids)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
-from typing import Callable, List
+import threading
+from typing import Awaitable, Callable, List, Optional
 
 from fastapi.responses import StreamingResponse
 
@@ -16,6 +17,14 @@ from medusa_jax.serve import protocol
 from medusa_jax.serve.choices import Echo, sse
 from medusa_jax.serve.protocol import RequestError
 from medusa_jax.serve.text import TextOffsets, TokenPieces
+
+
+#: Seconds between two looks at the shutdown and the client while a prompt is scored (`Echoer._score`).
+POLL_S = 0.5
+
+
+class ClientGone(Exception):
+    """The client of a request being scored disconnected (`Echoer.echoes`): nothing to answer."""
 
 
 class Echoer:
@@ -43,13 +52,17 @@ class Echoer:
     def shutdown(self) -> None:
         self.pool.shutdown(wait=False)
 
-    async def echoes(self, gen: protocol.Generation, prompts: List[List[int]]) -> List[Echo]:
+    async def echoes(self, gen: protocol.Generation, prompts: List[List[int]],
+                     disconnected: Optional[Callable[[], Awaitable[bool]]] = None) -> List[Echo]:
         """Each prompt as the completion echoes it: the prompt's own text when it came as text (its ids'
         text, special tokens kept, otherwise), and with ``logprobs`` its tokens' log-probabilities and
         where each token's text starts (`offsets`). When an answer follows (``max_tokens`` > 0), the
         scoring's KV cache is kept for its prefill (`Engine.prompt_logprobs`'s ``keep``).
+        `disconnected` (the request's ``is_disconnected``) is asked every `POLL_S` while a prompt is
+        scored: a client gone stops its scoring at the next chunk.
         Raises RequestError: 429 when more than ``max_scoring`` prompts would wait to be scored; 503
-        ``server_shutdown`` when a shutdown stopped the scoring."""
+        ``server_shutdown`` as soon as the shutdown's grace runs out (`cancelled`), the scoring
+        stopping at its next chunk. ClientGone when `disconnected` said so."""
         if gen.logprobs is not None and self.scoring + len(prompts) > self.max_scoring:
             raise RequestError(f"{self.scoring} prompts are waiting to be scored; try again shortly", status=429,
                                type="rate_limit_error", code="queue_full")
@@ -64,11 +77,7 @@ class Echoer:
                     out.append(Echo(text, [], []))
                     continue
                 try:
-                    scored = await run(self.pool, functools.partial(
-                        self.engine.prompt_logprobs, ids, gen.logprobs, stop=self.cancelled, keep=gen.max_tokens != 0))
-                except EngineStopped:
-                    raise RequestError("the server is shutting down; the prompt's scoring was cut", status=503,
-                                       type="server_error", code="server_shutdown") from None
+                    scored = await self._score(ids, gen.logprobs, gen.max_tokens != 0, disconnected)
                 finally:
                     self.scoring -= 1
                     queued -= 1
@@ -77,6 +86,30 @@ class Echoer:
         finally:
             self.scoring -= queued
         return out
+
+    async def _score(self, ids: List[int], top: int, keep: bool,
+                     disconnected: Optional[Callable[[], Awaitable[bool]]]) -> list:
+        """`Engine.prompt_logprobs` of one prompt in the scoring thread, watched from the event loop:
+        the shutdown's end answers at once (the thread stops at its next chunk, which may take seconds,
+        past the grace), and so does a client gone."""
+        stop = threading.Event()
+        job = asyncio.get_running_loop().run_in_executor(self.pool, functools.partial(
+            self.engine.prompt_logprobs, ids, top, stop=lambda: stop.is_set() or self.cancelled(), keep=keep))
+        try:
+            while True:
+                done, _ = await asyncio.wait([job], timeout=POLL_S)
+                if done:
+                    return job.result()  # EngineStopped: the engine stopped (shutdown)
+                if self.cancelled():
+                    raise EngineStopped("the shutdown's grace ran out")
+                if disconnected is not None and await disconnected():
+                    raise ClientGone("the client disconnected while its prompts were scored")
+        except EngineStopped:
+            raise RequestError("the server is shutting down; the prompt's scoring was cut", status=503,
+                               type="server_error", code="server_shutdown") from None
+        finally:
+            stop.set()  # a scoring still running ends at its next chunk; its outcome is not wanted
+            job.add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def offsets(self, prompt, ids: List[int]) -> List[int]:
         """Where each prompt token's text starts in the echoed text: for a text prompt, the

@@ -119,10 +119,14 @@ def mistral_call_id() -> str:
 
 def tool_call(name: str, arguments: Any, call_id: Optional[str] = None) -> dict:
     """OpenAI's tool call object: the id (default a fresh `new_call_id`), the function's name and its
-    arguments as a JSON string. Raises ValueError or TypeError for arguments that are not JSON (NaN,
-    infinities, sets, bytes)."""
-    return {"id": call_id or new_call_id(), "type": "function",
-            "function": {"name": name, "arguments": json.dumps(arguments, ensure_ascii=False, allow_nan=False)}}
+    arguments as a JSON string. Raises ValueError or TypeError for an empty name or arguments that
+    are not JSON (NaN, infinities, sets, bytes), and UnicodeEncodeError (a ValueError) for text that
+    is not UTF-8 (a lone surrogate, which a JSON ``\\ud800`` escape gives)."""
+    text = json.dumps(arguments, ensure_ascii=False, allow_nan=False)
+    if not name:
+        raise ValueError("a tool call needs a function name")
+    name.encode("utf-8"), text.encode("utf-8")  # the response must be UTF-8
+    return {"id": call_id or new_call_id(), "type": "function", "function": {"name": name, "arguments": text}}
 
 
 def _tool_call(name: str, arguments: Any, call_id: Optional[str] = None) -> Optional[dict]:
