@@ -404,10 +404,15 @@ def test_mistral_markers_are_special_tokens_kept_for_the_parser(smollm2_path):
     app = create_app(engine, tokenizer, MODEL, tool_call_parser="mistral")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}], "tools": [WEATHER]}
 
-    async def ask(payload):
+    async def post(payload):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
-            return await client.post("/v1/chat/completions", json=payload)
+            r = await client.post("/v1/chat/completions", json=payload)
+        await asyncio.sleep(0.2)  # the scripted engine's last event lands before the loop closes
+        return r
+
+    def ask(payload):
+        return asyncio.run(post(payload))
 
     for answer, content, calls in (
             ('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "Sure.",
@@ -416,16 +421,16 @@ def test_mistral_markers_are_special_tokens_kept_for_the_parser(smollm2_path):
             ("[TOOL_CALLS] no call after all", "[TOOL_CALLS] no call after all", [])):
         engine.answer = answer
         assert marker in tokenizer.encode(answer, add_special_tokens=False)
-        msg = asyncio.run(ask(body)).json()["choices"][0]["message"]
+        msg = ask(body).json()["choices"][0]["message"]
         assert msg["content"] == content and [_fn(c) for c in msg.get("tool_calls") or ()] == calls
         assert all(len(c["id"]) == 9 for c in msg.get("tool_calls") or ())
-        lines = asyncio.run(ask(dict(body, stream=True))).text.splitlines()
+        lines = ask(dict(body, stream=True)).text.splitlines()
         deltas = [json.loads(x[6:])["choices"][0]["delta"] for x in lines if x.startswith("data: {")]
         streamed = "".join(d.get("content") or "" for d in deltas)
         assert streamed == (content or "")  # a broken call's answer whole, its marker too (nothing lost)
         assert [_fn(c) for d in deltas for c in d.get("tool_calls") or ()] == calls
     engine.answer = 'Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
-    plain = asyncio.run(ask(dict(body, tool_choice="none"))).json()["choices"][0]["message"]
+    plain = ask(dict(body, tool_choice="none")).json()["choices"][0]["message"]
     assert plain["content"] == 'Sure. [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
