@@ -208,7 +208,13 @@ class _ScriptedEngine:
         vocab_size = 49152
 
     def __init__(self, tokenizer):
-        self.tokenizer, self.answer, self.prompts = tokenizer, "", []
+        self.tokenizer, self.answer, self.prompts, self.scored = tokenizer, "", [], 0
+
+    def prompt_logprobs(self, prompt, top=0, stop=None, keep=False):
+        from medusa_jax.decoding.requests import TokenLogprob
+
+        self.scored += 1
+        return [None] + [TokenLogprob(t, -1.0, ((t, -1.0),) * top) for t in prompt[1:]]
 
     def submit(self, request, on_event=None):
         from medusa_jax.decoding.requests import Finished, RequestHandle
@@ -494,3 +500,21 @@ def test_a_prompt_being_scored_answers_at_once_on_shutdown_or_a_client_gone(smol
         time.sleep(3.5)
         assert engine.chunks <= 2 and echoer.scoring == 0  # the scoring stopped at its next chunk
     pool.shutdown()
+
+
+def test_a_full_queue_refuses_an_echo_before_scoring_its_prompt(tool_server):
+    """429 comes before an echo's scoring (a refused loglikelihood request spent a whole prefill),
+    and the request after the queue empties is scored and served."""
+    url, engine = tool_server
+    body = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 2, "echo": True, "logprobs": 1}
+    engine.answer, engine.scored = " Paris", 0
+    engine.waiting = engine.queued = 1000
+    try:
+        r = httpx.post(url + "/v1/completions", json=body)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "queue_full"
+        assert engine.scored == 0
+    finally:
+        engine.waiting = engine.queued = 0
+    r = httpx.post(url + "/v1/completions", json=body)
+    assert r.status_code == 200 and engine.scored == 1
+    assert r.json()["choices"][0]["text"].startswith("The capital of France is")

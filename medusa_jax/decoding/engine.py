@@ -342,18 +342,11 @@ class Engine:
             self._drop_cancelled()
 
     def _start_job(self, request: Request) -> PrefillJob:
-        need = min(bucket(len(request.prompt) + self.step_size + 1, 128), self.max_len)
-        size = max(need, self.S)
-        prefix = None
-        n, entry = self.prefix.lookup(request.prompt, max_slots=size) if self.prefix.enabled else (0, None)
-        if entry is not None:
-            toks = np.zeros((entry.k.shape[2],), np.int32)
-            toks[:len(entry.tokens)] = entry.tokens[:entry.k.shape[2]]
-            prefix = (entry.k, entry.v, jnp.asarray(toks), n)
+        size = max(min(bucket(len(request.prompt) + self.step_size + 1, 128), self.max_len), self.S)
         s = request.sampling
         return PrefillJob(self.cfg, self.params, request.prompt, size, seed=s.seed, temperature=s.temperature,
-                          top_p=s.top_p, top_k=s.top_k, prefix=prefix, chunk_size=self.prefill_chunk,
-                          progress=self.progress and not self.live)
+                          top_p=s.top_p, top_k=s.top_k, prefix=self.prefix.prefix_for(request.prompt, size),
+                          chunk_size=self.prefill_chunk, progress=self.progress and not self.live)
 
     def _admit(self, h: RequestHandle, job: PrefillJob) -> None:
         """Copy a finished prefill into a free row (growing the batch or its cache as needed)."""

@@ -123,6 +123,20 @@ class PrefixCache:
         self.reused_tokens += best
         return best, self.entries[best_id]
 
+    def prefix_for(self, prompt, max_slots: int):
+        """What `prefill.PrefillJob` takes as its ``prefix`` for `prompt` [n] in a cache of `max_slots`
+        slots: (k, v [L, KVH, slots, Dh], tokens [slots] int32, m) from the entry `lookup` finds (its
+        first m tokens are `prompt`'s), or None (the cache is off, or no entry shares ``min_tokens``)."""
+        if not self.enabled:
+            return None
+        n, entry = self.lookup(prompt, max_slots=max_slots)
+        if entry is None:
+            return None
+        slots = entry.k.shape[2]
+        tokens = np.zeros((slots,), np.int32)
+        tokens[:len(entry.tokens)] = entry.tokens[:slots]
+        return entry.k, entry.v, jnp.asarray(tokens), n
+
 
 @jax.jit
 def load_prefix(cache: KVCache, k: jax.Array, v: jax.Array, tokens: jax.Array, n: jax.Array) -> KVCache:

@@ -299,15 +299,23 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             raise RequestError(f"{total} choices need a row or a place in the queue each; this server has "
                                f"{engine.max_batch} rows and queues {max_waiting} (--max-batch, --max-waiting)",
                                "n" if len(prompts) == 1 else "prompt")
+        # each choice takes a row, or a place in the queue once the free rows are taken: checked before
+        # an echo's scoring (a refused request spends none) and again after it, with nothing awaited
+        # before the submissions, so that concurrent requests cannot all pass it
+        def refused() -> Optional[JSONResponse]:
+            if total and max(0, engine.waiting + total - max(0, engine.max_batch - engine.live)) > max_waiting:
+                return error(429, f"{engine.queued} requests are waiting for a row; try again shortly",
+                             "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+            return None
+
+        if gen.echo and (full := refused()) is not None:
+            return full
         try:
             echoes = await echoer.echoes(gen, prompts, request.is_disconnected) if gen.echo else [None] * len(prompts)
         except ClientGone:
             return Response(status_code=499)
-        # each choice takes a row, or a place in the queue once the free rows are taken (checked here,
-        # with nothing awaited before the submissions, so that concurrent requests cannot all pass it)
-        if total and max(0, engine.waiting + total - max(0, engine.max_batch - engine.live)) > max_waiting:
-            return error(429, f"{engine.queued} requests are waiting for a row; try again shortly",
-                         "rate_limit_error", code="queue_full", headers={"Retry-After": "1"})
+        if (full := refused()) is not None:
+            return full
         rid = protocol.new_id(chat)
         if gen.max_tokens == 0:
             return echo_alone(gen, rid, prompts, echoes, pieces)
@@ -323,6 +331,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                     loop.call_soon_threadsafe(live.pop, events, None)
 
         choices = []
+        calls_tools = gen.tool_choice == "auto"  # the answers are read for tool calls
         try:  # choice k * n + j: prompt k's j-th, sampling with seed + j (greedy choices are all alike)
             for (ids, limit, echo), j in itertools.product(zip(prompts, limits, echoes), range(gen.n)):
                 sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + j) % 2 ** 31, gen.top_k, gen.min_p,
@@ -333,9 +342,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                                      bad_words=bad_words),
                                        on_event=functools.partial(on_event, len(choices)))
                 text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens,
-                                  markers if gen.tool_choice == "auto" else frozenset(), pieces.special)
+                                  markers if calls_tools else frozenset(), pieces.special)
                 offsets = TextOffsets(pieces, start=len(echo.text) if echo else 0)  # an echo: after the prompt
-                choices.append(Choice(handle, text, offsets, tools if gen.tool_choice == "auto" else None,
+                choices.append(Choice(handle, text, offsets, tools if calls_tools else None,
                                       echo, None if gen.parallel_tool_calls else 1))
         except (ValueError, EngineStopped) as e:
             for c in choices:
