@@ -107,8 +107,14 @@ def test_mistral_calls_follow_their_marker_with_ids_mistral_takes_back():
     # newer tokenizers: name[ARGS]{...} per call
     content, calls = parse('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}[TOOL_CALLS]get_time[ARGS]{}')
     assert content is None and [_fn(c) for c in calls] == [("get_weather", {"city": "Oslo"}), ("get_time", {})]
+    # a marker inside a string argument is the argument's text, in either form
+    content, calls = parse('[TOOL_CALLS]note[ARGS]{"text": "a [TOOL_CALLS] b [ARGS] c"} [TOOL_CALLS] f[ARGS] {}')
+    assert [_fn(c) for c in calls] == [("note", {"text": "a [TOOL_CALLS] b [ARGS] c"}), ("f", {})]
+    content, calls = parse('[TOOL_CALLS][{"name": "note", "arguments": {"text": "x[ARGS]y"}}]')
+    assert [_fn(c) for c in calls] == [("note", {"text": "x[ARGS]y"})]
     for text in ("No call.", "[TOOL_CALLS] not json", '[TOOL_CALLS][{"arguments": {}}]', "[TOOL_CALLS]f[ARGS][1]",
-                 '[TOOL_CALLS]bad name[ARGS]{}', '[{"name": "f", "arguments": {}}]'):
+                 '[TOOL_CALLS]bad name[ARGS]{}', '[{"name": "f", "arguments": {}}]', '[TOOL_CALLS]f[ARGS]{} g',
+                 '[TOOL_CALLS]f[ARGS]{}[TOOL_CALLS]', '[TOOL_CALLS]f[ARGS]{"a": 1'):
         assert parse(text) == (text, []), text
 
 

@@ -286,7 +286,7 @@ class MistralParser(ToolCallParser):
         if start < 0:
             return text, []
         rest = text[start + len(self.START):]
-        calls = self._json_calls(rest) if self.ARGS not in rest else self._args_calls(rest)
+        calls = self._json_calls(rest) if rest.lstrip()[:1] in ("[", "{") else self._args_calls(rest)
         if not calls:
             return text, []
         content = text[:start]
@@ -302,20 +302,30 @@ class MistralParser(ToolCallParser):
         return calls if calls and None not in calls else []
 
     def _args_calls(self, rest: str) -> List[dict]:
-        calls = []
-        for part in rest.split(self.START):
-            name, sep, args = part.partition(self.ARGS)
-            name = name.strip()
-            if not sep or not FUNCTION_NAME.fullmatch(name):
+        """``name[ARGS]{...}`` calls, ``[TOOL_CALLS]`` between them, read in order (a marker inside
+        a string argument is the argument's text), or [] when `rest` is anything else."""
+        decoder, calls, at = json.JSONDecoder(), [], 0
+        while True:
+            name, sep, _ = rest[at:].partition(self.ARGS)
+            if not sep or not FUNCTION_NAME.fullmatch(name.strip()):
                 return []
+            at += len(name) + len(self.ARGS)
+            while at < len(rest) and rest[at].isspace():
+                at += 1
             try:
-                call = _tool_call(name, json.loads(args), mistral_call_id())
+                args, at = decoder.raw_decode(rest, at)
             except (ValueError, RecursionError):
-                call = None
+                return []
+            call = _tool_call(name.strip(), args, mistral_call_id())
             if call is None:
                 return []
             calls.append(call)
-        return calls
+            tail = rest[at:].lstrip()
+            if not tail:
+                return calls
+            if not tail.startswith(self.START):
+                return []
+            at = len(rest) - len(tail) + len(self.START)
 
     def releasable(self, text):
         return _held_tag_tail(text, self.START)
