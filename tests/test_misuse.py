@@ -94,6 +94,20 @@ def test_default_cache_never_passes_the_context(tiny):
         generate(cfg, params, [1] * 8, max_new_tokens=1, cache_size=8)
 
 
+def test_the_prompt_room_check_names_the_room_an_answer_needs():
+    from medusa_jax.decoding.args import check_prompt_room
+
+    check_prompt_room(63, 64)
+    check_prompt_room(64, 64, room=0)  # scored alone, a prompt may fill the context
+    check_prompt_room(60, 64, room=4)
+    with pytest.raises(PromptTooLongError, match=r"has 65 tokens but the model's context \(max_position_embeddings\) "
+                       r"holds 64 positions: shorten it"):
+        check_prompt_room(65, 64, room=0)
+    with pytest.raises(PromptTooLongError, match=r"so it can have at most 60 tokens \(4 positions are left for an "
+                       r"answer\)"):
+        check_prompt_room(61, 64, room=4)
+
+
 def test_every_entry_point_draws_the_prompt_limit_at_the_same_length(tiny):
     """One rule (`args.new_token_room`): a prompt of context - 1 tokens gets one new token from
     generate (with heads and a tree) and generate_batch alike; one of the whole context is refused

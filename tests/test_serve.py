@@ -423,7 +423,8 @@ def test_echo_gives_the_prompt_and_its_logprobs_as_lm_eval_asks(client, server, 
     assert whole["usage"]["prompt_tokens"] == len(full) and whole["choices"][0]["finish_reason"] == "length"
     over = httpx.post(server[0] + "/v1/completions", json={"prompt": full + full[:1], "max_tokens": 0, "echo": True})
     assert over.status_code == 400 and over.json()["error"]["code"] == "context_length_exceeded"
-    assert f"the prompt has {len(full) + 1} tokens but the model's context is {len(full)}" in over.text
+    assert (f"the prompt has {len(full) + 1} tokens but the model's context (max_position_embeddings) holds "
+            f"{len(full)} positions: shorten it") in over.json()["error"]["message"]
     for body, field, message in (({"prompt": "x", "max_tokens": 0}, "max_tokens", "0 only with echo"),
                                  ({"messages": [{"role": "user", "content": "x"}], "echo": True}, "echo",
                                   "not supported")):

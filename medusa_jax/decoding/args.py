@@ -35,14 +35,20 @@ def new_token_room(prompt_len: int, slots: int) -> int:
     return max(0, int(slots) - int(prompt_len))
 
 
-def check_prompt_room(prompt_len: int, slots: int, where: str = CONTEXT, what: str = "the prompt") -> None:
-    """Raise `PromptTooLongError` when a prompt of `prompt_len` tokens leaves no room for a new
-    token in `slots` positions (`new_token_room` is 0). `where` names the positions for the
-    message (`CONTEXT`, or e.g. "the KV cache (cache_size)"), `what` the prompt."""
-    if new_token_room(prompt_len, slots) < 1:
-        raise PromptTooLongError(f"{what} has {prompt_len} tokens but {where} holds {slots} positions, so it "
-                                 f"can have at most {max(slots - 1, 0)} tokens (one position is left for "
-                                 "an answer): shorten it")
+def check_prompt_room(prompt_len: int, slots: int, where: str = CONTEXT, what: str = "the prompt",
+                      room: int = 1) -> None:
+    """Raise `PromptTooLongError` when a prompt of `prompt_len` tokens leaves fewer than `room` of
+    `slots` positions for new tokens (`new_token_room`; room 0: a prompt scored alone, which may fill
+    them all). `where` names the positions for the message (`CONTEXT`, or e.g. "the KV cache
+    (cache_size)"), `what` the prompt."""
+    if int(slots) - int(prompt_len) >= room:
+        return
+    if room == 0:
+        raise PromptTooLongError(f"{what} has {prompt_len} tokens but {where} holds {slots} positions: shorten it")
+    left = "one position is" if room == 1 else f"{room} positions are"
+    raise PromptTooLongError(f"{what} has {prompt_len} tokens but {where} holds {slots} positions, so it "
+                             f"can have at most {max(slots - room, 0)} tokens ({left} left for "
+                             "an answer): shorten it")
 
 
 _ONE_PROMPT = ("decodes one prompt: pass a list (or 1-D array) of token ids, or a [1, T] array; for "

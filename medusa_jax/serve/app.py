@@ -426,11 +426,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                         else "the prompt could not be tokenized")
                 raise RequestError(f"{where}{what}: {e}", field) from None
             try:
-                if fit and room:
-                    check_prompt_room(len(ids), context + 1 - room)
-                elif fit and len(ids) > context:  # a prompt alone (an echo): the whole context is its
-                    raise PromptTooLongError(f"the prompt has {len(ids)} tokens but the model's context is "
-                                             f"{context}; shorten it")
+                if fit:
+                    check_prompt_room(len(ids), context, room=room)
             except PromptTooLongError as e:
                 raise RequestError(f"{where}{e}", field, code="context_length_exceeded") from None
             out.append(ids)
