@@ -29,22 +29,29 @@ def check_text(text: str, where: str) -> str:
     return text
 
 
+#: Content parts read as text, by type, and the key that holds their text: OpenAI's text parts, the
+#: Responses API's input and output text, and an assistant's refusal (as vLLM reads them).
+TEXT_PARTS = {"text": "text", "input_text": "text", "output_text": "text", "refusal": "refusal"}
+
+
 def _content(content, where: str) -> str:
-    """A message's content: a string, or OpenAI's list of content parts, all of type "text"
-    (joined with newlines, as vLLM joins them)."""
+    """A message's content: a string, or OpenAI's list of content parts, each of a type in
+    `TEXT_PARTS` (joined with newlines, as vLLM joins them)."""
     if isinstance(content, list):
         if not content:
             raise ValueError(f"{where}.content: an empty list of content parts; give a string or text parts")
         texts = []
         for j, part in enumerate(content):
-            if not isinstance(part, dict) or part.get("type") != "text":
+            key = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+            if key is None:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are "
                                  f"supported, got {kind!r}")
-            if not isinstance(part.get("text"), str):
-                got = "nothing" if "text" not in part else type(part["text"]).__name__
-                raise ValueError(f"{where}.content[{j}].text: a text part needs a string 'text', got {got}")
-            texts.append(part["text"])
+            if not isinstance(part.get(key), str):
+                got = "nothing" if key not in part else type(part[key]).__name__
+                raise ValueError(f"{where}.content[{j}].{key}: a {part['type']} part needs a string {key!r}, "
+                                 f"got {got}")
+            texts.append(part[key])
         content = "\n".join(texts)
     if not isinstance(content, str):
         raise ValueError(f"{where}.content: expected a string or a list of text parts, got {type(content).__name__}")
@@ -54,7 +61,8 @@ def _content(content, where: str) -> str:
 def check_messages(messages: Sequence[dict]) -> List[dict]:
     """``[{"role", "content"}, ...]`` as plain dicts, checked: a non-empty list of messages whose
     role is one of `ROLES` ("developer" becomes "system") and whose content is a string or a list
-    of text parts (OpenAI's; joined with newlines) of valid Unicode, possibly empty. Any role may
+    of text parts (OpenAI's; joined with newlines) of valid Unicode, possibly empty, and its
+    ``name`` when it has one. Any role may
     come last, as OpenAI's API allows: the chat template then renders what follows it (a new
     assistant turn after an assistant's message or a lone system message). Tool calling, as
     OpenAI's messages carry it: an assistant's ``tool_calls`` (its content may then be null) kept
@@ -84,8 +92,8 @@ def check_messages(messages: Sequence[dict]) -> List[dict]:
                 raise ValueError(f"{where}.tool_call_id: a tool's result needs the id of the call it answers "
                                  f"(a string), got {m.get('tool_call_id')!r}")
             out[-1]["tool_call_id"] = m["tool_call_id"]
-        if role == "tool" and isinstance(m.get("name"), str):
-            out[-1]["name"] = m["name"]
+        if isinstance(m.get("name"), str):  # the speaker (or the tool), for templates that show it
+            out[-1]["name"] = check_text(m["name"], f"{where}.name")
     return out
 
 

@@ -10,6 +10,12 @@ def test_content_parts_and_the_developer_role():
                           {"role": "user", "content": [{"type": "text", "text": "What is"},
                                                        {"type": "text", "text": "2 + 2?"}]}])
     assert got == [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "What is\n2 + 2?"}]
+    # parts a client replays from OpenAI's own answers (a refusal) or its Responses API, and names
+    got = check_messages([{"role": "user", "content": [{"type": "input_text", "text": "Hi"}], "name": "alice"},
+                          {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot."},
+                                                            {"type": "output_text", "text": "Sorry."}], "name": "bot"}])
+    assert got == [{"role": "user", "content": "Hi", "name": "alice"},
+                   {"role": "assistant", "content": "I cannot.\nSorry.", "name": "bot"}]
 
 
 @pytest.mark.parametrize("messages,match", [
@@ -19,6 +25,9 @@ def test_content_parts_and_the_developer_role():
      r"messages\[0\]\.content\[0\]\.text: a text part needs a string 'text', got int"),
     ([{"role": "user", "content": [{"type": "text"}]}],
      r"messages\[0\]\.content\[0\]\.text: a text part needs a string 'text', got nothing"),
+    ([{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}],
+     r"messages\[0\]\.content\[0\]\.refusal: a refusal part needs a string 'refusal', got nothing"),
+    ([{"role": "user", "content": "x", "name": "a\udc00"}], r"messages\[0\]\.name: not valid Unicode"),
     ([{"role": "user", "content": []}], r"messages\[0\]\.content: an empty list of content parts"),
     ([{"role": "user"}], r"messages\[0\]\.content: missing"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content: expected a string"),

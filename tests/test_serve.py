@@ -54,17 +54,20 @@ def server(smollm2_path):
     yield url, proc
     # SIGTERM while a stream runs: the server takes no new request, lets the stream finish with its
     # final event, and exits 0
-    lines = []
+    lines, started = [], threading.Event()
 
     def streaming():
         body = {"model": MODEL, "messages": [{"role": "user", "content": "Count from one to twenty."}],
                 "max_tokens": 48, "temperature": 0, "stream": True}
         with httpx.stream("POST", url + "/v1/chat/completions", json=body, timeout=300) as r:
-            lines.extend(line for line in r.iter_lines() if line)
+            for line in r.iter_lines():
+                started.set()
+                lines.extend([line] if line else [])
+        started.set()
 
     t = threading.Thread(target=streaming)
     t.start()
-    time.sleep(1.0)
+    assert started.wait(300)  # the stream is under way (a fixed sleep raced a loaded machine)
     proc.send_signal(signal.SIGTERM)
     t.join(300)
     assert proc.wait(timeout=120) == 0, proc.stdout.read()[-3000:]
@@ -1074,6 +1077,8 @@ def test_openai_defaults_and_vllm_extensions_are_checked():
                          ({"logit_bias": {"5": 101}}, "logit_bias"), ({"documents": [{"text": "x"}]}, "documents"),
                          ({"stream": True, "stream_options": {"continuous_usage_stats": True}},
                           "stream_options.continuous_usage_stats"),
+                         ({"stream": True, "stream_options": []}, "stream_options"),
+                         ({"stream": True, "stream_options": False}, "stream_options"),
                          ({"top_logprobs": 3}, "top_logprobs"), ({"ignore_eos": "yes"}, "ignore_eos")):  # (no flag)
         with pytest.raises(RequestError) as e:
             check_request(dict(body, **extra), [MODEL], 64, True)
@@ -1220,3 +1225,14 @@ def test_token_pieces_give_each_tokens_own_bytes_for_sentencepiece_vocabularies_
     lone = [2, 4 + apple[0], 3]
     assert [offsets.next(t) for t in lone] == [0, 6, 7]
     assert tok.decode(lone) == "hello\ufffd world"  # (SentencePiece's decoder strips the first space)
+    # an answer's text is what its tokens add to the prompt's: " world" after "hello", not "world"
+    from medusa_jax.serve.text import TextStream
+    assert TextStream(tok, []).feed([3, 2], final=True) == ("world hello", False)
+    after = TextStream(tok, [], after=[2])
+    assert after.feed([3]) == (" world", False) and after.feed([2, 1], final=True) == (" hello", False)
+    assert TextStream(tok, ["d h"], after=[2]).feed([3, 2]) == (" worl", True)
+    assert TextStream(tok, [], after=[2, 4 + apple[0]]).feed([3], final=True) == (" world", False)  # after U+FFFD
+    # a prompt that ends inside a character the answer finishes: the answer's text alone, as before
+    rest = [4 + b for b in apple[1:]] + [3]
+    assert TextStream(tok, [], after=[2, 4 + apple[0]]).feed(rest, final=True) == TextStream(tok, []).feed(rest, True)
+

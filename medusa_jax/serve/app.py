@@ -48,7 +48,7 @@ from medusa_jax.serve.choices import Choice, sse
 from medusa_jax.serve.echo import ClientGone, Echoer, echo_alone
 from medusa_jax.serve.metrics import Metrics
 from medusa_jax.serve.protocol import RequestError
-from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces, bad_words_ids, marker_ids
+from medusa_jax.serve.text import AFTER_TOKENS, TextOffsets, TextStream, TokenPieces, bad_words_ids, marker_ids
 from medusa_jax.serve.tools import TOOL_PARSERS
 
 
@@ -342,7 +342,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                                      bad_words=bad_words),
                                        on_event=functools.partial(on_event, len(choices)))
                 text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens,
-                                  markers if calls_tools else frozenset(), pieces.special)
+                                  markers if calls_tools else frozenset(), pieces.special,
+                                  after=() if chat else ids[-AFTER_TOKENS:])
                 offsets = TextOffsets(pieces, start=len(echo.text) if echo else 0)  # an echo: after the prompt
                 choices.append(Choice(handle, text, offsets, tools if calls_tools else None,
                                       echo, None if gen.parallel_tool_calls else 1))

@@ -272,9 +272,10 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
         stream = False
     if not isinstance(stream, bool):
         raise RequestError(f"stream must be a boolean, got {stream!r}", "stream")
-    options = body.get("stream_options") or {}
+    options = body.get("stream_options")
+    options = {} if options is None else options
     if not isinstance(options, dict):
-        raise RequestError("stream_options must be an object", "stream_options")
+        raise RequestError(f"stream_options must be an object, got {options!r}", "stream_options")
     if options and not stream:
         raise RequestError("stream_options is only allowed when stream is true", "stream_options")
     include_usage = options.get("include_usage", False)

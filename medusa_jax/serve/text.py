@@ -6,10 +6,13 @@ from __future__ import annotations
 import codecs
 import json
 import re
-from typing import Dict, FrozenSet, List, Optional
+from typing import Dict, FrozenSet, List, Optional, Sequence
 
 #: What a tokenizer's decode gives for bytes that do not (yet) make a whole UTF-8 character.
 PLACEHOLDER = "\ufffd"
+#: How many of a completion prompt's last tokens an answer's text is decoded after (`TextStream`'s
+#: ``after``; vLLM's detokenizer starts from the prompt's last 5 or 6).
+AFTER_TOKENS = 6
 
 
 class TextStream:
@@ -29,10 +32,16 @@ class TextStream:
     `include_stop` (vLLM leaves a stop token's text out; special tokens have none anyway). As in
     vLLM, a stop sequence completed by one of the first `min_tokens` tokens does not count.
     `keep_ids`: special tokens whose text the text keeps (a tool-call parser's markers, such as
-    Mistral's ``[TOOL_CALLS]``), among `special_ids` (all the special tokens: `TokenPieces.special`)."""
+    Mistral's ``[TOOL_CALLS]``), among `special_ids` (all the special tokens: `TokenPieces.special`).
+    `after`: the token ids the answer continues (a completion prompt's last few): the text is what
+    the answer's tokens add to theirs, as vLLM's detokenizer reads it, where decoding the answer alone
+    would lose the space of its first word on a SentencePiece vocabulary (Llama 2's, Mistral's: the
+    decoder drops the space a text starts with, so "The capital is" + "▁Paris" is " Paris", not
+    "Paris"); byte-level vocabularies give the same text either way."""
 
     def __init__(self, tokenizer, stop: List[str], include_stop: bool = False, hidden_ids=(), min_tokens: int = 0,
-                 keep_ids: FrozenSet[int] = frozenset(), special_ids: FrozenSet[int] = frozenset()):
+                 keep_ids: FrozenSet[int] = frozenset(), special_ids: FrozenSet[int] = frozenset(),
+                 after: Sequence[int] = ()):
         self.tokenizer, self.stop, self.include_stop = tokenizer, stop, include_stop
         self.min_tokens = min_tokens
         self.keep, self.special = frozenset(keep_ids), frozenset(special_ids)
@@ -43,6 +52,8 @@ class TextStream:
         self.text = ""
         self.used: Optional[int] = None
         self.hold = max((len(s) for s in stop), default=1) - 1
+        self.after = [int(t) for t in after]
+        self.after_text = self._raw(self.after) if self.after else ""
 
     def _stop_at(self, text: str, since: int) -> Optional[int]:
         """Where the text ends for the first stop in the list that occurs in `text` ending past
@@ -59,10 +70,16 @@ class TextStream:
         need not extend the text of n ("it '" + "s" -> "it's"), which a stream relies on."""
         if self.hidden:
             tokens = [t for t in tokens if t not in self.hidden]
+        if self.after and tokens:
+            joined = self._raw(self.after + tokens)
+            if joined.startswith(self.after_text):  # (not when the prompt ends inside a character)
+                return joined[len(self.after_text):].rstrip(PLACEHOLDER)
+        return self._raw(tokens).rstrip(PLACEHOLDER)
+
+    def _raw(self, tokens: List[int]) -> str:
         if self.keep:  # the special tokens left out here, but for those kept
             tokens = [t for t in tokens if t in self.keep or t not in self.special]
-        text = self.tokenizer.decode(tokens, skip_special_tokens=not self.keep, clean_up_tokenization_spaces=False)
-        return text.rstrip(PLACEHOLDER)
+        return self.tokenizer.decode(tokens, skip_special_tokens=not self.keep, clean_up_tokenization_spaces=False)
 
     def feed(self, tokens: List[int], final: bool = False) -> tuple:
         before = len(self.tokens)
