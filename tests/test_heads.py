@@ -507,6 +507,16 @@ def test_vllm_shared_and_per_head_lm_heads_together_is_an_error(tmp_path):
         load_heads(str(tmp_path))
 
 
+def test_a_run_directory_given_as_heads_points_to_its_heads(tmp_path):
+    cfg = _cfg(True, l=1)
+    save_heads(str(tmp_path / "run" / "heads"), cfg, _random_params(cfg))
+    with pytest.raises(FileNotFoundError, match=r"run: no Medusa head weights found; expected .* \(a training "
+                                                r"run's directory\? its heads are in .*run/heads\)$"):
+        load_heads(str(tmp_path / "run"))
+    with pytest.raises(FileNotFoundError, match=r"heads_dir: no Medusa head weights found; expected .*files$"):
+        load_heads(str((tmp_path / "heads_dir").mkdir() or tmp_path / "heads_dir"))
+
+
 def test_empty_weight_file_is_always_an_error(tmp_path):
     _write_official(str(tmp_path / "a"), {}, {"medusa_num_heads": 4, "medusa_num_layers": 1})
     with pytest.raises(HeadsFormatError, match=r"holds no tensors \(0 heads, 0 layers\) but config\.json says "

@@ -286,7 +286,7 @@ def test_quality_json_flag_misuse(out, message, tmp_path, capsys):
     assert capsys.readouterr().err.strip().splitlines()[-1].startswith(f"medusa-quality: error: --json {out}: {message}")
 
 
-def test_flags_that_have_no_effect_are_noted(capsys):
+def test_flags_that_have_no_effect_are_noted(capsys, tmp_path):
     """Flags plain or greedy decoding ignores are said so on stderr, not silently dropped."""
     from argparse import Namespace
 
@@ -302,6 +302,13 @@ def test_flags_that_have_no_effect_are_noted(capsys):
     assert notes == ["--heads medusa1 has no effect with --no-medusa (plain decoding runs no heads)",
                      "--prompt-lookup 3 has no effect with --no-medusa (plain decoding drafts nothing)"]
     assert common.unused_flag_notes(Namespace(prompt_lookup=0), use_medusa=False) == []  # off anyway
+    # Medusa-2 heads: their tuned layers are the backbone even with --no-medusa (`load_backbone`)
+    (tmp_path / "m2").mkdir()
+    (tmp_path / "m2" / "backbone_layers.safetensors").write_bytes(b"")
+    notes = common.unused_flag_notes(Namespace(heads=str(tmp_path / "m2")), use_medusa=False)
+    assert notes == [f"--no-medusa runs no heads, but decodes with the tuned backbone layers of --heads "
+                     f"{tmp_path / 'm2'} (Medusa-2): the tuned model's plain output; leave out --heads for the base "
+                     "model's"]
     parse_args(["--prompt", "hi", "--posterior-threshold", "0.2"])
     assert "note: --posterior-threshold 0.2 has no effect with --acceptance greedy" in capsys.readouterr().err
     parse_args(["--prompt", "hi", "--temperature", "0.7", "--acceptance", "typical", "--posterior-alpha", "0.5"])

@@ -133,6 +133,7 @@ def test_train_config_yaml_and_overrides(tmp_path):
     ("adam_eps=0", "adam_eps must be > 0"),
     ("grad_clip=-1", "grad_clip must be >= 0"),
     ("loss_decay=-1", "loss_decay must be > 0"),
+    ("topk=0", r"topk \(candidates per head\) must be >= 1, got 0$"),  # said once (was twice)
 ])
 def test_numbers_that_would_train_nan_or_nonsense_are_refused(override, message):
     with pytest.raises(TrainConfigError, match=message):
@@ -623,7 +624,7 @@ def test_positions_hold_paths_and_soft_target_rows(frozen_run):
         assert batch["teacher"].shape == (K, 5, bb.cfg.hidden_size) and not batch["valid"][:, 3:].any()
 
 
-def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch):
+def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch, capsys):
     """Distillation resumed: the cache computes only the new sequences, and the merged dataset equals
     the one computed from scratch (rows, labels, paths, soft-target rows); a changed cached
     sequence recomputes everything."""
@@ -661,8 +662,15 @@ def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch):
         hidden.cached_positions(tc, on_disk, examples, "train", str(tmp_path), progress=False)
     assert seen == [5, 3, 4, 8, 8]
     (ckpt / "model.safetensors").write_bytes(b"new weights!")
+    capsys.readouterr()
     hidden.cached_positions(tc, on_disk, examples, "train", str(tmp_path), progress=False)
     assert seen == [5, 3, 4, 8, 8, 8]
+    # a cache shared by runs of other models or data (hidden_dir) is replaced with a note, not silently
+    assert "was made for another model's weight files; computing this run's states" in capsys.readouterr().err
+    hidden.cached_positions(dataclasses.replace(tc, data="other/data"), bb, examples, "train", str(tmp_path),
+                            progress=False)
+    err = capsys.readouterr().err
+    assert f"was made for another model {str(ckpt)!r}, model's weight files, data {tc.data!r}" in err, err
 
 
 def test_frozen_hydra_and_soft_targets(frozen_run, tmp_path):

@@ -34,6 +34,7 @@ from medusa_jax.evals.lossless import TIE_GAPS, compare, decode_one
 def main(argv=None) -> int:
     from medusa_jax.cli import common
     from medusa_jax.cli.common import HelpFormatter
+    from medusa_jax.convert.load import weights_of
 
     p = argparse.ArgumentParser(prog="medusa-check", description=__doc__.split("\n\n")[0],
                                 formatter_class=HelpFormatter)
@@ -114,7 +115,7 @@ def main(argv=None) -> int:
     summary = {"prompts": len(rows), "identical": identical, "near_ties": ties, "other_differences": bugs,
                "mean_tokens_per_step": new_tokens / max(steps, 1), "tree_size": tree.size,
                "prompt_lookup": tree.lookup_settings, "max_new_tokens": args.max_new_tokens,
-               "weights": args.weights, "reference_weights": args.reference_weights or args.weights}
+               "weights": weights_of(model.params), "reference_weights": weights_of(ref.params)}  # as loaded
     print(json.dumps(summary))
     for r in rows:
         if not r["identical"]:

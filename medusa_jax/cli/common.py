@@ -322,7 +322,12 @@ def unused_flag_notes(args, use_medusa: bool) -> List[str]:
     if getattr(args, "tree", None):
         notes.append(f"--tree {args.tree} has no effect with --no-medusa (plain decoding drafts nothing)")
     if getattr(args, "heads", None):
-        notes.append(f"--heads {args.heads} has no effect with --no-medusa (plain decoding runs no heads)")
+        if tuned_layers_path(heads_location(args.heads)):  # Medusa-2: the directory names the backbone too
+            notes.append(f"--no-medusa runs no heads, but decodes with the tuned backbone layers of --heads "
+                         f"{args.heads} (Medusa-2): the tuned model's plain output; leave out --heads for the base "
+                         "model's")
+        else:
+            notes.append(f"--heads {args.heads} has no effect with --no-medusa (plain decoding runs no heads)")
     if getattr(args, "prompt_lookup", None):  # None: not given; 0: off anyway
         notes.append(f"--prompt-lookup {args.prompt_lookup} has no effect with --no-medusa (plain decoding drafts "
                      "nothing)")

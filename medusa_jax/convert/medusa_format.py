@@ -124,7 +124,10 @@ def _resolve(path: str) -> Tuple[str, Optional[str]]:
             if os.path.isfile(os.path.join(path, name)):
                 cfg = os.path.join(path, "config.json")
                 return os.path.join(path, name), (cfg if os.path.isfile(cfg) else None)
-        raise FileNotFoundError(f"{path}: no Medusa head weights found; expected {expected}")
+        inside = sorted(d for d in os.listdir(path) if any(os.path.isfile(os.path.join(path, d, name))
+                                                           for name in WEIGHT_FILES))
+        hint = f" (a training run's directory? its heads are in {os.path.join(path, inside[0])})" if inside else ""
+        raise FileNotFoundError(f"{path}: no Medusa head weights found; expected {expected}{hint}")
     if os.path.isfile(path):
         cfg = os.path.join(os.path.dirname(os.path.abspath(path)), "config.json")
         return path, (cfg if os.path.isfile(cfg) else None)

@@ -79,7 +79,8 @@ def check_heads_match(heads_cfg: MedusaConfig, model_cfg: ModelConfig, source: s
         where = f" from {source}" if source else ""
         trained_for = f" (they were trained for {heads_cfg.base_model!r})" if heads_cfg.base_model else ""
         raise HeadsMismatchError(
-            f"Medusa heads{where} do not fit this backbone{trained_for}: {'; '.join(problems)}. "
+            f"{heads_cfg.head_type.capitalize()} heads{where} do not fit this backbone{trained_for}: "
+            f"{'; '.join(problems)}. "
             "Load heads trained for this backbone, or train new heads for it with train.py.")
 
 

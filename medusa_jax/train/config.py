@@ -266,7 +266,7 @@ class TrainConfig:
             problems.append(f"soft_temperature must be > 0, got {self.soft_temperature}")
         for name in ("steps", "batch_size", "max_seq_len", "hidden_batch_tokens", "log_every",
                      "keep_checkpoints", "topk", "tree_nodes", "loop_ngram"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) < 1 and not any(p.startswith(f"{name} ") for p in problems):  # (said once)
                 problems.append(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "heads_warmup_steps", "eval_every", "checkpoint_every",
                      "loss_chunk", "max_val_positions", "synthetic_prompt_len"):

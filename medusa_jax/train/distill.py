@@ -63,6 +63,19 @@ def default_prompts_path() -> str:
     return os.path.normpath(os.path.join(repo, "..", "shared", "data", "prompt_pool_permissive.jsonl"))
 
 
+def same_source(recorded, given) -> bool:
+    """Whether a model or prompt file that a ``meta.json`` records is `given` (a path): the same path,
+    or the same file or directory name where the record is a bare name (the packaged model and the
+    default pool are recorded by name, since this machine's install path does not travel with the
+    data). Two full paths must agree: fine-tunes often share a last name (``checkpoint-500``,
+    ``final``), so a name alone does not identify one."""
+    recorded, given = os.path.normpath(str(recorded)), os.path.normpath(str(given))
+    if recorded == given or os.path.abspath(recorded) == os.path.abspath(given):
+        return True
+    bare = lambda p: os.path.basename(p) == p  # noqa: E731
+    return (bare(recorded) or bare(given)) and os.path.basename(recorded) == os.path.basename(given)
+
+
 def check_not_eval_set(path: str) -> None:
     """Raise `EvalSetError` when `path`'s file name marks an evaluation set."""
     name = os.path.basename(os.fspath(path)).lower()
@@ -326,10 +339,12 @@ def distill(out: str, model: Optional[str] = None, prompts: Optional[str] = None
         with open(meta_path) as f:
             old = json.load(f)
         diff = [k for k in _META_KEYS if k in old and old[k] != meta[k]
-                and not (k in ("model", "prompts") and os.path.basename(str(old[k])) == os.path.basename(meta[k]))]
+                and not (k in ("model", "prompts") and same_source(old[k], meta[k]))]
         if diff:
+            moved = (" (a model or prompt file that moved since: pass the path it records, or edit "
+                     f"{META_FILE})") if set(diff) & {"model", "prompts"} else ""
             raise ValueError(f"{out} was made with different settings ({', '.join(f'{k}: {old[k]!r} != {meta[k]!r}' for k in diff)}); "
-                             "use the same arguments to resume, or another --out")
+                             f"use the same arguments to resume, or another --out{moved}")
     with open(meta_path, "w") as f:
         json.dump(meta, f, indent=2)
     done = read_samples(os.path.join(out, SAMPLES_FILE))

@@ -10,7 +10,7 @@ import numpy as np
 
 from medusa_jax.heads.medusa import frequent_tokens
 from medusa_jax.train import data as D
-from medusa_jax.train.distill import META_FILE
+from medusa_jax.train.distill import META_FILE, same_source
 from medusa_jax.train.config import TrainConfig
 from medusa_jax.train.hidden import Pair
 
@@ -68,7 +68,7 @@ def proposal_vocabulary(tc: TrainConfig, train_ex, vocab_size: int) -> Tuple[Opt
 
 def distilled_for_another_model(data_dir: str, model_path: str) -> Optional[str]:
     """A note when ``data_dir``'s ``meta.json`` (written by `medusa_jax.train.distill`) names another
-    model than ``model_path`` (compared by file or directory name); None when they agree, or when
+    model than ``model_path`` (`distill.same_source`); None when they agree, or when
     there is no readable meta.json (synthetic data, data made elsewhere). Heads learn the answers
     in the data, so data distilled from another model teaches them tokens this one does not choose
     (decoding stays lossless; fewer drafts are accepted)."""
@@ -78,9 +78,11 @@ def distilled_for_another_model(data_dir: str, model_path: str) -> Optional[str]
     except (OSError, ValueError, AttributeError):
         return None
     name = lambda p: os.path.basename(os.path.normpath(str(p)))  # noqa: E731
-    if not made_by or name(made_by) == name(model_path):
+    if not made_by or same_source(made_by, model_path):
         return None
     made, this = name(made_by), name(model_path)
+    if made == this:  # two models of one name (/a/final, /b/final): their paths tell them apart
+        made, this = str(made_by), os.path.abspath(str(model_path))
     return (f"{data_dir} was distilled from {made}, and these heads are trained for {this}: heads learn the "
             f"answers in their data, so they will propose {made}'s tokens (decoding stays exact; fewer drafts are "
             f"accepted). If {this} is another model, distill its own answers: medusa-distill --model {model_path} "

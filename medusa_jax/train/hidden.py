@@ -276,6 +276,8 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
                 out = merge_positions(old, run(examples[n_old:], f"hidden states ({split}, new)"), examples,
                                       n_old, tc.num_heads)
                 del old
+            else:
+                note(stale_cache_note(fn, have, key))
     if out is None:
         out = run(examples, f"hidden states ({split})")
     if tc.cache_hidden and jax.process_index() == 0:  # in a multi-process run, process 0 writes it
@@ -284,6 +286,18 @@ def cached_positions(tc: TrainConfig, backbone: Backbone, examples, split: str, 
         np.savez(tmp, key=json.dumps(key), **out._asdict())
         os.replace(tmp, fn)
     return out
+
+
+def stale_cache_note(fn: str, have: dict, key: dict) -> str:
+    """What a hidden-state cache at `fn` made with key `have` (another run's, or older data's) holds
+    that this run (`key`) cannot use: it is computed anew and replaced."""
+    what = {"model": "model", "weights": "model's weight files", "cfg": "model config", "data": "data",
+            "split": "split", "K": "number of heads", "random": "random backbone", "format": "cache format"}
+    differs = [f"{name} {have.get(k)!r}" if k in ("model", "data", "K") else name
+               for k, name in what.items() if have.get(k) != key.get(k)]
+    why = f"another {', '.join(differs)}" if differs else "other sequences of the same data (it was edited)"
+    return (f"hidden-state cache {fn} was made for {why}; computing this run's states and replacing it "
+            "(give each run its own hidden_dir to keep both)")
 
 
 def note(msg: str) -> None:

@@ -547,7 +547,7 @@ def check_drift(tc: TrainConfig, metrics: dict) -> None:
         return
     if kl > tc.max_kl:
         raise BackboneDriftError(
-            f"the trained backbone drifted from the original: validation KL(original || tuned) = {kl:.4f} nats/token "
+            f"the trained backbone drifted from the original: validation KL(original || tuned) = {kl:.4g} nats/token "
             f"> max_kl = {tc.max_kl} (top-1 agreement {metrics.get('val_top1_agreement')}); nothing was exported. "
             f"Train again with a smaller learning_rate, a larger lambda_base or fewer train_layers (--no-resume), or "
             f"accept the drift with --set max_kl={kl * 1.01:.4g}: the finished run is then exported without training")
