@@ -42,7 +42,8 @@ def _content(content, where: str) -> str:
             raise ValueError(f"{where}.content: an empty list of content parts; give a string or text parts")
         texts = []
         for j, part in enumerate(content):
-            key = TEXT_PARTS.get(part.get("type")) if isinstance(part, dict) else None
+            kind = part.get("type") if isinstance(part, dict) else None
+            key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
             if key is None:
                 kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are "

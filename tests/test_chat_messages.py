@@ -28,6 +28,8 @@ def test_content_parts_and_the_developer_role():
     ([{"role": "assistant", "content": [{"type": "refusal", "text": "no"}]}],
      r"messages\[0\]\.content\[0\]\.refusal: a refusal part needs a string 'refusal', got nothing"),
     ([{"role": "user", "content": "x", "name": "a\udc00"}], r"messages\[0\]\.name: not valid Unicode"),
+    ([{"role": "user", "content": [{"type": ["text"], "text": "x"}]}],
+     r"messages\[0\]\.content\[0\]: only text parts .* got \['text'\]"),
     ([{"role": "user", "content": []}], r"messages\[0\]\.content: an empty list of content parts"),
     ([{"role": "user"}], r"messages\[0\]\.content: missing"),
     ([{"role": "user", "content": 5}], r"messages\[0\]\.content: expected a string"),

@@ -175,7 +175,7 @@ def test_read_chat_jsonl_refuses_eval_sets(tmp_path):
         list(Dt.read_chat_jsonl(str(p)))
 
 
-def test_data_distilled_from_another_model_is_noted(tmp_path):
+def test_data_distilled_from_another_model_is_noted(tmp_path, monkeypatch):
     from medusa_jax.train.examples import distilled_for_another_model
     assert distilled_for_another_model(str(tmp_path), "/m/ModelB") is None  # no meta.json: nothing to compare
     (tmp_path / "meta.json").write_text(json.dumps({"model": "/models/ModelA", "max_new_tokens": 8}))
@@ -186,6 +186,12 @@ def test_data_distilled_from_another_model_is_noted(tmp_path):
     assert "distilled from /models/ModelA, and these heads are trained for /elsewhere/ModelA" in other
     (tmp_path / "meta.json").write_text(json.dumps({"model": "ModelA", "max_new_tokens": 8}))
     assert distilled_for_another_model(str(tmp_path), "/installed/ModelA") is None  # the packaged model, by name
+    # a model given relative to the working directory is that directory's, not a bare name
+    (tmp_path / "b").mkdir()
+    monkeypatch.chdir(tmp_path / "b")
+    (tmp_path / "meta.json").write_text(json.dumps({"model": str(tmp_path / "a" / "final")}))
+    assert "/b/final" in distilled_for_another_model(str(tmp_path), "final")
+    assert distilled_for_another_model(str(tmp_path), "../a/final") is None
     (tmp_path / "meta.json").write_text(json.dumps({"model": "/models/ModelA", "max_new_tokens": 8}))
     note = distilled_for_another_model(str(tmp_path), "/m/ModelB")
     assert "distilled from ModelA" in note and "trained for ModelB" in note and "--model /m/ModelB" in note

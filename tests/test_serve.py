@@ -520,6 +520,27 @@ def _fed(ts, ids, size):
     return out, stopped
 
 
+def test_a_completion_decoded_after_its_prompt_is_the_same_text_on_a_byte_level_vocabulary(smollm2):
+    """`TextStream(after=)` (a completion's answer decoded after its prompt's last tokens, for
+    SentencePiece's first space) changes nothing on a byte-level vocabulary, also when the prompt
+    ends inside a character that the answer finishes (those bytes would be read as one U+FFFD)."""
+    from medusa_jax.serve.text import TextStream
+
+    tok = smollm2.tokenizer
+    dna = tok.encode("Hi \U0001F9EC Paris", add_special_tokens=False)  # the emoji in three tokens
+    assert [tok.decode(dna[:n]) for n in (2, 3, 4)] == ["Hi \ufffd", "Hi \ufffd", "Hi \U0001F9EC"]
+    for prompt, answer in ((tok.encode("The capital of France is"), tok.encode(" Paris, 東京 and 🙂.")),
+                           (dna[:2], dna[2:]), (dna[:1], dna[1:]),
+                           (dna[:2], dna[2:3] + dna[4:])):  # an answer that does not finish the character
+        for size in (1, 2, len(answer)):
+            alone, after = TextStream(tok, []), TextStream(tok, [], after=prompt[-6:])
+            pieces = [(alone.feed(answer[i:i + size]), after.feed(answer[i:i + size]))
+                      for i in range(0, len(answer), size)]
+            assert all(a == b for a, b in pieces), (prompt, size, pieces)
+            assert alone.feed([], final=True) == after.feed([], final=True)
+            assert after.text == tok.decode(answer), after.text
+
+
 def test_text_stream_ignores_stops_completed_within_min_tokens(smollm2):
     """min_tokens (vLLM's): a stop sequence completed by one of the first min_tokens tokens does not
     end the answer (the same stop later does), however many tokens each step delivered."""

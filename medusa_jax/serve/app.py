@@ -332,6 +332,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
 
         choices = []
         calls_tools = gen.tool_choice == "auto"  # the answers are read for tool calls
+        continues = not chat or gen.continue_final_message  # the answers continue the prompt's text
         try:  # choice k * n + j: prompt k's j-th, sampling with seed + j (greedy choices are all alike)
             for (ids, limit, echo), j in itertools.product(zip(prompts, limits, echoes), range(gen.n)):
                 sampling = SamplingParams(gen.temperature, gen.top_p, (gen.seed + j) % 2 ** 31, gen.top_k, gen.min_p,
@@ -343,7 +344,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
                                        on_event=functools.partial(on_event, len(choices)))
                 text = TextStream(tokenizer, gen.stop, gen.include_stop, gen.stop_token_ids or (), gen.min_tokens,
                                   markers if calls_tools else frozenset(), pieces.special,
-                                  after=() if chat else ids[-AFTER_TOKENS:])
+                                  after=ids[-AFTER_TOKENS:] if continues else ())
                 offsets = TextOffsets(pieces, start=len(echo.text) if echo else 0)  # an echo: after the prompt
                 choices.append(Choice(handle, text, offsets, tools if calls_tools else None,
                                       echo, None if gen.parallel_tool_calls else 1))

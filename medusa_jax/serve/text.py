@@ -33,8 +33,9 @@ class TextStream:
     vLLM, a stop sequence completed by one of the first `min_tokens` tokens does not count.
     `keep_ids`: special tokens whose text the text keeps (a tool-call parser's markers, such as
     Mistral's ``[TOOL_CALLS]``), among `special_ids` (all the special tokens: `TokenPieces.special`).
-    `after`: the token ids the answer continues (a completion prompt's last few): the text is what
-    the answer's tokens add to theirs, as vLLM's detokenizer reads it, where decoding the answer alone
+    `after`: the token ids the answer continues (a completion prompt's last few, up to a character
+    it ends inside): the text is what the answer's tokens add to theirs, as vLLM's detokenizer reads
+    it, where decoding the answer alone
     would lose the space of its first word on a SentencePiece vocabulary (Llama 2's, Mistral's: the
     decoder drops the space a text starts with, so "The capital is" + "▁Paris" is " Paris", not
     "Paris"); byte-level vocabularies give the same text either way."""
@@ -53,7 +54,10 @@ class TextStream:
         self.used: Optional[int] = None
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.after = [int(t) for t in after]
-        self.after_text = self._raw(self.after) if self.after else ""
+        self.after_text = self._raw(self.after)
+        while self.after and self.after_text.endswith(PLACEHOLDER):  # a prompt ending inside a character:
+            self.after.pop()  # from before it (its bytes would swallow an answer byte that finishes it)
+            self.after_text = self._raw(self.after)
 
     def _stop_at(self, text: str, since: int) -> Optional[int]:
         """Where the text ends for the first stop in the list that occurs in `text` ending past

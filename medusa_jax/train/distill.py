@@ -67,10 +67,13 @@ def same_source(recorded, given) -> bool:
     """Whether a model or prompt file that a ``meta.json`` records is `given` (a path): the same path,
     or the same file or directory name where the record is a bare name (the packaged model and the
     default pool are recorded by name, since this machine's install path does not travel with the
-    data). Two full paths must agree: fine-tunes often share a last name (``checkpoint-500``,
-    ``final``), so a name alone does not identify one."""
+    data). Two full paths must agree (`given` relative to the working directory, links followed):
+    fine-tunes often share a last name (``checkpoint-500``, ``final``), so a name alone does not
+    identify one. Callers pass a given path made absolute, so that a model in the working directory
+    is not read as a bare name."""
     recorded, given = os.path.normpath(str(recorded)), os.path.normpath(str(given))
-    if recorded == given or os.path.abspath(recorded) == os.path.abspath(given):
+    real = lambda p: os.path.realpath(os.path.expanduser(p))  # noqa: E731 - relative to here, links followed
+    if recorded == given or real(recorded) == real(given):
         return True
     bare = lambda p: os.path.basename(p) == p  # noqa: E731
     return (bare(recorded) or bare(given)) and os.path.basename(recorded) == os.path.basename(given)

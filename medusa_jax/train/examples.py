@@ -78,7 +78,7 @@ def distilled_for_another_model(data_dir: str, model_path: str) -> Optional[str]
     except (OSError, ValueError, AttributeError):
         return None
     name = lambda p: os.path.basename(os.path.normpath(str(p)))  # noqa: E731
-    if not made_by or same_source(made_by, model_path):
+    if not made_by or same_source(made_by, os.path.abspath(str(model_path))):
         return None
     made, this = name(made_by), name(model_path)
     if made == this:  # two models of one name (/a/final, /b/final): their paths tell them apart
