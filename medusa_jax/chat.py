@@ -63,9 +63,9 @@ def check_messages(messages: Sequence[dict]) -> List[dict]:
     """``[{"role", "content"}, ...]`` as plain dicts, checked: a non-empty list of messages whose
     role is one of `ROLES` ("developer" becomes "system") and whose content is a string or a list
     of text parts (OpenAI's; joined with newlines) of valid Unicode, possibly empty, and its
-    ``name`` when it has one. Any role may
-    come last, as OpenAI's API allows: the chat template then renders what follows it (a new
-    assistant turn after an assistant's message or a lone system message). Tool calling, as
+    ``name`` when it has one. Any role may come last, as OpenAI's API allows: the chat template
+    then renders what follows it (a new assistant turn after an assistant's message or a lone
+    system message). Tool calling, as
     OpenAI's messages carry it: an assistant's ``tool_calls`` (its content may then be null) kept
     with their arguments decoded to objects (`_tool_calls`), and a tool's result (role "tool")
     with its ``tool_call_id``. Raises ValueError naming the message and the field

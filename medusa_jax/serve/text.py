@@ -35,10 +35,9 @@ class TextStream:
     Mistral's ``[TOOL_CALLS]``), among `special_ids` (all the special tokens: `TokenPieces.special`).
     `after`: the token ids the answer continues (a completion prompt's last few, up to a character
     it ends inside): the text is what the answer's tokens add to theirs, as vLLM's detokenizer reads
-    it, where decoding the answer alone
-    would lose the space of its first word on a SentencePiece vocabulary (Llama 2's, Mistral's: the
-    decoder drops the space a text starts with, so "The capital is" + "▁Paris" is " Paris", not
-    "Paris"); byte-level vocabularies give the same text either way."""
+    it. Decoded alone, an answer would lose its first word's space on a SentencePiece vocabulary
+    (Llama 2's, Mistral's: the decoder drops the space a text starts with, so "The capital is" +
+    "▁Paris" is " Paris", not "Paris"); byte-level vocabularies give the same text either way."""
 
     def __init__(self, tokenizer, stop: List[str], include_stop: bool = False, hidden_ids=(), min_tokens: int = 0,
                  keep_ids: FrozenSet[int] = frozenset(), special_ids: FrozenSet[int] = frozenset(),
@@ -54,7 +53,7 @@ class TextStream:
         self.used: Optional[int] = None
         self.hold = max((len(s) for s in stop), default=1) - 1
         self.after = [int(t) for t in after]
-        self.after_text = self._raw(self.after)
+        self.after_text = self._raw(self.after) if self.after else ""
         while self.after and self.after_text.endswith(PLACEHOLDER):  # a prompt ending inside a character:
             self.after.pop()  # from before it (its bytes would swallow an answer byte that finishes it)
             self.after_text = self._raw(self.after)
