@@ -524,3 +524,33 @@ def test_a_full_queue_refuses_an_echo_before_scoring_its_prompt(tool_server):
     r = httpx.post(url + "/v1/completions", json=body)
     assert r.status_code == 200 and engine.scored == 1
     assert r.json()["choices"][0]["text"].startswith("The capital of France is")
+
+
+def test_tools_can_be_left_out_of_a_chat_with_tool_choice_none(smollm2_path):
+    """--exclude-tools-when-tool-choice-none (vLLM's flag): a chat with tool_choice "none" is fed to
+    the model without its tools; by default (vLLM's) and with "auto" the template shows them."""
+    import asyncio
+
+    from medusa_jax.convert.load import load_tokenizer
+    from medusa_jax.serve.app import create_app
+
+    tokenizer = load_tokenizer(smollm2_path)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    engine = _ScriptedEngine(tokenizer)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+
+    def count(exclude, body):
+        async def post():
+            transport = httpx.ASGITransport(app=create_app(engine, tokenizer, MODEL, tool_call_parser="hermes",
+                                                           exclude_tools_when_none=exclude))
+            async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+                r = await client.post("/tokenize", json=body)
+            assert r.status_code == 200, r.text
+            return r.json()["count"]
+        return asyncio.run(post())
+
+    bare = count(False, chat)
+    none = dict(chat, tools=[WEATHER], tool_choice="none")
+    assert count(False, none) > bare and count(True, none) == bare
+    auto = dict(chat, tools=[WEATHER], tool_choice="auto")
+    assert count(True, auto) == count(False, auto) == count(False, none)

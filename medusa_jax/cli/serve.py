@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "'llama3_json' for a JSON call (Llama 3.1-3.3), 'pythonic' for [f(a=1), g()] (Llama 3.2 "
                         "and 4 with a pythonic template), 'mistral' for [TOOL_CALLS][{...}] (Mistral); default: "
                         "none (a chat with tools must then give tool_choice 'none')")
+    p.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                   help="render a chat with tool_choice 'none' without its tools (vLLM's flag), so that the model, "
+                        "shown none, writes a message as OpenAI's 'none' promises; by default the template shows "
+                        "them (vLLM's default) and a call the model writes anyway comes back as content")
     p.add_argument("--chat-template", default=None, metavar="FILE",
                    help="a Jinja chat template file to use instead of the tokenizer's own (e.g. one that renders "
                         "tools); its end-of-turn token also ends answers")
@@ -160,7 +164,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     name = args.served_model_name or default_model_name(model.path)
     app = create_app(engine, model.tokenizer, name, max_waiting=args.max_waiting, max_tokens_default=args.max_tokens,
                      allowed_origins=origins,
-                     max_request_bytes=int(args.max_request_mb * (1 << 20)), tool_call_parser=args.tool_call_parser)
+                     max_request_bytes=int(args.max_request_mb * (1 << 20)), tool_call_parser=args.tool_call_parser,
+                     exclude_tools_when_none=args.exclude_tools_when_tool_choice_none)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, speculation "
           f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens)", file=sys.stderr,
           flush=True)

@@ -102,7 +102,8 @@ async def read_body(request: Request, limit: int) -> bytes:
 
 def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int = 64,
                max_tokens_default: Optional[int] = None, max_request_bytes: int = MAX_REQUEST_BYTES,
-               allowed_origins: Sequence[str] = ("*",), tool_call_parser: Optional[str] = None) -> FastAPI:
+               allowed_origins: Sequence[str] = ("*",), tool_call_parser: Optional[str] = None,
+               exclude_tools_when_none: bool = False) -> FastAPI:
     """The ASGI app serving `engine` (started by the app's lifespan if it is not running).
 
     Args:
@@ -118,6 +119,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         method and header, as vLLM's ``--allowed-origins``); ``"*"``: any; empty: no CORS headers.
       tool_call_parser: how the model writes a tool call, one of `serve.tools.TOOL_PARSERS` (vLLM's
         ``--tool-call-parser``); None: chats with ``tools`` need ``tool_choice: "none"``.
+      exclude_tools_when_none: a chat with ``tool_choice: "none"`` is rendered without its tools
+        (vLLM's ``--exclude-tools-when-tool-choice-none``), so that the model, shown none, writes a
+        message as OpenAI's "none" promises; by default the template shows them (vLLM's default) and
+        a call the model writes anyway comes back as content.
     Raises:
       ValueError: an unknown `tool_call_parser`.
     """
@@ -236,6 +241,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
         if not chat and len(gen.prompts) != 1:
             raise RequestError(f"prompt: /tokenize takes one prompt, got {len(gen.prompts)}", "prompt")
+        unused_tools_left_out(gen)  # the ids a chat request would be fed
         ids = (await tokenized(gen, chat, fit=False))[0]
         out = {"count": len(ids), "max_model_len": context, "tokens": ids}
         if protocol.flag(body, "return_token_strs", False):
@@ -248,6 +254,10 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         body = await json_body(request)
         ids = protocol.check_detokenize(body, [model_name], engine.cfg.vocab_size)
         return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+    def unused_tools_left_out(gen: protocol.Generation) -> None:
+        if exclude_tools_when_none and gen.tool_choice == "none":
+            gen.tools = None
 
     async def json_body(request: Request):
         """The request's body parsed as JSON (a 503 while shutting down; RequestError for a body that
@@ -273,6 +283,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             if gen.tool_choice != "none":
                 raise RequestError(NO_PLACE_FOR_TOOLS, "tools")
             gen.tools = None  # not to be called, and the template would not show them: nothing is lost
+        unused_tools_left_out(gen)
         prompts = await tokenized(gen, chat, room=0 if gen.max_tokens == 0 else 1)  # echo alone: the whole context
         where = lambda k: f"prompt {k}: " if len(prompts) > 1 else ""  # noqa: E731
         budget_field = ("max_completion_tokens" if chat and body.get("max_completion_tokens") is not None
