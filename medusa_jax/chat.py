@@ -42,15 +42,14 @@ def _content(content, where: str) -> str:
             raise ValueError(f"{where}.content: an empty list of content parts; give a string or text parts")
         texts = []
         for j, part in enumerate(content):
-            kind = part.get("type") if isinstance(part, dict) else None
-            key = TEXT_PARTS.get(kind) if isinstance(kind, str) else None
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            key = TEXT_PARTS.get(kind) if isinstance(part, dict) and isinstance(kind, str) else None
             if key is None:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                 raise ValueError(f"{where}.content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are "
                                  f"supported, got {kind!r}")
             if not isinstance(part.get(key), str):
                 got = "nothing" if key not in part else type(part[key]).__name__
-                raise ValueError(f"{where}.content[{j}].{key}: a {part['type']} part needs a string {key!r}, "
+                raise ValueError(f"{where}.content[{j}].{key}: a {kind} part needs a string {key!r}, "
                                  f"got {got}")
             texts.append(part[key])
         content = "\n".join(texts)
