@@ -43,7 +43,7 @@ from medusa_jax.chat import load_first_turns  # noqa: E402
 from medusa_jax.decoding.tree import build_tree, get_tree, with_lookup  # noqa: E402
 from medusa_jax.evals.lossless import decode_one  # noqa: E402
 
-MT_BENCH = os.path.join(ROOT, "..", "shared", "data", "FastChat_mt_bench_question.jsonl")
+MT_BENCH = os.path.join(ROOT, "data", "FastChat_mt_bench_question.jsonl")
 
 
 def grown_order(max_size: int, cache: str, lookup_tokens: int):

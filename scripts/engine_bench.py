@@ -33,7 +33,7 @@ from medusa_jax.decoding.engine import Engine  # noqa: E402
 from medusa_jax.decoding.requests import Request  # noqa: E402
 from medusa_jax.evals.speed import per_category, spec_bench_groups  # noqa: E402
 
-SPEC_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+SPEC_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                           "Spec-Bench_question.jsonl")
 
 

@@ -2,7 +2,7 @@
 
     python3 -m venv /tmp/llvenv && /tmp/llvenv/bin/pip install llama-cpp-python==0.3.36   # its own venv
     .venv/bin/python scripts/llama_cpp_side_by_side.py --llama-python /tmp/llvenv/bin/python \\
-        --prompts ../shared/data/Spec-Bench_question.jsonl --per-category 4
+        --prompts data/Spec-Bench_question.jsonl --per-category 4
 
 llama.cpp (through llama-cpp-python) runs in a worker process started with ``--llama-python``, a
 Python whose environment has llama-cpp-python; it is never a dependency of this project. Every

@@ -33,7 +33,7 @@ OUT = "runs/lookup_outputs.json"
 model = load_model(None)
 cfg, params = model.cfg, model.params
 heads, tree, note = resolve.resolve_heads(model, None, None)
-recs = per_category(spec_bench_groups(load_first_turns("../shared/data/Spec-Bench_question.jsonl", None)), 20)
+recs = per_category(spec_bench_groups(load_first_turns("data/Spec-Bench_question.jsonl", None)), 20)
 prompts = [apply_chat_template(model.tokenizer, r["prompt"]) for r in recs]
 if os.path.exists(OUT):
     outs = json.load(open(OUT))

@@ -49,7 +49,7 @@ def main(argv=None) -> int:
                                 formatter_class=HelpFormatter)
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16", help="compute dtype")
     p.add_argument("--ids", required=True, help="comma-separated MT-bench question ids")
-    p.add_argument("--prompts", default="../shared/data/FastChat_mt_bench_question.jsonl", help="question file")
+    p.add_argument("--prompts", default="data/FastChat_mt_bench_question.jsonl", help="question file")
     p.add_argument("--max-new-tokens", type=int, default=64, help="tokens per answer")
     args = p.parse_args(argv)
     import jax.numpy as jnp

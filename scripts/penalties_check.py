@@ -1,7 +1,7 @@
 """Medusa with penalties and bans on the real model: every answer of the engine's Medusa steps (the
 shipped heads and tree) against its plain steps with the same settings, token for token.
 
-    .venv/bin/python scripts/penalties_check.py --prompts ../shared/data/FastChat_mt_bench_question.jsonl
+    .venv/bin/python scripts/penalties_check.py --prompts data/FastChat_mt_bench_question.jsonl
 
 For each setting (greedy: a repetition penalty of 1.3; presence 0.5 with frequency 0.5; sampled at
 temperature 0.7 with min_p 0.05 and a repetition penalty of 1.2, seed = the prompt's index; greedy with

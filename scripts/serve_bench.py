@@ -42,7 +42,7 @@ sys.path.insert(0, ROOT)
 from medusa_jax.chat import load_first_turns  # noqa: E402
 from medusa_jax.evals.speed import per_category, spec_bench_groups  # noqa: E402
 
-SPEC_BENCH = os.path.join(ROOT, "..", "shared", "data", "Spec-Bench_question.jsonl")
+SPEC_BENCH = os.path.join(ROOT, "data", "Spec-Bench_question.jsonl")
 
 
 def free_port() -> int:

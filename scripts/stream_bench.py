@@ -21,7 +21,7 @@ import medusa_jax as mj  # noqa: E402
 from medusa_jax.chat import load_first_turns  # noqa: E402
 from medusa_jax.evals.speed import time_jit_generate  # noqa: E402
 
-MT_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "..", "shared", "data",
+MT_BENCH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data",
                         "FastChat_mt_bench_question.jsonl")
 
 

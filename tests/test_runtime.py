@@ -1,5 +1,6 @@
 """Command-line plumbing: heads/tree resolution, text streaming, lossless-check and bench summaries."""
 import io
+import os
 from types import SimpleNamespace
 
 import pytest
@@ -14,6 +15,7 @@ from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import HeadsMismatchError, init_heads
 from medusa_jax.models.config import ModelConfig
 
+DATA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "data")
 CFG = ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2, num_kv_heads=1)
 
 
@@ -95,7 +97,7 @@ def test_first_difference():
 
 
 def test_load_first_turns_reads_mt_bench():
-    recs = load_first_turns("../shared/data/FastChat_mt_bench_question.jsonl")
+    recs = load_first_turns(os.path.join(DATA, "FastChat_mt_bench_question.jsonl"))
     assert len(recs) == 80 and recs[0]["id"] == 81 and recs[0]["category"] == "writing"
     assert recs[0]["prompt"].startswith("Compose an engaging travel blog post")
 
@@ -116,7 +118,7 @@ def test_bench_summary_figures():
 
 def test_spec_bench_six_tasks_and_even_per_category_pick():
     from medusa_jax.evals.speed import per_category, spec_bench_groups
-    recs = spec_bench_groups(load_first_turns("../shared/data/Spec-Bench_question.jsonl"))
+    recs = spec_bench_groups(load_first_turns(os.path.join(DATA, "Spec-Bench_question.jsonl")))
     cats = {r["category"] for r in recs}
     assert cats == {"mt_bench", "translation", "summarization", "qa", "math_reasoning", "rag"}
     picked = per_category(recs, 20)
@@ -124,7 +126,7 @@ def test_spec_bench_six_tasks_and_even_per_category_pick():
     mt = [r for r in picked if r["category"] == "mt_bench"]
     assert len({r["subcategory"] for r in mt}) == 8  # spread over MT-bench's eight categories
     # MT-bench alone keeps its own categories
-    mtb = spec_bench_groups(load_first_turns("../shared/data/FastChat_mt_bench_question.jsonl"))
+    mtb = spec_bench_groups(load_first_turns(os.path.join(DATA, "FastChat_mt_bench_question.jsonl")))
     assert len({r["category"] for r in mtb}) == 8
     assert [r["id"] for r in per_category(mtb, 2)][:4] == [81, 86, 91, 96]
 

@@ -1,7 +1,7 @@
 """``medusa-bench``: plain greedy vs Medusa greedy speed, side by side (and optionally transformers'
 generate).
 
-``medusa-bench --prompts ../shared/data/Spec-Bench_question.jsonl --per-category 20 --hf``
+``medusa-bench --prompts data/Spec-Bench_question.jsonl --per-category 20 --hf``
 
 What is measured, and how, is `medusa_jax.evals.speed`'s docstring; this module parses the flags,
 runs the decoders prompt by prompt, interleaved, and writes ``results.json``, ``results.md`` and

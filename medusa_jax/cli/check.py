@@ -1,6 +1,6 @@
 """Lossless check: Medusa greedy output against plain greedy output on a prompt set.
 
-``medusa-check --prompts ../shared/data/FastChat_mt_bench_question.jsonl``
+``medusa-check --prompts data/FastChat_mt_bench_question.jsonl``
 
 For every prompt (first turn), both decoders run greedily on the same weights. Outputs must be
 identical token for token. Where they differ, the first differing position is examined on the

@@ -27,7 +27,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                    help="output directory (samples.jsonl, meta.json); an interrupted run resumes there")
     p.add_argument("--model", default=None, help="backbone: HF directory or GGUF (default: SmolLM2 GGUF)")
     p.add_argument("--prompts", default=None,
-                   help="JSONL with a 'prompt' field (default: the permissive pool); never an evaluation set")
+                   help="JSONL with a 'prompt' field (default: the checkout's data/prompt_pool_permissive.jsonl); "
+                   "never an evaluation set")
     p.add_argument("--target-tokens", type=int, default=None,
                    help="stop taking new prompts once samples.jsonl holds this many (>= 1) response tokens "
                         "(default: answer the whole pool)")

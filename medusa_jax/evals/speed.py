@@ -1,6 +1,6 @@
 """Side-by-side speed: plain greedy vs Medusa greedy (and optionally transformers' generate).
 
-``medusa-bench --prompts ../shared/data/Spec-Bench_question.jsonl --limit 120 --hf``
+``medusa-bench --prompts data/Spec-Bench_question.jsonl --limit 120 --hf``
 
 For every prompt (first turn, chat template applied) the decoders run in the same process on the
 same prompt ids, interleaved (the order rotates from prompt to prompt), after an untimed warm-up of

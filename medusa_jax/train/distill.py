@@ -58,9 +58,9 @@ class EvalSetError(ValueError):
 
 
 def default_prompts_path() -> str:
-    """``../shared/data/prompt_pool_permissive.jsonl`` next to the repository checkout."""
+    """The checkout's ``data/prompt_pool_permissive.jsonl`` (data/SOURCES.md says where it comes from)."""
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    return os.path.normpath(os.path.join(repo, "..", "shared", "data", "prompt_pool_permissive.jsonl"))
+    return os.path.join(repo, "data", "prompt_pool_permissive.jsonl")
 
 
 def same_source(recorded, given) -> bool:
@@ -84,7 +84,7 @@ def check_not_eval_set(path: str) -> None:
     name = os.path.basename(os.fspath(path)).lower()
     if any(m in name for m in EVAL_SET_MARKERS):
         raise EvalSetError(f"{path}: this is an evaluation set (MT-Bench / Spec-Bench); never distill or "
-                           "train on it. Use a training prompt pool such as prompt_pool_permissive.jsonl")
+                           "train on it. Use a training prompt pool such as data/prompt_pool_permissive.jsonl")
 
 
 def read_prompt_pool(path: str) -> List[Tuple[str, str]]:
