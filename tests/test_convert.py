@@ -268,6 +268,17 @@ def test_transformers_loads_tiny_gguf_like_us(tmp_path, arch):
     assert rel_err(jax_logits(loaded.cfg, loaded.params, tokens), torch_logits(ref.eval(), tokens)) < 1e-4
 
 
+def test_gguf_conversion_bar_ends_its_line_off_a_terminal(tmp_path, tiny_llama, capsys):
+    """Off a terminal (a log, a pipe, `make demo 2>&1 | tee`), the conversion bar ends with its own
+    line: erased, it left "converting ...: 0%|" in front of the answer printed next. Nothing goes to
+    stdout."""
+    cfg, _, _, sd = tiny_llama
+    load_gguf(write_gguf(tmp_path / "bar.gguf", cfg, sd), progress=True)
+    out, err = capsys.readouterr()
+    assert out == "" and "converting bar.gguf (cached for later runs)" in err
+    assert err.endswith("\n") and "100%" in err.rsplit("\r", 1)[-1], repr(err[-300:])
+
+
 def _bad_gguf(tmp_path, tiny_llama, **kw):
     cfg, model, _, sd = tiny_llama
     return write_gguf(tmp_path / "bad.gguf", kw.pop("cfg", cfg), sd, **kw)

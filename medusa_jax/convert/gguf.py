@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import sys
 from typing import Any, Dict, Optional, Tuple
 
 import gguf
@@ -349,8 +350,11 @@ def load_gguf(path: str, dtype=np.float32, reader=None, progress: bool = False,
     hf: Dict[str, np.ndarray] = {}
     unmapped = []
 
+    # on a terminal the bar is erased when done; elsewhere (a log, a pipe) erasing leaves a fragment
+    # before the next output, so the bar ends with its line instead
+    on_terminal = getattr(sys.stderr, "isatty", lambda: False)()
     for tensor in tqdm(reader.tensors, desc=f"converting {os.path.basename(path)} (cached for later runs)",
-                       unit="tensor", disable=not progress, leave=False):
+                       unit="tensor", disable=not progress, leave=not on_terminal, file=sys.stderr):
         if tensor.name == "rope_freqs.weight":
             continue  # folded into cfg.rope_scaling by gguf_config
         name = gguf_to_hf_name(tensor.name)

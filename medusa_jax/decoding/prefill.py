@@ -136,11 +136,13 @@ def prefill_plan(longest: int, chunk_size: int = PREFILL_CHUNK) -> Tuple[int, in
 
 
 def progress_bar(show: bool, total: int, desc: str, unit: str):
-    """A tqdm bar on stderr that appears once it has run `PROGRESS_DELAY_S` seconds and is erased
-    when closed; None when not `show`."""
+    """A tqdm bar on stderr that appears once it has run `PROGRESS_DELAY_S` seconds and, when
+    closed, is erased on a terminal or ends its line elsewhere (erasing it in a log or a pipe left a
+    fragment in front of the answer); None when not `show`."""
     if not show:
         return None
-    return tqdm(total=total, desc=desc, unit=unit, delay=PROGRESS_DELAY_S, leave=False, file=sys.stderr)
+    on_terminal = getattr(sys.stderr, "isatty", lambda: False)()
+    return tqdm(total=total, desc=desc, unit=unit, delay=PROGRESS_DELAY_S, leave=not on_terminal, file=sys.stderr)
 
 
 def start_state(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], cache_size: int,
