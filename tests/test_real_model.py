@@ -86,6 +86,19 @@ def test_decode_cli_json(capsys):
         assert key in out
 
 
+def test_decode_cli_default_prompt_prints_its_question_first(smollm2, monkeypatch, capsys):
+    """`make demo` (decode.py with no prompt) says which question it answers, on stdout before the
+    answer; a prompt the user gave is not repeated."""
+    from medusa_jax.cli import common, decode
+    monkeypatch.setattr(common, "setup_decoding", lambda *a, **k: common.Setup(smollm2, None, None, None, None))
+    assert decode.main(["--no-medusa", "--max-new-tokens", "4", "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"{decode.DEFAULT_PROMPT_LABEL}: {decode.DEFAULT_PROMPT}\n\n"), out
+    assert out.split("\n\n", 1)[1].strip()  # then the answer
+    assert decode.main(["--no-medusa", "--max-new-tokens", "4", "--no-progress", "--prompt", "Hi"]) == 0
+    assert "Question" not in capsys.readouterr().out
+
+
 def test_decode_cli_rejects_empty_prompt(capsys):
     from medusa_jax.cli import decode
     with pytest.raises(SystemExit) as e:

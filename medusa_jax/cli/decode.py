@@ -15,6 +15,8 @@ import sys
 from medusa_jax.cli import interruptible, prog_name
 
 DEFAULT_PROMPT = "Give me three tips for writing clear Python code."
+#: printed before the default prompt's answer (a given prompt is not repeated)
+DEFAULT_PROMPT_LABEL = 'Question (the default; --prompt "..." asks your own)'
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -83,6 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error("--system goes through the chat template, which --raw leaves out; give one of them")
     common.check_text_arg(p, args.system, "--system")
     if args.prompts_file is None:
+        args.default_prompt = args.prompt is None and args.prompt_file is None
         try:
             args.prompt = read_prompt(args.prompt, args.prompt_file)
         except (OSError, UnicodeDecodeError, ValueError) as e:
@@ -191,6 +194,8 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
+    if args.default_prompt and not args.json:  # `make demo`: say what the answer answers
+        print(f"{DEFAULT_PROMPT_LABEL}: {args.prompt}\n", flush=True)
     printer = common.TextStreamer(model.tokenizer, enabled=not args.json)
     try:
         result = mj.generate(model.cfg, model.params, prompt_ids, heads=heads, tree=tree,
