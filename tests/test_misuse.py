@@ -273,6 +273,28 @@ def test_check_and_serve_flag_misuse(prog, argv, message, tmp_path, capsys):
     assert err[-1].startswith(f"{prog}: error: " + message.replace("{tmp}", str(tmp_path))), err
 
 
+def test_serve_says_a_taken_port_before_the_model_loads(monkeypatch, capsys):
+    """medusa-serve on a port another server listens on exits 1 with one line naming the address,
+    before the model loads (it used to load the model and print "serving ... on http://..." first)."""
+    import socket
+
+    from medusa_jax.cli import common, serve
+
+    def no_load(*a, **k):
+        raise AssertionError("the model was loaded before the port was checked")
+
+    monkeypatch.setattr(common, "setup_decoding", no_load)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert serve.main(["--port", str(port)]) == 1
+    out, err = capsys.readouterr()
+    assert err.strip().splitlines() == [f"error: cannot serve on 127.0.0.1:{port}: the port is already in use "
+                                        "(another server?); stop it or choose another with --port"], err
+    assert "serving" not in out + err
+
+
 @pytest.mark.parametrize("out, message", [("{tmp}/no-dir/q.json", "no such directory to write it in"),
                                           ("{tmp}", "is a directory; give a file name")])
 def test_quality_json_flag_misuse(out, message, tmp_path, capsys):

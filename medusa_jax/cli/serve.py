@@ -8,6 +8,7 @@ Endpoints: /v1/chat/completions, /v1/completions (streaming with ``"stream": tru
 /tokenize, /detokenize, /health, /metrics (Prometheus). One engine decodes every request (`medusa_jax.decoding.engine`):
 requests share its rows (``--max-batch``), stream their tokens as steps accept them, reuse the
 KV cache of a conversation's earlier turns, and speculate as the load allows (``--speculation``).
+The port is bound before the model loads (a port in use is said at once, exit 1).
 SIGTERM or Ctrl-C: the server stops taking requests, lets running ones finish for
 ``--shutdown-grace`` seconds, ends the rest, and exits 0.
 """
@@ -125,6 +126,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         if not template.strip():
             p.error(f"--chat-template {args.chat_template}: the file is empty")
 
+    try:  # before the slow model load: a port already taken fails at once, in one line
+        sock = bind_port(args.host, args.port)
+    except OSError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
     import uvicorn
 
     from medusa_jax import resolve
@@ -137,6 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     try:
         model, heads, tree, note, _ = common.setup_decoding(args, use_medusa=not args.no_medusa)
     except (OSError, ValueError) as e:
+        sock.close()
         print(f"error: {e}", file=sys.stderr)
         return 2
     if note:
@@ -149,6 +157,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         except Exception as e:  # noqa: BLE001 - Jinja's errors, or the template's own raise_exception
             print(f"error: --chat-template {args.chat_template}: the template cannot render a user message: {e}",
                   file=sys.stderr)
+            sock.close()
             return 2
         eos = complete_eos_ids(model.cfg, model.tokenizer).eos_token_ids
     priors = None
@@ -171,8 +180,34 @@ def main(argv: Optional[List[str]] = None) -> int:
           flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace)
-    _server_class(app.state.begin_shutdown)(config).run()
+    _server_class(app.state.begin_shutdown)(config).run(sockets=[sock])
     return 0
+
+
+def bind_port(host: str, port: int):
+    """A TCP socket bound to `host`:`port`, as uvicorn binds one (SO_REUSEADDR; IPv6 for an address
+    with a colon), for uvicorn to listen on once the model is loaded: `main` binds it first, so that
+    a port already in use is said at once instead of after the model load.
+
+    Raises OSError with a one-line message naming the address: in use (another server listens
+    there), not allowed (a port below 1024 needs privileges) or not an address of this machine."""
+    import errno
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    shown = f"[{host}]:{port}" if family == socket.AF_INET6 else f"{host}:{port}"
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except (OSError, OverflowError) as e:
+        sock.close()
+        if getattr(e, "errno", None) == errno.EADDRINUSE:
+            raise OSError(f"cannot serve on {shown}: the port is already in use (another server?); stop it "
+                          "or choose another with --port") from None
+        raise OSError(f"cannot serve on {shown}: {getattr(e, 'strerror', None) or e}") from None
+    sock.set_inheritable(True)
+    return sock
 
 
 #: Seconds before the shutdown grace runs out at which the requests still running are ended with the
