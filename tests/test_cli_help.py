@@ -52,3 +52,28 @@ def test_seed_help_says_how_each_command_seeds(capsys, monkeypatch):
         texts[prog] = _option_entries(capsys.readouterr().out)["--seed SEED"]
     assert "prompt file" not in texts["medusa-chat"] and "answer i of the session" in texts["medusa-chat"]
     assert "prompt i of a prompt file uses (seed + i) mod 2**31" in texts["python decode.py"]
+
+
+def test_chat_prints_a_banner_and_help_lists_the_commands(monkeypatch, capsys):
+    """medusa-chat starts with one line (on stderr) that names the model and /help; /help lists
+    every command; nothing of it reaches stdout, which holds the answers alone."""
+    import io
+    import sys
+    from types import SimpleNamespace
+
+    from conftest import tiny_decoding_model
+
+    from medusa_jax.cli import chat, common
+
+    cfg, params = tiny_decoding_model()
+    model = SimpleNamespace(cfg=cfg, params=params, tokenizer=None, path="/models/tiny.Q4_1.gguf")
+    monkeypatch.setattr(common, "setup_decoding", lambda *a, **k: common.Setup(model, None, None, None, None))
+    monkeypatch.setattr(sys, "stdin", io.StringIO("/help\n/help me\n/exit\n"))
+    assert chat.main(["--no-medusa"]) == 0
+    out, err = capsys.readouterr()
+    lines = err.splitlines()
+    assert out == "" and lines[0] == ("[medusa-chat: tiny.Q4_1.gguf, plain decoding; type a message, /help lists "
+                                      "the commands, Ctrl-D quits]"), err
+    listed = [line.split()[0] for line in lines[2:7]]
+    assert lines[1] == "commands:" and listed == ["/help", "/reset", "/system", "/exit,", "//TEXT"], err
+    assert "/help takes no text; commands: /help, /reset" in err

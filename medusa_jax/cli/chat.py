@@ -1,9 +1,9 @@
 """``medusa-chat``: a multi-turn chat on the step-level engine, in the terminal.
 
 Each answer streams as it is decoded (Medusa heads, prompt lookup), and the conversation keeps its
-KV cache from turn to turn (prefix reuse: only the new turn is prefilled). Commands: ``/reset``
-(forget the conversation), ``/system TEXT`` (a new system message; the conversation restarts),
-``/exit`` (or ``/quit``); Ctrl-C stops the current answer and keeps the conversation (before the
+KV cache from turn to turn (prefix reuse: only the new turn is prefilled). A one-line banner names
+the model and ``/help``. Commands: ``/help`` (lists them), ``/reset`` (forget the conversation),
+``/system TEXT`` (a new system message; the conversation restarts), ``/exit`` (or ``/quit``); Ctrl-C stops the current answer and keeps the conversation (before the
 answer begins, the message is not sent; at the prompt, the line is dropped; piped, it ends the chat
 with status 130). Tokens per second, tokens per
 step and the reused prompt tokens of each turn go to stderr. Standard input may be piped: one user
@@ -24,7 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="medusa-chat", description="Chat with the model, turn after turn, decoding "
                                 "with Medusa heads (greedy answers identical to plain greedy).",
                                 formatter_class=common.HelpFormatter,
-                                epilog="commands: /reset, /system TEXT (empty: none), /exit or /quit; //TEXT sends a "
+                                epilog="commands: /help, /reset, /system TEXT (empty: none), /exit or /quit; //TEXT sends a "
                                 "message that begins with /; Ctrl-C stops the current answer (at the prompt it drops "
                                 "the line; Ctrl-D quits)")
     common.add_model_args(p)
@@ -71,6 +71,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                     posterior_threshold=acc.posterior_threshold, posterior_alpha=acc.posterior_alpha,
                     prefix_cache_bytes=args.prefix_cache_mb << 20).start()
     interactive = sys.stdin.isatty()
+    print(banner(model, heads), file=sys.stderr, flush=True)
     if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 become surrogates, refused by line (check_text)
         sys.stdin.reconfigure(errors="surrogateescape")
     system = args.system
@@ -98,11 +99,14 @@ def main(argv: Optional[List[str]] = None) -> int:
                 print(f"error: {e}; not sent", file=sys.stderr)
                 continue
             command, rest = (text.split(maxsplit=1) + [""])[:2]
-            if command in ("/exit", "/quit", "/reset") and rest.strip():
+            if command in ("/exit", "/quit", "/reset", "/help") and rest.strip():
                 print(f"{command} takes no text; {COMMANDS}", file=sys.stderr)
                 continue
             if command in ("/exit", "/quit"):
                 break
+            if command == "/help":
+                print(HELP, file=sys.stderr)
+                continue
             if command == "/reset":
                 messages = []
                 print("[the conversation is forgotten]", file=sys.stderr)
@@ -156,8 +160,27 @@ def main(argv: Optional[List[str]] = None) -> int:
 
 
 #: The commands, as the messages that name them list them.
-COMMANDS = ("commands: /reset, /system TEXT, /exit (or /quit); start a message with // to send one that begins "
-            "with /")
+COMMANDS = ("commands: /help, /reset, /system TEXT, /exit (or /quit); start a message with // to send one that "
+            "begins with /")
+
+#: What /help prints.
+HELP = """commands:
+  /help          this list
+  /reset         forget the conversation (a new one starts)
+  /system TEXT   a new system message (no TEXT: none); the conversation restarts
+  /exit, /quit   leave the chat (Ctrl-D too)
+  //TEXT         send "/TEXT" (a message that begins with /)
+Ctrl-C stops the answer being written and keeps what came (at the prompt it drops the line)."""
+
+
+def banner(model, heads) -> str:
+    """The one line medusa-chat prints (on stderr) before the first prompt: the model, how it
+    decodes, and where the commands are listed."""
+    import os
+
+    how = "medusa heads" if heads is not None else "plain decoding"
+    return f"[medusa-chat: {os.path.basename(str(model.path).rstrip('/'))}, {how}; type a message, /help lists " \
+           "the commands, Ctrl-D quits]"
 
 
 def _answer(handle, printer):
