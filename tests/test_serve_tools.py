@@ -526,6 +526,71 @@ def test_a_full_queue_refuses_an_echo_before_scoring_its_prompt(tool_server):
     assert r.json()["choices"][0]["text"].startswith("The capital of France is")
 
 
+def test_unknown_request_fields_are_ignored_with_a_warning_in_the_log(smollm2_path):
+    """A field the server does not know is ignored, as vLLM ignores it (the answer is a 200 as if it
+    were not sent), but the server's log names it, with the field it most likely misspells: a
+    misspelt ``temprature`` does not pass unseen. OpenAI's bookkeeping fields (``user``) and known
+    fields log nothing."""
+    import asyncio
+    import logging
+
+    from medusa_jax.convert.load import load_tokenizer
+    from medusa_jax.serve.app import create_app
+
+    tokenizer = load_tokenizer(smollm2_path)
+    engine = _ScriptedEngine(tokenizer)
+    engine.answer = "Mars."
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("medusa_jax.serve")
+    logger.addHandler(handler)
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "Name a planet."}], "max_tokens": 4,
+            "user": "u-1", "temperature": 0}
+
+    async def post(path, body):
+        transport = httpx.ASGITransport(app=create_app(engine, tokenizer, MODEL))
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            r = await client.post(path, json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    try:
+        assert asyncio.run(post("/v1/chat/completions", chat))["choices"][0]["message"]["content"] == "Mars."
+        assert asyncio.run(post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2, "top_k": 5}))
+        assert records == []
+        body = dict(chat, temprature=0.7)
+        assert asyncio.run(post("/v1/chat/completions", body))["choices"][0]["message"]["content"] == "Mars."
+        asyncio.run(post("/v1/completions", {"model": MODEL, "prompt": "Hi", "max_token": 2, "frobnicate": 1}))
+        asyncio.run(post("/tokenize", {"model": MODEL, "prompt": "Hi", "return_token_str": True}))
+    finally:
+        logger.removeHandler(handler)
+    assert [r.getMessage() for r in records] == [
+        "/v1/chat/completions: ignored the request's unknown field 'temprature' (did you mean 'temperature'?); the "
+        "answer is as if it was not sent",
+        "/v1/completions: ignored the request's unknown fields 'frobnicate', 'max_token' (did you mean "
+        "'max_tokens'?); the answer is as if they were not sent",
+        "/tokenize: ignored the request's unknown field 'return_token_str' (did you mean 'return_token_strs'?); the "
+        "answer is as if it was not sent"]
+    assert all(r.levelno == logging.WARNING for r in records)
+
+
+def test_every_request_field_the_server_reads_is_known():
+    """The lists of known fields (`protocol.CHAT_FIELDS`, `COMPLETION_FIELDS`) hold every field the
+    request checks read, so that a field the server honours is never logged as ignored."""
+    import inspect
+    import re
+
+    from medusa_jax.serve import app, protocol
+
+    source = inspect.getsource(protocol) + inspect.getsource(app)
+    read = set(re.findall(r'body\.get\("(\w+)"|body\["(\w+)"\]|\(body, "(\w+)"', source))
+    read = {name for names in read for name in names if name} - {"tokens", "return_token_strs"}  # (de)tokenize's
+    read |= {"presence_penalty", "frequency_penalty"}  # read in a loop
+    assert read <= protocol.CHAT_FIELDS | protocol.COMPLETION_FIELDS, read - protocol.CHAT_FIELDS
+    assert {"messages", "top_logprobs"} <= protocol.CHAT_FIELDS and "prompt" in protocol.COMPLETION_FIELDS
+
+
 def test_tools_can_be_left_out_of_a_chat_with_tool_choice_none(smollm2_path):
     """--exclude-tools-when-tool-choice-none (vLLM's flag): a chat with tool_choice "none" is fed to
     the model without its tools; by default (vLLM's) and with "auto" the template shows them."""

@@ -175,13 +175,30 @@ def main(argv: Optional[List[str]] = None) -> int:
                      allowed_origins=origins,
                      max_request_bytes=int(args.max_request_mb * (1 << 20)), tool_call_parser=args.tool_call_parser,
                      exclude_tools_when_none=args.exclude_tools_when_tool_choice_none)
+    _log_beside_uvicorn(args.log_level)
     print(f"serving {name} on http://{args.host}:{args.port}/v1 (max batch {args.max_batch}, speculation "
-          f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens)", file=sys.stderr,
-          flush=True)
+          f"{args.speculation}, trees of {[t.step_size for t in engine.chooser.trees]} tokens; Ctrl-C stops it)",
+          file=sys.stderr, flush=True)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=args.shutdown_grace)
     _server_class(app.state.begin_shutdown)(config).run(sockets=[sock])
     return 0
+
+
+def _log_beside_uvicorn(level: str) -> None:
+    """The server's own warnings (`serve.app.log`: e.g. a request's unknown fields) printed on
+    stderr as uvicorn prints its log ("WARNING:  ..."), at --log-level."""
+    import logging
+
+    from uvicorn.logging import DefaultFormatter
+
+    log = logging.getLogger("medusa_jax.serve")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+        log.addHandler(handler)
+        log.propagate = False
+    log.setLevel(level.upper())
 
 
 def bind_port(host: str, port: int):

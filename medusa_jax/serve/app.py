@@ -28,6 +28,7 @@ import contextlib
 import functools
 import itertools
 import json
+import logging
 import time
 from typing import AsyncIterator, List, Optional, Sequence
 
@@ -51,6 +52,9 @@ from medusa_jax.serve.protocol import RequestError
 from medusa_jax.serve.text import AFTER_TOKENS, TextOffsets, TextStream, TokenPieces, bad_words_ids, marker_ids
 from medusa_jax.serve.tools import TOOL_PARSERS
 
+
+#: Where the server's own warnings go (`medusa-serve` prints them beside uvicorn's log).
+log = logging.getLogger("medusa_jax.serve")
 
 #: The largest request body read by default (bytes): far above any prompt that fits a context (a
 #: 32k-token prompt is ~150 KB of text), so only a runaway or hostile client reaches it (413).
@@ -238,6 +242,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         A prompt longer than the context is counted, not refused."""
         body = await json_body(request)
         chat = isinstance(body, dict) and "messages" in body
+        warn_unknown(body, (protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS) | {"return_token_strs"},
+                     "/tokenize")
         gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
         if not chat and len(gen.prompts) != 1:
             raise RequestError(f"prompt: /tokenize takes one prompt, got {len(gen.prompts)}", "prompt")
@@ -252,8 +258,16 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     async def detokenize(request: Request):
         """vLLM's ``/detokenize``: the text of ``tokens`` (ids in the vocabulary), special tokens kept."""
         body = await json_body(request)
+        warn_unknown(body, frozenset({"model", "tokens"}), "/detokenize")
         ids = protocol.check_detokenize(body, [model_name], engine.cfg.vocab_size)
         return {"prompt": tokenizer.decode(ids, skip_special_tokens=False)}
+
+    def warn_unknown(body, known: frozenset, endpoint: str) -> None:
+        """Log a warning naming the fields of `body` the server does not read (ignored, as vLLM
+        ignores them: `protocol.unknown_fields_note`)."""
+        note = protocol.unknown_fields_note(body, known, endpoint)
+        if note:
+            log.warning(note)
 
     def unused_tools_left_out(gen: protocol.Generation) -> None:
         if exclude_tools_when_none and gen.tool_choice == "none":
@@ -274,6 +288,8 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
 
     async def generate(request: Request, chat: bool):
         body = await json_body(request)
+        warn_unknown(body, protocol.CHAT_FIELDS if chat else protocol.COMPLETION_FIELDS,
+                     "/v1/chat/completions" if chat else "/v1/completions")
         gen = protocol.check_request(body, [model_name], context, chat, engine.cfg.vocab_size)
         field = "messages" if chat else "prompt"
         if gen.tool_choice == "auto" and tools is None:

@@ -35,6 +35,22 @@ UNSUPPORTED: Dict[str, Any] = {
     "truncate_prompt_tokens": None, "guided_json": None,
     "guided_regex": None, "guided_choice": None, "guided_grammar": None, "structured_outputs": None,
     "echo_prompt": None, "chat_template": None, "mm_processor_kwargs": None, "documents": None}
+#: OpenAI's request fields that ask nothing of the answer (bookkeeping for OpenAI's own platform):
+#: accepted and ignored without a warning.
+BOOKKEEPING = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
+#: The fields `check_request` reads in both kinds of request (or refuses: `UNSUPPORTED`).
+_GENERATION_FIELDS = frozenset(UNSUPPORTED) | BOOKKEEPING | {
+    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
+    "logit_bias", "presence_penalty", "frequency_penalty", "response_format",
+    # vLLM's
+    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "add_special_tokens"}
+#: Every field a ``/v1/chat/completions`` request may send that the server reads; others are
+#: ignored, as vLLM ignores them, with a warning in the server's log (`unknown_fields_note`).
+CHAT_FIELDS = _GENERATION_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls",
+                                    "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
+#: Every field a ``/v1/completions`` request may send that the server reads.
+COMPLETION_FIELDS = _GENERATION_FIELDS | {"prompt"}
 #: transformers' ``apply_chat_template`` arguments, which ``chat_template_kwargs`` may not set (the
 #: server sets the ones it needs; the others would change what the call returns).
 TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -339,6 +355,31 @@ def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_
                       ignore_eos=flag(body, "ignore_eos", False), top_k=top_k,
                       include_stop=flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
                       n=n, logit_bias=logit_bias, echo=echo, **penalties, **extras)
+
+
+def unknown_fields_note(body: Any, known: frozenset, endpoint: str) -> Optional[str]:
+    """A one-line warning naming the top-level fields of a request `body` that are not in `known`
+    (e.g. `CHAT_FIELDS`), with the known field each most likely misspells; None when there are none
+    (or `body` is not an object). The server ignores such fields, as vLLM does, and logs this, so
+    that a misspelt ``temprature`` does not pass unseen."""
+    import difflib
+
+    if not isinstance(body, dict):
+        return None
+    unknown = sorted(str(name) for name in body if name not in known)
+    if not unknown:
+        return None
+    shown = 8  # a line, however many a client sends
+
+    def named(name: str) -> str:
+        close = difflib.get_close_matches(name, sorted(known), n=1, cutoff=0.75) if len(name) <= 64 else []
+        return repr(name if len(name) <= 64 else name[:61] + "...") + (f" (did you mean {close[0]!r}?)" if close
+                                                                      else "")
+    names = ", ".join(named(n) for n in unknown[:shown]) + (f" and {len(unknown) - shown} more"
+                                                           if len(unknown) > shown else "")
+    many = len(unknown) > 1
+    return (f"{endpoint}: ignored the request's unknown field{'s' if many else ''} {names}; the answer is as if "
+            f"{'they were' if many else 'it was'} not sent")
 
 
 def _completion_prompts(prompt: Any, vocab_size: int) -> List[Union[str, List[int]]]:
