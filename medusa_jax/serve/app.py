@@ -44,7 +44,7 @@ from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import EngineStopped, Finished
 from medusa_jax.decoding.requests import Request as EngineRequest
 from medusa_jax.decoding.requests import SamplingParams
-from medusa_jax.serve import protocol
+from medusa_jax.serve import protocol, responses
 from medusa_jax.serve.choices import Choice, sse
 from medusa_jax.serve.echo import ClientGone, Echoer, echo_alone
 from medusa_jax.serve.metrics import Metrics
@@ -343,7 +343,7 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             return Response(status_code=499)
         if (full := refused()) is not None:
             return full
-        rid = protocol.new_id(chat)
+        rid = responses.new_id(chat)
         if gen.max_tokens == 0:
             return echo_alone(gen, rid, prompts, echoes, pieces)
         loop = asyncio.get_running_loop()
@@ -414,15 +414,15 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
         out = []
         for i, c in enumerate(choices):
             c.final()
-            lp = None if gen.logprobs is None else protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
+            lp = None if gen.logprobs is None else responses.logprobs_obj(c.pending, chat, pieces, c.offsets)
             content = c.content()
             if c.echo:
                 content = c.echo.text + content
-                lp = lp and protocol.joined_logprobs(c.echo.logprobs(pieces, True), lp)
-            out.append(protocol.choice(i, chat, content, c.reason(), lp, c.calls))
+                lp = lp and responses.joined_logprobs(c.echo.logprobs(pieces, True), lp)
+            out.append(responses.choice(i, chat, content, c.reason(), lp, c.calls))
         metrics.observe_end(time.perf_counter() - t0, [c.fin for c in choices])
-        return protocol.completion(rid, gen.model, chat, out,
-                                   protocol.usage(prompt_tokens, sum(c.used() for c in choices)),
+        return responses.completion(rid, gen.model, chat, out,
+                                   responses.usage(prompt_tokens, sum(c.used() for c in choices)),
                                    [c.fin for c in choices], gen.created)
 
     async def tokenized(gen: protocol.Generation, chat: bool, fit: bool = True, room: int = 1) -> List[List[int]]:
@@ -496,12 +496,12 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
     async def stream(request: Request, choices: list, events: "asyncio.Queue", gen: protocol.Generation,
                      prompt_tokens: int, rid: str, chat: bool, t0: float) -> AsyncIterator[str]:
         created = gen.created
-        part = functools.partial(protocol.chunk, rid, gen.model, chat, created, include_usage=gen.include_usage)
+        part = functools.partial(responses.chunk, rid, gen.model, chat, created, include_usage=gen.include_usage)
 
         def logprobs(c: "Choice") -> Optional[dict]:  # the logprobs of the tokens a chunk of choice c carries
             if gen.logprobs is None:
                 return None
-            obj = protocol.logprobs_obj(c.pending, chat, pieces, c.offsets)
+            obj = responses.logprobs_obj(c.pending, chat, pieces, c.offsets)
             c.sent_tokens += len(c.pending)
             c.pending.clear()
             return obj
@@ -542,9 +542,9 @@ def create_app(engine: Engine, tokenizer, model_name: str, *, max_waiting: int =
             if any(c.fin is None for c in choices):
                 return
             if gen.include_usage:
-                yield sse(protocol.chunk(rid, gen.model, chat, created,
-                                         usage_obj=protocol.usage(prompt_tokens, sum(c.used() for c in choices)),
-                                         spec=protocol.speculation([c.fin for c in choices])))
+                yield sse(responses.chunk(rid, gen.model, chat, created,
+                                         usage_obj=responses.usage(prompt_tokens, sum(c.used() for c in choices)),
+                                         spec=responses.speculation([c.fin for c in choices])))
             metrics.observe_end(time.perf_counter() - t0, [c.fin for c in choices])
             yield "data: [DONE]\n\n"
         finally:

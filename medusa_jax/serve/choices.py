@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from typing import List, NamedTuple, Optional
 
-from medusa_jax.serve import protocol
+from medusa_jax.serve import responses
 from medusa_jax.serve.text import TextOffsets, TextStream, TokenPieces
 from medusa_jax.serve.tools import ToolCallParser
 
@@ -25,7 +25,7 @@ class Echo(NamedTuple):
 
     def logprobs(self, pieces: TokenPieces, asked: bool) -> Optional[dict]:
         """The prompt's part of a completion's ``logprobs`` object (None when not `asked`)."""
-        return protocol.logprobs_obj(self.entries, False, pieces, text_offset=self.offsets) if asked else None
+        return responses.logprobs_obj(self.entries, False, pieces, text_offset=self.offsets) if asked else None
 
 
 class Choice:
@@ -91,7 +91,7 @@ class Choice:
     def reason(self) -> str:
         if self.calls:
             return "tool_calls"
-        return "stop" if self.stopped else protocol.finish_reason(self.fin.reason)
+        return "stop" if self.stopped else responses.finish_reason(self.fin.reason)
 
     def used(self) -> int:
         """The answer's tokens (up to a stop sequence's)."""

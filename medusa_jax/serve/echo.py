@@ -13,7 +13,7 @@ from fastapi.responses import StreamingResponse
 
 from medusa_jax.decoding.engine import Engine
 from medusa_jax.decoding.requests import EngineStopped, TokenLogprob
-from medusa_jax.serve import protocol
+from medusa_jax.serve import protocol, responses
 from medusa_jax.serve.choices import Echo, sse
 from medusa_jax.serve.protocol import RequestError
 from medusa_jax.serve.text import TextOffsets, TokenPieces
@@ -127,19 +127,19 @@ def echo_alone(gen: protocol.Generation, rid: str, prompts: List[List[int]], ech
                pieces: TokenPieces):
     """A completion with ``echo`` and ``max_tokens: 0`` (vLLM's): each prompt's `n` choices are the
     prompt itself (finish_reason "length"), no token generated; streamed as one chunk per choice."""
-    out = [protocol.choice(k * gen.n + j, False, e.text, "length", e.logprobs(pieces, gen.logprobs is not None))
+    out = [responses.choice(k * gen.n + j, False, e.text, "length", e.logprobs(pieces, gen.logprobs is not None))
            for k, e in enumerate(echoes) for j in range(gen.n)]
-    used = protocol.usage(sum(len(ids) for ids in prompts), 0)
+    used = responses.usage(sum(len(ids) for ids in prompts), 0)
     if not gen.stream:
-        return protocol.completion(rid, gen.model, False, out, used, [], gen.created)
+        return responses.completion(rid, gen.model, False, out, used, [], gen.created)
 
     def chunks():
         for c in out:
-            yield sse(protocol.chunk(rid, gen.model, False, gen.created, c["text"], "length",
+            yield sse(responses.chunk(rid, gen.model, False, gen.created, c["text"], "length",
                                      include_usage=gen.include_usage, logprobs=c["logprobs"], index=c["index"]))
         if gen.include_usage:
-            yield sse(protocol.chunk(rid, gen.model, False, gen.created, usage_obj=used,
-                                     spec=protocol.speculation([])))
+            yield sse(responses.chunk(rid, gen.model, False, gen.created, usage_obj=used,
+                                     spec=responses.speculation([])))
         yield "data: [DONE]\n\n"
     return StreamingResponse(chunks(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
