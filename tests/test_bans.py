@@ -47,6 +47,7 @@ def _bans(free):
     return out
 
 
+@pytest.mark.slow
 def test_allowed_ids_and_bad_words_are_vllms(tiny):
     """Each greedy token is the argmax of vLLM's bans applied to a plain forward's logits over the
     answer so far, and the bans change the answers."""
@@ -91,6 +92,7 @@ def test_recent_tokens_walk_each_nodes_path_then_the_cache():
             assert list(np.asarray(ok)[b, t]) == seq_ok[::-1][:n], (b, t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["static", "dynamic", "hydra"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_medusa_with_bans_chooses_what_plain_steps_choose(tiny, sampled, kind, monkeypatch):
@@ -160,6 +162,7 @@ def test_generate_takes_the_bans_and_medusa_keeps_them(tiny):
         generate(cfg, params, prompt, max_new_tokens=4, progress=False, allowed_token_ids=[V + 5])
 
 
+@pytest.mark.slow
 def test_generate_batch_takes_the_same_settings_for_every_prompt(tiny):
     """`generate_batch` takes penalties, logit_bias, min_tokens, allowed_token_ids and bad_words for
     every prompt: each row's greedy answer, Medusa's or plain, is `generate`'s with the same

@@ -34,6 +34,7 @@ def run_batch(cfg, params, batch_size, **kw):
         results[i] = res
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("batch_size", [1, 3, 16])
 def test_batch_rows_equal_batch_one(tiny, batch_size):
     cfg, params, heads, tree = tiny
@@ -50,6 +51,7 @@ def test_batch_rows_equal_batch_one(tiny, batch_size):
         assert sum(r.steps for r in results.values()) == stats.hist.sum()
 
 
+@pytest.mark.slow
 def test_batch_sampling_rows_equal_batch_one(tiny):
     cfg, params, heads, tree = tiny
     acc = Acceptance(temperature=0.9)
@@ -70,6 +72,7 @@ def test_batch_arguments_are_checked(tiny):
         generate_batch(cfg, params, [[1]], seed=-1)
 
 
+@pytest.mark.slow
 def test_exact_sampling_up_to_a_full_cache(tiny):
     """Near the cache's end the tree no longer fits and steps fall back to plain ones, which must
     take over the root an exact step drew: the streaming and on-device paths agree. In a batch the

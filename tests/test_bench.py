@@ -59,6 +59,7 @@ def test_summary_without_transformers_has_no_peer_columns():
     assert "hf_tok_s" not in s["overall"] and "transformers" not in markdown_table(s)
 
 
+@pytest.mark.slow
 def test_hf_generate_matches_ours_and_splits_prefill_from_decode():
     pytest.importorskip("torch")
     from conftest import random_hf_model, tiny_config

@@ -58,6 +58,7 @@ VARIANTS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("what,arch,kw,edit", VARIANTS, ids=[v[0] for v in VARIANTS])
 def test_config_variants_load_as_transformers_loads_them(tmp_path, what, arch, kw, edit):
     ref, path = saved(tmp_path, tiny_config(arch, **kw), edit)

@@ -62,6 +62,7 @@ def _reference(params_a, params_b, examples, max_len=512):
     return kl / n, agree / n, nll_a / n, nll_b / n, n
 
 
+@pytest.mark.slow
 def test_against_itself_nothing_drifts(models):
     params, _ = models
     d = measure_drift(CFG, params, params, _examples())

@@ -26,6 +26,7 @@ def tiny():
     return cfg, params, random_heads(cfg, params, head_type="medusa")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
 def test_params_dtype_is_the_compute_dtype(tiny, dt):
     cfg, params, _ = tiny
@@ -46,6 +47,7 @@ def test_params_dtype_is_the_compute_dtype(tiny, dt):
     assert LlamaModel(cfg, dtype=jnp.float32).apply({"params": low}, toks, pos)[1].dtype == jnp.float32
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dt", [jnp.bfloat16, jnp.float16])
 def test_medusa_greedy_equals_plain_greedy_in_low_precision(tiny, dt):
     cfg, params, (hcfg, hp) = tiny

@@ -74,6 +74,7 @@ def state_for(cfg, params, hidden):
                        temperature=jnp.zeros((B,)), top_p=jnp.ones((B,)), top_k=jnp.zeros((B,), jnp.int32))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget", [2, 5, 16, 40])
 def test_medusa_selection_is_the_best_first_top_t(tiny, budget):
     """Medusa heads: the T - 1 nodes are exactly the best T - 1 of all k^1 + ... + k^D paths by the
@@ -143,6 +144,7 @@ def hydra_setup(tiny, budget, width, k, D, seed):
                            lm=lm_head_matrix(cfg, dparams), emb=token_embeddings(dparams))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget,width", [(6, 1), (12, 2), (20, 3)])
 def test_hydra_selection_equals_node_by_node_reference(tiny, budget, width):
     k, D = 5, 3
@@ -168,6 +170,7 @@ def test_select_tree_on_hand_made_scores():
 PROMPTS = [[1, 5, 9, 3, 7], [12], [2, 4, 2, 4, 2, 4, 2]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 @pytest.mark.parametrize("spec,lookup", [("dynamic:8", None), ("dynamic:24:3", None), ("dynamic:12", PromptLookup()),
                                          ("dynamic:10", PromptLookup(2, 2, 1, matches=3))])
@@ -377,6 +380,7 @@ def test_several_lookup_matches_share_their_common_prefix():
     assert arrays.parents[0].tolist() == [-1, 0, 0, 0, 1, 3, 5, 5]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("budget,width", [(8, 2), (14, 3)])
 def test_hydra_heads_expand_copied_nodes(tiny, budget, width):
     """With prompt lookup, the heads also draft below a copied token (node-by-node reference): the
@@ -409,6 +413,7 @@ def test_hydra_heads_expand_copied_nodes(tiny, budget, width):
     assert any(n[:2] == (9, 12) and n not in copies for n in rows[1])        # the heads' token below a copied one
 
 
+@pytest.mark.slow
 def test_copies_score_by_the_ngram_they_matched(tiny, tmp_path):
     """`lookup_ngram_confidence`: the latest match's chain scores by the row of the n-gram size its row
     matched (other sizes and later matches by `lookup_confidence`); a sure 3-gram copy takes the

@@ -51,6 +51,7 @@ def run_staggered(engine, requests, arrive_every=3):
     return [list(h.finished.tokens) for h in handles], handles
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("max_batch", [1, 4, 16])
 @pytest.mark.parametrize("medusa", [False, True])
 def test_greedy_answers_equal_decoding_alone(tiny, max_batch, medusa):
@@ -65,6 +66,7 @@ def test_greedy_answers_equal_decoding_alone(tiny, max_batch, medusa):
         assert len(engine.chooser.trees) == 3 and all(n > 0 for n in engine.chooser.chosen)  # every tree ran
 
 
+@pytest.mark.slow
 def test_sampled_rows_equal_the_same_request_alone(tiny):
     """Rows with their own temperature, top-p, top-k and seed beside greedy rows: each equals its
     request decoded alone (and, by the coupling of decoding.sampling, plain sampling with that seed)."""
@@ -81,6 +83,7 @@ def test_sampled_rows_equal_the_same_request_alone(tiny):
         assert g == alone(cfg, params, r.prompt, 20, acc=acc, seed=s.seed)  # plain sampling, same seed
 
 
+@pytest.mark.slow
 def test_n_choices_of_one_prompt_prefill_it_once(tiny):
     """Requests with the same prompt waiting together (a server's n choices) share one prefill: each
     still answers as its request alone (its own seed and settings), the prompt is prefilled once,
@@ -120,6 +123,7 @@ def test_prefix_reuse_gives_the_same_answers(tiny):
     assert answers[0][1] == alone(cfg, params, prompts[0] + prompts[1] + answers[0][0] + prompts[2][:9], 16)
 
 
+@pytest.mark.slow
 def test_a_scored_prompt_is_prefilled_from_its_scoring_cache(tiny):
     """`Engine.prompt_logprobs(keep=True)` (a loglikelihood request: echo, logprobs and an answer)
     leaves the prompt's K/V in the prefix cache: the answer that follows prefills the last prompt
@@ -410,6 +414,7 @@ def _reference_logprobs(cfg, params, prompt, answer):
     return np.asarray(jax.nn.log_softmax(logits[len(prompt) - 1:-1].astype(jnp.float32), axis=-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("medusa", [False, True])
 def test_logprobs_are_the_models_own_whatever_the_tree(tiny, medusa):
     """Requests with logprobs: each token's log-probability and its top alternatives are those of
@@ -448,6 +453,7 @@ def test_logprobs_are_the_models_own_whatever_the_tree(tiny, medusa):
         engine.submit(Request(prompts[0], 4, logprobs=21))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True])
 def test_logit_bias_steers_medusa_and_plain_steps_alike(tiny, sampled):
     """A request's logit_bias: a token banned (-100) never appears, a forced one (+100) is every
@@ -474,6 +480,7 @@ def test_logit_bias_steers_medusa_and_plain_steps_alike(tiny, sampled):
             engine.submit(Request(prompts[0], 4, logit_bias=bias))
 
 
+@pytest.mark.slow
 def test_adaptive_engine_re_measures_the_other_trees(tiny):
     """Once every tree is measured, the adaptive chooser still re-measures the ones it does not pick
     (every `explore_every` steps, where their steps are compiled), also for requests with logprobs

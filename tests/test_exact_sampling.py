@@ -117,6 +117,7 @@ CASES = [("medusa", "A", 0.7, 1.0, 0), ("medusa", "B", 1.0, 1.0, 0), ("medusa", 
          ("medusa", "B", 1.0, 1.0, 3), ("hydra", "dyn+lookup", 1.0, 0.9, 4)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type,tree_name,temperature,top_p,top_k", CASES)
 def test_exact_sampling_matches_plain_sampling(model, head_type, tree_name, temperature, top_p, top_k):
     cfg, params, logits = model
@@ -140,6 +141,7 @@ def test_plain_sampling_passes_the_same_test(model, top_k):
         assert len(np.unique(r.tokens[:, 0])) == top_k
 
 
+@pytest.mark.slow
 def test_patched_path_reproduces_generate_device(model):
     """`patched_samples` (used for the broken variants below) runs the same computation."""
     cfg, params, logits = model
@@ -181,6 +183,7 @@ def _every_earlier_node_visible(*args, **kwargs):
                       *arrays[1:]), tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("module,name,broken,tree,top_k", [
     (sampling, "position_keys", _one_key_for_every_position, TREE_B, 0),
     (acceptance, "sample_tokens", _candidates_against_the_argmax, TREE_B, 0),
@@ -204,6 +207,7 @@ def test_broken_variants_fail_the_test(model, monkeypatch, module, name, broken,
     assert p < P_MIN, f"the broken variant ({name}) passed the test (p = {p:.2g})"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type,tree_name,top_p", [("medusa", "A", 1.0), ("medusa", "B", 0.9),
                                                         ("hydra", "A+lookup", 1.0), ("medusa", "A+lookup", 0.8)])
 def test_exact_sampling_emits_plain_sampling_token_for_token(model, head_type, tree_name, top_p):
@@ -222,6 +226,7 @@ def test_exact_sampling_emits_plain_sampling_token_for_token(model, head_type, t
     assert med.hist[1:].sum() > 0 and med.steps < plain.steps
 
 
+@pytest.mark.slow
 def test_exact_rows_do_not_depend_on_the_batch(model):
     """Per-row keys: a prompt's sampled output is the same alone (seed s) and as row b of a batch
     whose seed is s - b, with exact and typical acceptance."""
@@ -238,6 +243,7 @@ def test_exact_rows_do_not_depend_on_the_batch(model):
             assert batch.tokens[b, :batch.count[b]].tolist() == one.tokens
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["exact", "typical"])
 def test_sampled_rows_with_prompt_lookup_do_not_depend_on_the_batch(model, method, monkeypatch):
     """Issue 27: with prompt lookup on, each row chooses between the copied chain and the heads'

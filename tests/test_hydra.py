@@ -351,6 +351,7 @@ def test_calibration_is_teacher_forced(tiny):
         rank_accuracies(hcfg, hp, lm, hidden, labels, valid, topk=4)
 
 
+@pytest.mark.slow
 def test_tune_and_decode_with_hydra_heads(tmp_path):
     """End to end on a tiny HF model: tune calibrates hydra heads, times their tree and saves it with
     them; resolve_heads loads them for decoding, which stays lossless."""

@@ -227,6 +227,7 @@ def test_on_huge_pages_copies_into_aligned_memory_used_in_place(monkeypatch):
     assert kernels.on_huge_pages(b) is b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen2", False), ("llama", True)])
 def test_decoding_layout_gives_the_same_logits(arch, tied):
     cfg = tiny_config(arch, tie_word_embeddings=tied)
@@ -273,6 +274,7 @@ print(" ".join(map(str, r.tokens[0].tolist())))
 """
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("env,why", [({"MEDUSA_JAX_KERNELS": "0"}, "disabled by MEDUSA_JAX_KERNELS=0"),
                                      ({"CXX": "/nonexistent/c++"}, "no C++ compiler")])
 def test_xla_fallback_decodes(tmp_path, env, why):
@@ -370,6 +372,7 @@ for fmt in ("q8_0", "q4_0", "q4_1"):
 """
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_the_avx2_and_avx512_builds_give_the_same_products(tmp_path):
     """Where the CPU has AVX-512VL the kernels are built with it (4-bit blocks dequantized by a table
@@ -393,6 +396,7 @@ library._cpu_flags = lambda: real | {"avx512f", "avx512vl"}  # as if the CPU had
 """ + _BLOCK_PRODUCTS
 
 
+@pytest.mark.slow
 @needs_kernels
 def test_a_compiler_that_rejects_avx512_gets_the_avx2_build(tmp_path):
     """Where the CPU has AVX-512VL but the compiler rejects ``-mavx512vl`` (an old compiler), the

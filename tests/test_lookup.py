@@ -80,6 +80,7 @@ def tiny():
 PROMPTS = [[3, 9, 14, 2, 7, 3, 9, 14, 2, 7, 3, 9], list(range(1, 30)) + list(range(1, 12)), [12, 40]]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("spec", ["chain2", [[0], [1], [0, 0]]], ids=["chain2", "tree3"])
 def test_greedy_with_prompt_lookup_equals_plain(tiny, spec):
     cfg, params, hcfg, hp = tiny

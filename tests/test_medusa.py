@@ -38,6 +38,7 @@ def plain(cfg, params, prompt, n, **kw):
 TREES = ["chain3", "mc_sim_7b_63", random_tree(20, 5, 10, seed=3)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree_spec", TREES, ids=["chain3", "mc_sim_7b_63", "random20"])
 def test_medusa_greedy_equals_plain_greedy(tiny, tree_spec):
     cfg, params, hcfg, hp = tiny
@@ -78,6 +79,7 @@ def oracle_proposer(sequence, topk):
     return propose
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tree_spec,rank", [("chain4", 0), ("mc_sim_7b_63", 0), ("mc_sim_7b_63", 1)])
 def test_oracle_heads_accept_every_candidate(tiny, monkeypatch, tree_spec, rank):
     """Perfect heads give depth + 1 tokens every step and still the plain greedy output: this
@@ -129,6 +131,7 @@ def test_eos_inside_accepted_chunk_ends_output_exactly(tiny, monkeypatch):
     clear_compiled()
 
 
+@pytest.mark.slow
 def test_prompt_near_cache_end(tiny):
     """The prompt ends 10 tokens before the cache end: no write past it, same output as plain."""
     cfg, params, hcfg, hp = tiny

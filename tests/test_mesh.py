@@ -19,6 +19,7 @@ from conftest import EIGHT_DEVICES
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+@pytest.mark.slow
 def test_mesh_tests_in_an_8_device_process():
     if jax.device_count() >= 8:
         pytest.skip("this process has 8 devices already: tests/mesh/ is collected here directly")

@@ -85,6 +85,7 @@ def _cached_run(cfg, params, prompt, steps, size=32):
     return np.concatenate(out, axis=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_gqa_untied", "mistral_window", "qwen2_bias", "llama_bias"])
 def test_prefill_then_decode_equals_full_forward(name):
     cfg = CASES[name]()
@@ -95,6 +96,7 @@ def test_prefill_then_decode_equals_full_forward(name):
     assert rel_err(stepped, full) < TOL
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["llama_gqa_untied", "mistral_window"])
 def test_right_padded_batch_matches_single_rows(name):
     """Rows of different lengths, right-padded in one prefill (num_new = true lengths), then

@@ -25,6 +25,7 @@ def scaled_params(cfg, seed: int = 0):
     return jax.tree_util.tree_map(lambda a: a * 3 if a.ndim == 2 else a, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])  # mistral: a sliding window of 4
 @pytest.mark.parametrize("chunk, kv_block", [(8, 16), (16, 32), (16, None)])
 def test_chunked_prefill_equals_one_pass(arch, chunk, kv_block):
@@ -57,6 +58,7 @@ def test_chunked_prefill_equals_one_pass(arch, chunk, kv_block):
         assert rel_err(chunked.logits[b], alone) < 1e-5
 
 
+@pytest.mark.slow
 def test_greedy_after_a_chunked_prefill_equals_full_forwards():
     """A 600-token prompt is three chunks (256 + 256 + 88) over a 1,024-slot cache read in blocks
     of 512 slots (the last chunk reads two); the greedy tokens after it are the argmax of full

@@ -99,6 +99,7 @@ SETTINGS = [dict(presence_penalty=1.5), dict(frequency_penalty=2.0, repetition_p
             dict(frequency_penalty=-1.0, repetition_penalty=0.7), dict(repetition_penalty=1.8, min_p=0.2), {}]
 
 
+@pytest.mark.slow
 def test_greedy_penalties_are_vllms(tiny):
     """Each greedy token is the argmax of vLLM's penalties applied to a plain forward's logits over
     the answer so far, and the penalties change the answers."""
@@ -117,6 +118,7 @@ def test_greedy_penalties_are_vllms(tiny):
             assert x[tok] >= x.max() - 1e-4, (j, tok, int(np.argmax(x)))
 
 
+@pytest.mark.slow
 def test_sampled_min_p_keeps_likely_tokens(tiny):
     cfg, params, _, prompts = tiny
     reqs = [Request(p, 32, SamplingParams(1.5, 1.0, seed, min_p=0.3)) for seed, p in enumerate(prompts[:4])]
@@ -147,6 +149,7 @@ def _heads_and_tree(cfg, params, heads, kind):
                                                                                   lookup)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["static", "dynamic", "hydra"])
 @pytest.mark.parametrize("sampled", [False, True])
 def test_medusa_with_penalties_chooses_what_plain_steps_choose(tiny, sampled, kind, monkeypatch):
@@ -200,6 +203,7 @@ def test_bad_penalties_are_refused(tiny, field, value, message):
         Engine(cfg, params, max_batch=1).submit(Request(prompts[0], 4, SamplingParams(**{field: value})))
 
 
+@pytest.mark.slow
 def test_generate_takes_penalties_by_name(tiny):
     """`generate(penalties=...)` (decode.py's path): Medusa with penalties answers what the engine's
     plain steps answer with them; an unknown name or a bad value is refused before decoding."""
@@ -225,6 +229,7 @@ def test_generate_takes_penalties_by_name(tiny):
         generate(cfg, params, prompts[2], max_new_tokens=4, penalties={"repetition_penalty": 3}, progress=False)
 
 
+@pytest.mark.slow
 def test_typical_acceptance_judges_candidates_by_the_processed_logits(tiny):
     """Typical acceptance is not exact, but its posterior reads the processed logits too: with a
     token forced (logit_bias +100) every token is that one, the heads' other candidates rejected
@@ -238,6 +243,7 @@ def test_typical_acceptance_judges_candidates_by_the_processed_logits(tiny):
     assert sum(handles[0].finished.step_tokens) - handles[0].finished.steps > 10  # the copies were accepted
 
 
+@pytest.mark.slow
 def test_typical_acceptance_keeps_top_k_and_top_p_and_bans(tiny):
     """Typical acceptance judges candidates by the distribution a plain step samples from: with top-k
     1, or a nucleus of one token, every token is the greedy one (a candidate outside them has no
@@ -255,6 +261,7 @@ def test_typical_acceptance_keeps_top_k_and_top_p_and_bans(tiny):
     assert all(sum(h.finished.step_tokens) > h.finished.steps for h in handles), "no candidate was accepted"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sampled", [False, True])
 def test_min_tokens_bans_the_stop_ids_until_then(tiny, sampled):
     """min_tokens (vLLM's): the stop ids cannot end the answer before it has that many tokens; each

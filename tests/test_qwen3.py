@@ -173,6 +173,7 @@ def test_qwen3_config_defaults_follow_transformers():
     assert on.layer_windows == (None, 8)
 
 
+@pytest.mark.slow
 def test_qwen3_attention_bias_covers_the_output_projection():
     """Qwen3's attention_bias biases q, k, v and o (unlike Qwen2, whose o_proj has none), in the
     training layout and in the decoding one (fused q/k/v with their biases, o_proj's kept)."""
@@ -273,6 +274,7 @@ def tiny_qwen3():
     return cfg, jax.tree_util.tree_map_with_path(draw, params)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 def test_medusa_and_hydra_greedy_equal_plain_greedy(tiny_qwen3, head_type):
     """Random Medusa / Hydra heads on the Qwen3 backbone: `generate`, `generate_device` and
@@ -297,6 +299,7 @@ def test_medusa_and_hydra_greedy_equal_plain_greedy(tiny_qwen3, head_type):
     assert [batch[i].tokens for i in range(len(PROMPTS))] == base
 
 
+@pytest.mark.slow
 def test_training_and_export_on_qwen3(tiny_qwen3, tmp_path):
     """A frozen (Medusa-1) run and a joint (Medusa-2) run on the Qwen3 backbone: the heads export
     and load back; the joint run's backbone is written as a Qwen3 HF directory (q/k norms included)

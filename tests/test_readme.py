@@ -82,6 +82,7 @@ def console_scripts() -> dict:
         return tomllib.load(f)["project"]["scripts"]
 
 
+@pytest.mark.slow
 def test_console_scripts_are_installed_and_answer_help():
     """Every console script of pyproject.toml exists in the venv (the install made it) and prints
     its --help."""

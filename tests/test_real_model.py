@@ -129,6 +129,10 @@ def test_decode_cli_prompts_file_in_input_order(tmp_path, capsys):
         assert decode.main(["--json", "--max-new-tokens", "24", "--prompt", prompt]) == 0
         alone = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert x["text"] == alone["text"] and x["acceptance"] == "greedy" and x["medusa"]
+    # --limit 2: the first two prompts only, answered as above
+    assert decode.main(["--prompts-file", str(f), "--limit", "2", "--max-new-tokens", "24", "--no-progress"]) == 0
+    first = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [(x["index"], x["id"], x["text"]) for x in first] == [(x["index"], x["id"], x["text"]) for x in lines[:2]]
 
 
 def test_decode_cli_prompts_file_takes_the_penalties(tmp_path, capsys):
@@ -159,6 +163,8 @@ def test_decode_cli_sampling_and_flag_errors(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "ok"}\n{"text": "no prompt field"}\n')
     for argv, msg in [(["--batch-size", "2"], "--batch-size goes with --prompts-file"),
+                      (["--limit", "2"], "--limit goes with --prompts-file"),
+                      (["--prompts-file", str(bad), "--limit", "0"], "--limit must be >= 1, got 0"),
                       (["--acceptance", "greedy", "--temperature", "0.5"], "greedy decodes at temperature 0"),
                       (["--acceptance", "typical"], "give a --temperature > 0"),
                       (["--prompts-file", str(bad)], "line 2: needs a 'prompt' string"),

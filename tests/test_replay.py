@@ -105,6 +105,7 @@ def test_replay_by_hand():
     assert r == {"tokens": 6, "steps": 2, "lookup_steps": 2, "lookup_tokens": 6}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 def test_replay_equals_greedy_decoding_of_the_models_own_answers(head_type):
     """The exactness claim: on chats whose answers are the backbone's greedy answers, the replay gives
@@ -133,6 +134,7 @@ def test_replay_equals_greedy_decoding_of_the_models_own_answers(head_type):
             assert r["steps"] == sum(d.steps for d in decoded) and r["tokens"] == 180
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("head_type", ["medusa", "hydra"])
 def test_dynamic_replay_equals_greedy_decoding_of_the_models_own_answers(head_type):
     """The same claim for trees chosen per step: `dynamic_accepted` drafts the tree at every position

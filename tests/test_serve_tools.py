@@ -272,6 +272,7 @@ def tool_server(smollm2_path):
     thread.join(10)
 
 
+@pytest.mark.slow
 def test_tool_calls_come_back_parsed_streamed_or_not(tool_server):
     import openai
 
@@ -342,6 +343,7 @@ def test_answers_that_are_not_calls_are_content_whole(tool_server):
         assert r.choices[0].message.content == HERMES_ANSWER and not r.choices[0].message.tool_calls
 
 
+@pytest.mark.slow
 def test_tool_requests_the_server_cannot_serve_get_400(tool_server, smollm2_path):
     import asyncio
 
@@ -398,6 +400,7 @@ MISTRAL_TEMPLATE = """{{ bos_token }}{%- for message in messages %}
 {%- endfor %}"""
 
 
+@pytest.mark.slow
 def test_mistral_markers_are_special_tokens_kept_for_the_parser(smollm2_path):
     """Mistral's [TOOL_CALLS] and [ARGS] are special tokens, which an answer's text leaves out: with the
     mistral parser the server keeps them in the text it parses (and sends a call's text as no content),
@@ -446,6 +449,7 @@ def test_mistral_markers_are_special_tokens_kept_for_the_parser(smollm2_path):
     assert plain["content"] == 'Sure. [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
 
 
+@pytest.mark.slow
 def test_a_prompt_being_scored_answers_at_once_on_shutdown_or_a_client_gone(smollm2_path):
     """An echo's scoring (seconds per chunk on a long prompt) is watched from the event loop: when the
     shutdown's grace runs out the request gets 503 server_shutdown at once (uvicorn cut it off with a
@@ -526,6 +530,7 @@ def test_a_full_queue_refuses_an_echo_before_scoring_its_prompt(tool_server):
     assert r.json()["choices"][0]["text"].startswith("The capital of France is")
 
 
+@pytest.mark.slow
 def test_unknown_request_fields_are_ignored_with_a_warning_in_the_log(smollm2_path):
     """A field the server does not know is ignored, as vLLM ignores it (the answer is a 200 as if it
     were not sent), but the server's log names it, with the field it most likely misspells: a
@@ -591,6 +596,7 @@ def test_every_request_field_the_server_reads_is_known():
     assert {"messages", "top_logprobs"} <= protocol.CHAT_FIELDS and "prompt" in protocol.COMPLETION_FIELDS
 
 
+@pytest.mark.slow
 def test_tools_can_be_left_out_of_a_chat_with_tool_choice_none(smollm2_path):
     """--exclude-tools-when-tool-choice-none (vLLM's flag): a chat with tool_choice "none" is fed to
     the model without its tools; by default (vLLM's) and with "auto" the template shows them."""

@@ -76,6 +76,7 @@ def test_layout_is_read_as_transformers_runs_it(layout):
         assert tuple(layer.self_attn.sliding_window for layer in model.model.layers) == windows
 
 
+@pytest.mark.slow
 def test_logits_match_transformers_beyond_the_window(layout):
     name, cfg, model, params, windows = layout
     tokens = random_tokens(cfg, (2, T), seed=1)
@@ -87,6 +88,7 @@ def test_logits_match_transformers_beyond_the_window(layout):
         assert float(np.max(np.abs(unwindowed[:, W:] - ref[:, W:]))) > 1e-2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["qwen2_max_window_layers_1", "qwen2_layer_types"])
 def test_prefill_then_cached_steps_match_transformers(name):
     """6 prompt tokens into a cache, then 18 single-token steps past the window: each step's
@@ -184,6 +186,7 @@ def test_gguf_bad_sliding_window_pattern(tmp_path):
         load_gguf(path)
 
 
+@pytest.mark.slow
 def test_medusa_greedy_equals_plain_greedy_on_a_windowed_model(monkeypatch):
     """A windowed layer and a full one: plain greedy output changes with the window (so the window
     is live), and Medusa decoding (random heads, and oracle heads that accept every node, so that

@@ -71,6 +71,7 @@ def test_blocks_are_the_float32_weights(tmp_path, fmt, arch, tied, monkeypatch):
                                   np.asarray(lm_head_matrix(cfg, dense.params)))
 
 
+@pytest.mark.slow
 @needs_blocks
 @pytest.mark.parametrize("fmt", list(QTYPES))
 def test_decoding_from_blocks_equals_the_float32_model(tmp_path, fmt, monkeypatch):
@@ -190,6 +191,7 @@ def test_check_and_bench_compare_the_blocks_with_the_float32_model(smollm2_path,
     assert result["summary"]["all"]["ref_identical"] == 2
 
 
+@pytest.mark.slow
 @needs_blocks
 def test_tune_on_blocks_keeps_a_report_per_kind_of_weights(tmp_path):
     """medusa-tune on a GGUF file's blocks (hydra heads read the embedding's blocks row by row):

@@ -57,6 +57,7 @@ def _problem(K=3, N=37, D=16, V=50, seed=0):
     return x, w, lab, ok
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk", [0, 8, 64])
 def test_shared_head_loss_matches_autodiff(chunk):
     x, w, lab, ok = _problem()
@@ -214,6 +215,7 @@ def test_heads_record_the_default_backbone_by_file_name():
     assert backbone_record(SimpleNamespace(model=None), bb, "runs/x", True) == os.path.join("runs/x", "backbone")
 
 
+@pytest.mark.slow
 def test_resume_equals_uninterrupted(frozen_run, tmp_path):
     _, bb, _, _ = frozen_run
     over = ("steps=30", "checkpoint_every=10", "eval_every=10")
@@ -230,6 +232,7 @@ def test_resume_equals_uninterrupted(frozen_run, tmp_path):
     assert steps == sorted(set(steps)) and steps[-1] == 30  # no duplicated lines after resuming
 
 
+@pytest.mark.slow
 def test_joint_trains_backbone(frozen_run, tmp_path):
     _, bb, before, _ = frozen_run
     tc = tiny(tmp_path, "joint", "mode=joint", "steps=6", "heads_warmup_steps=3", "batch_size=4",
@@ -265,6 +268,7 @@ def test_top_layers_equal_the_whole_model(frozen_run):
         np.testing.assert_allclose(h2, h, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_top_layer_step_equals_the_whole_backbone_step(frozen_run, tmp_path):
     """With train_layers N, a joint step gives the top N layers and the heads the same update as a
     step over the whole backbone (same loss: heads + lambda_base * KL to the original)."""
@@ -579,6 +583,7 @@ def test_soft_loss_gradient_and_ranks_match_autodiff(chunk):
     assert float(pa[2]) == 0.0 and np.all(np.asarray(ga[2]) == 0)
 
 
+@pytest.mark.slow
 def test_positions_hold_paths_and_soft_target_rows(frozen_run):
     """The frozen dataset: h_t of each position, the true tokens t+1..t+K (prompt tokens included),
     and rows whose projection is the backbone's own logits at t+k+1, for full and selected positions."""
@@ -673,6 +678,7 @@ def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch, cap
     assert f"was made for another model {str(ckpt)!r}, model's weight files, data {tc.data!r}" in err, err
 
 
+@pytest.mark.slow
 def test_frozen_hydra_and_soft_targets(frozen_run, tmp_path):
     """Hydra heads learn the synthetic data with teacher forcing; soft targets train towards the
     backbone's distribution (the KL falls); the exported hydra heads decode losslessly."""
@@ -719,6 +725,7 @@ def test_medusa_heads_start_hydra_heads(frozen_run, tmp_path, capsys):
         tiny(tmp_path, "x", "head_type=eagle")
 
 
+@pytest.mark.slow
 def test_joint_batches_equal_the_frozen_positions(frozen_run):
     """Joint mode builds the same hydra paths and soft targets from whole sequences as frozen mode
     reads from its cached positions: the same per-head losses."""
@@ -777,6 +784,7 @@ def test_loop_weight_drops_loop_positions_and_reports_clean_accuracy(frozen_run,
         tiny(tmp_path, "bad", "loop_weight=1.5")
 
 
+@pytest.mark.slow
 def test_proposal_vocab_trains_and_exports_the_restricted_heads(frozen_run, tmp_path):
     """proposal_vocab=N: the loss runs over the N most frequent training tokens; a label outside
     them counts as a miss in validation (so top-1 is at most the covered share); the exported

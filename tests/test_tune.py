@@ -187,6 +187,7 @@ def test_step_costs_time_every_tree(tiny):
         step_seconds(cfg, params, (hcfg, hp), trees[1], st, steps=4)
 
 
+@pytest.mark.slow
 def test_tune_command_saves_the_chosen_tree(tmp_path):
     """End to end on a tiny HF model: calibration, c(T), choice, saved with the heads and used by default."""
     from conftest import tiny_tune_run
@@ -244,6 +245,7 @@ def test_tune_command_saves_the_chosen_tree(tmp_path):
     assert heads_calibration(str(tmp_path / "tuned"), "float32")["weights"] == "as-stored"
 
 
+@pytest.mark.slow
 def test_tune_fits_small_models_and_heads(tmp_path, capsys):
     """A model whose context is below the default cache sizes, and heads whose trees are smaller than
     prompt lookup's step: tune times what fits (the context's cache, a copy as long as the largest

@@ -196,6 +196,7 @@ def test_damaged_files_are_refused(run, tmp_path, defect, message):
         check_before_load(heads, run.base_dir)
 
 
+@pytest.mark.slow
 def test_merged_directory_loads_in_transformers_with_the_same_logits(run, tmp_path):
     torch = pytest.importorskip("torch")
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -233,6 +234,7 @@ def test_merged_directory_loads_in_transformers_with_the_same_logits(run, tmp_pa
         merge_to_hf(tuned, run.heads, overwrite=True)
 
 
+@pytest.mark.slow
 def test_the_real_model_merged_gives_transformers_the_same_logits(smollm2, tmp_path):
     """Issue 31 on SmolLM2-135M: the model with its top layer tuned (moved by seeded noise: the merge
     does not care how), merged into an HF directory and loaded by transformers, gives our logits on a

@@ -69,17 +69,23 @@ def heads_help(zero: bool = True) -> str:
 
 
 def enable_compilation_cache(path: Optional[str] = None) -> None:
-    """Persist XLA compilations across runs (``~/.cache/medusa_jax/xla`` by default), so a second
-    `decode.py` run starts faster. Set MEDUSA_JAX_NO_CACHE=1 to disable."""
+    """Persist XLA compilations across runs, so a second `decode.py` run starts faster.
+
+    Every executable is kept (no minimum compile time or size: the many small ones add up). The
+    directory is `path`, else one already configured (``JAX_COMPILATION_CACHE_DIR``, as the test
+    suite sets for itself and the commands it starts), else ``~/.cache/medusa_jax/xla``. Set
+    MEDUSA_JAX_NO_CACHE=1 to leave JAX's settings alone."""
     if os.environ.get("MEDUSA_JAX_NO_CACHE"):
         return
     import jax
 
-    path = path or os.path.join(os.path.expanduser("~"), ".cache", "medusa_jax", "xla")
+    path = path or jax.config.jax_compilation_cache_dir or os.path.join(os.path.expanduser("~"), ".cache",
+                                                                         "medusa_jax", "xla")
     try:
         os.makedirs(path, exist_ok=True)
         jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     except Exception:  # an unwritable home or an older jax: run without the cache
         pass
 

@@ -42,6 +42,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None,
                    help="with --prompts-file: prompts decoded together; a finished row takes the next prompt at "
                         "once (continuous batching); default 4")
+    p.add_argument("--limit", type=int, default=None, metavar="N",
+                   help="with --prompts-file: only its first N prompts (default: all)")
     p.add_argument("--system", default=None, help="optional system message")
     p.add_argument("--raw", action="store_true",
                    help="give the prompt to the model as it is, without the chat template (for base models, "
@@ -78,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.penalties = common.penalties_from_args(p, args)
     if args.batch_size is not None and args.prompts_file is None:
         p.error("--batch-size goes with --prompts-file (one prompt is decoded alone)")
+    if args.limit is not None and args.prompts_file is None:
+        p.error("--limit goes with --prompts-file (the first N of its prompts)")
+    if args.limit is not None and args.limit < 1:
+        p.error(f"--limit must be >= 1, got {args.limit}")
     args.batch_size = 4 if args.batch_size is None else args.batch_size
     if args.batch_size < 1:
         p.error("--batch-size must be >= 1")
@@ -92,7 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
             p.error(str(e))
     else:
         try:
-            args.records = read_prompts_file(args.prompts_file)
+            args.records = read_prompts_file(args.prompts_file)[:args.limit]
         except (OSError, ValueError) as e:
             p.error(str(e))
         if args.json:
