@@ -13,8 +13,10 @@ Public API (every step of decode.py and train.py)::
         ...                                      # prompts in rows, refilled as they finish
 
 The packages behind it, by role (docs/design-notes.md, "Layout"): `models` (the backbone),
-`heads` (Medusa and Hydra heads), `decoding` (tree, step, loop, generation), `convert` (loading
-and head formats), `train`, `tuning`, `evals`, and `cli` (the commands).
+`heads` (Medusa and Hydra heads), `decoding` (the tree, the step that verifies a draft, prefill),
+`drafts` (the draft methods, one `Drafter` each), `engine` (the engine, the on-device loop and the
+entry points), `convert` (loading and head formats), `train`, `tuning`, `evals`, `serve` and `cli`
+(the commands).
 """
 from medusa_jax.chat import apply_chat_template
 from medusa_jax.convert.load import LoadedModel, default_model_path, load_model
@@ -22,7 +24,15 @@ from medusa_jax.convert.medusa_format import export_official, export_vllm, load_
 from medusa_jax.convert.tuned_layers import TunedLayersError, apply_tuned_layers, merge_to_hf, save_tuned_layers
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import PromptTooLongError
-from medusa_jax.decoding.generate import (
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.decoding.prefill import start_state
+from medusa_jax.decoding.proposal import Drafter
+from medusa_jax.decoding.state import DecodeState
+from medusa_jax.decoding.step import medusa_step
+from medusa_jax.decoding.tree import TreeBuffers, build_tree, get_tree, with_lookup
+from medusa_jax.drafts import drafter_for
+from medusa_jax.engine.engine import Engine
+from medusa_jax.engine.generate import (
     BatchStats,
     DeviceResult,
     GenerationResult,
@@ -31,12 +41,7 @@ from medusa_jax.decoding.generate import (
     generate_device,
     generate_stream,
 )
-from medusa_jax.decoding.lookup import PromptLookup
-from medusa_jax.decoding.loop import generate_jit
-from medusa_jax.decoding.prefill import start_state
-from medusa_jax.decoding.state import DecodeState
-from medusa_jax.decoding.step import medusa_step
-from medusa_jax.decoding.tree import TreeBuffers, build_tree, get_tree, with_lookup
+from medusa_jax.engine.loop import generate_jit
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import MedusaHeads, init_heads, prepare_heads
 from medusa_jax.models.config import ModelConfig, RopeScaling
@@ -45,10 +50,10 @@ from medusa_jax.models.llama import LlamaModel, lm_head_matrix
 from medusa_jax.resolve import resolve_heads
 
 __all__ = [
-    "Acceptance", "BatchStats", "DecodeState", "DeviceResult", "GenerationResult", "KVCache", "LlamaModel",
+    "Acceptance", "BatchStats", "DecodeState", "DeviceResult", "Drafter", "Engine", "GenerationResult", "KVCache", "LlamaModel",
     "LoadedModel", "MedusaConfig", "MedusaHeads", "ModelConfig", "PromptLookup", "PromptTooLongError",
     "RopeScaling", "TreeBuffers", "TunedLayersError", "apply_chat_template", "apply_tuned_layers", "build_tree",
-    "default_model_path", "export_official", "export_vllm", "generate", "generate_batch", "generate_device",
+    "default_model_path", "drafter_for", "export_official", "export_vllm", "generate", "generate_batch", "generate_device",
     "generate_jit", "generate_stream", "get_tree", "init_cache", "init_heads", "lm_head_matrix", "load_heads",
     "load_model", "medusa_step", "merge_to_hf", "prepare_heads", "resolve_heads", "save_heads", "save_tuned_layers",
     "start_state", "with_lookup",

@@ -8,7 +8,7 @@ answer equals plain greedy's.
 - static T: the tree `tune` grows today (`tuning.replay.search_tree` over the heads' held-out
   calibration chats, replaying decoding), its first T - 1 nodes: the best static tree of that size
   tune knows how to build. The grown order is cached in ``--static-cache`` (it takes a few minutes).
-- dynamic T: ``dynamic:T:W`` (`decoding.dynamic`), chosen per step, for each width W in ``--widths``
+- dynamic T: ``dynamic:T:W`` (`drafts.dynamic`), chosen per step, for each width W in ``--widths``
   (W = 0: T / 4, at least 4), scored by the confidences `tune` measured for the heads (as `check` does).
 Both without prompt lookup by default (the heads alone; ``--prompt-lookup K`` adds it to both; with
 ``--dynamic-lookup K1,K2`` the dynamic trees copy each of those instead, one row per K).

@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import medusa_jax as mj  # noqa: E402
 from medusa_jax.chat import load_first_turns, render_chat  # noqa: E402
-from medusa_jax.decoding.engine import Engine  # noqa: E402
+from medusa_jax.engine.engine import Engine  # noqa: E402
 from medusa_jax.decoding.requests import Request  # noqa: E402
 from medusa_jax.evals.speed import per_category, spec_bench_groups  # noqa: E402
 

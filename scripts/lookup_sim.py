@@ -23,7 +23,7 @@ sys.path.insert(0, os.getcwd())
 from medusa_jax import resolve
 from medusa_jax.chat import apply_chat_template, load_first_turns
 from medusa_jax.convert.load import load_model
-from medusa_jax.decoding.draft import draft_tokens
+from medusa_jax.drafts.heads import draft_tokens
 from medusa_jax.decoding.setup import decoding_setup
 from medusa_jax.evals.speed import per_category, spec_bench_groups, time_jit_generate
 from medusa_jax.train.hidden import hidden_fn

@@ -61,7 +61,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import medusa_jax as mj
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.requests import Request, SamplingParams
     from medusa_jax.evals.lossless import TIE_GAPS
     from medusa_jax.evals.lossless import first_difference as diff

@@ -34,7 +34,7 @@ def main(argv=None) -> int:
     import numpy as np
 
     import medusa_jax as mj
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.prefill import start_state
     from medusa_jax.decoding.prefix_cache import PrefixCache
     from medusa_jax.decoding.requests import Request

@@ -32,7 +32,7 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     import medusa_jax as mj
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.requests import Request, SamplingParams
 
     model = mj.load_model(weights="as-stored")

@@ -9,7 +9,7 @@ import pytest
 from test_processors import TREE, V, _answers, _answers_with, _heads_and_tree, _raw_logits, tiny_setup
 
 from medusa_jax.decoding import processors
-from medusa_jax.decoding.engine import Engine
+from medusa_jax.engine.engine import Engine
 from medusa_jax.decoding.requests import Request, SamplingParams
 from medusa_jax.decoding.tree_arrays import padded_arrays, tree_rows
 
@@ -144,7 +144,7 @@ def test_generate_takes_the_bans_and_medusa_keeps_them(tiny):
     """The library's `generate` takes allowed_token_ids and bad_words (and logit_bias, min_tokens) as
     the engine's Request does: Medusa's greedy answer equals plain greedy's under the same bans, the
     bans change it, and a banned word never appears; a bad id is refused by name."""
-    from medusa_jax.decoding.generate import generate
+    from medusa_jax.engine.generate import generate
 
     cfg, params, heads, prompts = tiny
     heads, tree = _heads_and_tree(cfg, params, heads, "dynamic")
@@ -167,7 +167,7 @@ def test_generate_batch_takes_the_same_settings_for_every_prompt(tiny):
     """`generate_batch` takes penalties, logit_bias, min_tokens, allowed_token_ids and bad_words for
     every prompt: each row's greedy answer, Medusa's or plain, is `generate`'s with the same
     settings; bad settings are refused before anything runs."""
-    from medusa_jax.decoding.generate import generate, generate_batch
+    from medusa_jax.engine.generate import generate, generate_batch
 
     cfg, params, heads, prompts = tiny
     heads, tree = _heads_and_tree(cfg, params, heads, "dynamic")

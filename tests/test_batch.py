@@ -5,7 +5,7 @@ import pytest
 from conftest import random_heads, tiny_decoding_model
 
 from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.decoding.generate import generate, generate_batch, generate_device
+from medusa_jax.engine.generate import generate, generate_batch, generate_device
 from medusa_jax.decoding.tree import get_tree
 
 jax.config.update("jax_default_matmul_precision", "highest")

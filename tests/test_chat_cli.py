@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from medusa_jax.chat import render_chat
-from medusa_jax.decoding.generate import generate
+from medusa_jax.engine.generate import generate
 from medusa_jax.resolve import resolve_heads
 
 pytestmark = pytest.mark.real_model

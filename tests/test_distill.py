@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from conftest import tiny_decoding_model
 
-from medusa_jax.decoding.generate import generate
+from medusa_jax.engine.generate import generate
 from medusa_jax.train import distill
 
 jax.config.update("jax_default_matmul_precision", "highest")

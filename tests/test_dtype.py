@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from conftest import random_heads, rel_err, tiny_decoding_model
 
-from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.engine.generate import generate, generate_device
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.tree import get_tree
 from medusa_jax.evals import lossless

@@ -1,4 +1,4 @@
-"""A draft tree chosen per step at a fixed node budget (medusa_jax.decoding.dynamic): the selection
+"""A draft tree chosen per step at a fixed node budget (medusa_jax.drafts.dynamic): the selection
 against brute force (Medusa heads) and a node-by-node reference (Hydra heads), the per-row arrays'
 consistency, lossless greedy decoding with and without prompt lookup (loops, on-device loop,
 engine), an oracle, and the tree spec's parsing, files and errors."""
@@ -13,9 +13,9 @@ import pytest
 from conftest import tiny_decoding_model
 from test_hydra import DM, V, bigram_backbone, random_hydra
 
-from medusa_jax.decoding.dynamic import DEPTH_COST, dynamic_draft, select_tree
-from medusa_jax.decoding.engine import Engine
-from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.drafts.dynamic import DEPTH_COST, dynamic_draft, select_tree
+from medusa_jax.engine.engine import Engine
+from medusa_jax.engine.generate import generate, generate_device
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.requests import Request
 from medusa_jax.decoding.setup import decoding_setup
@@ -262,7 +262,7 @@ def test_confidence_scores_nodes_and_travels_with_the_tree(tiny, tmp_path):
     """A confidence map replaces the heads' log-probabilities as node scores (a map that makes depth 2
     worthless keeps the whole budget at depth 1); it survives tree files, budgets and depth cuts,
     and `resolve.with_confidence` gives a dynamic tree the heads' saved map."""
-    from medusa_jax.decoding.dynamic import node_confidence
+    from medusa_jax.drafts.dynamic import node_confidence
     from medusa_jax.resolve import with_confidence
 
     cfg, params = tiny
@@ -303,7 +303,7 @@ def test_lookup_chain_competes_for_the_slots():
     with the same token when there is one (that node then scores the better estimate), beside them
     when not, and not at all in a row whose n-gram did not occur. A node scores its parent's score
     plus its rate."""
-    from medusa_jax.decoding.dynamic import add_chain_tokens
+    from medusa_jax.drafts.dynamic import add_chain_tokens
 
     c = DEPTH_COST
     copied = jnp.asarray([[11, 20], [30, 31], [10, 12]], jnp.int32)[:, None]     # [B, m=1, 2]
@@ -334,7 +334,7 @@ def test_several_lookup_matches_share_their_common_prefix():
     """Two copied chains (the latest match, then the one before): where the second repeats the first
     (or the heads') token under the same parent it goes on from that node, at its first own token it
     branches, scored with the later matches' rate."""
-    from medusa_jax.decoding.dynamic import add_chain_tokens
+    from medusa_jax.drafts.dynamic import add_chain_tokens
 
     c = DEPTH_COST
     copied = jnp.asarray([[[30, 31, 32], [30, 31, 40]],           # the same first two tokens

@@ -10,9 +10,9 @@ from conftest import random_heads, tiny_decoding_model
 
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import PromptTooLongError
-from medusa_jax.decoding.chooser import TreeChooser
-from medusa_jax.decoding.engine import Engine
-from medusa_jax.decoding.generate import generate
+from medusa_jax.engine.chooser import TreeChooser
+from medusa_jax.engine.engine import Engine
+from medusa_jax.engine.generate import generate
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.requests import EngineStopped, Request, SamplingParams
 from medusa_jax.decoding.tree import build_tree, get_tree, with_lookup

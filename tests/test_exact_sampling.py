@@ -1,7 +1,7 @@
 """Exact (lossless) tree sampling: the first three emitted tokens of Medusa decoding with exact
 acceptance follow plain ancestral sampling's joint distribution, for several trees, temperatures
 0.7 and 1.0, top-p 0.9, top-k 3 and 4, both head types, with prompt lookup and with trees chosen per step (a dynamic
-tree: `decoding.dynamic`); broken variants fail the same test.
+tree: `drafts.dynamic`); broken variants fail the same test.
 
 The reference distribution is computed exactly (8 + 64 forwards of a V = 8 model), and the Medusa
 samples (one batch row each, per-row keys, fixed seeds: deterministic) are compared with it by a
@@ -17,11 +17,13 @@ import pytest
 from conftest import random_heads, tiny_decoding_model
 from scipy.stats import chi2
 
-from medusa_jax.decoding import acceptance, dynamic, sampling
+from medusa_jax.decoding import acceptance, sampling
 from medusa_jax.decoding import step as step_module
+from medusa_jax.drafts import drafter_for, dynamic
+from medusa_jax.drafts import lookup as lookup_module
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.compile import clear_compiled
-from medusa_jax.decoding.generate import generate, generate_batch, generate_device
+from medusa_jax.engine.generate import generate, generate_batch, generate_device
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.sampling import filtered_logits
@@ -100,7 +102,7 @@ def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
     p, hcfg, hp, tr = decoding_setup(cfg, params, heads, tree)
     state = start_state(cfg, p, [PROMPT] * N, 32, seed, progress=False, temperature=acc.temperature,
                         top_p=acc.top_p, top_k=acc.top_k)
-    step = jax.jit(functools.partial(step_module.medusa_step, cfg, hcfg, tr, acc))
+    step = jax.jit(functools.partial(step_module.medusa_step, cfg, hcfg, drafter_for(tr), acc))
     out = [[] for _ in range(N)]
     while min(len(o) for o in out) < 3:
         o, state = step(p, hp, state)
@@ -270,13 +272,13 @@ def test_sampled_rows_with_prompt_lookup_do_not_depend_on_the_batch(model, metho
         assert runs[4][i] == runs[1][i], f"prompt {i}: batch 4 differs from batch 1"
     # the test can fail: with the former batch-wide choice (the chain for every row when half the
     # rows found an n-gram) some row's typical answer changes with the batch
-    real = step_module.ngram_draft
+    real = lookup_module.ngram_draft
 
     def batch_wide(tokens, lengths, root, lookup):
         draft, found = real(tokens, lengths, root, lookup)
         return draft, jnp.broadcast_to(2 * jnp.sum(found.astype(jnp.int32)) >= found.shape[0], found.shape)
 
-    monkeypatch.setattr(step_module, "ngram_draft", batch_wide)
+    monkeypatch.setattr(lookup_module, "ngram_draft", batch_wide)
     jax.clear_caches()
     clear_compiled()
     try:

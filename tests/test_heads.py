@@ -675,7 +675,7 @@ def test_official_own_lm_heads_with_proposals_and_a_shallow_tree_are_lossless(tm
 
     from conftest import tiny_decoding_model
 
-    from medusa_jax.decoding.generate import generate, generate_device
+    from medusa_jax.engine.generate import generate, generate_device
     from medusa_jax.decoding.tree import build_tree
     from medusa_jax.models.llama import lm_head_matrix
     from medusa_jax.resolve import resolve_heads

@@ -17,8 +17,8 @@ from medusa_jax.convert.medusa_format import (
     read_tensors,
     save_heads,
 )
-from medusa_jax.decoding import draft
-from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.drafts import heads as draft
+from medusa_jax.engine.generate import generate, generate_device
 from medusa_jax.decoding.tree import build_tree, get_tree, random_tree, with_lookup
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.hydra import decoding_layout, from_medusa, head_state, hydra_logits, path_keys, token_embeddings

@@ -262,7 +262,7 @@ def test_decoding_layout_gives_the_same_logits(arch, tied):
 _FALLBACK = """
 import numpy as np
 from medusa_jax import kernels
-from medusa_jax.decoding.generate import generate_device
+from medusa_jax.engine.generate import generate_device
 from medusa_jax.models.layout import decoding_params
 from conftest import tiny_decoding_model
 cfg, params = tiny_decoding_model()
@@ -286,7 +286,7 @@ def test_xla_fallback_decodes(tmp_path, env, why):
     assert out.returncode == 0, out.stderr[-3000:]
     status, tokens = out.stdout.strip().splitlines()[-2:]
     assert why in status
-    from medusa_jax.decoding.generate import generate_device
+    from medusa_jax.engine.generate import generate_device
 
     cfg, params = tiny_decoding_model()
     here = generate_device(cfg, params, [[1, 2, 3]], max_new_tokens=12, progress=False)

@@ -1,6 +1,7 @@
 """The layout's walls (docs/design-notes.md, "Layout"): import-linter's contracts hold, imports sit
 at the top of modules (but in cli/ and for heavy optional dependencies), no private name is used
-outside its module, and no module but one cohesive format is over ~600 lines."""
+outside its module, no module but one cohesive format is over ~600 lines, no function over 120 and no
+class over 400, and the engine's host side imports no jax."""
 import ast
 import os
 import shutil
@@ -72,3 +73,35 @@ def test_modules_are_readable_in_one_sitting():
     long = [f"{rel}: {n} lines" for rel, path in modules()
             if (n := sum(1 for _ in open(path, encoding="utf-8"))) > MAX_LINES and rel not in LONG_FORMATS]
     assert not long, "\n".join(long)
+
+
+#: The most lines of one function (a command's `main` included) and of one class.
+MAX_FUNCTION_LINES, MAX_CLASS_LINES = 120, 400
+
+
+def test_functions_and_classes_fit_on_a_screen_or_two():
+    long = []
+    for rel, path in modules():
+        for node in ast.walk(ast.parse(open(path, encoding="utf-8").read())):
+            limit = MAX_CLASS_LINES if isinstance(node, ast.ClassDef) else MAX_FUNCTION_LINES
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if (n := node.end_lineno - node.lineno + 1) > limit:
+                    long.append(f"{rel}:{node.lineno} {node.name}: {n} lines (at most {limit})")
+    assert not long, "\n".join(long)
+
+
+#: The engine's host side (docs/design-notes.md, "Layout"): it decides and keeps the books; the
+#: device's work is the runner's, the prefill's and the step's.
+HOST_ONLY = ("engine/engine.py", "engine/scheduler.py", "engine/output.py", "engine/front.py", "engine/chooser.py",
+             "engine/rows.py")
+
+
+def test_the_engines_host_side_imports_no_jax():
+    found = []
+    for rel in HOST_ONLY:
+        tree = ast.parse(open(os.path.join(PACKAGE, rel), encoding="utf-8").read())
+        for node in ast.walk(tree):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            found += [f"{rel}:{node.lineno} imports {n}" for n in names if n == "jax" or n.startswith("jax.")]
+    assert not found, "\n".join(found)

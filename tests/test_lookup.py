@@ -9,8 +9,9 @@ import pytest
 from conftest import random_heads, tiny_decoding_model
 
 from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.decoding.generate import generate, generate_batch, generate_device
-from medusa_jax.decoding.lookup import PromptLookup, ngram_draft
+from medusa_jax.engine.generate import generate, generate_batch, generate_device
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.drafts.lookup import ngram_draft
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.tree import get_tree, tree_to_json, with_lookup
 
@@ -217,7 +218,7 @@ def test_the_decoding_loop_never_copies_the_kv_cache(tiny, lookup):
     import re
 
     from medusa_jax.decoding.setup import decoding_setup
-    from medusa_jax.decoding.loop import generate_jit, init_carry
+    from medusa_jax.engine.loop import generate_jit, init_carry
 
     cfg, params, hcfg, hp = tiny
     tree = with_lookup(get_tree([[0], [1], [0, 0]], topk=10, num_heads=3), lookup)

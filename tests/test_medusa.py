@@ -5,10 +5,10 @@ import numpy as np
 import pytest
 from conftest import tiny_decoding_model
 
-from medusa_jax.decoding import draft
+from medusa_jax.drafts import heads as draft
 from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
 from medusa_jax.decoding.compile import clear_compiled
-from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.engine.generate import generate, generate_device
 from medusa_jax.decoding.tree import build_tree, get_tree, random_tree
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import init_heads

@@ -12,8 +12,8 @@ import pytest
 from conftest import tiny_decoding_model
 
 from medusa_jax.decoding.args import PromptTooLongError
-from medusa_jax.decoding.engine import Engine
-from medusa_jax.decoding.generate import generate, generate_batch, generate_device, generate_stream
+from medusa_jax.engine.engine import Engine
+from medusa_jax.engine.generate import generate, generate_batch, generate_device, generate_stream
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.requests import Request
 from medusa_jax.decoding.tree import get_tree

@@ -140,13 +140,14 @@ def test_rope_tables_are_computed_once_per_forward():
     from medusa_jax.decoding.prefill import start_state
     from medusa_jax.decoding.step import medusa_step
     from medusa_jax.decoding.tree import PLAIN_TREE
+    from medusa_jax.drafts import drafter_for
 
     cfg, _ = tiny_decoding_model()
     cfg = cfg.replace(num_layers=6)
     params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32),
                                   jnp.zeros((1, 4), jnp.int32))["params"]
     state = start_state(cfg, params, [[1, 2, 3]], 32, progress=False)
-    step = jax.jit(lambda p, s: medusa_step(cfg, None, PLAIN_TREE, Acceptance(), p, None, s))
+    step = jax.jit(lambda p, s: medusa_step(cfg, None, drafter_for(PLAIN_TREE), Acceptance(), p, None, s))
     hlo = step.lower(params, state).compile().as_text()
     ops = [line for line in hlo.splitlines() if " cosine(" in line]
     assert 1 <= len(ops) <= 2, ops[:4]
@@ -159,7 +160,7 @@ def test_llama_attention_bias_loads_and_decodes_as_transformers(tmp_path):
     import torch
 
     from medusa_jax.convert.load import load_model
-    from medusa_jax.decoding.generate import generate
+    from medusa_jax.engine.generate import generate
 
     cfg = CASES["llama_bias"]()
     model, _ = random_hf_model(cfg, seed=3)

@@ -8,7 +8,7 @@ import pytest
 from conftest import jax_logits, random_tokens, rel_err, tiny_config, tiny_decoding_model
 
 from medusa_jax.decoding import prefill as gen
-from medusa_jax.decoding.generate import generate
+from medusa_jax.engine.generate import generate
 from medusa_jax.decoding.sampling import row_keys
 from medusa_jax.models.kv_cache import init_cache
 from medusa_jax.models.llama import LlamaModel, blockwise_attention, grouped_query_attention

@@ -9,7 +9,7 @@ from conftest import random_heads, tiny_decoding_model
 
 from medusa_jax.decoding import compile as compile_mod
 from medusa_jax.decoding import processors
-from medusa_jax.decoding.engine import Engine
+from medusa_jax.engine.engine import Engine
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.requests import Request, SamplingParams
 from medusa_jax.decoding.tree import dynamic_tree, get_tree, with_lookup
@@ -208,7 +208,7 @@ def test_generate_takes_penalties_by_name(tiny):
     """`generate(penalties=...)` (decode.py's path): Medusa with penalties answers what the engine's
     plain steps answer with them; an unknown name or a bad value is refused before decoding."""
     from medusa_jax.decoding.acceptance import Acceptance
-    from medusa_jax.decoding.generate import generate
+    from medusa_jax.engine.generate import generate
 
     cfg, params, heads, prompts = tiny
     kw = dict(repetition_penalty=1.6, frequency_penalty=0.3)

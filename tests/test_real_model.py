@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from medusa_jax.chat import apply_chat_template
-from medusa_jax.decoding.generate import generate
+from medusa_jax.engine.generate import generate
 from medusa_jax.decoding.tree import get_tree
 from medusa_jax.evals import lossless
 from medusa_jax.heads.config import MedusaConfig

@@ -7,8 +7,9 @@ import numpy as np
 import pytest
 from conftest import random_heads, tiny_decoding_model
 
-from medusa_jax.decoding.generate import generate
-from medusa_jax.decoding.lookup import PromptLookup, ngram_draft, ngram_drafts
+from medusa_jax.engine.generate import generate
+from medusa_jax.decoding.lookup import PromptLookup
+from medusa_jax.drafts.lookup import ngram_draft, ngram_drafts
 from medusa_jax.decoding.tree import build_tree, dynamic_tree, with_lookup
 from medusa_jax.heads.hydra import token_embeddings
 from medusa_jax.heads.medusa import with_proposal_projection

@@ -923,7 +923,7 @@ def test_logit_bias_bans_and_forces_tokens_as_plain_decoding_does(client, smollm
     plain greedy decoding with that bias gives (the engine's plain steps, speculation off); +100 on a
     token makes it every token."""
     import medusa_jax as mj
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.requests import Request as EngineRequest
 
     q = QUESTIONS[4]
@@ -950,7 +950,7 @@ def test_penalties_are_plain_decodings_with_the_same_penalties(client, smollm2):
     the openai client's extra_body) with the openai client: the server's Medusa answer is the engine's
     plain decoding with the same settings, greedy and sampled, and the penalties change the answer."""
     import medusa_jax as mj
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.requests import Request as EngineRequest
     from medusa_jax.decoding.requests import SamplingParams
 
@@ -980,7 +980,7 @@ def test_bad_words_and_allowed_token_ids_are_plain_decodings_with_the_same_bans(
     engine's plain decoding with the same bans, it holds none of the words, and a bad word of the
     free answer changes it."""
     import medusa_jax as mj
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.requests import Request as EngineRequest
     from medusa_jax.serve.text import bad_words_ids
 
@@ -1021,7 +1021,7 @@ def test_min_tokens_holds_off_eos_and_stop_strings(client, smollm2):
     min_tokens tokens, as the engine's plain steps with min_tokens decode it, and a stop string
     within them does not end it."""
     import medusa_jax as mj
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.requests import Request as EngineRequest
 
     q = QUESTIONS[5]

@@ -193,9 +193,9 @@ def test_medusa_greedy_equals_plain_greedy_on_a_windowed_model(monkeypatch):
     tree tokens attend across the window) still gives the plain greedy output."""
     from test_medusa import oracle_proposer
 
-    from medusa_jax.decoding import draft
+    from medusa_jax.drafts import heads as draft
     from medusa_jax.decoding.compile import clear_compiled
-    from medusa_jax.decoding.generate import generate, generate_device
+    from medusa_jax.engine.generate import generate, generate_device
     from medusa_jax.decoding.tree import get_tree
     from medusa_jax.heads.config import MedusaConfig
     from medusa_jax.heads.medusa import init_heads

@@ -12,7 +12,7 @@ from test_convert import write_gguf
 from medusa_jax import kernels
 from medusa_jax.convert import cache
 from medusa_jax.convert.load import load_model, stored_weights_apply
-from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.engine.generate import generate, generate_device
 from medusa_jax.decoding.tree import get_tree
 from medusa_jax.models.layout import decoding_params
 from medusa_jax.models.llama import LlamaModel, lm_head_matrix

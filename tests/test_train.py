@@ -682,7 +682,7 @@ def test_hidden_cache_grows_with_the_data(frozen_run, tmp_path, monkeypatch, cap
 def test_frozen_hydra_and_soft_targets(frozen_run, tmp_path):
     """Hydra heads learn the synthetic data with teacher forcing; soft targets train towards the
     backbone's distribution (the KL falls); the exported hydra heads decode losslessly."""
-    from medusa_jax.decoding.generate import generate
+    from medusa_jax.engine.generate import generate
     from medusa_jax.decoding.tree import get_tree
     from medusa_jax.heads.medusa import prepare_heads
 
@@ -789,7 +789,7 @@ def test_proposal_vocab_trains_and_exports_the_restricted_heads(frozen_run, tmp_
     """proposal_vocab=N: the loss runs over the N most frequent training tokens; a label outside
     them counts as a miss in validation (so top-1 is at most the covered share); the exported
     heads carry that vocabulary and decode losslessly with it."""
-    from medusa_jax.decoding.generate import generate
+    from medusa_jax.engine.generate import generate
     from medusa_jax.decoding.tree import get_tree
     from medusa_jax.heads.medusa import frequent_tokens, prepare_heads
 

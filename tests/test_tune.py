@@ -10,7 +10,7 @@ from conftest import tiny_decoding_model
 
 from medusa_jax import kernels
 from medusa_jax.convert.medusa_format import HeadsFormatError, load_heads, save_heads
-from medusa_jax.decoding.generate import generate, generate_device
+from medusa_jax.engine.generate import generate, generate_device
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.tree import build_tree, with_lookup

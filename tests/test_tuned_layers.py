@@ -274,7 +274,7 @@ def test_setup_decoding_uses_the_layers_and_medusa_stays_lossless(run, capsys):
     """The heads directory names the backbone: setup_decoding puts the tuned layers in (with Medusa
     off too), and greedy Medusa with the zero heads equals plain greedy on the tuned model."""
     from medusa_jax.cli import common
-    from medusa_jax.decoding.generate import generate
+    from medusa_jax.engine.generate import generate
 
     args = argparse.Namespace(model=run.base_dir, heads=run.heads, tree="chain3", dtype="float32", mesh=None,
                               prompt_lookup=0)

@@ -55,7 +55,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     common.check_text_arg(p, args.system, "--system")
 
     from medusa_jax.chat import check_text, render_chat
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.decoding.requests import Request
     from medusa_jax.decoding.sampling import prompt_seed
 

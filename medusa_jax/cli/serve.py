@@ -5,7 +5,7 @@
         -d '{"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": "Hi!"}]}'
 
 Endpoints: /v1/chat/completions, /v1/completions (streaming with ``"stream": true``), /v1/models,
-/tokenize, /detokenize, /health, /metrics (Prometheus). One engine decodes every request (`medusa_jax.decoding.engine`):
+/tokenize, /detokenize, /health, /metrics (Prometheus). One engine decodes every request (`medusa_jax.engine.engine`):
 requests share its rows (``--max-batch``), stream their tokens as steps accept them, reuse the
 KV cache of a conversation's earlier turns, and speculate as the load allows (``--speculation``).
 The port is bound before the model loads (a port in use is said at once, exit 1).
@@ -30,7 +30,7 @@ TOOL_PARSER_NAMES = ("hermes", "llama3_json", "pythonic", "mistral")
 
 def build_parser() -> argparse.ArgumentParser:
     from medusa_jax.cli import common
-    from medusa_jax.decoding.chooser import SPECULATION
+    from medusa_jax.engine.chooser import SPECULATION
 
     p = argparse.ArgumentParser(prog="medusa-serve", description="Serve the model over an OpenAI-compatible HTTP "
                                 "API, decoding with Medusa heads.", formatter_class=common.HelpFormatter)
@@ -138,7 +138,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     from medusa_jax.chat import render_chat
     from medusa_jax.convert.load import complete_eos_ids, weights_of
     from medusa_jax.cli import common
-    from medusa_jax.decoding.engine import Engine
+    from medusa_jax.engine.engine import Engine
     from medusa_jax.serve import create_app
 
     try:

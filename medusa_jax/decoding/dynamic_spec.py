@@ -1,5 +1,5 @@
 """The settings of a tree chosen per step (``"dynamic:T"``, `decoding.tree.dynamic_tree`,
-`decoding.dynamic`): its node budget and width, and the measured scores its nodes are ranked by (the
+`drafts.dynamic`): its node budget and width, and the measured scores its nodes are ranked by (the
 heads' confidence, prompt lookup's per depth and per matched n-gram), with their checks and parsing
 from files and reports (numpy only)."""
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 
 
 class DynamicSpec(NamedTuple):
-    """A tree chosen per step (`decoding.tree.dynamic_tree`, `medusa_jax.decoding.dynamic`).
+    """A tree chosen per step (`decoding.tree.dynamic_tree`, `medusa_jax.drafts.dynamic`).
 
     budget: T, the nodes one step verifies, root included (a static shape).
     width: W, the best nodes of a depth whose children are drafted (hydra heads run on W paths per
@@ -24,9 +24,9 @@ class DynamicSpec(NamedTuple):
       is accepted once its parent is: row 0 for the latest match's chain, row 1 for the other
       matches' nodes that differ from an earlier chain (None, or rows missing:
       `LOOKUP_CONFIDENCE`); the copied chains' nodes compete with the heads' for the budget
-      (`decoding.dynamic.add_chain_tokens`).
+      (`drafts.dynamic.add_chain_tokens`).
     lookup_ngram_confidence: None, or ``((n, row), ...)``: for the latest match's chain, the per-depth
-      log-probabilities when the context's last n tokens matched (`decoding.lookup.ngram_drafts`'
+      log-probabilities when the context's last n tokens matched (`drafts.lookup.ngram_drafts`'
       ngram; a longer match is a surer copy: on the shipped heads' held-out chats a copied token
       after a 6-gram is accepted 0.91 of the time, after a bare 2-gram 0.54); where it has no row for
       n, `lookup_confidence`'s. The rows hold for the n-gram range they were measured with: the
@@ -40,7 +40,7 @@ class DynamicSpec(NamedTuple):
 
     def lookup_rates(self, num_tokens: int, matches: int = 1) -> tuple[tuple[float, ...], ...]:
         """Per copied chain (the latest match first), its `num_tokens` per-depth log-probabilities
-        (`decoding.dynamic.add_chain_tokens`): `lookup_confidence`'s rows, `LOOKUP_CONFIDENCE`'s
+        (`drafts.dynamic.add_chain_tokens`): `lookup_confidence`'s rows, `LOOKUP_CONFIDENCE`'s
         where it has none, the last row for every later match and the last value for deeper tokens."""
         rows = tuple(self.lookup_confidence or ()) + LOOKUP_CONFIDENCE[len(self.lookup_confidence or ()):]
         rows = [rows[min(c, len(rows) - 1)] for c in range(matches)]
@@ -48,7 +48,7 @@ class DynamicSpec(NamedTuple):
 
     def lookup_rate_table(self, num_tokens: int, matches: int, max_ngram: int) -> np.ndarray:
         """[m, k, max_ngram + 1] float32: chain c's log-probability at depth j when the match was an
-        n-gram (column n; `decoding.dynamic.draft_candidates` takes column ``ngram`` per row):
+        n-gram (column n; `drafts.dynamic.draft_candidates` takes column ``ngram`` per row):
         `lookup_ngram_confidence`'s row for n for the latest match's chain, `lookup_rates` elsewhere."""
         table = np.repeat(np.asarray(self.lookup_rates(num_tokens, matches), np.float32)[:, :, None],
                           max_ngram + 1, axis=2)

@@ -9,7 +9,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, List, Mapping, NamedTuple, Optional, Sequence, Tuple
 
-SPECULATION = ("adaptive", "always", "off")
 #: Finish reasons of a request (`Finished.reason`).
 FINISH_REASONS = ("eos", "stop", "length", "cache_full", "cancelled", "error")
 

@@ -1,4 +1,6 @@
-"""One static-shape Medusa step: candidates -> tree forward -> posterior -> accepted path -> KV compaction.
+"""One static-shape speculative step: a drafter's candidates -> tree forward -> posterior -> accepted
+path -> KV compaction. The step verifies whatever its `Drafter` proposes (`decoding.proposal`;
+the drafters: `medusa_jax.drafts`).
 
 Method: Cai et al., "Medusa" (ICML 2024), Sec. 2.1.2 (tree attention) and Sec. 2.3.1 (typical
 acceptance); reference implementation FasterDecoding/Medusa ``medusa/model/utils.py``
@@ -7,11 +9,11 @@ Differences from the reference, all for speed: the heads run only on the last ac
 (not on every tree node), the posterior reads only the argmax (greedy) or the candidate's
 probability (typical) instead of copying full-vocabulary logits per path, and the accepted nodes'
 K/V are moved with one fixed-size gather/scatter. Everything here is jit-compatible with static
-shapes; the tree (`TreeBuffers`) is a static argument.
+shapes; the drafter (`decoding.proposal.Drafter`, holding its tree) is a static argument.
 
 Hydra heads (Ankner et al. 2024, "Hydra", Sec. 3; `medusa_jax.heads.hydra`) draft per parent instead of
 per head: head d runs on every depth-d node that has children, reading that node's own path
-(`hydra_candidates`). Verification is the same for both head types.
+(`drafts.heads.hydra_candidates`). Verification is the same for every drafter.
 
 Exact acceptance (``Acceptance(method="exact")``) is speculative sampling over the tree: Chen et al.
 2023 ("Accelerating Large Language Model Decoding with Speculative Sampling", Theorem 1) for one
@@ -28,15 +30,12 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax.decoding.acceptance import Acceptance, evaluate_posterior
-from medusa_jax.decoding.draft import draft_tokens
-from medusa_jax.decoding.dynamic import dynamic_draft
 from medusa_jax.decoding.logprobs import emitted_logprobs
-from medusa_jax.decoding.lookup import ngram_draft, ngram_drafts
-from medusa_jax.decoding.processors import LogitsProcessors, draft_adjuster, step_logits
+from medusa_jax.decoding.processors import LogitsProcessors, step_logits
+from medusa_jax.decoding.proposal import DraftInputs, Drafter
 from medusa_jax.decoding.sampling import sample_tokens
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
-from medusa_jax.decoding.tree import TreeBuffers, chain_tree, check_depth
-from medusa_jax.decoding.tree_arrays import TreeArrays, padded_arrays, tree_rows
+from medusa_jax.decoding.tree_arrays import tree_rows
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache
@@ -73,91 +72,40 @@ def step_root(acc: Acceptance, state: DecodeState, procs: Optional[LogitsProcess
                          sampled=acc.mode != "greedy", nucleus=acc.filters, top_k=state.top_k)
 
 
-def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
+def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], drafter: Drafter, acc: Acceptance,
                 params, head_params, state: DecodeState, logprobs: Optional[int] = None,
                 procs: Optional[LogitsProcessors] = None) -> Tuple[StepOutput, DecodeState]:
-    """One Medusa decoding step (pure; jit it with cfg, heads_cfg, tree and acc static).
+    """One speculative decoding step (pure; jit it with cfg, heads_cfg, drafter and acc static).
 
     1. Root token: the argmax, or a sample at the row's temperature and top-p, of ``state.logits``
        (`step_root`).
-    2. Candidates (`draft_tokens`): Medusa heads: the first D heads' top-k at ``state.hidden`` placed
-       on the tree; hydra heads: depth by depth, each node's children from its own path.
+    2. The draft: ``drafter.propose`` (`decoding.proposal`; the drafters are `medusa_jax.drafts`':
+       Medusa or Hydra heads on a static tree, a tree chosen per step, prompt lookup) gives the
+       tree to verify (static, or per row) and the [B, T] tokens on its nodes, root first.
     3. One forward of the T tree tokens at positions ``length + depth`` with the ancestor mask.
     4. Posterior (`evaluate_posterior`: greedy, typical or exact), best path, accepted length a.
     5. Emits root + a candidates; the next logits/hidden are the last accepted node's; the path's
-       K/V are compacted; lengths advance by a + 1.
-    A row's token at position t is chosen by the noise of its own key and t, so rows are
-    independent of each other, and exact acceptance emits what plain sampling would.
-    With the trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
-    A tree with prompt-lookup settings (``tree.lookup``, `medusa_jax.decoding.lookup`) first searches the
-    context (``cache.tokens``) of every row for its last n-gram; a row that finds one verifies the
-    copied chain (`decoding.lookup.ngram_draft`, on `decoding.tree.chain_tree`) instead of the heads'
-    tree, with the same acceptance rule, each row choosing for itself (so that a row's draft, and the
-    random numbers its sampled answer consumes, never depend on the other rows of its batch): one
-    forward of ``tree.step_size`` tokens whose mask, positions and paths are, row by row, one of the
-    two trees' buffers padded to one shape (`padded_arrays`), chosen by data, not by a conditional
-    (which made XLA copy the KV cache every step); the heads run only on the steps where some row
-    uses their tree.
-
-    A tree chosen per step (``tree.dynamic``, `medusa_jax.decoding.dynamic`) is drafted from the heads'
-    proposals each step and verified the same way, as per-row arrays; with prompt lookup, the copied
-    chains (one per match, ``tree.lookup.matches``) are more branches of it, competing with the heads'
-    nodes for its T slots (`decoding.dynamic.add_chain_tokens`), not a replacement for it.
+       K/V are compacted (unless the tree is a chain); lengths advance by a + 1.
+    Steps 3-5 are the same for every drafter. A row's token at position t is chosen by the noise of
+    its own key and t, so rows are independent of each other, and exact acceptance emits what plain
+    sampling would (a drafter's tokens never depend on the target's random numbers). With the
+    trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
 
     With `logprobs` N (static; None: off) the output also holds the emitted tokens' log-probabilities
     and their N most likely alternatives (`decoding.logprobs.emitted_logprobs`). With `procs` (the
     rows' logit bias, penalties and min_p: `decoding.processors.LogitsProcessors`) every token is
     chosen from the processed logits, the root's and each tree node's alike (a node's penalties
-    count the tokens on its path), so a plain step and a Medusa step still choose the same tokens;
-    the heads' drafts, the log-probabilities and the logits handed to the next step stay the
-    model's own, but a dynamic tree's heads draft from their logits with the rows' bias and
-    penalties (`decoding.processors.draft_adjuster`).
+    count the tokens on its path), so a plain step and a speculative step still choose the same
+    tokens; the log-probabilities and the logits handed to the next step stay the model's own.
 
-    Requires ``cache.lengths + tree.step_size <= cache.size`` (the caller picks a smaller tree
-    near the end). Returns (StepOutput with ``tree.max_accepted + 1`` token columns, next DecodeState).
+    Requires ``cache.lengths + drafter.tree.step_size <= cache.size`` (the caller picks a smaller
+    tree near the end). Returns (StepOutput with ``drafter.max_accepted + 1`` token columns, next
+    DecodeState). Raises ValueError (at trace time) when the drafter cannot draft its tree (e.g. a
+    tree deeper than the heads).
     """
     root = step_root(acc, state, procs)
-    D = tree.max_depth
-    if D > 0:
-        if heads_cfg is None:
-            raise ValueError("a tree deeper than the root needs Medusa heads")
-        check_depth(D, heads_cfg.num_heads)
-
-    def heads_draft(_):
-        """(the tree to verify: the static one, or this step's per-row arrays; its tokens [B, T])."""
-        if tree.dynamic is not None:
-            return dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree,
-                                 adjust=draft_adjuster(procs, state))
-        return tree, (draft_tokens(cfg, heads_cfg, head_params, params, state, root, tree) if D > 0
-                      else root[:, None])
-
-    width = tree.max_accepted + 1
-    # a chain's accepted prefix is already in place; with prompt lookup both trees may be chains (the
-    # copied one always is), and compacting them anyway made XLA copy the whole KV cache every step
-    compact = tree.dynamic is not None or tree.size > D + 1
-    if tree.lookup is None:
-        verified, tokens = heads_draft(None)
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, procs)
-    if tree.dynamic is not None:  # the copied chains compete with the heads' nodes for the T slots
-        drafts = ngram_drafts(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # [B, m, k], [B, m], [B]
-        verified, tokens = dynamic_draft(cfg, heads_cfg, head_params, params, state, root, tree, drafts,
-                                         draft_adjuster(procs, state))
-        return _verify_tree(cfg, verified, compact, acc, params, state, tokens, width, logprobs, procs)
-    copied, use = ngram_draft(state.cache.tokens, state.cache.lengths, root, tree.lookup)  # use: [B] bool
-    # prompt lookup: one forward over the padded union of both trees' shapes, its buffers chosen
-    # by data (a lax.cond around the forward made XLA copy the KV cache every step)
-    chain = chain_tree(tree.lookup.num_tokens)
-    shape = (tree.step_size, max(tree.num_paths, chain.num_paths), tree.max_accepted)
-    B = root.shape[0]
-    # the heads run only on the steps where some row verifies their tree (a conditional over small arrays)
-    heads_rows = jax.tree_util.tree_map(lambda a: a[None], padded_arrays(tree, *shape))
-    by_heads = jax.lax.cond(jnp.all(use), lambda _: jnp.zeros((B, tree.size), jnp.int32),
-                            lambda _: heads_draft(None)[1], None)
-    pad = lambda t: jnp.pad(t, ((0, 0), (0, shape[0] - t.shape[1])))
-    tokens = jnp.where(use[:, None], pad(jnp.concatenate([root[:, None], copied], axis=1)), pad(by_heads))
-    per_row = lambda c, h: jnp.where(use.reshape((B,) + (1,) * c.ndim), c[None], h)
-    arrays = jax.tree_util.tree_map(per_row, padded_arrays(chain, *shape), heads_rows)
-    return _verify_tree(cfg, TreeArrays(*arrays), compact, acc, params, state, tokens, width, logprobs, procs)
+    p = drafter.propose(DraftInputs(cfg, heads_cfg, head_params, params, state, root, procs))
+    return _verify_tree(cfg, p.tree, p.compact, acc, params, state, p.tokens, drafter.max_accepted + 1, logprobs, procs)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
@@ -201,9 +149,9 @@ def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params,
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
-def step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance, params,
+def step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], drafter: Drafter, acc: Acceptance, params,
          head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
     """Jitted `medusa_step` (same arguments, the state donated); on a device mesh the output state
     keeps the input state's layout (`state.constrain_state`)."""
-    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state)
+    out, st = medusa_step(cfg, heads_cfg, drafter, acc, params, head_params, state)
     return out, constrain_state(st)

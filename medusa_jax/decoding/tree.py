@@ -19,7 +19,7 @@ nodes that have children ("expanded" nodes). Their static lists are ``expand_nod
 node i's index into the flat vector ``[root, expanded node 0's top-k, expanded node 1's top-k, ...]``
 (``1 + slot(parent) * topk + rank``), the per-parent counterpart of ``tree_indices``.
 
-A tree may instead be chosen per step (`dynamic_tree`, ``"dynamic:T"``; `medusa_jax.decoding.dynamic`,
+A tree may instead be chosen per step (`dynamic_tree`, ``"dynamic:T"``; `medusa_jax.drafts.dynamic`,
 its settings `medusa_jax.decoding.dynamic_spec`):
 T nodes picked from the heads' proposals by cumulative draft probability every step, the ancestor
 mask, positions and paths built on the device. Its static buffers are then those of its deepest
@@ -29,7 +29,7 @@ path (a chain of D nodes: what a static shape needs, such as the heads to prepar
 A tree may also carry prompt-lookup settings (`with_lookup`, `medusa_jax.decoding.lookup`): a step then
 verifies a chain copied from the context instead of the heads' tree whenever the context's last
 n-gram occurred before (a dynamic tree takes the copied chains as more branches within its budget:
-`decoding.dynamic.add_chain_tokens`). Tree files keep them under ``"prompt_lookup"``.
+`drafts.dynamic.add_chain_tokens`). Tree files keep them under ``"prompt_lookup"``.
 """
 from __future__ import annotations
 
@@ -289,7 +289,7 @@ def dynamic_tree(budget: int, depth: int, topk: int = 10, width: int = DEFAULT_D
                  confidence: Any = None, lookup_confidence: Sequence | None = None,
                  lookup_ngram_confidence: Any = None) -> TreeBuffers:
     """A tree of `budget` nodes (root included) chosen per step from the first `depth` heads' top-`topk`
-    proposals by cumulative draft probability (`medusa_jax.decoding.dynamic`; EAGLE-2, Li et al. 2024,
+    proposals by cumulative draft probability (`medusa_jax.drafts.dynamic`; EAGLE-2, Li et al. 2024,
     Sec. 4; for hydra heads `width` parents are expanded per depth; `confidence`: `DynamicSpec`'s,
     as a pair of sequences or a ``{"knots": [...], "values": [[...], ...]}`` dict; `lookup_confidence`:
     its rows, or one flat row for the latest match; `lookup_ngram_confidence`: ``{n: row}`` or

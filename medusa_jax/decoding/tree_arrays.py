@@ -1,6 +1,6 @@
 """A tree's verification buffers as arrays with a row axis (`TreeArrays`): what a step verifies when
 each row has its own tree (prompt lookup's copied chain or the heads' tree, chosen by data; a tree
-chosen per step, `decoding.dynamic`), and the padding that gives trees of different shapes one shape."""
+chosen per step, `drafts.dynamic`), and the padding that gives trees of different shapes one shape."""
 from __future__ import annotations
 
 from typing import NamedTuple

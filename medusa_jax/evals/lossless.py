@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.decoding.generate import generate_device
+from medusa_jax.engine.generate import generate_device
 from medusa_jax.models.llama import LlamaModel, compute_dtype
 
 #: Top-2 logit gap below which a difference between two decoders counts as a near-tie, per compute

@@ -64,7 +64,7 @@ import jax
 import numpy as np
 
 from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.decoding.generate import generate_batch, generate_device
+from medusa_jax.engine.generate import generate_batch, generate_device
 from medusa_jax.evals.lossless import compare
 
 

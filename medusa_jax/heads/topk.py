@@ -18,7 +18,7 @@ def states_topk(heads_cfg: MedusaConfig, head_params, states: jax.Array, base_lm
     """Top-k token ids from head states: [J, ..., D] states of heads first..first+J-1 -> [J, ..., topk]
     int32, over the proposal vocabulary when the heads have one (module `heads`). With `logprobs`,
     also their log-probabilities [J, ..., topk] float32 under the head's softmax over that vocabulary
-    (the draft probabilities a dynamic tree ranks its nodes by: `decoding.dynamic`). `adjust`:
+    (the draft probabilities a dynamic tree ranks its nodes by: `drafts.dynamic`). `adjust`:
     ``adjust(logits [J, ..., N], ids [N] int32 or None) -> logits``, applied before the top-k (a
     request's penalties and bias: `decoding.processors.draft_adjuster`)."""
     J = states.shape[0]

@@ -56,7 +56,7 @@ def grow_cache(cache: KVCache, size: int) -> KVCache:
     """The same cache with `size` slots per row (new slots are zeros; lengths unchanged).
 
     Decoding starts with a cache just big enough for the prompt and grows it in power-of-two
-    steps (`medusa_jax.decoding.generate.generate_device`), because attention reads every slot of the
+    steps (`medusa_jax.engine.generate.generate_device`), because attention reads every slot of the
     cache each step: on this project's 2-core CPU a 1,024-slot cache made a step ~25% slower than a
     256-slot one (docs/design-notes.md).
     Raises ValueError if `size` is smaller than the current size.

@@ -11,7 +11,7 @@ from typing import Awaitable, Callable, List, Optional
 
 from fastapi.responses import StreamingResponse
 
-from medusa_jax.decoding.engine import Engine
+from medusa_jax.engine.engine import Engine
 from medusa_jax.decoding.requests import EngineStopped, TokenLogprob
 from medusa_jax.serve import protocol, responses
 from medusa_jax.serve.choices import Echo, sse

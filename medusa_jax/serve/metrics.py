@@ -12,7 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-#: vLLM's ``finished_reason`` label of the engine's reasons (`decoding.engine.Finished.reason`): an
+#: vLLM's ``finished_reason`` label of the engine's reasons (`engine.engine.Finished.reason`): an
 #: answer ended by EOS or a stop string is "stop", by its budget or the cache "length", a request
 #: cancelled (its client left, the server shut down) "abort"; "error" keeps its name.
 FINISHED_REASON = {"eos": "stop", "stop": "stop", "length": "length", "cache_full": "length", "cancelled": "abort"}
@@ -22,7 +22,7 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 
 
 
 class EngineCollector:
-    """Counters and gauges from `decoding.engine.Engine.stats` (monotonic) and its queue, at scrape time."""
+    """Counters and gauges from `engine.engine.Engine.stats` (monotonic) and its queue, at scrape time."""
 
     def __init__(self, engine, model_name: str):
         self.engine, self.model = engine, model_name

@@ -11,7 +11,7 @@ from typing import Any, Dict, List, Optional
 
 
 def finish_reason(engine_reason: str) -> str:
-    """OpenAI's finish_reason of the engine's (`decoding.engine.Finished.reason`)."""
+    """OpenAI's finish_reason of the engine's (`engine.engine.Finished.reason`)."""
     return {"eos": "stop", "stop": "stop", "length": "length", "cache_full": "length"}.get(engine_reason, engine_reason)
 
 
@@ -25,7 +25,7 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def speculation(fins: List[Any]) -> dict:
-    """The server's ``speculation`` object of a finished request: its choices' `decoding.engine.Finished`
+    """The server's ``speculation`` object of a finished request: its choices' `engine.engine.Finished`
     summed (tokens per step over all their steps)."""
     steps, tokens = sum(f.steps for f in fins), sum(len(f.tokens) for f in fins)
     return {"steps": steps, "tokens_per_step": round(tokens / max(steps, 1), 4),

@@ -4,7 +4,7 @@ The heads are then trained on the backbone's own answers, so that they learn to 
 backbone will say (their acceptance at decoding time), not what some other model said.
 
 Generation is *continuously batched* through the library's one batching decoder
-(`medusa_jax.decoding.generate.generate_batch`, plain decoding, no heads): B rows of one KV cache,
+(`medusa_jax.engine.generate.generate_batch`, plain decoding, no heads): B rows of one KV cache,
 and when a row finishes (EOS or ``max_new_tokens``) the next prompt is prefilled into it, so no row
 idles while others are still generating. Per-row cache lengths make this exact: each row's tokens
 equal single-prompt greedy decoding.
@@ -37,7 +37,7 @@ from tqdm import tqdm
 from medusa_jax.chat import apply_chat_template
 from medusa_jax.convert.load import load_model
 from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.decoding.generate import generate_batch
+from medusa_jax.engine.generate import generate_batch
 
 #: File-name fragments of evaluation sets that must never be trained on.
 EVAL_SET_MARKERS = ("mt_bench", "mt-bench", "spec-bench", "spec_bench", "specbench")
@@ -158,7 +158,7 @@ def generate_samples(cfg, params, prompts: Iterable[Tuple[str, Sequence[int]]], 
                      progress: bool = True) -> dict:
     """Answer tokenized prompts with continuous batching; append to ``out_dir/samples.jsonl``.
 
-    The answers are plain decoding's (no heads) through `medusa_jax.decoding.generate.generate_batch`,
+    The answers are plain decoding's (no heads) through `medusa_jax.engine.generate.generate_batch`,
     which reads the prompts lazily: a prompt is taken only when a row is free and every answer
     before it was written, so the token target is checked against all the answers so far.
 

@@ -145,7 +145,7 @@ def choose_tree(ranks: np.ndarray, cost: Dict[int, float], topk: int = 10, chats
 
 def dynamic_rows(accepted: Dict[int, np.ndarray], cost: Dict[int, float], width: int, chats: Sequence,
                  sources: np.ndarray, accepted_lookup: Optional[Dict[int, np.ndarray]] = None) -> List[dict]:
-    """`choose_tree`'s rows for trees chosen per step (`decoding.dynamic`, ``dynamic:T:W``).
+    """`choose_tree`'s rows for trees chosen per step (`drafts.dynamic`, ``dynamic:T:W``).
 
     Args:
       accepted: {T: [P] candidates the dynamic tree of T nodes accepts at each held-out position}

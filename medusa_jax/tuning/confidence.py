@@ -1,5 +1,5 @@
 """How often a drafted node is accepted, as a function of its head's probability, measured on held-out
-chats: the scores a tree chosen per step ranks its nodes by (`decoding.dynamic`, ``DynamicSpec.confidence``).
+chats: the scores a tree chosen per step ranks its nodes by (`drafts.dynamic`, ``DynamicSpec.confidence``).
 
 A dynamic tree keeps the T - 1 nodes with the highest probability of being accepted. A node is
 accepted when its parent is and its own token is the target's next one, so that probability is the
@@ -75,7 +75,7 @@ def fit_lookup_confidence(chats: Sequence[Tuple[np.ndarray, np.ndarray]], source
     """Per depth, the log-probability that prompt lookup's copied token is accepted once its parent
     is (``DynamicSpec.lookup_confidence``), on the held-out chats' answers: row 0 for the latest
     match's chain; with several matches, row 1 for the other chains' tokens whose path differs from
-    every earlier chain's (the nodes `decoding.dynamic.add_chain_tokens` adds for them).
+    every earlier chain's (the nodes `drafts.dynamic.add_chain_tokens` adds for them).
 
     Args:
       chats: (token ids [L], loss mask [L]) pairs; sources: [P, 2] (chat, t) of the positions.

@@ -19,10 +19,11 @@ from tqdm import tqdm
 from medusa_jax import kernels
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.compile import aot
-from medusa_jax.decoding.draft import draft_tokens
+from medusa_jax.drafts.heads import draft_tokens
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.state import DecodeState
 from medusa_jax.decoding.step import medusa_step
+from medusa_jax.drafts import drafter_for
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import prepare_heads
@@ -37,7 +38,7 @@ def run_steps(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuf
                params, head_params, state: DecodeState) -> DecodeState:
     """`n` Medusa (or plain, with `PLAIN_TREE`) greedy steps in one on-device loop."""
     def body(_, st):
-        return medusa_step(cfg, heads_cfg, tree, Acceptance(), params, head_params, st)[1]
+        return medusa_step(cfg, heads_cfg, drafter_for(tree), Acceptance(), params, head_params, st)[1]
     return jax.lax.fori_loop(0, n, body, state)
 
 
@@ -59,7 +60,7 @@ def _run_forwards(cfg: ModelConfig, tree: TreeBuffers, n: int, params, state: De
 def _run_heads(cfg: ModelConfig, heads_cfg: MedusaConfig, depth: int, tree: Optional[TreeBuffers], n: int, params,
                head_params, state: DecodeState) -> jax.Array:
     """`n` head proposals alone (blocks, vocabulary projection, top-k); with `tree` the whole draft
-    (`decoding.draft.draft_tokens`: hydra heads run depth by depth on it)."""
+    (`drafts.heads.draft_tokens`: hydra heads run depth by depth on it)."""
     lm = lm_head_matrix(cfg, params)
     root = kernels.argmax(state.logits)
 
@@ -126,7 +127,7 @@ def heads_seconds(cfg: ModelConfig, params, heads: Tuple[MedusaConfig, dict], de
     """Seconds per proposal of the first `depth` heads alone (blocks, vocabulary projection, top-k
     at ``state.hidden`` [B, D]), with `heads` as given: pass them through `heads.medusa.prepare_heads`
     first to time them as decoding runs them (`overhead_breakdown` does). With `tree`, the whole
-    draft on that tree instead (`decoding.draft.draft_tokens`; needed for hydra heads, whose work depends
+    draft on that tree instead (`drafts.heads.draft_tokens`; needed for hydra heads, whose work depends
     on the tree). Raises ValueError for hydra heads without a tree."""
     heads_cfg, head_params = heads
     if tree is None and heads_cfg.head_type == "hydra":

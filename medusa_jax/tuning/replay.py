@@ -11,7 +11,7 @@ position, the rank of the true token among the head's proposals (`path_ranks`), 
 - the exact accepted length of any tree at every position (`tree_accepted`), where Medusa Sec.
   3.3.1 multiplies per-head accuracies as if the heads erred independently;
 - decoding itself, step by step (`Replay`), with prompt lookup choosing its draft from the
-  context as `medusa_jax.decoding.lookup.ngram_draft` does: the tokens per step of the shipped decoding,
+  context as `medusa_jax.drafts.lookup.ngram_draft` does: the tokens per step of the shipped decoding,
   not only of the heads;
 - trees grown node by node for the fewest decoding steps (`search_tree`).
 
@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
-from medusa_jax.decoding.dynamic import draft_tree
+from medusa_jax.drafts.dynamic import draft_tree
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.heads.topk import head_topk
 from medusa_jax.train.data import plain_positions, position_batches
@@ -106,7 +106,7 @@ def path_ranks(heads_cfg, head_params, base_lm_head, pos, topk: int, embeddings=
 
 def dynamic_accepted(heads_cfg, head_params, base_lm_head, pos, tree, embeddings=None,
                      batch: int = 512, lookup_drafts: Optional[Tuple[np.ndarray, ...]] = None) -> np.ndarray:
-    """What a tree chosen per step (``tree.dynamic``, `decoding.dynamic`) accepts at every position,
+    """What a tree chosen per step (``tree.dynamic``, `drafts.dynamic`) accepts at every position,
     exactly: the tree the heads draft there (its root the true token t+1, which greedy decoding of
     the self-distilled answer emits) and the longest of its paths whose tokens are the answer's next
     ones. Unlike a static tree's, this depends on the heads' whole proposal distributions, not only
@@ -139,7 +139,7 @@ def lookup_drafts(chats: Sequence[Tuple[np.ndarray, np.ndarray]], sources: np.nd
     """Prompt lookup's drafts at every source position (chat i, t: the context is the chat's tokens
     up to the root t+1), as decoding finds them (`lookup_match`).
     Returns: (copied [P, m, k] int32, filler where none; found [P, m] bool; ngram [P] int32, the n
-    of the n-gram matched, 0 where none), m = ``lookup.matches``, as `decoding.lookup.ngram_drafts`."""
+    of the n-gram matched, 0 where none), m = ``lookup.matches``, as `drafts.lookup.ngram_drafts`."""
     src = np.asarray(sources).reshape(-1, 2)
     copied = np.zeros((len(src), lookup.matches, lookup.num_tokens), np.int32)
     found = np.zeros((len(src), lookup.matches), bool)
@@ -233,7 +233,7 @@ def lookup_draft(context: np.ndarray, lookup: PromptLookup) -> Optional[np.ndarr
 
 def lookup_matches(context: np.ndarray, lookup: PromptLookup) -> List[np.ndarray]:
     """The prompt-lookup drafts after `context` (its last token is the step's root), exactly as
-    `decoding.lookup.ngram_drafts` computes them on the device: for the ``matches`` latest earlier
+    `drafts.lookup.ngram_drafts` computes them on the device: for the ``matches`` latest earlier
     occurrences of the longest n-gram that occurred, latest first, the `num_tokens` tokens after it
     (continued periodically past the end); [] when none did."""
     return lookup_match(context, lookup)[0]
@@ -241,7 +241,7 @@ def lookup_matches(context: np.ndarray, lookup: PromptLookup) -> List[np.ndarray
 
 def lookup_match(context: np.ndarray, lookup: PromptLookup) -> Tuple[List[np.ndarray], int]:
     """`lookup_matches`' drafts and the n of the n-gram they follow (0 when none occurred), as
-    `decoding.lookup.ngram_drafts` returns it."""
+    `drafts.lookup.ngram_drafts` returns it."""
     ctx = np.asarray(context)
     L = len(ctx) - 1
     for n in range(lookup.max_ngram, lookup.min_ngram - 1, -1):
@@ -268,7 +268,7 @@ class Replay:
     Each answer (a run of the loss mask) is decoded from the token before it: a step whose last
     accepted token is t emits its root t+1 and the draft's accepted tokens, and the next step
     starts after them. The draft is the heads' tree, or with `lookup` the prompt-lookup chain when
-    the context up to the root repeats an earlier n-gram (as decoding chooses, `decoding.lookup.ngram_draft`);
+    the context up to the root repeats an earlier n-gram (as decoding chooses, `drafts.lookup.ngram_draft`);
     what a copy accepts does not depend on the tree, so it is found once, here.
 
     Args:

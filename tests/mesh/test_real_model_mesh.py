@@ -6,7 +6,7 @@ import json
 import pytest
 
 from medusa_jax.chat import apply_chat_template
-from medusa_jax.decoding.generate import generate
+from medusa_jax.engine.generate import generate
 from medusa_jax.evals import lossless
 
 pytestmark = pytest.mark.real_model

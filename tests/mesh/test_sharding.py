@@ -21,7 +21,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from medusa_jax import sharding
-from medusa_jax.decoding.generate import generate, generate_batch, generate_device
+from medusa_jax.engine.generate import generate, generate_batch, generate_device
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.tree import build_tree
 from medusa_jax.evals.lossless import compare

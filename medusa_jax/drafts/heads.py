@@ -1,15 +1,18 @@
-"""The draft: candidate tokens placed on the tree's nodes by Medusa heads (one top-k per head) or
-Hydra heads (one top-k per parent, depth by depth; Ankner et al. 2024, Sec. 3)."""
+"""The heads' draft on a static tree: candidate tokens placed on the tree's nodes by Medusa heads
+(one top-k per head; Cai et al. 2024, Sec. 2.1.1) or Hydra heads (one top-k per parent, depth by
+depth; Ankner et al. 2024, Sec. 3), and `HeadsDrafter`, the drafter of a static tree."""
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from medusa_jax import kernels
+from medusa_jax.decoding.proposal import DraftInputs, Drafter, Proposal
 from medusa_jax.decoding.state import DecodeState
-from medusa_jax.decoding.tree import TreeBuffers
+from medusa_jax.decoding.tree import TreeBuffers, check_depth
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.hydra import head_state, token_embeddings
 from medusa_jax.heads.topk import head_topk, states_topk
@@ -90,3 +93,28 @@ def draft_tokens(cfg: ModelConfig, heads_cfg: MedusaConfig, head_params, params,
         return hydra_candidates(heads_cfg, head_params, state.hidden, root, token_embeddings(params), lm, tree)
     head_tokens = propose_candidates(heads_cfg, head_params, state, lm, tree.max_depth, tree.topk)
     return tree_candidates(root, head_tokens, tree)
+
+
+@dataclass(frozen=True)
+class HeadsDrafter(Drafter):
+    """The heads' candidates on a static tree (`draft_tokens`); the trivial tree (T = 1, no heads
+    needed) proposes the root alone, which makes the step one plain decoding step.
+
+    Raises ValueError (at trace time) for a tree deeper than the root without heads, or deeper than
+    the heads (`decoding.tree.check_depth`)."""
+
+    @property
+    def compact(self) -> bool:
+        """Whether the accepted path's K/V move: False for a chain (its accepted prefix is in place)."""
+        return self.tree.size > self.tree.max_depth + 1
+
+    def propose(self, x: DraftInputs) -> Proposal:
+        D = self.tree.max_depth
+        if D == 0:
+            return Proposal(self.tree, x.root[:, None], self.compact)
+        if x.heads_cfg is None:
+            raise ValueError("a tree deeper than the root needs Medusa heads")
+        check_depth(D, x.heads_cfg.num_heads)
+        tokens = draft_tokens(x.cfg, x.heads_cfg, x.head_params, x.params, x.state, x.root, self.tree)
+        return Proposal(self.tree, tokens, self.compact)
+

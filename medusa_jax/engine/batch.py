@@ -12,11 +12,12 @@ import jax.numpy as jnp
 
 from medusa_jax import sharding
 from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.decoding.loop import put_row
+from medusa_jax.engine.loop import put_row
 from medusa_jax.decoding.processors import LogitsProcessors
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.step import medusa_step
 from medusa_jax.decoding.tree import TreeBuffers
+from medusa_jax.drafts import drafter_for
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, grow_cache, init_cache
@@ -31,7 +32,7 @@ def engine_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeB
     free row computes, but never grows out of its cache); `logprobs` and `procs` (the rows' logit
     bias, penalties and min_p, or None) as there (logprobs None: off, N: the emitted tokens'
     log-probabilities with N alternatives each). The state is donated."""
-    out, st = medusa_step(cfg, heads_cfg, tree, acc, params, head_params, state, logprobs, procs)
+    out, st = medusa_step(cfg, heads_cfg, drafter_for(tree), acc, params, head_params, state, logprobs, procs)
     lengths = jnp.where(live, st.cache.lengths, 0)
     return out, constrain_state(st.replace(cache=st.cache.replace(lengths=lengths)))
 

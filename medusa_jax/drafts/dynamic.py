@@ -1,4 +1,5 @@
-"""A draft tree chosen per step at a fixed node budget (`decoding.tree.dynamic_tree`, ``"dynamic:T"``).
+"""A draft tree chosen per step at a fixed node budget (`decoding.tree.dynamic_tree`, ``"dynamic:T"``;
+its drafter: `DynamicDrafter`).
 
 Every step, the heads propose top-k tokens depth by depth and the T - 1 candidates with the highest
 cumulative draft log-probability (the sum of the head log-probabilities along the node's path)
@@ -28,6 +29,7 @@ random numbers, exact acceptance stays exact.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
 
 import jax
@@ -35,6 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from medusa_jax import kernels
+from medusa_jax.decoding.processors import draft_adjuster
+from medusa_jax.decoding.proposal import DraftInputs, Drafter, Proposal
 from medusa_jax.decoding.state import DecodeState
 from medusa_jax.decoding.tree import TreeBuffers
 from medusa_jax.decoding.tree_arrays import TreeArrays
@@ -42,6 +46,7 @@ from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.hydra import head_state, token_embeddings
 from medusa_jax.heads.topk import head_topk, states_topk
 from medusa_jax.models.config import ModelConfig
+from medusa_jax.drafts.lookup import ngram_drafts
 from medusa_jax.models.llama import lm_head_matrix
 
 #: Nats each depth costs on top of its head's log-probability: a child always scores strictly below
@@ -135,7 +140,7 @@ def draft_tree(heads_cfg: MedusaConfig, head_params, base_lm_head: jax.Array, em
       root: [B] int32 the root token (the next token after that position).
       tree: a dynamic tree (``tree.dynamic`` set: `decoding.tree.dynamic_tree`).
       lookup_draft: (copied [B, m, k] int32, found [B, m] bool, ngram [B] int32) from
-        `decoding.lookup.ngram_drafts` (without ngram, every copy scores by `lookup_confidence`), or None.
+        `drafts.lookup.ngram_drafts` (without ngram, every copy scores by `lookup_confidence`), or None.
       adjust: None, or a change to the heads' logits before their top-k (`heads.topk.states_topk`).
     Returns:
       (TreeArrays with a row axis, tokens [B, T] int32), as `select_tree`, paths as deep as
@@ -252,7 +257,7 @@ def add_chain_tokens(tokens: jax.Array, scores: jax.Array, parents: jax.Array, o
       chain_node, chain_score: [B, m] int32 / float32 each chain's node at the depth above (a global
         index, -1 for the root) and its score.
       next_tokens: [B, m] int32 each chain's token at this depth; found: [B, m] bool whether the chain
-        exists (`decoding.lookup.ngram_drafts`, latest match first).
+        exists (`drafts.lookup.ngram_drafts`, latest match first).
       rates: [B, m] (or [m]) float32 log-probabilities <= 0, each chain's at this depth
         (`DynamicSpec.lookup_rate_table`).
     Returns: (tokens, scores, parents) [B, n + m], chain c's own slot at n + c (-1e30 where it is
@@ -280,3 +285,22 @@ def add_chain_tokens(tokens: jax.Array, scores: jax.Array, parents: jax.Array, o
         nodes.append(offset + target)
         node_scores.append(raised)
     return tokens, scores, parents, jnp.stack(nodes, axis=1), jnp.stack(node_scores, axis=1)
+
+
+@dataclass(frozen=True)
+class DynamicDrafter(Drafter):
+    """A tree chosen per step (``tree.dynamic``): `dynamic_draft` from the heads' proposals, whose
+    heads draft from their logits with the rows' bias and penalties (`decoding.processors.draft_adjuster`);
+    with prompt lookup (``tree.lookup``), the copied chains (one per match, `drafts.lookup.ngram_drafts`)
+    are more branches of it, competing with the heads' nodes for its T slots (`add_chain_tokens`)."""
+
+    def propose(self, x: DraftInputs) -> Proposal:
+        tree = self.tree
+        drafts = None
+        if tree.lookup is not None:
+            # [B, m, k] copies, [B, m] found, [B] n-gram sizes
+            drafts = ngram_drafts(x.state.cache.tokens, x.state.cache.lengths, x.root, tree.lookup)
+        arrays, tokens = dynamic_draft(x.cfg, x.heads_cfg, x.head_params, x.params, x.state, x.root, tree, drafts,
+                                       draft_adjuster(x.procs, x.state))
+        return Proposal(arrays, tokens, True)
+

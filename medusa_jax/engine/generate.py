@@ -21,8 +21,8 @@ import numpy as np
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import as_int, check_generation_args
 from medusa_jax.decoding.compile import aot
-from medusa_jax.decoding.engine import Engine
-from medusa_jax.decoding.loop import generate_jit, grow_carry, init_carry
+from medusa_jax.engine.engine import Engine
+from medusa_jax.engine.loop import generate_jit, grow_carry, init_carry
 from medusa_jax.decoding.prefill import bucket, cache_size_for, progress_bar, start_state
 from medusa_jax.decoding.requests import PENALTY_FIELDS, Finished, Request
 from medusa_jax.decoding.sampling import prompt_seed, row_seeds
@@ -58,13 +58,6 @@ class GenerationResult:
     @property
     def tokens_per_s(self) -> float:
         return len(self.tokens) / self.decode_s if self.decode_s > 0 else 0.0
-
-
-def _cut_at_eos(chunk: List[int], eos: Sequence[int]) -> Tuple[List[int], bool]:
-    for i, t in enumerate(chunk):
-        if t in eos:
-            return chunk[:i + 1], True
-    return chunk, False
 
 
 
@@ -285,12 +278,6 @@ class BatchStats(NamedTuple):
     cache_sizes: Tuple[int, ...]
 
 
-def _stop_reason(tokens: List[int], eos: Tuple[int, ...], max_new_tokens: int) -> str:
-    if tokens and tokens[-1] in eos:
-        return "eos"
-    return "max_new_tokens" if len(tokens) >= max_new_tokens else "cache_full"
-
-
 def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *, batch_size: int = 8,
                    max_new_tokens: int = 256, heads: Optional[Tuple[MedusaConfig, dict]] = None,
                    tree: Optional[TreeBuffers] = None, acceptance: Acceptance = Acceptance(),
@@ -302,7 +289,7 @@ def generate_batch(cfg: ModelConfig, params, prompts: Iterable[Sequence[int]], *
                    bad_words: Optional[Sequence[Sequence[int]]] = None,
                    ) -> Generator[Tuple[int, GenerationResult], None, BatchStats]:
     """Decode many prompts, `batch_size` rows at a time, a finished row taking the next prompt
-    (continuous batching), through the step-level engine (`decoding.engine.Engine`).
+    (continuous batching), through the step-level engine (`engine.engine.Engine`).
 
     Every row accepts its own number of tokens per step, and a row's answer does not depend on the
     batch it ran in: greedy rows are plain greedy's (up to float32 round-off), sampled rows are plain

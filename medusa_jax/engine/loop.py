@@ -1,6 +1,6 @@
 """The on-device decoding loop: one segment of whole generation in a `lax.while_loop`, with no host
 sync per step, over a named loop carry (`LoopCarry`, a pytree as gemma's ``SamplingState``); rows
-replaced and the cache grown between segments (`decoding.generate.generate_device`, `decoding.generate.generate_batch`)."""
+replaced and the cache grown between segments (`engine.generate.generate_device`, `engine.generate.generate_batch`)."""
 from __future__ import annotations
 
 import functools
@@ -13,6 +13,7 @@ from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
 from medusa_jax.decoding.step import medusa_step
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
+from medusa_jax.drafts import drafter_for
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, grow_cache
@@ -68,12 +69,12 @@ def generate_jit(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tree
     step_limit, done_limit = limits[0], limits[1]
 
     def plain(st):
-        o, s = medusa_step(cfg, None, PLAIN_TREE, acc, params, None, st)
+        o, s = medusa_step(cfg, None, drafter_for(PLAIN_TREE), acc, params, None, st)
         toks = jnp.pad(o.tokens, ((0, 0), (0, width - 1)))
         return StepOutput(toks, o.num_tokens), s
 
     def full(st):
-        return medusa_step(cfg, heads_cfg, tree, acc, params, head_params, st)
+        return medusa_step(cfg, heads_cfg, drafter_for(tree), acc, params, head_params, st)
 
     # one kind of step per segment: a lax.cond choosing between the tree step and a plain one made
     # XLA copy the KV cache every step (docs/performance.md); the host runs the plain tail apart
@@ -128,14 +129,6 @@ def put_row(state: DecodeState, row: DecodeState, b: jax.Array) -> DecodeState:
                        cache=cache, key=state.key.at[b].set(row.key[0]),
                        temperature=state.temperature.at[b].set(row.temperature[0]),
                        top_p=state.top_p.at[b].set(row.top_p[0]), top_k=state.top_k.at[b].set(row.top_k[0]))
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def insert_row(carry: LoopCarry, row: DecodeState, b: jax.Array) -> LoopCarry:
-    """`carry` with row b replaced by the B = 1 prefilled `row` (`put_row`), nothing emitted yet.
-    Jitted, the carry donated (updated in place); b: () int32."""
-    return carry._replace(state=constrain_state(put_row(carry.state, row, b)), count=carry.count.at[b].set(0),
-                          done=carry.done.at[b].set(False), row_steps=carry.row_steps.at[b].set(0))
 
 
 def grow_carry(carry: LoopCarry, size: int) -> LoopCarry:
