@@ -29,14 +29,15 @@ def trace(m, ids, heads, tree, n: int):
     from medusa_jax.decoding.compile import aot
     from medusa_jax.decoding.setup import decoding_setup
     from medusa_jax.decoding.prefill import cache_size_for, start_state
-    from medusa_jax.decoding.step import step
+    from medusa_jax.decoding.step import StepConfig, step
+    from medusa_jax.drafts import drafter_for
 
     params, hc, hp, tr = decoding_setup(m.cfg, m.params, heads, tree if heads else None)
     S = cache_size_for(m.cfg, len(ids), n, tr.size)
     st = start_state(m.cfg, params, [ids], S, 0, progress=False)
     logits, toks = {len(ids): np.asarray(st.logits[0])}, []
     while len(toks) < n:
-        out, st = aot(step, (m.cfg, hc, tr, mj.Acceptance()), (params, hp, st))(params, hp, st)
+        out, st = aot(step, (StepConfig(m.cfg, hc, drafter_for(tr), mj.Acceptance()),), (params, hp, st))(params, hp, st)
         toks += [int(t) for t in out.tokens[0, :int(out.num_tokens[0])]]
         logits[len(ids) + len(toks)] = np.asarray(st.logits[0])
     return toks, logits

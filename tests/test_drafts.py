@@ -15,7 +15,7 @@ from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.lookup import PromptLookup
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.proposal import DraftInputs, Drafter, Proposal
-from medusa_jax.decoding.step import step
+from medusa_jax.decoding.step import StepConfig, step
 from medusa_jax.decoding.tree import PLAIN_TREE, build_tree, chain_tree, dynamic_tree, with_lookup
 from medusa_jax.drafts import DynamicDrafter, HeadsDrafter, LookupDrafter, drafter_for
 
@@ -46,7 +46,7 @@ def _decode(cfg, params, drafter: Drafter, steps: int = STEPS):
     state = start_state(cfg, params, [PROMPT], 64, progress=False)
     out_tokens, per_step = [], []
     for _ in range(steps):
-        out, state = step(cfg, None, drafter, Acceptance(), params, None, state)
+        out, state = step(StepConfig(cfg, None, drafter, Acceptance()), params, None, state)
         n = int(out.num_tokens[0])
         out_tokens += [int(t) for t in np.asarray(out.tokens[0, :n])]
         per_step.append(n)

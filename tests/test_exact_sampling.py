@@ -102,7 +102,7 @@ def patched_samples(cfg, params, heads, tree, acc, seed=0) -> np.ndarray:
     p, hcfg, hp, tr = decoding_setup(cfg, params, heads, tree)
     state = start_state(cfg, p, [PROMPT] * N, 32, seed, progress=False, temperature=acc.temperature,
                         top_p=acc.top_p, top_k=acc.top_k)
-    step = jax.jit(functools.partial(step_module.medusa_step, cfg, hcfg, drafter_for(tr), acc))
+    step = jax.jit(functools.partial(step_module.medusa_step, step_module.StepConfig(cfg, hcfg, drafter_for(tr), acc)))
     out = [[] for _ in range(N)]
     while min(len(o) for o in out) < 3:
         o, state = step(p, hp, state)

@@ -218,6 +218,8 @@ def test_the_decoding_loop_never_copies_the_kv_cache(tiny, lookup):
     import re
 
     from medusa_jax.decoding.setup import decoding_setup
+    from medusa_jax.decoding.step import StepConfig
+    from medusa_jax.drafts import drafter_for
     from medusa_jax.engine.loop import generate_jit, init_carry
 
     cfg, params, hcfg, hp = tiny
@@ -226,7 +228,7 @@ def test_the_decoding_loop_never_copies_the_kv_cache(tiny, lookup):
     state = start_state(cfg, p, [PROMPTS[0]], 64, progress=False)
     carry = init_carry(state, 16, tr.max_accepted)
     args = (p, hpp, carry, jnp.bool_(True), jnp.asarray([16, 2], jnp.int32))
-    hlo = generate_jit.lower(cfg, hc, tr, Acceptance(), 16, (), False, *args).compile().as_text()
+    hlo = generate_jit.lower(StepConfig(cfg, hc, drafter_for(tr), Acceptance()), 16, (), False, *args).compile().as_text()
     shape = "f32[" + ",".join(str(d) for d in state.cache.k.shape) + "]"
     assert shape in hlo  # the loop carries the cache: the pattern below can match
     copies = [line for line in hlo.splitlines() if re.search(re.escape(shape) + r"\S* copy\(", line)]

@@ -138,7 +138,7 @@ def test_rope_tables_are_computed_once_per_forward():
 
     from medusa_jax.decoding.acceptance import Acceptance
     from medusa_jax.decoding.prefill import start_state
-    from medusa_jax.decoding.step import medusa_step
+    from medusa_jax.decoding.step import StepConfig, medusa_step
     from medusa_jax.decoding.tree import PLAIN_TREE
     from medusa_jax.drafts import drafter_for
 
@@ -147,7 +147,7 @@ def test_rope_tables_are_computed_once_per_forward():
     params = LlamaModel(cfg).init(jax.random.PRNGKey(0), jnp.zeros((1, 4), jnp.int32),
                                   jnp.zeros((1, 4), jnp.int32))["params"]
     state = start_state(cfg, params, [[1, 2, 3]], 32, progress=False)
-    step = jax.jit(lambda p, s: medusa_step(cfg, None, drafter_for(PLAIN_TREE), Acceptance(), p, None, s))
+    step = jax.jit(lambda p, s: medusa_step(StepConfig(cfg, None, drafter_for(PLAIN_TREE), Acceptance()), p, None, s))
     hlo = step.lower(params, state).compile().as_text()
     ops = [line for line in hlo.splitlines() if " cosine(" in line]
     assert 1 <= len(ops) <= 2, ops[:4]

@@ -24,7 +24,7 @@ from medusa_jax.convert.hf import params_from_hf_tensors
 from medusa_jax.decoding.tree import PLAIN_TREE
 from medusa_jax.decoding.prefill import cache_size_for, start_state
 from medusa_jax.engine.generate import generate, generate_batch, generate_device
-from medusa_jax.decoding.step import step
+from medusa_jax.decoding.step import StepConfig, step
 from medusa_jax.drafts import drafter_for
 from medusa_jax.convert.load import load_model
 from medusa_jax.models.layout import decoding_params
@@ -93,7 +93,7 @@ def decoding_path_logits(cfg, params, prompt, n):
     state = start_state(cfg, params, [prompt], cache_size_for(cfg, len(prompt), n), progress=False)
     logits, tokens = [np.asarray(state.logits[0])], []
     for _ in range(n):
-        out, state = step(cfg, None, drafter_for(PLAIN_TREE), Acceptance(), params, None, state)
+        out, state = step(StepConfig(cfg, None, drafter_for(PLAIN_TREE), Acceptance()), params, None, state)
         assert int(out.num_tokens[0]) == 1
         tokens.append(int(out.tokens[0, 0]))
         logits.append(np.asarray(state.logits[0]))

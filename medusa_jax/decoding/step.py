@@ -9,7 +9,8 @@ Differences from the reference, all for speed: the heads run only on the last ac
 (not on every tree node), the posterior reads only the argmax (greedy) or the candidate's
 probability (typical) instead of copying full-vocabulary logits per path, and the accepted nodes'
 K/V are moved with one fixed-size gather/scatter. Everything here is jit-compatible with static
-shapes; the drafter (`decoding.proposal.Drafter`, holding its tree) is a static argument.
+shapes; `StepConfig` (the backbone's and heads' configs, the drafter holding its tree, the
+acceptance rule) is the one static argument.
 
 Hydra heads (Ankner et al. 2024, "Hydra", Sec. 3; `medusa_jax.heads.hydra`) draft per parent instead of
 per head: head d runs on every depth-d node that has children, reading that node's own path
@@ -24,6 +25,7 @@ is distributed exactly as plain sampling at the same temperature and top-p (`eva
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass, replace
 from typing import Optional, Tuple
 
 import jax
@@ -64,6 +66,28 @@ def compact_cache(cache: KVCache, path_nodes: jax.Array, start: jax.Array, new_l
     return KVCache(k=k, v=v, lengths=new_lengths, tokens=tokens)
 
 
+@dataclass(frozen=True)
+class StepConfig:
+    """Everything a compiled step is specialised on: the one static argument of the jitted steps
+    (hashable; equal configs share a compilation), in place of positional statics.
+
+    cfg: the backbone's config; heads_cfg: the draft heads' (None without heads);
+    drafter: what the step verifies (`decoding.proposal.Drafter`, holding its tree;
+      `medusa_jax.drafts.drafter_for(tree)` makes it); acc: the acceptance rule and its compile
+      flags (`decoding.acceptance.Acceptance`); logprobs: the alternatives computed per emitted
+      token (None: no log-probabilities).
+    """
+    cfg: ModelConfig
+    heads_cfg: Optional[MedusaConfig]
+    drafter: Drafter
+    acc: Acceptance
+    logprobs: Optional[int] = None
+
+    def with_drafter(self, drafter: Drafter, heads: bool = True) -> "StepConfig":
+        """This config with another drafter (``heads`` False: and no heads, as plain decoding's)."""
+        return replace(self, drafter=drafter, heads_cfg=self.heads_cfg if heads else None)
+
+
 def step_root(acc: Acceptance, state: DecodeState, procs: Optional[LogitsProcessors] = None) -> jax.Array:
     """[B] int32, the root token `medusa_step` decodes from `state`: each row's choice from
     ``state.logits`` (processed by `procs`: `decoding.processors`) at its position ``cache.lengths``
@@ -72,10 +96,9 @@ def step_root(acc: Acceptance, state: DecodeState, procs: Optional[LogitsProcess
                          sampled=acc.mode != "greedy", nucleus=acc.filters, top_k=state.top_k)
 
 
-def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], drafter: Drafter, acc: Acceptance,
-                params, head_params, state: DecodeState, logprobs: Optional[int] = None,
+def medusa_step(config: StepConfig, params, head_params, state: DecodeState,
                 procs: Optional[LogitsProcessors] = None) -> Tuple[StepOutput, DecodeState]:
-    """One speculative decoding step (pure; jit it with cfg, heads_cfg, drafter and acc static).
+    """One speculative decoding step (pure; jit it with `config`, a `StepConfig`, static).
 
     1. Root token: the argmax, or a sample at the row's temperature and top-p, of ``state.logits``
        (`step_root`).
@@ -91,7 +114,7 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], drafter: Dr
     sampling would (a drafter's tokens never depend on the target's random numbers). With the
     trivial tree (T = 1) this is exactly one plain decoding step and the heads are not run.
 
-    With `logprobs` N (static; None: off) the output also holds the emitted tokens' log-probabilities
+    With ``config.logprobs`` N (None: off) the output also holds the emitted tokens' log-probabilities
     and their N most likely alternatives (`decoding.logprobs.emitted_logprobs`). With `procs` (the
     rows' logit bias, penalties and min_p: `decoding.processors.LogitsProcessors`) every token is
     chosen from the processed logits, the root's and each tree node's alike (a node's penalties
@@ -103,9 +126,11 @@ def medusa_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], drafter: Dr
     DecodeState). Raises ValueError (at trace time) when the drafter cannot draft its tree (e.g. a
     tree deeper than the heads).
     """
-    root = step_root(acc, state, procs)
-    p = drafter.propose(DraftInputs(cfg, heads_cfg, head_params, params, state, root, procs))
-    return _verify_tree(cfg, p.tree, p.compact, acc, params, state, p.tokens, drafter.max_accepted + 1, logprobs, procs)
+    c = config
+    root = step_root(c.acc, state, procs)
+    p = c.drafter.propose(DraftInputs(c.cfg, c.heads_cfg, head_params, params, state, root, procs))
+    return _verify_tree(c.cfg, p.tree, p.compact, c.acc, params, state, p.tokens, c.drafter.max_accepted + 1,
+                        c.logprobs, procs)
 
 
 def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params, state: DecodeState,
@@ -148,10 +173,9 @@ def _verify_tree(cfg: ModelConfig, tree, compact: bool, acc: Acceptance, params,
     return StepOutput(tokens=tokens, num_tokens=acc_len + 1, logprobs=lp), new_state
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("state",))
-def step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], drafter: Drafter, acc: Acceptance, params,
-         head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("state",))
+def step(config: StepConfig, params, head_params, state: DecodeState) -> Tuple[StepOutput, DecodeState]:
     """Jitted `medusa_step` (same arguments, the state donated); on a device mesh the output state
     keeps the input state's layout (`state.constrain_state`)."""
-    out, st = medusa_step(cfg, heads_cfg, drafter, acc, params, head_params, state)
+    out, st = medusa_step(config, params, head_params, state)
     return out, constrain_state(st)

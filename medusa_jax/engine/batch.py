@@ -11,28 +11,23 @@ import jax
 import jax.numpy as jnp
 
 from medusa_jax import sharding
-from medusa_jax.decoding.acceptance import Acceptance
-from medusa_jax.engine.loop import put_row
 from medusa_jax.decoding.processors import LogitsProcessors
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
-from medusa_jax.decoding.step import medusa_step
-from medusa_jax.decoding.tree import TreeBuffers
-from medusa_jax.drafts import drafter_for
-from medusa_jax.heads.config import MedusaConfig
+from medusa_jax.decoding.step import StepConfig, medusa_step
+from medusa_jax.engine.loop import put_row
 from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, grow_cache, init_cache
 from medusa_jax.models.llama import compute_dtype
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4), donate_argnames=("state",))
-def engine_step(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
-                logprobs: Optional[int], params, head_params, state: DecodeState,
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnames=("state",))
+def engine_step(config: StepConfig, params, head_params, state: DecodeState,
                 live: jax.Array, procs: Optional[LogitsProcessors] = None) -> Tuple[StepOutput, DecodeState]:
     """`medusa_step` over the batch, every row that is not `live` ([B] bool) left at length 0 (a
-    free row computes, but never grows out of its cache); `logprobs` and `procs` (the rows' logit
-    bias, penalties and min_p, or None) as there (logprobs None: off, N: the emitted tokens'
-    log-probabilities with N alternatives each). The state is donated."""
-    out, st = medusa_step(cfg, heads_cfg, drafter_for(tree), acc, params, head_params, state, logprobs, procs)
+    free row computes, but never grows out of its cache); `config` (the one static: its ``logprobs``
+    None: off, N: the emitted tokens' log-probabilities with N alternatives each) and `procs` (the
+    rows' logit bias, penalties and min_p, or None) as there. The state is donated."""
+    out, st = medusa_step(config, params, head_params, state, procs)
     lengths = jnp.where(live, st.cache.lengths, 0)
     return out, constrain_state(st.replace(cache=st.cache.replace(lengths=lengths)))
 

@@ -21,13 +21,15 @@ import numpy as np
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.args import as_int, check_generation_args
 from medusa_jax.decoding.compile import aot
-from medusa_jax.engine.engine import Engine
-from medusa_jax.engine.loop import generate_jit, grow_carry, init_carry
 from medusa_jax.decoding.prefill import bucket, cache_size_for, progress_bar, start_state
 from medusa_jax.decoding.requests import PENALTY_FIELDS, Finished, Request
 from medusa_jax.decoding.sampling import prompt_seed, row_seeds
 from medusa_jax.decoding.setup import decoding_setup
+from medusa_jax.decoding.step import StepConfig
 from medusa_jax.decoding.tree import TreeBuffers
+from medusa_jax.drafts import drafter_for
+from medusa_jax.engine.engine import Engine
+from medusa_jax.engine.loop import generate_jit, grow_carry, init_carry
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.models.config import ModelConfig
 
@@ -240,7 +242,7 @@ def generate_device(cfg: ModelConfig, params, prompts: Sequence[Sequence[int]], 
     t0, compile_s = None, 0.0
     while True:
         final = S >= s_max
-        static = (cfg, heads_cfg, tr, acceptance, max_new_tokens, eos, tail)
+        static = (StepConfig(cfg, heads_cfg, drafter_for(tr), acceptance), max_new_tokens, eos, tail)
         args = (params, head_params, carry, jnp.bool_(final), limits)
         tc = time.perf_counter()
         fn = aot(generate_jit, static, args)  # compiled once per tree, cache size and kind, never timed

@@ -4,18 +4,15 @@ replaced and the cache grown between segments (`engine.generate.generate_device`
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple, Optional, Tuple
+from typing import NamedTuple, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.state import DecodeState, StepOutput, constrain_state
-from medusa_jax.decoding.step import medusa_step
-from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
+from medusa_jax.decoding.step import StepConfig, medusa_step
+from medusa_jax.decoding.tree import PLAIN_TREE
 from medusa_jax.drafts import drafter_for
-from medusa_jax.heads.config import MedusaConfig
-from medusa_jax.models.config import ModelConfig
 from medusa_jax.models.kv_cache import KVCache, grow_cache
 
 
@@ -40,14 +37,13 @@ class LoopCarry(NamedTuple):
     row_steps: jax.Array
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4, 5, 6), donate_argnames=("carry",))
-def generate_jit(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuffers, acc: Acceptance,
-                 max_new_tokens: int, eos: Tuple[int, ...], tail: bool, params, head_params, carry: LoopCarry,
-                 final: jax.Array, limits: jax.Array) -> LoopCarry:
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3), donate_argnames=("carry",))
+def generate_jit(config: StepConfig, max_new_tokens: int, eos: Tuple[int, ...], tail: bool, params, head_params,
+                 carry: LoopCarry, final: jax.Array, limits: jax.Array) -> LoopCarry:
     """One segment of whole-generation-on-the-device: a lax.while_loop, no host sync per step.
 
-    Args (static first): cfg, heads_cfg (None for plain), tree (`PLAIN_TREE` for plain), acc,
-      max_new_tokens, eos ids (tuple), tail (True: plain steps only, for the last cache slots where
+    Args (static first): config (`decoding.step.StepConfig`: the configs, the drafter of the tree,
+      `PLAIN_TREE`'s for plain, and the acceptance rule), max_new_tokens, eos ids (tuple), tail (True: plain steps only, for the last cache slots where
       the tree no longer fits); then params, head_params, the loop carry (`LoopCarry`, donated;
       `init_carry`), ``final`` (bool scalar: the cache is at its largest) and ``limits`` [2] int32
       (step_limit, done_limit).
@@ -63,23 +59,23 @@ def generate_jit(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: Tree
     """
     B = carry.state.logits.shape[0]
     S = carry.state.cache.size
-    D = tree.max_accepted
+    D = config.drafter.max_accepted
     width = D + 1
     eos_arr = jnp.asarray(eos if eos else (-1,), jnp.int32)
     step_limit, done_limit = limits[0], limits[1]
 
     def plain(st):
-        o, s = medusa_step(cfg, None, drafter_for(PLAIN_TREE), acc, params, None, st)
+        o, s = medusa_step(config.with_drafter(drafter_for(PLAIN_TREE), heads=False), params, None, st)
         toks = jnp.pad(o.tokens, ((0, 0), (0, width - 1)))
         return StepOutput(toks, o.num_tokens), s
 
     def full(st):
-        return medusa_step(cfg, heads_cfg, drafter_for(tree), acc, params, head_params, st)
+        return medusa_step(config, params, head_params, st)
 
     # one kind of step per segment: a lax.cond choosing between the tree step and a plain one made
     # XLA copy the KV cache every step (docs/performance.md); the host runs the plain tail apart
     plain_only = tail or D == 0
-    room = 1 if plain_only else tree.step_size
+    room = 1 if plain_only else config.drafter.tree.step_size
 
     def fits(st):
         return jnp.all(st.cache.lengths + room <= S)

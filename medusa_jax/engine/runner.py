@@ -17,7 +17,9 @@ from medusa_jax.decoding.compile import aot
 from medusa_jax.decoding.prefix_cache import snapshot
 from medusa_jax.decoding.processors import changes_logits, dense_processors
 from medusa_jax.decoding.state import DecodeState, StepOutput
+from medusa_jax.decoding.step import StepConfig
 from medusa_jax.decoding.tree import TreeBuffers
+from medusa_jax.drafts import drafter_for
 from medusa_jax.engine.batch import empty_batch, engine_step, insert_row, regroup
 from medusa_jax.engine.rows import Row
 from medusa_jax.heads.config import MedusaConfig
@@ -99,7 +101,8 @@ class Runner:
         key = (tree_index, len(rows), self.size, acc, logprobs, None if procs is None else procs.used)
         fn = self._steps.get(key)
         if fn is None:
-            fn = self._steps[key] = self.compiled(engine_step, (self.cfg, self.heads_cfg, tree, acc, logprobs), args)
+            config = StepConfig(self.cfg, self.heads_cfg, drafter_for(tree), acc, logprobs)
+            fn = self._steps[key] = self.compiled(engine_step, (config,), args)
         return fn, args
 
     def run(self, fn, args: tuple) -> StepOutput:

@@ -22,7 +22,7 @@ from medusa_jax.decoding.compile import aot
 from medusa_jax.drafts.heads import draft_tokens
 from medusa_jax.decoding.prefill import start_state
 from medusa_jax.decoding.state import DecodeState
-from medusa_jax.decoding.step import medusa_step
+from medusa_jax.decoding.step import StepConfig, medusa_step
 from medusa_jax.drafts import drafter_for
 from medusa_jax.decoding.tree import PLAIN_TREE, TreeBuffers
 from medusa_jax.heads.config import MedusaConfig
@@ -38,7 +38,7 @@ def run_steps(cfg: ModelConfig, heads_cfg: Optional[MedusaConfig], tree: TreeBuf
                params, head_params, state: DecodeState) -> DecodeState:
     """`n` Medusa (or plain, with `PLAIN_TREE`) greedy steps in one on-device loop."""
     def body(_, st):
-        return medusa_step(cfg, heads_cfg, drafter_for(tree), Acceptance(), params, head_params, st)[1]
+        return medusa_step(StepConfig(cfg, heads_cfg, drafter_for(tree), Acceptance()), params, head_params, st)[1]
     return jax.lax.fori_loop(0, n, body, state)
 
 
