@@ -12,7 +12,7 @@ from typing import Any, List, NamedTuple, Optional, Tuple
 import jax.numpy as jnp
 
 from medusa_jax import sharding
-from medusa_jax.convert.load import WEIGHTS, LoadedModel, check_model_path, load_model
+from medusa_jax.convert.load import DTYPES, WEIGHTS, LoadedModel, check_model_path, load_model
 from medusa_jax.convert.medusa_format import read_heads_config
 from medusa_jax.convert.tuned_layers import (apply_tuned_layers, check_before_load, format_layers, read_tuned_layers,
                                              tuned_layers_path)
@@ -471,17 +471,15 @@ def acceptance_from_args(p, args):
                       method="exact" if args.acceptance == "greedy" else args.acceptance)
 
 
-#: Compute dtypes the tools take (`--dtype`): the params, activations and KV cache are stored and
-#: computed in it; logits stay float32 (`models.llama.LlamaModel`).
-DTYPES = ("float32", "bfloat16", "float16")
-
 #: --weights' default (the choices: `WEIGHTS`, from `convert.load`).
 DEFAULT_WEIGHTS = "as-stored"
 
 
 def add_dtype_arg(p) -> None:
     """The --dtype and --weights flags of decode.py, check, bench, chat, serve and tune (pass
-    ``jnp.dtype(args.dtype)`` and ``args.weights`` to `load_model`)."""
+    ``jnp.dtype(args.dtype)`` and ``args.weights`` to `load_model`); --dtype takes `DTYPES` (from
+    `convert.load`): the params, activations and KV cache are stored and computed in it, logits stay
+    float32 (`models.llama.LlamaModel`)."""
     p.add_argument("--dtype", choices=DTYPES, default="float32",
                    help="compute dtype: params, activations and the KV cache in it, logits in float32 (plain and "
                         "Medusa share it; a tree step's rounding differs from a one-token step's, so in bfloat16 "

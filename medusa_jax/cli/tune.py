@@ -39,7 +39,7 @@ import argparse
 import os
 import shutil
 import sys
-from typing import List, Optional, Sequence
+from typing import Any, List, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -94,9 +94,43 @@ def _table(rows: List[dict], best: Optional[dict]) -> str:
     return "\n".join(lines)
 
 
-@interruptible
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    from medusa_jax import resolve
+class _Calibration(NamedTuple):
+    """What calibrating the heads on the held-out chats gives (`_calibrate`)."""
+    hcfg: Any  # the heads' MedusaConfig, with --proposal-vocab applied
+    hp: dict  # their numpy params, likewise
+    jhp: dict  # their device params with the proposal projection (`with_proposal_projection`)
+    lm: Any  # the backbone's lm_head matrix [D, V]
+    val: list  # the held-out chats
+    chats: list  # those calibrated on
+    pos: Any  # their positions (`train.data.Positions`)
+    sources: Any  # each position's (chat index, t) (`calibration_data`)
+    events: tuple  # `proposal_events`
+    ranks: np.ndarray  # the true token's rank among each head's proposals (`ranks_of`)
+    acc: np.ndarray  # rank accuracies [K, topk]
+    counts: np.ndarray  # positions per head [K]
+
+
+class _Dynamic(NamedTuple):
+    """The dynamic trees to replay and time (`_dynamic_trees`), and what they were fitted with."""
+    trees: dict  # T -> the dynamic tree ({} without --dynamic-width or candidates)
+    confidence: Any  # `fit_confidence`, or None
+    lookup_conf: Any  # `fit_lookup_confidence`, or None
+    by_ngram: Any  # `fit_lookup_ngram_confidence`, or None
+    drafts: Any  # the copies the replay checks (`lookup_drafts`), or None
+    lookup: Any  # a dynamic tree's prompt lookup (`resolve.dynamic_lookup`), or None
+
+
+class _Timing(NamedTuple):
+    """The step costs measured on this device (`_time_steps`)."""
+    by_size: dict  # KV cache slots -> `step_costs` of the static trees
+    dynamic_by_size: dict  # KV cache slots -> {T: c(T)} of the dynamic trees
+    bandwidth: dict  # KV cache slots -> read bandwidth (bytes/s) measured before them, or None
+    weight_bytes: int  # the bytes of weights a plain step streams
+    costs: dict  # {"plain_s": mean seconds, "cost": {T: mean c(T)}} over the cache sizes
+
+
+def _parser() -> argparse.ArgumentParser:
+    """medusa-tune's flags."""
     from medusa_jax.cli import common
     from medusa_jax.cli.common import HelpFormatter
 
@@ -143,7 +177,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     common.add_lookup_arg(p)
     common.add_dtype_arg(p)
-    args = p.parse_args(argv)
+    return p
+
+
+def _checked_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> Tuple[Any, List[int], List[int]]:
+    """The flags' checks (`p.error`, exit 2, on a bad value), and what they give: the static trees'
+    prompt lookup (`resolve.tree_lookup`; None without), the tree sizes T to compare (sorted, each
+    >= 2, the lookup's step size included) and the KV cache sizes to time (sorted, slots)."""
+    from medusa_jax import resolve
+    from medusa_jax.cli import common
+
     if args.dynamic_width < 0:
         p.error(f"--dynamic-width must be >= 0, got {args.dynamic_width}")
     for flag, low in (("max_seq_len", 2), ("max_positions", 0), ("cost_prompt_len", 1), ("steps", 1), ("repeats", 1)):
@@ -159,67 +202,62 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if not sizes:
         p.error(f"--sizes {args.sizes}: no tree of 2 tokens or more to compare with plain decoding")
     cache_sizes = sorted(set(common.int_list(p, "--cost-cache-sizes", args.cost_cache_sizes)))
-    try:
-        out_dir = output_dir(args.heads, args.out, args.update_shipped_heads)  # its checks also for --dry-run
-        out_dir = None if args.dry_run else out_dir
-    except OutputDirError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    if out_dir is not None:  # created now: a path that cannot hold the heads fails before the slow work
-        common.make_out_dir(p, out_dir)
-    if not os.path.isfile(os.path.join(args.data, SAMPLES_FILE)):
-        p.error(f"--data {args.data}: no {SAMPLES_FILE} there; give a self-distillation directory "
-                f"(made by `medusa-distill --out {args.data}`)")
+    return lookup, sizes, cache_sizes
 
-    from medusa_jax.convert.load import weights_of
-    from medusa_jax.convert.medusa_format import load_heads, read_heads_config, save_heads
-    from medusa_jax.convert.tuned_layers import LAYERS_FILE, tuned_layers_path
-    from medusa_jax.evals.memory import tree_bytes
-    from medusa_jax.heads.hydra import token_embeddings
-    from medusa_jax.heads.medusa import frequent_tokens, with_proposal_projection
-    from medusa_jax.models.llama import lm_head_matrix
-    from medusa_jax.tuning.cost import overhead_breakdown, step_costs
 
-    heads_dir = resolve.heads_location(args.heads) or resolve.DEFAULT_HEADS_DIR
+def _load(args: argparse.Namespace, heads_dir: str):
+    """(backbone `LoadedModel` without a tokenizer, heads config, heads params) of --model and the
+    heads in `heads_dir`, paths and heads checked before the slow model load; None, with the error
+    printed on stderr, when one fails (OSError, ValueError)."""
+    from medusa_jax.cli import common
+    from medusa_jax.convert.medusa_format import load_heads
+
     try:  # paths and heads before the slow model load
         common.preflight(args.model, heads_dir, None)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
     common.enable_compilation_cache()
     try:  # token ids only; with the Medusa-2 tuned layers saved beside the heads, which they were trained with
         model = common.load_backbone(args.model, heads_dir, args.dtype, with_tokenizer=False, weights=args.weights)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
     try:
         hcfg, hp = load_heads(heads_dir, model.cfg)
     except (OSError, ValueError) as e:  # HeadsMismatchError: heads of another model
         print(f"error: {e}", file=sys.stderr)
-        return 2
-    made_by = distilled_for_another_model(args.data, model.path)
-    if made_by is not None:  # the tree would be chosen by how often the heads match another model's answers
-        print(f"note: --data {args.data} holds another model's answers (its meta.json), not {model.path}'s: the "
-              "tree is chosen by how often the heads match those; give this model's own (medusa-distill "
-              f"--model {model.path} --out DIR, then --data DIR)", file=sys.stderr)
-    context = model.cfg.max_position_embeddings
+        return None
+    return model, hcfg, hp
+
+
+def _fit_cache_sizes(cache_sizes: List[int], context: int) -> List[int]:
+    """The KV cache sizes (slots) that fit in the model's `context` (tokens): those within it, and
+    the context itself in place of the larger ones (with a note on stderr)."""
     if any(S > context for S in cache_sizes):  # a small model's context: its own length is the largest cache
         fit = sorted({S for S in cache_sizes if S <= context} | ({context} if max(cache_sizes) > context else set()))
         print(f"note: the model's context is {context} tokens; the steps are timed with KV caches of "
               f"{', '.join(map(str, fit))} slots (not {', '.join(map(str, cache_sizes))})", file=sys.stderr)
-        cache_sizes = fit
-    if args.proposal_vocab is not None and args.proposal_vocab > model.cfg.vocab_size:
-        p.error(f"--proposal-vocab {args.proposal_vocab} is larger than the model's vocabulary "
-                f"({model.cfg.vocab_size}); give at most that (0: the whole vocabulary)")
+        return fit
+    return cache_sizes
+
+
+def _calibrate(args: argparse.Namespace, model, hcfg, hp: dict, progress: bool) -> Optional[_Calibration]:
+    """The heads' proposals and the true tokens' ranks among them at every held-out position, with
+    --proposal-vocab applied to the heads; prints the rank accuracies. None, with the error printed
+    on stderr, when the data holds too little for a held-out chat or bad samples (ValueError)."""
+    from medusa_jax.heads.hydra import token_embeddings
+    from medusa_jax.heads.medusa import frequent_tokens, with_proposal_projection
+    from medusa_jax.models.llama import lm_head_matrix
+
     lm = lm_head_matrix(model.cfg, model.params)
-    progress = not args.no_progress
     try:  # too little data for a held-out chat, bad samples
         train, val, chats, pos, sources = calibration_data(
             model, args.data, args.val_fraction, args.seed, hcfg.num_heads, args.max_seq_len, args.max_positions,
             progress)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return None
     if args.proposal_vocab is not None:
         if args.proposal_vocab:
             hp = {**hp, "proposal_ids": frequent_tokens((ids for ids, _ in train), args.proposal_vocab,
@@ -235,9 +273,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for k in range(hcfg.num_heads):
         print(f"  head {k}: top-1 {acc[k, 0]:.3f}  top-5 {acc[k, :5].sum():.3f}  ranks "
               + " ".join(f"{a:.3f}" for a in acc[k]))
+    return _Calibration(hcfg, hp, jhp, lm, val, chats, pos, sources, events, ranks, acc, counts)
 
-    # the trees that decode the held-out chats in the fewest steps, each size's a prefix of the next's
-    order = search_tree(ranks, max(sizes, default=1), hcfg.topk, Replay(chats, sources, lookup))
+
+def _static_trees(cal: _Calibration, sizes: List[int], lookup):
+    """The static trees that decode the held-out chats in the fewest steps (`search_tree`, each
+    size's a prefix of the next's). Returns (the node order, the sizes T compared, the prompt lookup
+    with its tokens cut to what the heads' trees can verify, the trees of the sizes the heads'
+    candidates reach); notes on stderr say what was cut or left out."""
+    hcfg = cal.hcfg
+    order = search_tree(cal.ranks, max(sizes, default=1), hcfg.topk, Replay(cal.chats, cal.sources, lookup))
     if lookup is not None and order and lookup.num_tokens > len(order):  # its step could not be timed
         print(f"note: these heads draft static trees of at most {len(order) + 1} tokens, so prompt lookup copies "
               f"at most {len(order)} tokens with them (not {lookup.num_tokens}): a copy of k tokens is verified in "
@@ -248,11 +293,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if len(trees) < len(sizes):  # the heads' candidates (topk per head, depth num_heads) run out first
         print(f"note: these heads draft static trees of at most {len(order) + 1} tokens; "
               f"{', '.join(str(T) for T in sizes if T - 1 > len(order))} left out of the static trees", file=sys.stderr)
+    return order, sizes, lookup, trees
+
+
+def _dynamic_trees(args: argparse.Namespace, cal: _Calibration, sizes: List[int], lookup) -> _Dynamic:
+    """The trees chosen per step (dynamic:T:W) of every size T the heads draft enough candidates for,
+    with the acceptance rates fitted on the held-out chats (`tuning.confidence`); none without
+    --dynamic-width. A note on stderr names the sizes left out."""
+    from medusa_jax import resolve
+
+    hcfg, chats, sources = cal.hcfg, cal.chats, cal.sources
     dynamic, confidence, lookup_conf, by_ngram, drafts = {}, None, None, None, None  # T -> the dynamic tree
     # a dynamic tree's lookup offers several matches (resolve.default_lookup), a static tree's one
     dyn_lookup = lookup and resolve.dynamic_lookup(lookup.num_tokens)
     if args.dynamic_width:  # how often the drafts are accepted, by their probability (tuning.confidence)
-        confidence = fit_confidence(*events)
+        confidence = fit_confidence(*cal.events)
         if lookup is not None:  # copies measured deeper than the replay reaches (n-gram matching alone), so
             # that a larger tree's longer copies score by their own acceptance (resolve.DYNAMIC_LOOKUP_TOKENS)
             copied, found, ngram = lookup_drafts(chats, sources, dyn_lookup._replace(
@@ -273,7 +328,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: these heads draft too few candidates for dynamic trees of "
               f"{', '.join(str(T) for T in sizes if T not in dynamic)} tokens (width {args.dynamic_width}); "
               "left out of the dynamic trees", file=sys.stderr)
-    prompt = timing_prompt(val, args.cost_prompt_len)
+    return _Dynamic(dynamic, confidence, lookup_conf, by_ngram, drafts, dyn_lookup)
+
+
+def _time_steps(args: argparse.Namespace, model, cal: _Calibration, trees: list, dynamic: dict, prompt: List[int],
+                cache_sizes: List[int], progress: bool) -> _Timing:
+    """The verify costs c(T) of the static and dynamic trees, timed on this device at every KV cache
+    size, and the plain step's time; prints one line per cache size with the weights' read rate."""
+    from medusa_jax.evals.memory import tree_bytes
+    from medusa_jax.tuning.cost import step_costs
+
+    heads = (cal.hcfg, cal.jhp)
     by_size, dynamic_by_size = {}, {}
     # the roofline beside the timings (issue 13): the weights a plain step streams over its time,
     # against this machine's read bandwidth measured before each cache size's timings (the CPU's
@@ -282,10 +347,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     bandwidth = {}
     for S in cache_sizes:
         bandwidth[S] = kernels.read_bandwidth() if kernels.in_use() else None
-        by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), trees, prompt, args.steps, args.repeats,
+        by_size[S] = step_costs(model.cfg, model.params, heads, trees, prompt, args.steps, args.repeats,
                                 S, progress)
         if dynamic:
-            dynamic_by_size[S] = step_costs(model.cfg, model.params, (hcfg, jhp), list(dynamic.values()), prompt,
+            dynamic_by_size[S] = step_costs(model.cfg, model.params, heads, list(dynamic.values()), prompt,
                                             args.steps, args.repeats, S, progress)["cost"]
         gbs = weight_bytes / by_size[S]["plain_s"] / 1e9
         roof = f" = {gbs / (bandwidth[S] / 1e9):.2f} of the read bandwidth {bandwidth[S] / 1e9:.1f} GB/s" \
@@ -294,21 +359,38 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
               + " ".join(f"c({T})={c:.2f}" for T, c in by_size[S]["cost"].items()))
     costs = {"plain_s": float(np.mean([c["plain_s"] for c in by_size.values()])),
              "cost": {T: float(np.mean([c["cost"][T] for c in by_size.values()])) for T in by_size[cache_sizes[0]]["cost"]}}
-    best, rows = choose_tree(ranks, costs["cost"], hcfg.topk, chats, sources, lookup, order)
+    return _Timing(by_size, dynamic_by_size, bandwidth, weight_bytes, costs)
+
+
+def _choose(args: argparse.Namespace, model, cal: _Calibration, timing: _Timing, dyn: _Dynamic, lookup,
+            order: list, progress: bool) -> Tuple[dict, List[dict], List[dict]]:
+    """The tree of the highest predicted speedup, and the rows of the static and the dynamic trees
+    (`choose_tree`, `dynamic_rows`): a dynamic tree is chosen only when it beats every static one."""
+    from medusa_jax.heads.hydra import token_embeddings
+
+    hcfg, jhp, lm, pos = cal.hcfg, cal.jhp, cal.lm, cal.pos
+    best, rows = choose_tree(cal.ranks, timing.costs["cost"], hcfg.topk, cal.chats, cal.sources, lookup, order)
     drows = []
-    if dynamic:  # what each dynamic tree accepts at every held-out position, replayed exactly
+    if dyn.trees:  # what each dynamic tree accepts at every held-out position, replayed exactly
         emb = token_embeddings(model.params) if hcfg.head_type == "hydra" else None
         accepted = {T: dynamic_accepted(hcfg, jhp, lm, pos, tree, emb)
-                    for T, tree in tqdm(dynamic.items(), desc="dynamic trees", unit="tree", disable=not progress)}
-        looked = None if drafts is None else {
-            T: dynamic_accepted(hcfg, jhp, lm, pos, with_lookup(tree, dyn_lookup), emb, lookup_drafts=drafts)
-            for T, tree in tqdm(dynamic.items(), desc="dynamic trees + lookup", unit="tree", disable=not progress)}
-        dyn_cost = {T: float(np.mean([c[T] for c in dynamic_by_size.values()])) for T in dynamic}
-        drows = dynamic_rows(accepted, dyn_cost, args.dynamic_width, chats, sources, looked)
+                    for T, tree in tqdm(dyn.trees.items(), desc="dynamic trees", unit="tree", disable=not progress)}
+        looked = None if dyn.drafts is None else {
+            T: dynamic_accepted(hcfg, jhp, lm, pos, with_lookup(tree, dyn.lookup), emb, lookup_drafts=dyn.drafts)
+            for T, tree in tqdm(dyn.trees.items(), desc="dynamic trees + lookup", unit="tree", disable=not progress)}
+        dyn_cost = {T: float(np.mean([c[T] for c in timing.dynamic_by_size.values()])) for T in dyn.trees}
+        drows = dynamic_rows(accepted, dyn_cost, args.dynamic_width, cal.chats, cal.sources, looked)
         best_dynamic = max(drows, key=lambda r: (r["predicted_speedup"], -r["size"]))
         if best_dynamic["predicted_speedup"] > best["predicted_speedup"]:
             best = best_dynamic
-    print(f"plain step {costs['plain_s'] * 1e3:.2f} ms on {jax.devices()[0].device_kind} (mean over caches of "
+    return best, rows, drows
+
+
+def _print_choice(timing: _Timing, cache_sizes: List[int], prompt: List[int], rows: List[dict], drows: List[dict],
+                  best: dict) -> dict:
+    """Prints the plain step's time and the trees' tables. Returns the tree kept: `best`, or, when
+    no tree beats plain decoding, the fastest tree (with a note on stderr)."""
+    print(f"plain step {timing.costs['plain_s'] * 1e3:.2f} ms on {jax.devices()[0].device_kind} (mean over caches of "
           f"{', '.join(map(str, cache_sizes))} slots, prompt {len(prompt)} tokens; products: {kernels.status()})")
     print(_table(rows, best))
     if drows:
@@ -318,35 +400,60 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"note: on this device no tree beats plain decoding with these heads (best: {best['size']} tokens, "
               f"predicted {best['predicted_speedup']:.3f}x); that tree is the one kept with the heads, but "
               "decode.py --no-medusa is faster here", file=sys.stderr)
-    # the static tree is kept either way (tools without dynamic trees read medusa_choices); its step's breakdown
-    static_best = best if "dynamic" not in best else max(rows[1:], key=lambda r: (r["predicted_speedup"], -r["size"]))
-    chosen_tree = build_tree([tuple(p) for p in static_best["medusa_choices"]], hcfg.topk)
-    breakdown = overhead_breakdown(model.cfg, model.params, (hcfg, jhp), chosen_tree, prompt, args.steps,
-                                   args.repeats, cache_sizes[0])
+    return best
+
+
+def _step_breakdown(args: argparse.Namespace, model, cal: _Calibration, static_best: dict, prompt: List[int],
+                    cache_size: int) -> dict:
+    """The chosen static tree's step timed part by part (`overhead_breakdown`, milliseconds), printed."""
+    from medusa_jax.tuning.cost import overhead_breakdown
+
+    chosen_tree = build_tree([tuple(p) for p in static_best["medusa_choices"]], cal.hcfg.topk)
+    breakdown = overhead_breakdown(model.cfg, model.params, (cal.hcfg, cal.jhp), chosen_tree, prompt, args.steps,
+                                   args.repeats, cache_size)
     print("per step (ms): " + ", ".join(f"{k[:-3]} {v:.2f}" for k, v in breakdown.items() if k.endswith("_ms"))
           + (" (below 0: the parts timed alone take longer than inside the whole step, so the rest is within "
              "the timings' noise)" if breakdown["rest_ms"] < 0 else ""))
-    if args.dry_run:
-        return 0
-    report = {"device": str(jax.devices()[0].device_kind), "weights": weights_of(model.params),
-              "plain_step_ms": costs["plain_s"] * 1e3,
-              "cost_cache_sizes": cache_sizes, "cost_prompt_tokens": len(prompt),
-              "plain_step_ms_by_cache_size": {S: c["plain_s"] * 1e3 for S, c in by_size.items()},
-              "cost_by_cache_size": {S: c["cost"] for S, c in by_size.items()}, "products": kernels.status(),
-              "weight_bytes": weight_bytes,
-              "read_bandwidth_gbs_by_cache_size": {S: b and b / 1e9 for S, b in bandwidth.items()},
-              "calibration_chats": len(chats), "calibration_positions": counts.tolist(),
-              "rank_accuracies": np.round(acc, 5).tolist(), "chosen_size": best["size"],
-              "medusa_choices": static_best["medusa_choices"], "dynamic_tree": best.get("dynamic"),
-              "predicted_tokens_per_step": best["predicted_tokens_per_step"],
-              "predicted_tokens_per_step_lookup": best.get("predicted_tokens_per_step_lookup"),
-              "prompt_lookup": lookup._asdict() if lookup else None, "predicted_by": "replay",
-              "step_breakdown_ms": breakdown,
-              "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows],
-              "dynamic_rows": drows, "dynamic_cost_by_cache_size": dynamic_by_size,
-              "confidence": confidence and {"knots": list(confidence[0]), "values": [list(v) for v in confidence[1]]},
-              "lookup_confidence": lookup_conf and [list(r) for r in lookup_conf],
-              "lookup_ngram_confidence": by_ngram and {str(n): list(r) for n, r in by_ngram.items()}}
+    return breakdown
+
+
+def _report(model, cal: _Calibration, timing: _Timing, dyn: _Dynamic, lookup, cache_sizes: List[int],
+            prompt: List[int], rows: List[dict], drows: List[dict], best: dict, static_best: dict,
+            breakdown: dict) -> dict:
+    """The tune report saved with the heads (``tree_search`` in their config.json)."""
+    from medusa_jax.convert.load import weights_of
+
+    confidence, lookup_conf, by_ngram = dyn.confidence, dyn.lookup_conf, dyn.by_ngram
+    return {"device": str(jax.devices()[0].device_kind), "weights": weights_of(model.params),
+            "plain_step_ms": timing.costs["plain_s"] * 1e3,
+            "cost_cache_sizes": cache_sizes, "cost_prompt_tokens": len(prompt),
+            "plain_step_ms_by_cache_size": {S: c["plain_s"] * 1e3 for S, c in timing.by_size.items()},
+            "cost_by_cache_size": {S: c["cost"] for S, c in timing.by_size.items()}, "products": kernels.status(),
+            "weight_bytes": timing.weight_bytes,
+            "read_bandwidth_gbs_by_cache_size": {S: b and b / 1e9 for S, b in timing.bandwidth.items()},
+            "calibration_chats": len(cal.chats), "calibration_positions": cal.counts.tolist(),
+            "rank_accuracies": np.round(cal.acc, 5).tolist(), "chosen_size": best["size"],
+            "medusa_choices": static_best["medusa_choices"], "dynamic_tree": best.get("dynamic"),
+            "predicted_tokens_per_step": best["predicted_tokens_per_step"],
+            "predicted_tokens_per_step_lookup": best.get("predicted_tokens_per_step_lookup"),
+            "prompt_lookup": lookup._asdict() if lookup else None, "predicted_by": "replay",
+            "step_breakdown_ms": breakdown,
+            "rows": [{k: v for k, v in r.items() if k != "medusa_choices"} for r in rows],
+            "dynamic_rows": drows, "dynamic_cost_by_cache_size": timing.dynamic_by_size,
+            "confidence": confidence and {"knots": list(confidence[0]), "values": [list(v) for v in confidence[1]]},
+            "lookup_confidence": lookup_conf and [list(r) for r in lookup_conf],
+            "lookup_ngram_confidence": by_ngram and {str(n): list(r) for n, r in by_ngram.items()}}
+
+
+def _save(args: argparse.Namespace, heads_dir: str, out_dir: str, cal: _Calibration, report: dict, best: dict,
+          static_best: dict) -> None:
+    """Writes the tuned heads into `out_dir`: their config with `report` (the reports tuned on the
+    other kind of weights kept), the Medusa-2 tuned layers beside them and ``tree_search.md``; prints
+    what was saved and how to use it."""
+    from medusa_jax import resolve
+    from medusa_jax.convert.medusa_format import read_heads_config, save_heads
+    from medusa_jax.convert.tuned_layers import LAYERS_FILE, tuned_layers_path
+
     raw = read_heads_config(heads_dir)
     extras = format_extras(raw)
     extras["tree_search"] = report
@@ -358,9 +465,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extras.pop("tree_search_by_weights", None)
     if others:
         extras["tree_search_by_weights"] = others
-    tuned = hcfg.replace(medusa_choices=tuple(tuple(p) for p in static_best["medusa_choices"]))
+    tuned = cal.hcfg.replace(medusa_choices=tuple(tuple(p) for p in static_best["medusa_choices"]))
     # the shipped heads are kept in float16 (half the package size); tuned copies in float32
-    save_heads(out_dir, tuned, hp, extra=extras, dtype=np.float16 if args.update_shipped_heads else np.float32)
+    save_heads(out_dir, tuned, cal.hp, extra=extras, dtype=np.float16 if args.update_shipped_heads else np.float32)
     layers_file = tuned_layers_path(heads_dir)  # Medusa-2's tuned backbone layers go with their heads
     if layers_file and os.path.realpath(os.path.dirname(layers_file)) != os.path.realpath(out_dir):
         shutil.copy2(layers_file, os.path.join(out_dir, LAYERS_FILE))
@@ -374,6 +481,63 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if os.path.realpath(out_dir) != os.path.realpath(resolve.DEFAULT_HEADS_DIR):
         model_flag = f"--model {args.model} " if args.model else ""
         print(f"use them with: python decode.py {model_flag}--heads {out_dir}")
+
+
+@interruptible
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """medusa-tune (see the module docstring): calibrate the heads, time the trees on this device and
+    save the fastest with the heads. Returns the exit status: 0 done (or --dry-run), 2 bad paths,
+    heads, model or data (the error on stderr); bad flags exit 2 through argparse."""
+    from medusa_jax import resolve
+    from medusa_jax.cli import common
+
+    p = _parser()
+    args = p.parse_args(argv)
+    lookup, sizes, cache_sizes = _checked_args(p, args)
+    try:
+        out_dir = output_dir(args.heads, args.out, args.update_shipped_heads)  # its checks also for --dry-run
+        out_dir = None if args.dry_run else out_dir
+    except OutputDirError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if out_dir is not None:  # created now: a path that cannot hold the heads fails before the slow work
+        common.make_out_dir(p, out_dir)
+    if not os.path.isfile(os.path.join(args.data, SAMPLES_FILE)):
+        p.error(f"--data {args.data}: no {SAMPLES_FILE} there; give a self-distillation directory "
+                f"(made by `medusa-distill --out {args.data}`)")
+
+    heads_dir = resolve.heads_location(args.heads) or resolve.DEFAULT_HEADS_DIR
+    loaded = _load(args, heads_dir)
+    if loaded is None:
+        return 2
+    model, hcfg, hp = loaded
+    made_by = distilled_for_another_model(args.data, model.path)
+    if made_by is not None:  # the tree would be chosen by how often the heads match another model's answers
+        print(f"note: --data {args.data} holds another model's answers (its meta.json), not {model.path}'s: the "
+              "tree is chosen by how often the heads match those; give this model's own (medusa-distill "
+              f"--model {model.path} --out DIR, then --data DIR)", file=sys.stderr)
+    cache_sizes = _fit_cache_sizes(cache_sizes, model.cfg.max_position_embeddings)
+    if args.proposal_vocab is not None and args.proposal_vocab > model.cfg.vocab_size:
+        p.error(f"--proposal-vocab {args.proposal_vocab} is larger than the model's vocabulary "
+                f"({model.cfg.vocab_size}); give at most that (0: the whole vocabulary)")
+    progress = not args.no_progress
+    cal = _calibrate(args, model, hcfg, hp, progress)
+    if cal is None:
+        return 2
+
+    order, sizes, lookup, trees = _static_trees(cal, sizes, lookup)
+    dyn = _dynamic_trees(args, cal, sizes, lookup)
+    prompt = timing_prompt(cal.val, args.cost_prompt_len)
+    timing = _time_steps(args, model, cal, trees, dyn.trees, prompt, cache_sizes, progress)
+    best, rows, drows = _choose(args, model, cal, timing, dyn, lookup, order, progress)
+    best = _print_choice(timing, cache_sizes, prompt, rows, drows, best)
+    # the static tree is kept either way (tools without dynamic trees read medusa_choices); its step's breakdown
+    static_best = best if "dynamic" not in best else max(rows[1:], key=lambda r: (r["predicted_speedup"], -r["size"]))
+    breakdown = _step_breakdown(args, model, cal, static_best, prompt, cache_sizes[0])
+    if args.dry_run:
+        return 0
+    report = _report(model, cal, timing, dyn, lookup, cache_sizes, prompt, rows, drows, best, static_best, breakdown)
+    _save(args, heads_dir, out_dir, cal, report, best, static_best)
     return 0
 
 

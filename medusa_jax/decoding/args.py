@@ -89,6 +89,133 @@ def _token_ids(p: Any, caller: str, what: str) -> Optional[List[int]]:
     return [as_int(t, f"{what}[{i}] (a token id)") for i, t in enumerate(p)]
 
 
+def _prompt_lists(prompts: Any, caller: str, batch: bool, first_index: int) -> List[List[int]]:
+    """`check_generation_args`' prompts as lists of ints (one list when not `batch`); ValueError
+    saying what the entry point takes when they are of another shape or kind."""
+    if not batch:
+        p = prompts
+        if isinstance(p, (np.ndarray, jax.Array)) and np.ndim(p) == 2 and np.shape(p)[0] == 1:
+            p = np.asarray(p)[0]
+        ids = _token_ids(p, caller, "the prompt")
+        if ids is None and isinstance(p, Sequence) and len(p) == 1:
+            ids = _token_ids(p[0], caller, "the prompt")
+        if ids is None:
+            got = (f"an array of shape {np.shape(p)}" if hasattr(p, "shape") else f"{len(p)} prompts")
+            raise ValueError(f"{caller}() {_ONE_PROMPT}; got {got}")
+        return [ids]
+    if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
+        prompts = list(np.asarray(prompts))
+    if isinstance(prompts, (str, np.ndarray, jax.Array)) or not isinstance(prompts, Sequence):
+        raise ValueError(f"{caller}() {_PROMPTS}; got {type(prompts).__name__}"
+                         + (f" of shape {np.shape(prompts)}" if hasattr(prompts, "shape") else ""))
+    if len(prompts) == 0:
+        raise ValueError(f"no prompts given: {caller}() {_PROMPTS}")
+    if not any(isinstance(p, (Sequence, np.ndarray, jax.Array)) and not isinstance(p, str) for p in prompts):
+        raise ValueError(f"{caller}() {_PROMPTS}; got a flat sequence of {len(prompts)} ids")
+    out = []
+    for b, p in enumerate(prompts):
+        ids = _token_ids(p, caller, f"prompt {first_index + b}")
+        if ids is None:
+            raise ValueError(f"{caller}(): prompt {first_index + b} is not a flat list of token ids; "
+                             f"{caller}() {_PROMPTS}")
+        out.append(ids)
+    return out
+
+
+def _check_prompts_fit(cfg: ModelConfig, out: List[List[int]], caller: str, batch: bool, cache_size: Any,
+                       first_index: int) -> None:
+    """Every prompt non-empty, its ids in the vocabulary, and room left after it in `cache_size`
+    (or the model's context); ValueError or PromptTooLongError otherwise."""
+    V = cfg.vocab_size
+    for b, ids in enumerate(out):
+        if not ids:
+            raise ValueError("empty prompt: give at least one token (after the chat template)")
+        bad = next((i for i, t in enumerate(ids) if not 0 <= t < V), None)
+        if bad is not None:
+            where = f" of prompt {first_index + b}" if batch else ""
+            raise ValueError(f"{caller}(): token id {ids[bad]} at position {bad}{where} is outside the model's "
+                             f"vocabulary [0, {V}); were the ids made by another model's tokenizer?")
+    ctx = cfg.max_position_embeddings
+    slots, room_in = ctx, CONTEXT
+    if cache_size is not None:
+        slots, room_in = as_int(cache_size, "cache_size"), "the KV cache (cache_size)"
+        if not 1 <= slots <= ctx:
+            raise ValueError(f"{caller}(): cache_size={slots} is outside [1, {ctx}]: the model's context "
+                             f"(max_position_embeddings) is {ctx} positions, and no position beyond "
+                             f"{ctx - 1} is decoded. Pass cache_size <= {ctx}, or None to size the cache "
+                             "from the prompt and max_new_tokens")
+    for b, ids in enumerate(out):
+        what = f"{caller}(): prompt {first_index + b}" if batch else f"{caller}(): the prompt"
+        check_prompt_room(len(ids), slots, room_in, what)
+
+
+def _check_sampling(acceptance: Any, seed: Any, max_new_tokens: Optional[int], caller: str, batch: bool,
+                    n_prompts: int) -> None:
+    """`check_generation_args`' acceptance, seed (one int, or one per prompt in a batch) and
+    max_new_tokens; ValueError otherwise."""
+    if acceptance is not None:
+        if not isinstance(acceptance, Acceptance):
+            raise ValueError(f"{caller}(): acceptance takes a medusa_jax.decoding.acceptance.Acceptance(temperature=...), "
+                             f"got {type(acceptance).__name__}")
+        try:
+            acceptance.check()
+        except ValueError as e:
+            raise ValueError(f"{caller}(): {e}") from None
+    if isinstance(seed, (Sequence, np.ndarray)) and not isinstance(seed, str):
+        if not batch or len(seed) != n_prompts:
+            raise ValueError(f"{caller}(): seed takes an int" + (f" or one int per prompt ({n_prompts})" if batch else "")
+                             + f", got a sequence of {len(seed)}")
+        for s in seed:
+            as_int(s, "each seed")
+    else:
+        as_int(seed, "seed")
+    if max_new_tokens is not None:
+        n = as_int(max_new_tokens, "max_new_tokens")
+        if n < 1:
+            raise ValueError(f"{caller}(): max_new_tokens must be >= 1 (the most new tokens to generate), got {n}")
+
+
+def _eos_ids(cfg: ModelConfig, eos_token_ids: Any, caller: str) -> Tuple[int, ...]:
+    """`eos_token_ids` (None: the config's; one id; a sequence of ids) as a tuple of ids in the
+    vocabulary; ValueError otherwise."""
+    if eos_token_ids is None:
+        eos = tuple(cfg.eos_token_ids)
+    elif isinstance(eos_token_ids, (int, np.integer)) and not isinstance(eos_token_ids, bool):
+        eos = (int(eos_token_ids),)
+    elif isinstance(eos_token_ids, (Sequence, np.ndarray, jax.Array)) and not isinstance(eos_token_ids, str):
+        eos = tuple(as_int(e, "each of eos_token_ids") for e in eos_token_ids)
+    else:
+        raise ValueError(f"{caller}(): eos_token_ids takes None, a token id or a list of token ids, "
+                         f"got {type(eos_token_ids).__name__}")
+    if any(not 0 <= e < cfg.vocab_size for e in eos):
+        raise ValueError(f"{caller}(): eos_token_ids {list(eos)} must be in the vocabulary [0, {cfg.vocab_size})")
+    return eos
+
+
+def _check_heads_and_tree(cfg: ModelConfig, heads: Any, tree: Any, caller: str) -> None:
+    """Heads fitting the backbone given with a tree no deeper than them, or neither (a tree without
+    heads only with prompt lookup and no depth); ValueError or HeadsMismatchError otherwise."""
+    if heads is not None:
+        if not (isinstance(heads, tuple) and len(heads) == 2 and isinstance(heads[0], MedusaConfig)):
+            raise ValueError(f"{caller}(): heads takes (MedusaConfig, head params), e.g. from "
+                             f"medusa_jax.load_heads(path), got {type(heads).__name__}")
+
+        check_heads_match(heads[0], cfg)
+        if tree is None:
+            raise ValueError(f"{caller}(): heads given without a tree; pass tree=medusa_jax.decoding.tree.get_tree(...) "
+                             "(or heads=None for plain decoding)")
+    if tree is not None:
+        if not isinstance(tree, TreeBuffers):
+            raise ValueError(f"{caller}(): tree takes a TreeBuffers (medusa_jax.decoding.tree.get_tree(spec)), "
+                             f"got {type(tree).__name__}")
+        if heads is None and (tree.max_depth > 0 or tree.lookup is None):
+            raise ValueError(f"{caller}(): a tree was given without heads; pass heads=(MedusaConfig, params) "
+                             "too, or tree=None for plain decoding (without heads, a tree may only be the trivial "
+                             "one with prompt lookup: medusa_jax.decoding.tree.with_lookup(get_tree([]), PromptLookup()))")
+        if heads is not None:
+            check_depth(tree.max_depth, heads[0].num_heads)
+
+
 def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch: bool,
                           max_new_tokens: Optional[int] = None, cache_size: Optional[int] = None,
                           heads: Any = None, tree: Any = None, eos_token_ids: Any = None,
@@ -118,107 +245,13 @@ def check_generation_args(cfg: ModelConfig, prompts: Any, *, caller: str, batch:
       PromptTooLongError: a prompt with no room left in `cache_size`.
       HeadsMismatchError: heads made for another backbone.
     """
-    if batch:
-        if isinstance(prompts, (np.ndarray, jax.Array)) and np.ndim(prompts) == 2:
-            prompts = list(np.asarray(prompts))
-        if isinstance(prompts, (str, np.ndarray, jax.Array)) or not isinstance(prompts, Sequence):
-            raise ValueError(f"{caller}() {_PROMPTS}; got {type(prompts).__name__}"
-                             + (f" of shape {np.shape(prompts)}" if hasattr(prompts, "shape") else ""))
-        if len(prompts) == 0:
-            raise ValueError(f"no prompts given: {caller}() {_PROMPTS}")
-        if not any(isinstance(p, (Sequence, np.ndarray, jax.Array)) and not isinstance(p, str) for p in prompts):
-            raise ValueError(f"{caller}() {_PROMPTS}; got a flat sequence of {len(prompts)} ids")
-        out = []
-        for b, p in enumerate(prompts):
-            ids = _token_ids(p, caller, f"prompt {first_index + b}")
-            if ids is None:
-                raise ValueError(f"{caller}(): prompt {first_index + b} is not a flat list of token ids; "
-                                 f"{caller}() {_PROMPTS}")
-            out.append(ids)
-    else:
-        p = prompts
-        if isinstance(p, (np.ndarray, jax.Array)) and np.ndim(p) == 2 and np.shape(p)[0] == 1:
-            p = np.asarray(p)[0]
-        ids = _token_ids(p, caller, "the prompt")
-        if ids is None and isinstance(p, Sequence) and len(p) == 1:
-            ids = _token_ids(p[0], caller, "the prompt")
-        if ids is None:
-            got = (f"an array of shape {np.shape(p)}" if hasattr(p, "shape") else f"{len(p)} prompts")
-            raise ValueError(f"{caller}() {_ONE_PROMPT}; got {got}")
-        out = [ids]
-    V = cfg.vocab_size
-    for b, ids in enumerate(out):
-        if not ids:
-            raise ValueError("empty prompt: give at least one token (after the chat template)")
-        bad = next((i for i, t in enumerate(ids) if not 0 <= t < V), None)
-        if bad is not None:
-            where = f" of prompt {first_index + b}" if batch else ""
-            raise ValueError(f"{caller}(): token id {ids[bad]} at position {bad}{where} is outside the model's "
-                             f"vocabulary [0, {V}); were the ids made by another model's tokenizer?")
-    ctx = cfg.max_position_embeddings
-    slots, room_in = ctx, CONTEXT
-    if cache_size is not None:
-        slots, room_in = as_int(cache_size, "cache_size"), "the KV cache (cache_size)"
-        if not 1 <= slots <= ctx:
-            raise ValueError(f"{caller}(): cache_size={slots} is outside [1, {ctx}]: the model's context "
-                             f"(max_position_embeddings) is {ctx} positions, and no position beyond "
-                             f"{ctx - 1} is decoded. Pass cache_size <= {ctx}, or None to size the cache "
-                             "from the prompt and max_new_tokens")
-    for b, ids in enumerate(out):
-        what = f"{caller}(): prompt {first_index + b}" if batch else f"{caller}(): the prompt"
-        check_prompt_room(len(ids), slots, room_in, what)
+    out = _prompt_lists(prompts, caller, batch, first_index)
+    _check_prompts_fit(cfg, out, caller, batch, cache_size, first_index)
     if not check_decoding:
         return out, ()
-    if acceptance is not None:
-        if not isinstance(acceptance, Acceptance):
-            raise ValueError(f"{caller}(): acceptance takes a medusa_jax.decoding.acceptance.Acceptance(temperature=...), "
-                             f"got {type(acceptance).__name__}")
-        try:
-            acceptance.check()
-        except ValueError as e:
-            raise ValueError(f"{caller}(): {e}") from None
-    if isinstance(seed, (Sequence, np.ndarray)) and not isinstance(seed, str):
-        if not batch or len(seed) != len(out):
-            raise ValueError(f"{caller}(): seed takes an int" + (f" or one int per prompt ({len(out)})" if batch else "")
-                             + f", got a sequence of {len(seed)}")
-        for s in seed:
-            as_int(s, "each seed")
-    else:
-        as_int(seed, "seed")
-    if max_new_tokens is not None:
-        n = as_int(max_new_tokens, "max_new_tokens")
-        if n < 1:
-            raise ValueError(f"{caller}(): max_new_tokens must be >= 1 (the most new tokens to generate), got {n}")
-    if eos_token_ids is None:
-        eos = tuple(cfg.eos_token_ids)
-    elif isinstance(eos_token_ids, (int, np.integer)) and not isinstance(eos_token_ids, bool):
-        eos = (int(eos_token_ids),)
-    elif isinstance(eos_token_ids, (Sequence, np.ndarray, jax.Array)) and not isinstance(eos_token_ids, str):
-        eos = tuple(as_int(e, "each of eos_token_ids") for e in eos_token_ids)
-    else:
-        raise ValueError(f"{caller}(): eos_token_ids takes None, a token id or a list of token ids, "
-                         f"got {type(eos_token_ids).__name__}")
-    if any(not 0 <= e < V for e in eos):
-        raise ValueError(f"{caller}(): eos_token_ids {list(eos)} must be in the vocabulary [0, {V})")
-    if heads is not None:
-        if not (isinstance(heads, tuple) and len(heads) == 2 and isinstance(heads[0], MedusaConfig)):
-            raise ValueError(f"{caller}(): heads takes (MedusaConfig, head params), e.g. from "
-                             f"medusa_jax.load_heads(path), got {type(heads).__name__}")
-
-        check_heads_match(heads[0], cfg)
-        if tree is None:
-            raise ValueError(f"{caller}(): heads given without a tree; pass tree=medusa_jax.decoding.tree.get_tree(...) "
-                             "(or heads=None for plain decoding)")
-    if tree is not None:
-        if not isinstance(tree, TreeBuffers):
-            raise ValueError(f"{caller}(): tree takes a TreeBuffers (medusa_jax.decoding.tree.get_tree(spec)), "
-                             f"got {type(tree).__name__}")
-        if heads is None and (tree.max_depth > 0 or tree.lookup is None):
-            raise ValueError(f"{caller}(): a tree was given without heads; pass heads=(MedusaConfig, params) "
-                             "too, or tree=None for plain decoding (without heads, a tree may only be the trivial "
-                             "one with prompt lookup: medusa_jax.decoding.tree.with_lookup(get_tree([]), PromptLookup()))")
-        if heads is not None:
-            check_depth(tree.max_depth, heads[0].num_heads)
+    _check_sampling(acceptance, seed, max_new_tokens, caller, batch, len(out))
+    eos = _eos_ids(cfg, eos_token_ids, caller)
+    _check_heads_and_tree(cfg, heads, tree, caller)
     return out, eos
 
 

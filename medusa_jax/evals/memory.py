@@ -57,7 +57,8 @@ from jax.sharding import NamedSharding
 from medusa_jax import sharding
 from medusa_jax.decoding.acceptance import Acceptance
 from medusa_jax.decoding.state import DecodeState
-from medusa_jax.decoding.step import step
+from medusa_jax.decoding.step import StepConfig, step
+from medusa_jax.drafts import drafter_for
 from medusa_jax.decoding.tree import MC_SIM_7B_63, PLAIN_TREE, build_tree, prefix_closed_head
 from medusa_jax.decoding.tree_estimates import greedy_tree_search
 from medusa_jax.heads.config import MedusaConfig
@@ -225,6 +226,92 @@ def _acceptance(name: str):
     return Acceptance(temperature=1.0, method=name).check()
 
 
+def _model_config(hf_config_or_preset: Any) -> Tuple[ModelConfig, str]:
+    """The `ModelConfig` of a preset name, a config.json path or directory, or an HF config dict, and
+    its label (`load_hf_config`; "config dict" for a dict). Raises ValueError as `plan` says."""
+    if isinstance(hf_config_or_preset, Mapping):
+        hf, label = dict(hf_config_or_preset), "config dict"
+    else:
+        hf, label = load_hf_config(str(hf_config_or_preset))
+    try:
+        return ModelConfig.from_hf_dict(hf, source=label), label
+    except KeyError as e:
+        raise ValueError(f"{label}: missing key {e} (a Hugging Face config.json of a Llama-family model)") from None
+
+
+def _place(mesh_obj, path: str, shape, dtype_, spec=None) -> jax.ShapeDtypeStruct:
+    """An abstract array of `shape` and `dtype_` laid out on `mesh_obj` as decoding lays it out: by its
+    param `path` (`sharding.spec_for`), or by `spec` fitted to the shape (`sharding.fit_spec`)."""
+    spec = sharding.spec_for(path, shape, mesh_obj) if spec is None else sharding.fit_spec(spec, shape, mesh_obj)
+    return jax.ShapeDtypeStruct(tuple(shape), dtype_, sharding=NamedSharding(mesh_obj, spec))
+
+
+def _placed_tree(mesh_obj, abstract, dt):
+    """Every leaf of the params tree `abstract` as an abstract array in `dt`, placed by its path (`_place`)."""
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: _place(mesh_obj, sharding.path_str(p), x.shape, dt), abstract)
+
+
+def _abstract_params(cfg: ModelConfig, mesh_obj, dt):
+    """The backbone's params as placed abstract arrays in `dt` (the shapes of ``LlamaModel(cfg).init``)."""
+    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
+    abstract = jax.eval_shape(lambda t: LlamaModel(cfg).init(jax.random.PRNGKey(0), t, t)["params"], tokens)
+    return _placed_tree(mesh_obj, abstract, dt)
+
+
+def _abstract_heads(cfg: ModelConfig, mesh_obj, dt, medusa_heads: int, depth: int):
+    """(heads config, placed abstract head params in `dt`) of `medusa_heads` one-block Medusa heads
+    sharing the backbone's lm_head, readied for a tree of `depth` as decoding readies them (only the
+    first `depth` heads kept); (None, None) for depth 0 (plain decoding)."""
+    if depth <= 0:
+        return None, None
+    full_cfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
+                            num_heads=medusa_heads, num_layers=1, shared_lm_head=True)
+    hidden = jax.ShapeDtypeStruct((1, cfg.hidden_size), jnp.float32)
+    raw = jax.eval_shape(lambda h: MedusaHeads(full_cfg).init(jax.random.PRNGKey(0), h,
+                                                              method=MedusaHeads.head_states)["params"], hidden)
+    prepared = {}
+
+    def ready(p):  # decoding keeps the first tree-depth heads only (`generate.decoding_setup`)
+        c, out = prepare_heads(full_cfg, p, None, depth=depth)
+        prepared["cfg"] = c
+        return out
+
+    head_params = _placed_tree(mesh_obj, jax.eval_shape(ready, raw), dt)
+    return prepared["cfg"], head_params
+
+
+def _abstract_state(cfg: ModelConfig, mesh_obj, dt, B: int, S: int) -> DecodeState:
+    """The decode state of B rows and S cache slots as placed abstract arrays: the KV cache k, v
+    [L, B, KVH, S, Dh] in `dt` (`sharding.cache_spec`), lengths [B] and tokens [B, S] int32, logits
+    [B, V] float32, hidden [B, D] in `dt`, keys [B, 2] uint32, temperature, top_p [B] float32 and
+    top_k [B] int32, rows on 'data'."""
+    kv_shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
+    rows = lambda shape, dtype_: _place(mesh_obj, "", shape, dtype_, sharding.batch_spec(len(shape)))
+    cache = KVCache(k=_place(mesh_obj, "", kv_shape, dt, sharding.cache_spec()),
+                    v=_place(mesh_obj, "", kv_shape, dt, sharding.cache_spec()),
+                    lengths=rows((B,), jnp.int32), tokens=rows((B, S), jnp.int32))
+    return DecodeState(logits=rows((B, cfg.vocab_size), jnp.float32), hidden=rows((B, cfg.hidden_size), dt),
+                       cache=cache, key=rows((B, 2), jnp.uint32), temperature=rows((B,), jnp.float32),
+                       top_p=rows((B,), jnp.float32), top_k=rows((B,), jnp.int32))
+
+
+def _plan_notes(data: int, B: int, platform: str, dt) -> list:
+    """The plan's caveats: rows replicated when B does not divide by the data devices, and XLA:CPU's
+    float32 copies in the temporaries of a plan in another dtype."""
+    notes = []
+    if data > 1 and B % data:
+        notes.append(f"batch {B} does not divide by the mesh's {data} data devices: the rows, the KV cache and "
+                     f"the decode state are replicated on every data device (each holds all {B} rows) instead "
+                     f"of split; a batch that divides by {data} splits them")
+    if platform == "cpu" and dt != jnp.float32:
+        notes.append(f"XLA's CPU compiler runs {dt.name} products and cache updates in float32, converting whole "
+                     "operands (weights, KV cache): temp_bytes holds float32 copies that a GPU or TPU compile does "
+                     "not make (params, heads, KV cache and state are the same on every platform; the --dtype "
+                     "float32 plan's temporaries bound the activations)")
+    return notes
+
+
 def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", max_len: int = 4096,
          batch: int = 8, medusa_heads: int = 4, tree_nodes: Optional[int] = None,
          acceptance: str = "greedy") -> Dict[str, Any]:
@@ -262,17 +349,11 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
         unsupported architecture, a malformed mesh, a model axis that does not divide the attention
         heads (naming the sizes that work), fewer devices than the mesh needs, a dtype outside
         `DTYPES`, batch < 1, max_len outside [T, max_position_embeddings], or a bad tree size.
+      RuntimeError: XLA's compiler for the platform gives no memory analysis.
     """
 
 
-    if isinstance(hf_config_or_preset, Mapping):
-        hf, label = dict(hf_config_or_preset), "config dict"
-    else:
-        hf, label = load_hf_config(str(hf_config_or_preset))
-    try:
-        cfg = ModelConfig.from_hf_dict(hf, source=label)
-    except KeyError as e:
-        raise ValueError(f"{label}: missing key {e} (a Hugging Face config.json of a Llama-family model)") from None
+    cfg, label = _model_config(hf_config_or_preset)
     data, model = sharding.parse_mesh(mesh)
     sharding.check_model_axis(cfg, model)
     if dtype not in DTYPES:
@@ -289,47 +370,14 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
                          f"and at most the model's context (max_position_embeddings {ctx}), as decoding refuses "
                          "a larger cache")
     mesh_obj = sharding.make_mesh(data, model, _mesh_devices(data * model))
-
-    def place(path: str, shape, dtype_, spec=None):
-        spec = sharding.spec_for(path, shape, mesh_obj) if spec is None else sharding.fit_spec(spec, shape, mesh_obj)
-        return jax.ShapeDtypeStruct(tuple(shape), dtype_, sharding=NamedSharding(mesh_obj, spec))
-
-    def placed_tree(abstract):
-        return jax.tree_util.tree_map_with_path(
-            lambda p, x: place(sharding.path_str(p), x.shape, dt), abstract)
-
-    tokens = jax.ShapeDtypeStruct((1, 1), jnp.int32)
-    abstract = jax.eval_shape(lambda t: LlamaModel(cfg).init(jax.random.PRNGKey(0), t, t)["params"], tokens)
-    params = placed_tree(abstract)
-
-    heads_cfg = head_params = None
-    if tree.max_depth > 0:
-        full_cfg = MedusaConfig(hidden_size=cfg.hidden_size, vocab_size=cfg.vocab_size,
-                                num_heads=int(medusa_heads), num_layers=1, shared_lm_head=True)
-        hidden = jax.ShapeDtypeStruct((1, cfg.hidden_size), jnp.float32)
-        raw = jax.eval_shape(lambda h: MedusaHeads(full_cfg).init(jax.random.PRNGKey(0), h,
-                                                                  method=MedusaHeads.head_states)["params"], hidden)
-        prepared = {}
-
-        def ready(p):  # decoding keeps the first tree-depth heads only (`generate.decoding_setup`)
-            c, out = prepare_heads(full_cfg, p, None, depth=tree.max_depth)
-            prepared["cfg"] = c
-            return out
-
-        head_params = placed_tree(jax.eval_shape(ready, raw))
-        heads_cfg = prepared["cfg"]
-
-    kv_shape = (cfg.num_layers, B, cfg.num_kv_heads, S, cfg.head_dim)
-    rows = lambda shape, dtype_: place("", shape, dtype_, sharding.batch_spec(len(shape)))
-    cache = KVCache(k=place("", kv_shape, dt, sharding.cache_spec()), v=place("", kv_shape, dt, sharding.cache_spec()),
-                    lengths=rows((B,), jnp.int32), tokens=rows((B, S), jnp.int32))
-    state = DecodeState(logits=rows((B, cfg.vocab_size), jnp.float32), hidden=rows((B, cfg.hidden_size), dt),
-                        cache=cache, key=rows((B, 2), jnp.uint32), temperature=rows((B,), jnp.float32),
-                        top_p=rows((B,), jnp.float32), top_k=rows((B,), jnp.int32))
+    params = _abstract_params(cfg, mesh_obj, dt)
+    heads_cfg, head_params = _abstract_heads(cfg, mesh_obj, dt, int(medusa_heads), tree.max_depth)
+    state = _abstract_state(cfg, mesh_obj, dt, B, S)
+    cache = state.cache
 
     t0 = time.perf_counter()
     with jax.set_mesh(mesh_obj):
-        compiled = step.lower(cfg, heads_cfg, tree, acc, params, head_params, state).compile()
+        compiled = step.lower(StepConfig(cfg, heads_cfg, drafter_for(tree), acc), params, head_params, state).compile()
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     if mem is None:
@@ -344,16 +392,6 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
     unaliased = max(out_b - alias_b, 0)
     temp_b = int(mem.temp_size_in_bytes)
     dev = mesh_obj.devices.flat[0]
-    notes = []
-    if data > 1 and B % data:
-        notes.append(f"batch {B} does not divide by the mesh's {data} data devices: the rows, the KV cache and "
-                     f"the decode state are replicated on every data device (each holds all {B} rows) instead "
-                     f"of split; a batch that divides by {data} splits them")
-    if dev.platform == "cpu" and dt != jnp.float32:
-        notes.append(f"XLA's CPU compiler runs {dt.name} products and cache updates in float32, converting whole "
-                     "operands (weights, KV cache): temp_bytes holds float32 copies that a GPU or TPU compile does "
-                     "not make (params, heads, KV cache and state are the same on every platform; the --dtype "
-                     "float32 plan's temporaries bound the activations)")
     return {
         "config": label, "arch": cfg.arch, "num_layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size, "vocab_size": cfg.vocab_size, "num_heads": cfg.num_heads,
@@ -366,7 +404,8 @@ def plan(hf_config_or_preset: Any, mesh: str = "1x1", dtype: str = "bfloat16", m
         "unaliased_output_bytes": unaliased, "temp_bytes": temp_b,
         "total_bytes": params_b + heads_b + kv_b + state_b + unaliased + temp_b,
         "argument_bytes": int(mem.argument_size_in_bytes), "output_bytes": out_b, "alias_bytes": alias_b,
-        "params_global_bytes": tree_bytes(params), "compile_s": round(compile_s, 2), "notes": notes,
+        "params_global_bytes": tree_bytes(params), "compile_s": round(compile_s, 2),
+        "notes": _plan_notes(data, B, dev.platform, dt),
     }
 
 

@@ -302,3 +302,42 @@ def stale_cache_note(fn: str, have: dict, key: dict) -> str:
 
 def note(msg: str) -> None:
     print(f"note: {msg}", file=sys.stderr, flush=True)
+
+
+def frozen_positions(tc: TrainConfig, bb: Backbone, train_ex, val_ex, out_dir: str, progress: bool):
+    """What frozen (Medusa-1) training runs on: (flat train positions, (capped) validation positions
+    (`data.Positions`, computed once, cached; None without validation chats), the validation
+    positions outside repetition loops (`loop_flags`; None when there are none, or all are)).
+
+    Training positions inside loops are kept with probability ``tc.loop_weight`` (a fixed draw per
+    seed): an unbiased down-weighting that leaves the hidden-state cache as it is.
+    Raises ValueError: no training position with a valid label (or none left by loop_weight), or a
+    hidden-state cache that holds another number of positions than the data."""
+    train = cached_positions(tc, bb, train_ex, "train", out_dir, progress)
+    if train.num_positions == 0:
+        raise ValueError(f"{tc.data}: no training position has a valid label for any head")
+    if tc.loop_weight < 1.0:
+        flags = _checked_loop_flags(tc, train_ex, train)
+        keep = ~flags | (np.random.default_rng([tc.seed, 11]).random(len(flags)) < tc.loop_weight)
+        note(f"loop_weight={tc.loop_weight}: {int(flags.sum()):,} of {len(flags):,} training positions are inside "
+              f"repetition loops (loop_ngram={tc.loop_ngram}); {int((flags & keep).sum()):,} of them are kept")
+        train = D.select_positions(train, np.nonzero(keep)[0])
+        if train.num_positions == 0:
+            raise ValueError(f"loop_weight={tc.loop_weight} left no training position (every one is inside a "
+                             f"repetition loop of loop_ngram={tc.loop_ngram}); raise loop_weight or loop_ngram")
+    if not val_ex:
+        return train, None, None
+    val = cached_positions(tc, bb, val_ex, "val", out_dir, progress)
+    flags = _checked_loop_flags(tc, val_ex, val)
+    if tc.max_val_positions and val.num_positions > tc.max_val_positions:
+        pick = np.sort(np.random.default_rng([tc.seed, 7]).permutation(val.num_positions)[:tc.max_val_positions])
+        val, flags = D.select_positions(val, pick), flags[pick]
+    return train, val, (D.select_positions(val, np.nonzero(~flags)[0]) if flags.any() and not flags.all() else None)
+
+
+def _checked_loop_flags(tc: TrainConfig, examples, pos: D.Positions) -> np.ndarray:
+    flags = loop_flags(examples, tc.num_heads, tc.loop_ngram)
+    if len(flags) != pos.num_positions:  # a cache laid out differently from compute_positions
+        raise ValueError(f"the hidden-state cache holds {pos.num_positions} positions, the data {len(flags)}: "
+                         f"delete {tc.hidden_dir or os.path.join(tc.out_dir, 'hidden')} to recompute it")
+    return flags

@@ -13,7 +13,7 @@ import functools
 import json
 import os
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -126,3 +126,26 @@ class LayerInputs:
             n = min(int(self.lengths[i]), T)
             out[r, :n] = self.rows[self.offsets[i]:self.offsets[i] + n]
         return out
+
+
+def first_trained_layer(tc: TrainConfig, mcfg: ModelConfig) -> Optional[int]:
+    """The first decoder layer that trains: L - train_layers in joint mode with train_layers > 0,
+    else None (the whole backbone, or none in frozen mode). Raises ValueError when train_layers > L."""
+    if tc.mode != "joint" or not tc.train_layers:
+        return None
+    if tc.train_layers > mcfg.num_layers:
+        raise ValueError(f"train_layers={tc.train_layers}, but the model has {mcfg.num_layers} layers; set "
+                         f"train_layers <= {mcfg.num_layers} (0 = the whole backbone)")
+    return mcfg.num_layers - tc.train_layers
+
+
+def top_layers(params: dict, first: int, num_layers: int) -> dict:
+    """The params of decoder layers first .. num_layers - 1 (``layers_{i}``): what trains with
+    train_layers > 0. The arrays are shared, not copied."""
+    return {f"layers_{i}": params[f"layers_{i}"] for i in range(first, num_layers)}
+
+
+def merged_backbone(base: dict, trained: dict, first: Optional[int]) -> dict:
+    """The whole trained backbone: `trained` itself when the whole backbone trained (first None),
+    else `base` with the trained top layers in place of its own (shared arrays, no copies)."""
+    return trained if first is None else {**base, **trained}

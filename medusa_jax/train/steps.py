@@ -237,3 +237,12 @@ def evaluate_positions(hcfg, tc, heads_params, lm, emb, pos: D.Positions, remap:
         per, c, r = (np.asarray(x, np.float64) for x in fn(heads_params, lm, emb, batch))
         tot, cnt, ranks, misses = tot + per * c, cnt + c, ranks + r, misses + miss
     return _summary(tot, cnt, ranks, misses)
+
+
+def restrict_labels(lab, ok, remap: Optional[np.ndarray]):
+    """lab / ok [K, B, T] as indices into the proposal vocabulary (`remap` [V] int, -1 outside;
+    None: unchanged): labels outside it leave the loss."""
+    if remap is None:
+        return lab, ok
+    mapped = remap[np.asarray(lab)]
+    return np.maximum(mapped, 0).astype(np.int32), np.asarray(ok) & (mapped >= 0)

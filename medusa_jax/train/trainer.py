@@ -52,7 +52,7 @@ import os
 import shutil
 import time
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Any, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -73,16 +73,9 @@ from medusa_jax.train.config import TrainConfig
 from medusa_jax.train.distill import SAMPLES_FILE
 from medusa_jax.train.drift import measure_drift
 from medusa_jax.train.examples import distilled_for_another_model, load_examples, proposal_vocabulary
-from medusa_jax.train.hidden import (
-    Backbone,
-    build_backbone,
-    cached_positions,
-    compute_positions,
-    loop_flags,
-    note,
-    padded_sequences,
-)
-from medusa_jax.train.layer_cache import LayerInputs
+from medusa_jax.train.hidden import (Backbone, build_backbone, compute_positions, frozen_positions, note,
+                                     padded_sequences)
+from medusa_jax.train.layer_cache import LayerInputs, first_trained_layer, merged_backbone, top_layers
 from medusa_jax.train.losses import topk_from_ranks
 from medusa_jax.train.optim import make_optimizer, schedule
 from medusa_jax.train.steps import (
@@ -93,6 +86,7 @@ from medusa_jax.train.steps import (
     place_joint_batch,
     place_projections,
     restrict_batch,
+    restrict_labels,
     to_host,
 )
 
@@ -225,42 +219,6 @@ def _finished_result(tc: TrainConfig, out_dir: str, step: int) -> Optional[Train
     return TrainResult(hcfg, hp, None, raw.get("metrics") or {}, step, heads_dir, already_finished=True)
 
 
-def _frozen_data(tc: TrainConfig, bb: Backbone, train_ex, val_ex, out_dir: str, progress: bool):
-    """Flat train positions, (capped) validation positions (`data.Positions`, computed once, cached)
-    and the validation positions outside repetition loops (`loop_flags`; None when there are none).
-
-    Training positions inside loops are kept with probability ``tc.loop_weight`` (a fixed draw per
-    seed): an unbiased down-weighting that leaves the hidden-state cache as it is."""
-    train = cached_positions(tc, bb, train_ex, "train", out_dir, progress)
-    if train.num_positions == 0:
-        raise ValueError(f"{tc.data}: no training position has a valid label for any head")
-    if tc.loop_weight < 1.0:
-        flags = _checked_loop_flags(tc, train_ex, train)
-        keep = ~flags | (np.random.default_rng([tc.seed, 11]).random(len(flags)) < tc.loop_weight)
-        note(f"loop_weight={tc.loop_weight}: {int(flags.sum()):,} of {len(flags):,} training positions are inside "
-              f"repetition loops (loop_ngram={tc.loop_ngram}); {int((flags & keep).sum()):,} of them are kept")
-        train = D.select_positions(train, np.nonzero(keep)[0])
-        if train.num_positions == 0:
-            raise ValueError(f"loop_weight={tc.loop_weight} left no training position (every one is inside a "
-                             f"repetition loop of loop_ngram={tc.loop_ngram}); raise loop_weight or loop_ngram")
-    if not val_ex:
-        return train, None, None
-    val = cached_positions(tc, bb, val_ex, "val", out_dir, progress)
-    flags = _checked_loop_flags(tc, val_ex, val)
-    if tc.max_val_positions and val.num_positions > tc.max_val_positions:
-        pick = np.sort(np.random.default_rng([tc.seed, 7]).permutation(val.num_positions)[:tc.max_val_positions])
-        val, flags = D.select_positions(val, pick), flags[pick]
-    return train, val, (D.select_positions(val, np.nonzero(~flags)[0]) if flags.any() and not flags.all() else None)
-
-
-def _checked_loop_flags(tc: TrainConfig, examples, pos: D.Positions) -> np.ndarray:
-    flags = loop_flags(examples, tc.num_heads, tc.loop_ngram)
-    if len(flags) != pos.num_positions:  # a cache laid out differently from compute_positions
-        raise ValueError(f"the hidden-state cache holds {pos.num_positions} positions, the data {len(flags)}: "
-                         f"delete {tc.hidden_dir or os.path.join(tc.out_dir, 'hidden')} to recompute it")
-    return flags
-
-
 def _val_sequences(tc: TrainConfig, val_ex):
     """The first validation sequences holding at most about max_val_positions answer tokens."""
     picked, total = [], 0
@@ -311,6 +269,239 @@ def check_run_inputs(tc: TrainConfig, model: bool = True) -> None:
                               "created if missing) or null (out_dir/hidden)")
 
 
+@dataclass
+class _Run:
+    """What one run's steps, evaluations and export read (`_setup_run`; the mode's fields from
+    `_joint_setup` / `_frozen_setup`; lm_train and emb placed on the mesh by `train`)."""
+    tc: TrainConfig
+    bb: Backbone
+    hcfg: MedusaConfig
+    joint: bool
+    first: Optional[int]  # the first decoder layer that trains (`first_trained_layer`); None: all or none
+    train_ex: list
+    val_ex: list
+    proposal_ids: Optional[np.ndarray]  # the proposal vocabulary [N] (`proposal_vocabulary`), or None
+    remap: Optional[np.ndarray]  # [V] index into it, -1 outside; None without one
+    lm_train: Any  # the lm_head [D, V] (or its N proposal columns) in head_matmul_dtype
+    emb: Any  # the token embeddings [V, D] (hydra heads' paths), frozen
+    mesh: Any
+    progress: bool
+    n_items: int = 0  # what an epoch runs over: chats (joint mode) or positions (frozen mode)
+    step_fns: Optional[dict] = None  # joint: {whether the backbone trains: the jitted step}
+    frozen_step: Any = None  # frozen: the jitted step
+    inputs: Optional[LayerInputs] = None  # joint with train_layers: the top layers' cached inputs
+    train_pos: Optional[D.Positions] = None  # frozen: the training positions
+    val: Optional[D.Positions] = None  # frozen: the validation positions (None without)
+    val_noloop: Optional[D.Positions] = None  # frozen: those outside repetition loops (None without)
+
+    @property
+    def top(self) -> bool:
+        """Joint mode on the top train_layers layers only."""
+        return self.first is not None
+
+
+def _finished_run(tc: TrainConfig, out_dir: str, ck_dir: str) -> Optional[TrainResult]:
+    """The export of the run in out_dir when it is this run, finished with the same settings (a
+    notice says nothing trains); None when there is something to train or to export again (a notice
+    says which). Raises ResumeConflictError as `check_resume` does."""
+    point = latest_checkpoint(ck_dir)
+    if point is None:
+        return None
+    notice = check_resume(tc, point[0], point[1].get("config", {}))
+    if notice:
+        note(notice)
+    elif point[0] == tc.steps:
+        done = _finished_result(tc, out_dir, point[0])
+        if done is not None:
+            note(f"{out_dir} already holds this run, finished ({point[0]}/{tc.steps} steps) with the same "
+                 f"settings; nothing was trained. Its heads: {done.heads_dir}. To train longer: --set "
+                 f"steps=N (N > {tc.steps}); to train again from scratch: --no-resume; for a separate run: "
+                 "--set out_dir=DIR")
+            return done
+        note(f"{out_dir} holds this run, finished ({point[0]}/{tc.steps} steps); exporting its heads again "
+             f"(export settings changed or {os.path.join(out_dir, 'heads')} is missing)")
+    return None
+
+
+def _setup_run(tc: TrainConfig, bb: Backbone, mesh, out_dir: str, progress: bool):
+    """The run's heads config, examples (notes on stderr when they are another model's or hold no
+    validation chat), proposal vocabulary, lm_head and embeddings, and the mode's optimizer and
+    data. Returns (`_Run`, initial params, their optimizer state)."""
+    mcfg, joint = bb.cfg, tc.mode == "joint"
+    if mesh is not None and joint:
+        sharding.check_model_axis(mcfg, mesh.shape["model"])
+    hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=tc.num_heads,
+                        num_layers=tc.num_layers, shared_lm_head=tc.shared_lm_head, topk=tc.topk,
+                        base_model=os.path.basename(os.path.normpath(bb.path)), head_type=tc.head_type)
+    lm0 = jnp.asarray(lm_head_matrix(mcfg, bb.params))
+    emb = jnp.asarray(token_embeddings(bb.params))  # hydra heads' path embeddings (frozen)
+    train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
+    if tc.data != "synthetic" and (other := distilled_for_another_model(tc.data, bb.path)):
+        note(other)
+    if not val_ex:
+        note(f"val_fraction={tc.val_fraction} holds out none of the {len(train_ex)} chats: no validation accuracy"
+             + (" and no tree searched on it (the heads are saved without one)" if tc.tree == "search" else "")
+             + "; distill more chats or raise val_fraction")
+    proposal_ids, remap = proposal_vocabulary(tc, train_ex, mcfg.vocab_size)
+    # cast once: the frozen steps take it as is; with a proposal vocabulary only its columns
+    lm_train = (lm0 if proposal_ids is None else lm0[:, proposal_ids]).astype(tc.head_matmul_dtype)
+    heads0 = initial_heads(tc, hcfg, mcfg, lm0)
+    run = _Run(tc, bb, hcfg, joint, first_trained_layer(tc, mcfg), train_ex, val_ex, proposal_ids, remap,
+               lm_train, emb, mesh, progress)
+    params, opt_state = (_joint_setup if joint else _frozen_setup)(run, heads0, out_dir)
+    return run, params, opt_state
+
+
+def _joint_setup(run: _Run, heads0: dict, out_dir: str):
+    """Joint mode: the heads' and the backbone's optimizers (the backbone's starts after
+    heads_warmup_steps), the steps, and with train_layers the top layers' cached inputs. Returns
+    (params {"heads", "backbone"}, optimizer state)."""
+    tc, bb = run.tc, run.bb
+    opts = {"heads": make_optimizer(tc, tc.learning_rate * tc.heads_lr_multiplier, tc.steps),
+            "backbone": make_optimizer(tc, tc.learning_rate, tc.steps - tc.heads_warmup_steps)}
+    backbone = top_layers(bb.params, run.first, bb.cfg.num_layers) if run.top else bb.params
+    params = {"heads": heads0, "backbone": backbone}
+    opt_state = {k: opts[k].init(params[k]) for k in opts}
+    run.step_fns = {b: make_joint_step(bb.cfg, run.hcfg, tc, opts, b, run.first) for b in (False, True)}
+    run.n_items = len(run.train_ex)
+    if run.top:  # the residual stream entering the first trained layer, once per sequence visited
+        run.inputs = LayerInputs(tc, bb, run.train_ex, run.first, out_dir)
+    return params, opt_state
+
+
+def _frozen_setup(run: _Run, heads0: dict, out_dir: str):
+    """Frozen mode: the heads' optimizer and step, and the positions (`frozen_positions`). Returns
+    (the heads' params, their optimizer state)."""
+    tc = run.tc
+    opt = make_optimizer(tc, tc.learning_rate * tc.heads_lr_multiplier, tc.steps)
+    opt_state = opt.init(heads0)
+    run.frozen_step = make_frozen_step(run.hcfg, tc, opt)
+    run.train_pos, run.val, run.val_noloop = frozen_positions(tc, run.bb, run.train_ex, run.val_ex, out_dir,
+                                                              run.progress)
+    run.n_items = run.train_pos.num_positions
+    return heads0, opt_state
+
+
+def _evaluate(run: _Run, p) -> dict:
+    """The validation metrics of params `p` ({} without validation data): the heads' loss and
+    accuracies (frozen mode: also outside repetition loops), in joint mode through the trained
+    backbone, with its drift from the original (``val_kl``, ``val_top1_agreement``)."""
+    tc, hcfg, bb = run.tc, run.hcfg, run.bb
+    if not run.joint:
+        if run.val is None or not run.val.num_positions:
+            return {}
+        out = evaluate_positions(hcfg, tc, p, run.lm_train, run.emb, run.val, run.remap)
+        if run.val_noloop is not None:  # the same heads outside repetition loops (`loop_flags`)
+            clean = evaluate_positions(hcfg, tc, p, run.lm_train, run.emb, run.val_noloop, run.remap)
+            out.update({"val_noloop_top1": clean["val_top1"], "val_noloop_top5": clean["val_top5"]})
+        return out
+    if not run.val_ex:
+        return {}
+    tuned, seqs = merged_backbone(bb.params, p["backbone"], run.first), _val_sequences(tc, run.val_ex)
+    v = compute_positions(Backbone(bb.cfg, tuned, bb.path), seqs, tc.num_heads, tc.max_seq_len,
+                          tc.hidden_batch_tokens, progress=False)
+    if run.top:
+        out = evaluate_positions(hcfg, tc, p["heads"], run.lm_train, run.emb, v, run.remap)
+    else:
+        out = evaluate_positions(hcfg, tc, p["heads"], lm_head_matrix(bb.cfg, tuned), token_embeddings(tuned), v)
+    drift = measure_drift(bb.cfg, bb.params, tuned, seqs, tc.max_seq_len, tc.hidden_batch_tokens)
+    return {**out, "val_kl": round(drift["kl"], 6), "val_top1_agreement": round(drift["top1_agreement"], 5)}
+
+
+def _save_checkpoint(run: _Run, ck: Checkpointer, s: int, params, opt_state) -> None:
+    """Checkpoints step `s` with where it is in the data order."""
+    tc, n_items = run.tc, run.n_items
+    meta = {"step": s, "seed": tc.seed, "data_items": n_items, "epoch": (s * tc.batch_size) // n_items,
+            "index_in_epoch": (s * tc.batch_size) % n_items, "config": tc.to_dict()}
+    ck.save(s, {"params": params, "opt_state": opt_state, "step": np.int64(s)}, meta)
+
+
+def _one_step(run: _Run, params, opt_state, ref, step: int):
+    """Runs training step `step` (0-based) on its batch (`batch_indices`). Returns (params,
+    optimizer state, the step's stats, on the device)."""
+    tc = run.tc
+    idx = batch_indices(run.n_items, tc.batch_size, tc.seed, step)
+    if not run.joint:
+        batch = restrict_batch(D.positions_batch(run.train_pos, idx, soft=tc.loss_targets == "soft"), run.remap)[0]
+        return run.frozen_step(params, opt_state, run.lm_train, run.emb, place_frozen_batch(batch, run.mesh))
+    tokens, mask = padded_sequences([run.train_ex[i] for i in idx], tc.batch_size, tc.max_seq_len)
+    lab, ok = restrict_labels(*D.head_targets(tokens, mask, tc.num_heads), run.remap)
+    x = run.inputs.batch(idx, tc.batch_size) if run.top else tokens
+    consts = (run.lm_train, run.emb) if run.top else ()
+    return run.step_fns[step >= tc.heads_warmup_steps](
+        params, opt_state, ref, *place_joint_batch(x, tokens, lab, ok, *D.base_targets(tokens, mask), run.mesh),
+        *consts)
+
+
+def _train_steps(run: _Run, ck: Checkpointer, metrics: MetricsLog, params, opt_state, ref, step: int, end: int):
+    """Trains from `step` up to `end`, writing a metrics line every log_every steps (with the
+    validation metrics every eval_every steps and at the last) and a checkpoint every
+    checkpoint_every steps before the last. Returns (params, optimizer state, step reached, the last
+    validation metrics). Raises TrainingDivergedError when the loss is NaN or infinite."""
+    tc = run.tc
+    acc, last_eval = None, {}
+    if step == 0 and tc.eval_every:  # the starting point of the accuracy curves
+        metrics.write({"step": 0, "epoch": 0.0, **_evaluate(run, params)})
+    t_log = time.perf_counter()
+    if run.top and step < end:  # every sequence the remaining steps visit, before the first step
+        run.inputs.ensure(np.concatenate([batch_indices(run.n_items, tc.batch_size, tc.seed, s)
+                                          for s in range(step, end)]), run.progress)
+    bar = tqdm(total=tc.steps, initial=step, desc=f"train ({tc.mode})", disable=not run.progress, dynamic_ncols=True)
+    while step < end:
+        params, opt_state, st = _one_step(run, params, opt_state, ref, step)
+        st = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), st)
+        if not np.isfinite(st["loss"]):
+            bar.close()
+            kept = f"; the last checkpoint ({tc.out_dir}/checkpoints) is kept" if tc.checkpoint_every else ""
+            raise TrainingDivergedError(
+                f"the training loss became {float(st['loss'])} at step {step + 1} (learning_rate "
+                f"{tc.learning_rate}): nothing of this step is saved{kept}; train again with a lower "
+                "learning_rate")
+        acc = dict(st, n=1) if acc is None else {k: acc[k] + st.get(k, 1) for k in acc}
+        step += 1
+        bar.update(1)
+        is_eval = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
+        if step % tc.log_every == 0 or is_eval or step == end:
+            rec = _record(tc, acc, step, run.n_items, time.perf_counter() - t_log, run.joint)
+            if is_eval:
+                last_eval = _evaluate(run, params)
+                rec.update(last_eval)
+            metrics.write(rec)
+            bar.set_postfix(loss=rec["loss"], top1=rec.get("val_top1", rec["train_top1"])[0])
+            acc, t_log = None, time.perf_counter()
+        if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
+            _save_checkpoint(run, ck, step, params, opt_state)
+    bar.close()
+    return params, opt_state, step, last_eval
+
+
+def _finish(run: _Run, ck: Checkpointer, params, opt_state, step: int, last_eval: dict, out_dir: str,
+            primary: bool) -> TrainResult:
+    """The run's result; when it reached ``steps``: its last checkpoint, the drift guard (joint mode)
+    and the export (by the primary process). Raises BackboneDriftError (`check_drift`)."""
+    tc = run.tc
+    np_params = to_host(params)
+    heads_p, backbone_p = (np_params["heads"], np_params["backbone"]) if run.joint else (np_params, None)
+    if run.top:
+        backbone_p = merged_backbone(to_host(run.bb.params), backbone_p, run.first)
+    heads_dir = None
+    out_cfg = run.hcfg
+    if run.proposal_ids is not None:  # the exported heads decode with the vocabulary they were trained on
+        heads_p = {**heads_p, "proposal_ids": np.asarray(run.proposal_ids, np.int32)}
+        out_cfg = run.hcfg.replace(proposal_vocab_size=len(run.proposal_ids))
+    if step >= tc.steps:
+        _save_checkpoint(run, ck, step, params, opt_state)
+        last_eval = last_eval or _evaluate(run, params)
+    ck.close()
+    if step >= tc.steps:
+        if run.joint:
+            check_drift(tc, last_eval)
+        if primary:
+            heads_dir = export(tc, out_cfg, heads_p, backbone_p, run.bb, last_eval, out_dir,
+                               tuned_layers=list(range(run.first, run.bb.cfg.num_layers)) if run.top else None)
+    return TrainResult(out_cfg, heads_p, backbone_p, last_eval, step, heads_dir)
+
+
 def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = None,
           backbone: Optional[Backbone] = None, progress: bool = True) -> TrainResult:
     """Train Medusa heads as `tc` says (see the module docstring); resumable.
@@ -331,73 +522,25 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     Raises: ResumeConflictError (a ValueError: out_dir holds a run this config cannot continue,
       checked before anything is loaded or written), FileNotFoundError (model or data missing),
       ValueError (bad data, mismatched checkpoint or init_heads), TrainingDivergedError (a
-      ValueError: the loss became NaN or infinite; nothing past the last checkpoint is written).
+      ValueError: the loss became NaN or infinite; nothing past the last checkpoint is written),
+      BackboneDriftError (a ValueError, joint mode: the backbone drifted beyond max_kl; it is checkpointed,
+      not exported).
     """
     check_run_inputs(tc, model=backbone is None)
     out_dir = os.path.abspath(tc.out_dir)
     ck_dir = os.path.join(out_dir, "checkpoints")
     if not resume:
         shutil.rmtree(ck_dir, ignore_errors=True)
-    point = latest_checkpoint(ck_dir)
-    if point is not None:
-        notice = check_resume(tc, point[0], point[1].get("config", {}))
-        if notice:
-            note(notice)
-        elif point[0] == tc.steps:
-            done = _finished_result(tc, out_dir, point[0])
-            if done is not None:
-                note(f"{out_dir} already holds this run, finished ({point[0]}/{tc.steps} steps) with the same "
-                      f"settings; nothing was trained. Its heads: {done.heads_dir}. To train longer: --set "
-                      f"steps=N (N > {tc.steps}); to train again from scratch: --no-resume; for a separate run: "
-                      "--set out_dir=DIR")
-                return done
-            note(f"{out_dir} holds this run, finished ({point[0]}/{tc.steps} steps); exporting its heads again "
-                  f"(export settings changed or {os.path.join(out_dir, 'heads')} is missing)")
+    done = _finished_run(tc, out_dir, ck_dir)
+    if done is not None:
+        return done
     mesh = sharding.mesh_from_arg(tc.mesh)
     primary = jax.process_index() == 0  # the process that writes metrics and the export
     os.makedirs(out_dir, exist_ok=True)
     if primary:
         with open(os.path.join(out_dir, "train_config.json"), "w") as f:
             json.dump(tc.to_dict(), f, indent=2)
-    bb = backbone or build_backbone(tc)
-    mcfg, K, joint = bb.cfg, tc.num_heads, tc.mode == "joint"
-    if mesh is not None and joint:
-        sharding.check_model_axis(mcfg, mesh.shape["model"])
-    hcfg = MedusaConfig(hidden_size=mcfg.hidden_size, vocab_size=mcfg.vocab_size, num_heads=K,
-                        num_layers=tc.num_layers, shared_lm_head=tc.shared_lm_head, topk=tc.topk,
-                        base_model=os.path.basename(os.path.normpath(bb.path)), head_type=tc.head_type)
-    lm0 = jnp.asarray(lm_head_matrix(mcfg, bb.params))
-    emb = jnp.asarray(token_embeddings(bb.params))  # hydra heads' path embeddings (frozen)
-    soft = tc.loss_targets == "soft"
-    train_ex, val_ex = load_examples(tc, mcfg.vocab_size)
-    if tc.data != "synthetic" and (other := distilled_for_another_model(tc.data, bb.path)):
-        note(other)
-    if not val_ex:
-        note(f"val_fraction={tc.val_fraction} holds out none of the {len(train_ex)} chats: no validation accuracy"
-             + (" and no tree searched on it (the heads are saved without one)" if tc.tree == "search" else "")
-             + "; distill more chats or raise val_fraction")
-    proposal_ids, remap = proposal_vocabulary(tc, train_ex, mcfg.vocab_size)
-    # cast once: the frozen steps take it as is; with a proposal vocabulary only its columns
-    lm_train = (lm0 if proposal_ids is None else lm0[:, proposal_ids]).astype(tc.head_matmul_dtype)
-    heads_lr = tc.learning_rate * tc.heads_lr_multiplier
-    heads0 = initial_heads(tc, hcfg, mcfg, lm0)
-    first = first_trained_layer(tc, mcfg)
-    top = first is not None  # joint mode on the top train_layers layers
-    if joint:
-        opts = {"heads": make_optimizer(tc, heads_lr, tc.steps),
-                "backbone": make_optimizer(tc, tc.learning_rate, tc.steps - tc.heads_warmup_steps)}
-        params = {"heads": heads0, "backbone": top_layers(bb.params, first, mcfg.num_layers) if top else bb.params}
-        opt_state = {k: opts[k].init(params[k]) for k in opts}
-        step_fns = {b: make_joint_step(mcfg, hcfg, tc, opts, b, first) for b in (False, True)}
-        n_items = len(train_ex)
-        if top:  # the residual stream entering the first trained layer, once per sequence visited
-            inputs = LayerInputs(tc, bb, train_ex, first, out_dir)
-    else:
-        opt = make_optimizer(tc, heads_lr, tc.steps)
-        params, opt_state = heads0, opt.init(heads0)
-        frozen_step = make_frozen_step(hcfg, tc, opt)
-        train_pos, val, val_noloop = _frozen_data(tc, bb, train_ex, val_ex, out_dir, progress)
-        n_items = train_pos.num_positions
+    run, params, opt_state = _setup_run(tc, backbone or build_backbone(tc), mesh, out_dir, progress)
     ck = Checkpointer(ck_dir, tc.keep_checkpoints)
     step = 0
     if resume and ck.latest_step() is not None:
@@ -406,134 +549,14 @@ def train(tc: TrainConfig, resume: bool = True, stop_at_step: Optional[int] = No
     else:  # copies: the steps donate their inputs, and bb.params must survive (teacher, export)
         params, opt_state = jax.tree_util.tree_map(lambda x: jnp.array(x, copy=True), (params, opt_state))
     metrics = MetricsLog(out_dir, step if step else -1, write=primary)  # from step 0: no earlier line is kept
-    ref = bb.params if joint and (tc.base_loss == "kl" or top) else None
+    ref = run.bb.params if run.joint and (tc.base_loss == "kl" or run.top) else None
     if mesh is not None:  # Megatron-style on 'model' (`sharding.RULES`), optimizer states as their params
         params, opt_state, ref = sharding.shard_params((params, opt_state, ref), mesh)
-        lm_train, emb = place_projections(lm_train, emb, mesh)
-
-    def evaluate(p) -> dict:
-        if not joint:
-            if val is None or not val.num_positions:
-                return {}
-            out = evaluate_positions(hcfg, tc, p, lm_train, emb, val, remap)
-            if val_noloop is not None:  # the same heads outside repetition loops (`loop_flags`)
-                clean = evaluate_positions(hcfg, tc, p, lm_train, emb, val_noloop, remap)
-                out.update({"val_noloop_top1": clean["val_top1"], "val_noloop_top5": clean["val_top5"]})
-            return out
-        if not val_ex:
-            return {}
-        tuned, seqs = merged_backbone(bb.params, p["backbone"], first), _val_sequences(tc, val_ex)
-        v = compute_positions(Backbone(mcfg, tuned, bb.path), seqs, K, tc.max_seq_len, tc.hidden_batch_tokens,
-                              progress=False)
-        if top:
-            out = evaluate_positions(hcfg, tc, p["heads"], lm_train, emb, v, remap)
-        else:
-            out = evaluate_positions(hcfg, tc, p["heads"], lm_head_matrix(mcfg, tuned), token_embeddings(tuned), v)
-        drift = measure_drift(mcfg, bb.params, tuned, seqs, tc.max_seq_len, tc.hidden_batch_tokens)
-        return {**out, "val_kl": round(drift["kl"], 6), "val_top1_agreement": round(drift["top1_agreement"], 5)}
-
-    def save(s):
-        meta = {"step": s, "seed": tc.seed, "data_items": n_items, "epoch": (s * tc.batch_size) // n_items,
-                "index_in_epoch": (s * tc.batch_size) % n_items, "config": tc.to_dict()}
-        ck.save(s, {"params": params, "opt_state": opt_state, "step": np.int64(s)}, meta)
-
-    acc, last_eval = None, {}
-    if step == 0 and tc.eval_every:  # the starting point of the accuracy curves
-        metrics.write({"step": 0, "epoch": 0.0, **evaluate(params)})
-    t_log, end = time.perf_counter(), min(tc.steps, stop_at_step if stop_at_step is not None else tc.steps)
-    if top and step < end:  # every sequence the remaining steps visit, before the first step
-        inputs.ensure(np.concatenate([batch_indices(n_items, tc.batch_size, tc.seed, s) for s in range(step, end)]),
-                      progress)
-    bar = tqdm(total=tc.steps, initial=step, desc=f"train ({tc.mode})", disable=not progress, dynamic_ncols=True)
-    while step < end:
-        idx = batch_indices(n_items, tc.batch_size, tc.seed, step)
-        if joint:
-            tokens, mask = padded_sequences([train_ex[i] for i in idx], tc.batch_size, tc.max_seq_len)
-            lab, ok = restrict_labels(*D.head_targets(tokens, mask, K), remap)
-            x = inputs.batch(idx, tc.batch_size) if top else tokens
-            consts = (lm_train, emb) if top else ()
-            params, opt_state, st = step_fns[step >= tc.heads_warmup_steps](
-                params, opt_state, ref, *place_joint_batch(x, tokens, lab, ok, *D.base_targets(tokens, mask), mesh),
-                *consts)
-        else:
-            batch = restrict_batch(D.positions_batch(train_pos, idx, soft=soft), remap)[0]
-            params, opt_state, st = frozen_step(params, opt_state, lm_train, emb, place_frozen_batch(batch, mesh))
-        st = jax.tree_util.tree_map(lambda x: np.asarray(x, np.float64), st)
-        if not np.isfinite(st["loss"]):
-            bar.close()
-            kept = f"; the last checkpoint ({tc.out_dir}/checkpoints) is kept" if tc.checkpoint_every else ""
-            raise TrainingDivergedError(
-                f"the training loss became {float(st['loss'])} at step {step + 1} (learning_rate "
-                f"{tc.learning_rate}): nothing of this step is saved{kept}; train again with a lower "
-                "learning_rate")
-        acc = dict(st, n=1) if acc is None else {k: acc[k] + st.get(k, 1) for k in acc}
-        step += 1
-        bar.update(1)
-        is_eval = (tc.eval_every and step % tc.eval_every == 0) or step == tc.steps
-        if step % tc.log_every == 0 or is_eval or step == end:
-            rec = _record(tc, acc, step, n_items, time.perf_counter() - t_log, joint)
-            if is_eval:
-                last_eval = evaluate(params)
-                rec.update(last_eval)
-            metrics.write(rec)
-            bar.set_postfix(loss=rec["loss"], top1=rec.get("val_top1", rec["train_top1"])[0])
-            acc, t_log = None, time.perf_counter()
-        if tc.checkpoint_every and step % tc.checkpoint_every == 0 and step < tc.steps:
-            save(step)
-    bar.close()
+        run.lm_train, run.emb = place_projections(run.lm_train, run.emb, mesh)
+    end = min(tc.steps, stop_at_step if stop_at_step is not None else tc.steps)
+    params, opt_state, step, last_eval = _train_steps(run, ck, metrics, params, opt_state, ref, step, end)
     metrics.plot()  # also for runs stopped early or without validation data
-    np_params = to_host(params)
-    heads_p, backbone_p = (np_params["heads"], np_params["backbone"]) if joint else (np_params, None)
-    if top:
-        backbone_p = merged_backbone(to_host(bb.params), backbone_p, first)
-    heads_dir = None
-    out_cfg = hcfg
-    if proposal_ids is not None:  # the exported heads decode with the vocabulary they were trained on
-        heads_p = {**heads_p, "proposal_ids": np.asarray(proposal_ids, np.int32)}
-        out_cfg = hcfg.replace(proposal_vocab_size=len(proposal_ids))
-    if step >= tc.steps:
-        save(step)
-        last_eval = last_eval or evaluate(params)
-    ck.close()
-    if step >= tc.steps:
-        if joint:
-            check_drift(tc, last_eval)
-        if primary:
-            heads_dir = export(tc, out_cfg, heads_p, backbone_p, bb, last_eval, out_dir,
-                               tuned_layers=list(range(first, mcfg.num_layers)) if top else None)
-    return TrainResult(out_cfg, heads_p, backbone_p, last_eval, step, heads_dir)
-
-
-def first_trained_layer(tc: TrainConfig, mcfg: ModelConfig) -> Optional[int]:
-    """The first decoder layer that trains: L - train_layers in joint mode with train_layers > 0,
-    else None (the whole backbone, or none in frozen mode). Raises ValueError when train_layers > L."""
-    if tc.mode != "joint" or not tc.train_layers:
-        return None
-    if tc.train_layers > mcfg.num_layers:
-        raise ValueError(f"train_layers={tc.train_layers}, but the model has {mcfg.num_layers} layers; set "
-                         f"train_layers <= {mcfg.num_layers} (0 = the whole backbone)")
-    return mcfg.num_layers - tc.train_layers
-
-
-def top_layers(params: dict, first: int, num_layers: int) -> dict:
-    """The params of decoder layers first .. num_layers - 1 (``layers_{i}``): what trains with
-    train_layers > 0. The arrays are shared, not copied."""
-    return {f"layers_{i}": params[f"layers_{i}"] for i in range(first, num_layers)}
-
-
-def merged_backbone(base: dict, trained: dict, first: Optional[int]) -> dict:
-    """The whole trained backbone: `trained` itself when the whole backbone trained (first None),
-    else `base` with the trained top layers in place of its own (shared arrays, no copies)."""
-    return trained if first is None else {**base, **trained}
-
-
-def restrict_labels(lab, ok, remap: Optional[np.ndarray]):
-    """lab / ok [K, B, T] as indices into the proposal vocabulary (`remap` [V] int, -1 outside;
-    None: unchanged): labels outside it leave the loss."""
-    if remap is None:
-        return lab, ok
-    mapped = remap[np.asarray(lab)]
-    return np.maximum(mapped, 0).astype(np.int32), np.asarray(ok) & (mapped >= 0)
+    return _finish(run, ck, params, opt_state, step, last_eval, out_dir, primary)
 
 
 def check_drift(tc: TrainConfig, metrics: dict) -> None:
