@@ -24,7 +24,7 @@ from medusa_jax.convert import cache
 from medusa_jax.convert.gguf import GGUF_MAGIC, load_gguf, open_gguf
 from medusa_jax.convert.gguf_tokenizer import tokenizer_from_gguf
 from medusa_jax.convert.hf import ConversionError, load_hf
-from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.config import DTYPES, ModelConfig
 from medusa_jax.models.llama import LlamaModel
 
 # transformers prints an advisory on import when torch is absent; this library never needs torch.
@@ -253,10 +253,6 @@ def stored_weights_apply(dtype=np.float32) -> bool:
     backend and the block kernels available (`kernels.status`). Elsewhere (GPUs, bfloat16,
     XLA's products) the weights are dequantized at load, as with "float32"."""
     return np.dtype(dtype) == np.float32 and kernels.in_use()
-
-
-DTYPES = ("float32", "bfloat16", "float16")
-"""The weight dtypes `load_model` takes (float64 loads as float32, as JAX without x64 computes)."""
 
 
 def check_dtype(dtype) -> np.dtype:

@@ -63,7 +63,7 @@ from medusa_jax.decoding.tree import MC_SIM_7B_63, PLAIN_TREE, build_tree, prefi
 from medusa_jax.decoding.tree_estimates import greedy_tree_search
 from medusa_jax.heads.config import MedusaConfig
 from medusa_jax.heads.medusa import MedusaHeads, prepare_heads
-from medusa_jax.models.config import ModelConfig
+from medusa_jax.models.config import DTYPES, ModelConfig
 from medusa_jax.models.kv_cache import KVCache
 from medusa_jax.models.llama import LlamaModel
 
@@ -97,9 +97,6 @@ PRESETS: Dict[str, Dict[str, Any]] = {
         "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0, "hidden_act": "silu",
         "torch_dtype": "float16"},
 }
-
-
-DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
 
 
 ACCEPTANCES: Tuple[str, ...] = ("greedy", "exact", "typical")

@@ -17,6 +17,10 @@ SUPPORTED_ARCHITECTURES: Tuple[str, ...] = ("llama", "mistral", "qwen2", "qwen3"
 #: hidden_size // num_attention_heads as for the other families).
 QWEN3_DEFAULT_HEAD_DIM = 128
 
+#: The dtypes the backbone loads and computes in (``--dtype``; `convert.load.load_model`, the memory
+#: plan). float64 loads as float32, as JAX without x64 computes.
+DTYPES: Tuple[str, ...] = ("float32", "bfloat16", "float16")
+
 
 #: Attention kinds a layer may have (``ModelConfig.layer_types``, transformers' names).
 LAYER_TYPES: Tuple[str, ...] = ("full_attention", "sliding_attention")
