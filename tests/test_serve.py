@@ -807,6 +807,32 @@ def test_the_grace_end_answers_requests_while_the_engine_is_compiling():
     assert all(h.cancelled.is_set() for h in engine.handles)  # and the engine frees their rows when it can
 
 
+def test_a_body_is_answered_for_its_first_field_at_fault():
+    """The request models (`protocol.ChatCompletionRequest`, `CompletionRequest`) check their fields
+    in the order the server always has: a body at fault in several fields is answered for the
+    first (the model before the unsupported fields, those before the others); a missing
+    ``messages`` is named; a field sent as null is taken as absent."""
+    from medusa_jax.serve.protocol import RequestError, check_request
+
+    chat = {"model": MODEL, "messages": [{"role": "user", "content": "x"}]}
+    for extra, param in (({"temperature": 5, "n": 0}, "n"), ({"model": "other", "best_of": 2}, "model"),
+                         ({"best_of": 2, "temperature": 5}, "best_of"),
+                         ({"allowed_token_ids": [], "bad_words": 5}, "bad_words"),
+                         ({"allowed_token_ids": []}, "allowed_token_ids"),
+                         ({"max_completion_tokens": 0, "max_tokens": "x"}, "max_tokens"),
+                         ({"continue_final_message": True}, "add_generation_prompt"),
+                         ({"stream": True, "stream_options": {"include_usage": None}}, "stream_options.include_usage")):
+        with pytest.raises(RequestError) as e:
+            check_request(dict(chat, **extra), [MODEL], 64, True)
+        assert e.value.param == param, (extra, e.value)
+    with pytest.raises(RequestError, match="^messages is required$"):
+        check_request({"model": MODEL}, [MODEL], 64, True)
+    gen = check_request(dict(chat, temperature=None, n=None, stop=None, stream_options=None), [MODEL], 64, True)
+    assert (gen.temperature, gen.n, gen.stop, gen.include_usage) == (1.0, 1, [], False)
+    with pytest.raises(RequestError, match="^prompt must be a string or a list of token ids, got NoneType$"):
+        check_request({"prompt": None}, [MODEL], 64, False)
+
+
 def test_top_p_is_refused_with_one_interval_whatever_side_it_misses():
     from medusa_jax.serve.protocol import RequestError, check_request
 

@@ -582,18 +582,21 @@ def test_unknown_request_fields_are_ignored_with_a_warning_in_the_log(smollm2_pa
 
 def test_every_request_field_the_server_reads_is_known():
     """The lists of known fields (`protocol.CHAT_FIELDS`, `COMPLETION_FIELDS`) hold every field the
-    request checks read, so that a field the server honours is never logged as ignored."""
+    request models declare and every field the server's modules read from a body themselves, so
+    that a field the server honours is never logged as ignored."""
     import inspect
     import re
 
-    from medusa_jax.serve import app, protocol
+    from medusa_jax.serve import app, body, prompts, protocol, running, serving
 
-    source = inspect.getsource(protocol) + inspect.getsource(app)
+    assert set(protocol.ChatCompletionRequest.model_fields) <= protocol.CHAT_FIELDS
+    assert set(protocol.CompletionRequest.model_fields) <= protocol.COMPLETION_FIELDS
+    source = "".join(inspect.getsource(m) for m in (protocol, app, body, prompts, running, serving))
     read = set(re.findall(r'body\.get\("(\w+)"|body\["(\w+)"\]|\(body, "(\w+)"', source))
     read = {name for names in read for name in names if name} - {"tokens", "return_token_strs"}  # (de)tokenize's
-    read |= {"presence_penalty", "frequency_penalty"}  # read in a loop
     assert read <= protocol.CHAT_FIELDS | protocol.COMPLETION_FIELDS, read - protocol.CHAT_FIELDS
     assert {"messages", "top_logprobs"} <= protocol.CHAT_FIELDS and "prompt" in protocol.COMPLETION_FIELDS
+    assert "top_logprobs" not in protocol.COMPLETION_FIELDS  # a chat's field, which a completion refuses
 
 
 @pytest.mark.slow

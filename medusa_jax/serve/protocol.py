@@ -1,34 +1,44 @@
-"""OpenAI's request schemas for the server: checked request bodies (every error names its field and
-becomes a 4xx with OpenAI's error body); the response objects and stream chunks are `serve.responses`.
+"""OpenAI's request bodies for the server, as pydantic models: `ChatCompletionRequest`
+(``/v1/chat/completions``) and `CompletionRequest` (``/v1/completions``), each field with its type,
+range and default, the cross-field rules as validators; `check_request` validates a body and
+gives the engine's settings (`Generation`), or a `RequestError` naming the field at fault (a 4xx
+with OpenAI's error body). The response objects and stream chunks are `serve.responses`.
 
-Reference: the OpenAI API's chat completions and completions objects (``chat.completion``,
-``chat.completion.chunk``, ``text_completion``, the ``usage`` and ``logprobs`` objects,
-``stream_options``); the server adds a ``speculation`` object (steps, tokens per step, draft and
-accepted tokens, summed over a request's choices).
+Reference: the OpenAI API's chat completions and completions requests, and vLLM's extensions of
+them (its ``ChatCompletionRequest`` and ``CompletionRequest``). The fields are declared in the
+order they are checked, and a request is answered for its first field at fault.
 """
 from __future__ import annotations
 
-import math
-import re
 import difflib
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Union
+from typing import Annotated, Any, ClassVar, Dict, List, Literal, Optional, Union
 
-from medusa_jax.chat import check_messages, check_text
-from medusa_jax.serve.tools import ToolError, check_tools
+from pydantic import (BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, ValidationInfo, field_validator,
+                      model_validator)
+
 from medusa_jax.decoding.args import MIN_REPETITION_PENALTY
 from medusa_jax.decoding.logprobs import MAX_TOP_LOGPROBS
+from medusa_jax.serve.errors import RequestError, error_body, refusal
+from medusa_jax.serve.fields import (CONTEXT, FLAG, MESSAGES, MODELS, TOKEN_IDS, VOCAB, WHOLE, bad_words_field,
+                                     check_flag, check_integer, check_token_ids, completion_prompts, integer,
+                                     logit_bias_field, number, stop_sequences, whole)
+from medusa_jax.serve.tools import ToolError, check_tools
+
+__all__ = ["RequestError", "error_body", "Generation", "ChatCompletionRequest", "CompletionRequest", "check_request",
+           "check_detokenize", "unknown_fields_note", "flag", "CHAT_FIELDS", "COMPLETION_FIELDS"]
 
 #: Fields this server cannot honour, with their default values: refused with a 400 when a request
 #: sets one to anything else (rather than ignored, which would answer another question than the
 #: one asked); their defaults, null, and empty lists or objects are accepted, as clients send them.
+#: A request model that declares one of them honours it (a chat's ``tools``, a completion's ``echo``).
 UNSUPPORTED: Dict[str, Any] = {
     # OpenAI's
     "tools": [], "tool_choice": "none", "functions": [], "function_call": "none",
     "audio": None, "modalities": ["text"], "prediction": None, "web_search_options": None, "suffix": "",
-    "best_of": 1, "echo": False,  # echo: a completion's is honoured (`check_request`)
+    "best_of": 1, "echo": False,
     # vLLM's sampling and output extensions (its defaults)
     "use_beam_search": False, "length_penalty": 1.0,
     "skip_special_tokens": True, "spaces_between_special_tokens": True, "prompt_logprobs": None,
@@ -38,19 +48,6 @@ UNSUPPORTED: Dict[str, Any] = {
 #: OpenAI's request fields that ask nothing of the answer (bookkeeping for OpenAI's own platform):
 #: accepted and ignored without a warning.
 BOOKKEEPING = frozenset({"user", "store", "metadata", "service_tier", "prompt_cache_key", "safety_identifier"})
-#: The fields `check_request` reads in both kinds of request (or refuses: `UNSUPPORTED`).
-_GENERATION_FIELDS = frozenset(UNSUPPORTED) | BOOKKEEPING | {
-    "model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "logprobs",
-    "logit_bias", "presence_penalty", "frequency_penalty", "response_format",
-    # vLLM's
-    "top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
-    "include_stop_str_in_output", "allowed_token_ids", "bad_words", "add_special_tokens"}
-#: Every field a ``/v1/chat/completions`` request may send that the server reads; others are
-#: ignored, as vLLM ignores them, with a warning in the server's log (`unknown_fields_note`).
-CHAT_FIELDS = _GENERATION_FIELDS | {"messages", "max_completion_tokens", "top_logprobs", "parallel_tool_calls",
-                                    "chat_template_kwargs", "add_generation_prompt", "continue_final_message"}
-#: Every field a ``/v1/completions`` request may send that the server reads.
-COMPLETION_FIELDS = _GENERATION_FIELDS | {"prompt"}
 #: transformers' ``apply_chat_template`` arguments, which ``chat_template_kwargs`` may not set (the
 #: server sets the ones it needs; the others would change what the call returns).
 TEMPLATE_CALL_ARGS = frozenset({"conversation", "tools", "documents", "chat_template", "add_generation_prompt",
@@ -71,30 +68,14 @@ MAX_PROMPTS = MAX_CHOICES
 #: The budget of a ``/v1/completions`` request without ``max_tokens`` (OpenAI's and vLLM's default;
 #: a chat's is the rest of the context, as theirs).
 COMPLETIONS_MAX_TOKENS = 16
-
-
-class RequestError(ValueError):
-    """A request the server refuses: `status` (4xx), OpenAI's error `type` and `code`, the `param`."""
-
-    def __init__(self, message: str, param: Optional[str] = None, status: int = 400,
-                 type: str = "invalid_request_error", code: Optional[str] = None):
-        super().__init__(message)
-        self.status, self.param, self.type, self.code = status, param, type, code
-
-    def body(self) -> dict:
-        return error_body(str(self), self.type, self.param, self.code)
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: Optional[str] = None,
-               code: Optional[str] = None) -> dict:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+#: Any 64-bit integer (``seed``, ``top_k``: OpenAI and vLLM take them).
+INT64 = (-2 ** 63, 2 ** 63 - 1)
 
 
 @dataclass
 class Generation:
     """A checked request: the prompt (messages, or a completion's prompts), the budget, sampling and
-    stop settings."""
+    stop settings, as the app hands them to the engine."""
     messages: Optional[List[dict]]
     prompts: Optional[List[Union[str, List[int]]]]  # a completion's: each text, or token ids
     max_tokens: Optional[int]                     # 0: a completion's echo alone
@@ -127,6 +108,7 @@ class Generation:
     tool_choice: str = "none"                     # "auto" (the default with tools): the answer may call them
     parallel_tool_calls: bool = True              # OpenAI's (chat): False keeps an answer's first call only
     echo: bool = False                            # a completion's: the prompt (and its logprobs) before the answer
+    budget_field: str = "max_tokens"              # the field that set max_tokens (a chat's max_completion_tokens)
 
     def eos_override(self, eos: List[int]) -> Optional[List[int]]:
         """The ids that end this answer given the model's `eos` ids, as the engine's
@@ -134,22 +116,6 @@ class Generation:
         if not self.ignore_eos and not self.stop_token_ids:
             return None
         return sorted(set(([] if self.ignore_eos else list(eos)) + list(self.stop_token_ids or [])))
-
-
-def _number(body: dict, name: str, default: float, low: float, high: float, open_low: bool = False) -> float:
-    """Field `name` as a finite float in [low, high] ((low, high] with `open_low`); `default`
-    when absent or null; RequestError naming the field and the interval otherwise."""
-    v = body.get(name, default)
-    if v is None:
-        return default
-    interval = f"{'(' if open_low else '['}{low}, {high}]"
-    if isinstance(v, int) and not isinstance(v, bool) and abs(v) > 2 ** 64:  # beyond a float: out of any interval
-        raise RequestError(f"{name} must be in {interval}, got an integer of {len(str(abs(v)))} digits", name)
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise RequestError(f"{name} must be a number, got {v!r}", name)
-    if not (low < v if open_low else low <= v) or not v <= high:
-        raise RequestError(f"{name} must be in {interval}, got {v}", name)
-    return float(v)
 
 
 def _is_default(v: Any, default: Any) -> bool:
@@ -165,196 +131,348 @@ def _is_default(v: Any, default: Any) -> bool:
     return default is not None and v == default
 
 
-def flag(body: dict, name: str, default: bool) -> bool:
-    """Field `name` as a boolean (`default` when absent or null); RequestError naming it otherwise."""
-    v = body.get(name)
-    if v is None:
-        return default
+def _response_format(fmt: Any) -> dict:
+    if not isinstance(fmt, dict) or fmt.get("type") != "text":
+        raise RequestError("response_format: only {'type': 'text'} is supported", "response_format",
+                           code="unsupported_parameter")
+    return fmt
+
+
+def _stream_options(options: Any, info: ValidationInfo) -> dict:
+    if not isinstance(options, dict):
+        raise RequestError(f"stream_options must be an object, got {options!r}", "stream_options")
+    if options and not info.data.get("stream", False):
+        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
+    return options
+
+
+def _include_usage(v: Any) -> bool:
     if not isinstance(v, bool):
-        raise RequestError(f"{name} must be a boolean, got {v!r}", name)
+        raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
     return v
 
 
-def _whole(v: Any) -> Optional[int]:
-    """`v` as an int when it is one, or a float with no fractional part (``7.0``: JSON has one number
-    type, and vLLM's pydantic models take such floats for integer fields); None otherwise (bools too)."""
-    if isinstance(v, bool):
-        return None
-    if isinstance(v, int):
-        return v
-    if isinstance(v, float) and v.is_integer():
-        return int(v)
-    return None
-
-
-def _integer(body: dict, name: str, low: int, high: int) -> Optional[int]:
-    v = body.get(name)
-    if v is None:
-        return None
-    n = _whole(v)
-    if n is None:
-        raise RequestError(f"{name} must be an integer, got {v!r}", name)
-    if not low <= n <= high:
-        raise RequestError(f"{name} must be in [{low}, {high}], got {n}", name)
-    return n
-
-
-def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_size: int = 2 ** 31) -> Generation:
-    """The request body of ``/v1/chat/completions`` (`chat`) or ``/v1/completions``, checked.
-
-    OpenAI's fields include ``logprobs`` / ``top_logprobs`` (`_logprobs`), ``n`` (up to `MAX_CHOICES`), a
-    completion's ``echo`` (the prompt before the answer; with ``logprobs``, the prompt tokens' own
-    log-probabilities too, the first token's null; ``max_tokens: 0`` then answers the prompt alone, as
-    vLLM does) and several prompts (`_completion_prompts`: choice ``i * n + j`` is prompt i's j-th),
-    ``logit_bias`` (`_logit_bias`), ``presence_penalty`` / ``frequency_penalty`` ([-2, 2]) and a chat's
-    ``tools`` with ``tool_choice`` "none" or "auto" (`serve.tools.check_tools`) and
-    ``parallel_tool_calls`` (false: an answer's first call only); guided output is
-    refused. Besides OpenAI's fields, vLLM's ``ignore_eos``, ``stop_token_ids``,
-    ``include_stop_str_in_output``, ``top_k`` (-1 or 0: off; k >= 1: the k most likely tokens, cut
-    before ``top_p``), ``repetition_penalty`` ([0.01, 2], 1: off), ``min_p`` ([0, 1]), ``min_tokens`` (at
-    most ``max_tokens``), ``allowed_token_ids`` (non-empty), ``bad_words`` (at most `MAX_BAD_WORDS`
-    strings; tokenized by the app: `serve.text.bad_words_ids`), and for chats
-    ``add_generation_prompt``, ``continue_final_message`` and ``chat_template_kwargs`` (passed to the
-    template, e.g. Qwen3's ``enable_thinking``) are honoured; its other extensions are refused unless at
-    their defaults.
-
-    Args:
-      body: the parsed JSON. models: the names served (a request's ``model`` must be one, or absent).
-      context: the model's context in tokens (``max_tokens`` above it is refused).
-      vocab_size: token ids in ``stop_token_ids`` must be below it.
-    Raises:
-      RequestError: a body that is not an object, an unknown model (404), a missing or malformed
-        field, ``n`` outside [1, 128], a field this server does not support; the message names the field.
-    """
-    if not isinstance(body, dict):
-        raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise RequestError(f"model must be a string, got {model!r}", "model")
-    if model is not None and model not in models:
-        raise RequestError(f"the model {model!r} does not exist; this server serves {', '.join(models)}", "model",
-                           status=404, code="model_not_found")
-    created = int(time.time())
-    for name, default in UNSUPPORTED.items():
-        if chat and name in ("tools", "tool_choice") or not chat and name == "echo":  # checked below
-            continue
-        if not _is_default(body.get(name), default):
-            raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
-                               code="unsupported_parameter")
-    logprobs = _logprobs(body, chat)
-    logit_bias = _logit_bias(body, vocab_size)
-    penalties = {name: _number(body, name, 0.0, -2.0, 2.0) for name in ("presence_penalty", "frequency_penalty")}
-    penalties["repetition_penalty"] = _number(body, "repetition_penalty", 1.0, MIN_REPETITION_PENALTY, 2.0)
-    penalties["min_p"] = _number(body, "min_p", 0.0, 0.0, 1.0)
-    fmt = body.get("response_format")
-    if fmt is not None and (not isinstance(fmt, dict) or fmt.get("type") != "text"):
-        raise RequestError("response_format: only {'type': 'text'} is supported", "response_format",
-                           code="unsupported_parameter")
-    n = _integer(body, "n", 1, MAX_CHOICES) or 1
-    messages = prompts = None
-    echo = False if chat else flag(body, "echo", False)
-    if chat:
-        if "messages" not in body:
-            raise RequestError("messages is required", "messages")
-        try:
-            messages = check_messages(body["messages"])
-        except ValueError as e:
-            field = str(e).split(":")[0] if str(e).startswith("messages") else "messages"
-            raise RequestError(str(e), field) from None
-    else:
-        prompts = _completion_prompts(body.get("prompt"), vocab_size)
-        if len(prompts) * n > MAX_CHOICES:
-            raise RequestError(f"{len(prompts)} prompts with n={n} ask for {len(prompts) * n} choices; at most "
-                               f"{MAX_CHOICES} per request", "prompt")
-    if chat and body.get("max_completion_tokens") is not None:  # it wins over max_tokens (as in vLLM,
-        _integer(body, "max_tokens", -2 ** 63, 2 ** 63 - 1)     # which then only needs to be an integer)
-        max_tokens = _integer(body, "max_completion_tokens", 1, context)
-    else:
-        max_tokens = _integer(body, "max_tokens", 0, context)
-        if max_tokens == 0 and not echo:
-            raise RequestError("max_tokens must be at least 1 (0 only with echo: true, which answers the prompt "
-                               "alone)", "max_tokens")
-    penalties["min_tokens"] = _integer(body, "min_tokens", 0, context) or 0  # <= max_tokens: checked with its default
-    stop = body.get("stop")
-    if stop is None:
-        stop = []
-    elif isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, list) or not all(isinstance(s, str) and s for s in stop) or len(stop) > MAX_STOP:
-        raise RequestError(f"stop must be a non-empty string or a list of at most {MAX_STOP}, got {body.get('stop')!r}",
-                           "stop")
-    stream = body.get("stream", False)
-    if stream is None:
-        stream = False
-    if not isinstance(stream, bool):
-        raise RequestError(f"stream must be a boolean, got {stream!r}", "stream")
-    options = body.get("stream_options")
-    options = {} if options is None else options
-    if not isinstance(options, dict):
-        raise RequestError(f"stream_options must be an object, got {options!r}", "stream_options")
-    if options and not stream:
-        raise RequestError("stream_options is only allowed when stream is true", "stream_options")
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise RequestError("stream_options.include_usage must be a boolean", "stream_options.include_usage")
-    if options.get("continuous_usage_stats") not in (None, False):  # vLLM's: usage in every chunk
+def _no_continuous_usage(v: Any) -> bool:
+    if v not in (None, False):  # vLLM's: usage in every chunk
         raise RequestError("stream_options.continuous_usage_stats is not supported by this server (only the "
                            "final usage chunk, include_usage)", "stream_options.continuous_usage_stats",
                            code="unsupported_parameter")
-    # any 64-bit seed, as OpenAI and vLLM take them; the engine's seeds are [0, 2**31): the same
-    # number below 2**31 (decode.py --seed N gives the same answer), others by their remainder (so
-    # seeds 2**31 apart sample alike)
-    seed = _integer(body, "seed", -2 ** 63, 2 ** 63 - 1)
-    seed = secrets.randbelow(2 ** 31) if seed is None else seed % 2 ** 31  # unseeded: each request its own
-    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
-    top_k = _integer(body, "top_k", -2 ** 63, 2 ** 63 - 1)
-    if top_k is not None and top_k < -1:
-        raise RequestError(f"top_k must be -1 or 0 (every token) or at least 1, got {top_k}", "top_k")
-    top_k = 0 if top_k is None or top_k < 0 else min(top_k, vocab_size, 2 ** 31 - 1)  # k >= V: every token
-    special = body.get("add_special_tokens")  # vLLM's: the tokenizer's BOS etc. (chats: the template's alone)
-    if special is not None and special is not (not chat):
-        raise RequestError(f"add_special_tokens={special!r} is not supported by this server (only {not chat}: "
-                           f"{'the tokenizer adds its special tokens' if not chat else 'the chat template has them'})",
-                           "add_special_tokens", code="unsupported_parameter")
-    if top_k == 1:  # only the most likely token: greedy, whatever the temperature
-        temperature = 0.0
-    stop_ids = _token_ids(body, "stop_token_ids", vocab_size)
-    extras = {"allowed_token_ids": _token_ids(body, "allowed_token_ids", vocab_size), "bad_words": _bad_words(body)}
-    if extras["allowed_token_ids"] == []:
-        raise RequestError("allowed_token_ids is empty, so no token could be chosen; give at least one id",
-                           "allowed_token_ids")
-    if chat:
-        try:
-            extras["tools"], extras["tool_choice"] = check_tools(body.get("tools"), body.get("tool_choice"))
-            extras["parallel_tool_calls"] = flag(body, "parallel_tool_calls", True)
-        except ToolError as e:
-            raise RequestError(str(e), e.field, code=e.code) from None
-        kwargs = body.get("chat_template_kwargs")
-        if kwargs is not None and (not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs)):
+    return False
+
+
+class StreamOptions(BaseModel):
+    """OpenAI's ``stream_options`` (only with ``stream: true``)."""
+    model_config = ConfigDict(extra="ignore")
+
+    include_usage: Annotated[bool, BeforeValidator(_include_usage)] = False  # a last chunk with the usage
+    continuous_usage_stats: Annotated[bool, BeforeValidator(_no_continuous_usage)] = False  # vLLM's: refused
+
+
+def _top_k(v: Any, info: ValidationInfo) -> int:
+    """vLLM's ``top_k`` as the engine takes it: -1 or 0 (every token): 0; k >= 1: k, at most the
+    vocabulary (every token then)."""
+    k = check_integer(v, "top_k", *INT64)
+    if k < -1:
+        raise RequestError(f"top_k must be -1 or 0 (every token) or at least 1, got {k}", "top_k")
+    return 0 if k < 0 else min(k, info.context[VOCAB], 2 ** 31 - 1)
+
+
+def _special_tokens(chat: bool) -> BeforeValidator:
+    """vLLM's ``add_special_tokens``: only its default (a chat's False: the template has them; a
+    completion's True: the tokenizer adds them)."""
+    def check(special: Any) -> bool:
+        if special is not (not chat):
+            why = "the tokenizer adds its special tokens" if not chat else "the chat template has them"
+            raise RequestError(f"add_special_tokens={special!r} is not supported by this server (only {not chat}: "
+                               f"{why})", "add_special_tokens", code="unsupported_parameter")
+        return special
+    return BeforeValidator(check)
+
+
+def _chat_logprobs(v: Any) -> bool:
+    """A chat's ``logprobs`` flag: a boolean, or 0 and 1 (as vLLM's pydantic takes them)."""
+    if isinstance(v, bool):
+        return v
+    if whole(v) not in (0, 1):
+        raise RequestError(f"logprobs must be a boolean, got {v!r}", "logprobs")
+    return whole(v) == 1
+
+
+def _zero_needs_echo(max_tokens: int, echo: bool) -> None:
+    if max_tokens == 0 and not echo:
+        raise RequestError("max_tokens must be at least 1 (0 only with echo: true, which answers the prompt "
+                           "alone)", "max_tokens")
+
+
+def _checked_tools(tools: Any, choice: Any) -> tuple:
+    """`serve.tools.check_tools`, its ToolError as a RequestError."""
+    try:
+        return check_tools(tools, choice)
+    except ToolError as e:
+        raise RequestError(str(e), e.field, code=e.code) from None
+
+
+#: Field types both kinds of request share.
+Penalty = Annotated[float, number(-2.0, 2.0)]
+ResponseFormat = Annotated[Optional[Dict[str, Any]], BeforeValidator(_response_format)]
+Stream = Annotated[StreamOptions, BeforeValidator(_stream_options)]
+Seed = Annotated[Optional[int], integer(*INT64)]
+TopK = Annotated[int, BeforeValidator(_top_k)]
+TokenIds = Annotated[Optional[List[int]], TOKEN_IDS]
+#: Checked with the field after it, ``bad_words`` (`_Request._allowed_ids_not_empty`).
+AllowedIds = Annotated[Optional[List[int]], TOKEN_IDS]
+#: Validated when absent too: `_Request._allowed_ids_not_empty`.
+BadWords = Annotated[Optional[List[str]], bad_words_field(MAX_BAD_WORDS), Field(validate_default=True)]
+Flag = Annotated[bool, FLAG]
+
+
+class _Request(BaseModel):
+    """What both request models check before their fields: the body is an object, its ``model``
+    is served (else 404), it sets no `UNSUPPORTED` field that the model does not declare, nor a
+    field of `REFUSED`; and the fields sent as null are taken as absent (but a required one's)."""
+    model_config = ConfigDict(extra="ignore")
+    #: Fields the request may not send (any value but null), and why.
+    REFUSED: ClassVar[Dict[str, str]] = {}
+
+    @model_validator(mode="before")
+    @classmethod
+    def _before_fields(cls, body: Any, info: ValidationInfo) -> dict:
+        if not isinstance(body, dict):
+            raise RequestError(f"the request body must be a JSON object, got {type(body).__name__}")
+        model, models = body.get("model"), info.context[MODELS]
+        if model is not None and not isinstance(model, str):
+            raise RequestError(f"model must be a string, got {model!r}", "model")
+        if model is not None and model not in models:
+            raise RequestError(f"the model {model!r} does not exist; this server serves {', '.join(models)}", "model",
+                               status=404, code="model_not_found")
+        for name, default in UNSUPPORTED.items():
+            if name not in cls.model_fields and not _is_default(body.get(name), default):
+                raise RequestError(f"{name} is not supported by this server (only {default!r})", name,
+                                   code="unsupported_parameter")
+        for name, why in cls.REFUSED.items():
+            if body.get(name) is not None:
+                raise RequestError(why, name)
+        required = {name for name, f in cls.model_fields.items() if f.is_required()}
+        return {k: v for k, v in body.items() if v is not None or k in required}
+
+    @field_validator("bad_words", check_fields=False)
+    @classmethod
+    def _allowed_ids_not_empty(cls, words: Optional[List[str]], info: ValidationInfo) -> Optional[List[str]]:
+        """``allowed_token_ids`` may not be empty (no token could be chosen); checked once
+        ``bad_words`` is, as the server always has (a request at fault in both is answered for
+        ``bad_words``)."""
+        if info.data.get("allowed_token_ids") == []:
+            raise RequestError("allowed_token_ids is empty, so no token could be chosen; give at least one id",
+                               "allowed_token_ids")
+        return words
+
+    def _common(self, models: List[str]) -> dict:
+        """The `Generation` fields both kinds of request set alike."""
+        return dict(temperature=0.0 if self.top_k == 1 else self.temperature,  # top_k 1: greedy
+                    top_p=self.top_p, stop=self.stop, stream=self.stream,
+                    # any 64-bit seed; the engine's are [0, 2**31): the same number below 2**31 (decode.py
+                    # --seed N gives the same answer), others by their remainder; unseeded: each its own
+                    seed=secrets.randbelow(2 ** 31) if self.seed is None else self.seed % 2 ** 31,
+                    include_usage=self.stream_options.include_usage, model=self.model or models[0],
+                    created=int(time.time()), stop_token_ids=self.stop_token_ids or None, ignore_eos=self.ignore_eos,
+                    top_k=self.top_k, include_stop=self.include_stop_str_in_output, n=self.n,
+                    logit_bias=self.logit_bias, presence_penalty=self.presence_penalty,
+                    frequency_penalty=self.frequency_penalty, repetition_penalty=self.repetition_penalty,
+                    min_p=self.min_p, min_tokens=self.min_tokens, allowed_token_ids=self.allowed_token_ids,
+                    bad_words=self.bad_words)
+
+
+class ChatCompletionRequest(_Request):
+    """The body of ``/v1/chat/completions``: OpenAI's fields (``tools`` with ``tool_choice`` "none" or
+    "auto": `serve.tools.check_tools`) and vLLM's commonest extensions (``top_k``, ``min_p``,
+    ``repetition_penalty``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``, ...,
+    ``chat_template_kwargs``, ``add_generation_prompt``, ``continue_final_message``)."""
+    model: Optional[str] = None                   # absent: the one served
+    logprobs: Annotated[bool, BeforeValidator(_chat_logprobs)] = False
+    top_logprobs: Annotated[Optional[int], integer(0, MAX_TOP_LOGPROBS)] = None  # needs logprobs
+    logit_bias: Annotated[Optional[Dict[int, float]], logit_bias_field(MAX_LOGIT_BIAS)] = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, number(MIN_REPETITION_PENALTY, 2.0)] = 1.0  # vLLM's; 1: off
+    min_p: Annotated[float, number(0.0, 1.0)] = 0.0  # vLLM's; 0: off
+    response_format: ResponseFormat = None        # only {"type": "text"}
+    n: Annotated[int, integer(1, MAX_CHOICES)] = 1
+    messages: Annotated[List[Dict[str, Any]], MESSAGES]
+    max_tokens: Annotated[Optional[int], WHOLE] = None  # in [0, context] unless max_completion_tokens is given
+    # wins over max_tokens, as in vLLM (max_tokens then only needs to be an integer); validated when
+    # absent too, to check max_tokens' range
+    max_completion_tokens: Optional[int] = Field(None, validate_default=True)
+    min_tokens: Annotated[int, integer(0, CONTEXT)] = 0  # vLLM's; at most the budget (checked by the app)
+    stop: Annotated[List[str], stop_sequences(MAX_STOP)] = Field(default_factory=list)
+    stream: Flag = False
+    stream_options: Stream = Field(default_factory=StreamOptions)
+    seed: Seed = None                             # absent: a random one
+    temperature: Annotated[float, number(0.0, 2.0)] = 1.0
+    top_k: TopK = 0                               # vLLM's; 0: every token
+    add_special_tokens: Annotated[bool, _special_tokens(chat=True)] = False
+    stop_token_ids: TokenIds = None               # vLLM's
+    allowed_token_ids: AllowedIds = None          # vLLM's
+    bad_words: BadWords = None                    # vLLM's
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Literal["none", "auto"] = Field(None, validate_default=True)  # default: "auto" with tools
+    parallel_tool_calls: Flag = True
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # vLLM's: the template's variables
+    add_generation_prompt: Flag = True            # vLLM's
+    continue_final_message: Flag = False          # vLLM's: needs add_generation_prompt false
+    top_p: Annotated[float, number(0, 1, open_low=True)] = 1.0
+    ignore_eos: Flag = False                      # vLLM's
+    include_stop_str_in_output: Flag = False      # vLLM's
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_logprobs_need_logprobs(cls, top: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if top is not None and not info.data.get("logprobs"):
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        return top
+
+    @field_validator("max_completion_tokens", mode="before")
+    @classmethod
+    def _budget(cls, v: Any, info: ValidationInfo) -> Optional[int]:
+        max_tokens, context = info.data.get("max_tokens"), info.context[CONTEXT]
+        if v is not None:
+            if max_tokens is not None:
+                check_integer(max_tokens, "max_tokens", *INT64)
+            return check_integer(v, "max_completion_tokens", 1, context)
+        if max_tokens is not None:
+            check_integer(max_tokens, "max_tokens", 0, context)
+            _zero_needs_echo(max_tokens, echo=False)
+        return None
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _tools(cls, tools: Any) -> Optional[List[dict]]:
+        return _checked_tools(tools, None)[0]
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice(cls, choice: Any, info: ValidationInfo) -> str:
+        return _checked_tools(info.data.get("tools"), choice)[1]
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_variables(cls, kwargs: Any) -> Optional[Dict[str, Any]]:
+        if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
             raise RequestError(f"chat_template_kwargs must be an object of named values, got {kwargs!r}",
                                "chat_template_kwargs")
-        taken = sorted(set(kwargs or ()) & TEMPLATE_CALL_ARGS)
+        taken = sorted(set(kwargs) & TEMPLATE_CALL_ARGS)
         if taken:
             raise RequestError(f"chat_template_kwargs: {', '.join(taken)} set how the template is called, not a "
                                "variable of it; give template variables only (e.g. enable_thinking)",
                                "chat_template_kwargs")
-        extras["template_kwargs"] = kwargs or None
-        extras["add_generation_prompt"] = flag(body, "add_generation_prompt", True)
-        extras["continue_final_message"] = flag(body, "continue_final_message", False)
-        if extras["continue_final_message"]:
-            if extras["add_generation_prompt"]:
+        return kwargs or None
+
+    @field_validator("continue_final_message")
+    @classmethod
+    def _continues_the_assistant(cls, continues: bool, info: ValidationInfo) -> bool:
+        if continues:
+            if info.data.get("add_generation_prompt"):
                 raise RequestError("continue_final_message needs add_generation_prompt false (the answer goes on "
                                    "inside the last message, not in a new one)", "add_generation_prompt")
-            if messages[-1]["role"] != "assistant":
+            messages = info.data.get("messages")
+            if messages and messages[-1]["role"] != "assistant":
                 raise RequestError(f"continue_final_message: the last message must be the assistant's to continue, "
                                    f"got {messages[-1]['role']!r}", "messages")
-    return Generation(messages=messages, prompts=prompts, max_tokens=max_tokens, temperature=temperature,
-                      top_p=_number(body, "top_p", 1.0, 0, 1, open_low=True), seed=seed,
-                      stop=stop, stream=stream, include_usage=include_usage, model=model or models[0],
-                      created=created, stop_token_ids=stop_ids or None,
-                      ignore_eos=flag(body, "ignore_eos", False), top_k=top_k,
-                      include_stop=flag(body, "include_stop_str_in_output", False), logprobs=logprobs,
-                      n=n, logit_bias=logit_bias, echo=echo, **penalties, **extras)
+        return continues
+
+    def generation(self, models: List[str]) -> Generation:
+        """The engine's settings of this request (`models`: the names served, the first the default)."""
+        budget = "max_tokens" if self.max_completion_tokens is None else "max_completion_tokens"
+        return Generation(messages=self.messages, prompts=None, max_tokens=getattr(self, budget),
+                          budget_field=budget, logprobs=(self.top_logprobs or 0) if self.logprobs else None,
+                          tools=self.tools, tool_choice=self.tool_choice, parallel_tool_calls=self.parallel_tool_calls,
+                          template_kwargs=self.chat_template_kwargs, add_generation_prompt=self.add_generation_prompt,
+                          continue_final_message=self.continue_final_message, **self._common(models))
+
+
+class CompletionRequest(_Request):
+    """The body of ``/v1/completions``: OpenAI's fields (several prompts, as text or token ids;
+    ``logprobs``, the alternatives per token; ``echo``, the prompt before the answer, with its
+    tokens' log-probabilities with ``logprobs``, and alone with ``max_tokens: 0``, as vLLM) and
+    vLLM's commonest extensions (as `ChatCompletionRequest`'s)."""
+    REFUSED: ClassVar[Dict[str, str]] = {
+        "top_logprobs": "top_logprobs is a chat field; a completion's logprobs gives the number of alternatives"}
+
+    model: Optional[str] = None                   # absent: the one served
+    logprobs: Annotated[Optional[int], integer(0, MAX_TOP_LOGPROBS)] = None  # 0: the chosen token's own
+    logit_bias: Annotated[Optional[Dict[int, float]], logit_bias_field(MAX_LOGIT_BIAS)] = None
+    presence_penalty: Penalty = 0.0
+    frequency_penalty: Penalty = 0.0
+    repetition_penalty: Annotated[float, number(MIN_REPETITION_PENALTY, 2.0)] = 1.0  # vLLM's; 1: off
+    min_p: Annotated[float, number(0.0, 1.0)] = 0.0  # vLLM's; 0: off
+    response_format: ResponseFormat = None        # only {"type": "text"}
+    n: Annotated[int, integer(1, MAX_CHOICES)] = 1
+    echo: Flag = False
+    # a string, token ids, or a list of them; validated when absent too (it is required)
+    prompt: Annotated[List[Union[str, List[int]]], completion_prompts(MAX_PROMPTS, MAX_CHOICES)] = Field(
+        None, validate_default=True)
+    max_tokens: Annotated[Optional[int], integer(0, CONTEXT)] = None  # 0: only with echo; absent: 16
+    min_tokens: Annotated[int, integer(0, CONTEXT)] = 0  # vLLM's; at most the budget (checked by the app)
+    stop: Annotated[List[str], stop_sequences(MAX_STOP)] = Field(default_factory=list)
+    stream: Flag = False
+    stream_options: Stream = Field(default_factory=StreamOptions)
+    seed: Seed = None                             # absent: a random one
+    temperature: Annotated[float, number(0.0, 2.0)] = 1.0
+    top_k: TopK = 0                               # vLLM's; 0: every token
+    add_special_tokens: Annotated[bool, _special_tokens(chat=False)] = True
+    stop_token_ids: TokenIds = None               # vLLM's
+    allowed_token_ids: AllowedIds = None          # vLLM's
+    bad_words: BadWords = None                    # vLLM's
+    top_p: Annotated[float, number(0, 1, open_low=True)] = 1.0
+    ignore_eos: Flag = False                      # vLLM's
+    include_stop_str_in_output: Flag = False      # vLLM's
+
+    @field_validator("max_tokens")
+    @classmethod
+    def _zero_only_with_echo(cls, max_tokens: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if max_tokens is not None:
+            _zero_needs_echo(max_tokens, info.data.get("echo", False))
+        return max_tokens
+
+    def generation(self, models: List[str]) -> Generation:
+        """The engine's settings of this request (`models`: the names served, the first the default)."""
+        return Generation(messages=None, prompts=self.prompt, max_tokens=self.max_tokens, logprobs=self.logprobs,
+                          echo=self.echo, **self._common(models))
+
+
+#: Every field a ``/v1/chat/completions`` request may send that the server reads (or refuses:
+#: `UNSUPPORTED`); others are ignored, as vLLM ignores them, with a warning in the server's log
+#: (`unknown_fields_note`).
+CHAT_FIELDS = frozenset(ChatCompletionRequest.model_fields) | frozenset(UNSUPPORTED) | BOOKKEEPING
+#: Every field a ``/v1/completions`` request may send that the server reads (or refuses).
+COMPLETION_FIELDS = frozenset(CompletionRequest.model_fields) | frozenset(UNSUPPORTED) | BOOKKEEPING
+
+
+def check_request(body: Any, models: List[str], context: int, chat: bool, vocab_size: int = 2 ** 31) -> Generation:
+    """The request body of ``/v1/chat/completions`` (`chat`: `ChatCompletionRequest`) or
+    ``/v1/completions`` (`CompletionRequest`), validated, as the engine's settings.
+
+    Args:
+      body: the parsed JSON. models: the names served (a request's ``model`` must be one, or absent).
+      context: the model's context in tokens (``max_tokens`` above it is refused).
+      vocab_size: token ids (``stop_token_ids``, ``logit_bias``, a prompt's) must be below it.
+    Raises:
+      RequestError: a body that is not an object, an unknown model (404), a missing or malformed
+        field, a field this server does not support; for the first field at fault, which the
+        message names, with what it takes.
+    """
+    schema = ChatCompletionRequest if chat else CompletionRequest
+    try:
+        request = schema.model_validate(body, context={MODELS: models, CONTEXT: context, VOCAB: vocab_size})
+    except ValidationError as e:
+        raise refusal(e) from None
+    return request.generation(models)
+
+
+def flag(body: dict, name: str, default: bool) -> bool:
+    """Field `name` of a request `body` as a boolean (`default` when absent or null); RequestError
+    naming it otherwise."""
+    v = body.get(name)
+    return default if v is None else check_flag(v, name)
 
 
 def unknown_fields_note(body: Any, known: frozenset, endpoint: str) -> Optional[str]:
@@ -380,37 +498,6 @@ def unknown_fields_note(body: Any, known: frozenset, endpoint: str) -> Optional[
             f"{'they were' if many else 'it was'} not sent")
 
 
-def _completion_prompts(prompt: Any, vocab_size: int) -> List[Union[str, List[int]]]:
-    """A completion's ``prompt`` as its list of prompts (OpenAI's forms): a string, token ids (a list
-    of ints), or a list of strings and token-id lists (at most `MAX_PROMPTS`); RequestError for
-    anything else, naming the prompt at fault when there are several."""
-    many = isinstance(prompt, list) and bool(prompt) and all(isinstance(p, (str, list)) for p in prompt)
-    items = prompt if many else [prompt]
-    if len(items) > MAX_PROMPTS:
-        raise RequestError(f"prompt: at most {MAX_PROMPTS} prompts per request, got {len(items)}", "prompt")
-    out = []
-    for k, p in enumerate(items):
-        where = f"prompt {k}" if len(items) > 1 else "prompt"
-        if isinstance(p, list) and p and all(_whole(t) is not None for t in p):
-            ids = [_whole(t) for t in p]
-            bad = next((t for t in ids if not 0 <= t < vocab_size), None)
-            if bad is not None:
-                raise RequestError(f"{where}: token id {bad} is outside the model's vocabulary [0, {vocab_size})",
-                                   "prompt")
-            out.append(ids)
-            continue
-        if not isinstance(p, str):
-            what = "an empty list" if p == [] else type(p).__name__
-            raise RequestError(f"{where} must be a string or a list of token ids, got {what}", "prompt")
-        if not p:
-            raise RequestError(f"{where} is empty", "prompt")
-        try:
-            out.append(check_text(p, where))
-        except ValueError as e:
-            raise RequestError(str(e), "prompt") from None
-    return out
-
-
 def check_detokenize(body: Any, models: List[str], vocab_size: int) -> List[int]:
     """The body of vLLM's ``/detokenize``: ``{"model"?, "tokens": [ids]}``; the ids (each in [0,
     `vocab_size`), possibly none). RequestError for a body that is not an object, an unknown model
@@ -423,80 +510,4 @@ def check_detokenize(body: Any, models: List[str], vocab_size: int) -> List[int]
                            status=404, code="model_not_found")
     if body.get("tokens") is None:
         raise RequestError("tokens is required: the token ids to turn into text", "tokens")
-    return _token_ids(body, "tokens", vocab_size)
-
-
-def _token_ids(body: dict, name: str, vocab_size: int) -> Optional[List[int]]:
-    """Field `name` as a list of token ids in [0, `vocab_size`) (whole floats taken), or None when
-    absent; RequestError naming the field otherwise."""
-    raw = body.get(name)
-    ids = [_whole(t) for t in raw] if isinstance(raw, list) else None
-    if raw is not None and (ids is None or not all(t is not None and 0 <= t < vocab_size for t in ids)):
-        raise RequestError(f"{name} must be a list of token ids in [0, {vocab_size}), got {raw!r}", name)
-    return ids
-
-
-def _bad_words(body: dict) -> Optional[List[str]]:
-    """vLLM's ``bad_words``: at most `MAX_BAD_WORDS` non-empty strings (None when absent or empty)."""
-    raw = body.get("bad_words")
-    if raw is None:
-        return None
-    if not isinstance(raw, list) or not all(isinstance(w, str) and w.strip() for w in raw):
-        raise RequestError(f"bad_words must be a list of non-empty strings, got {raw!r}", "bad_words")
-    if len(raw) > MAX_BAD_WORDS:
-        raise RequestError(f"bad_words may give at most {MAX_BAD_WORDS} words, got {len(raw)}", "bad_words")
-    for w in raw:
-        try:
-            check_text(w, "bad_words")
-        except ValueError as e:
-            raise RequestError(str(e), "bad_words") from None
-    return raw or None
-
-
-def _logit_bias(body: dict, vocab_size: int) -> Optional[Dict[int, float]]:
-    """OpenAI's ``logit_bias``: an object of token ids (as strings, or numbers) to values in
-    [-100, 100] added to their logits (-100 bans a token, 100 forces it), at most
-    `MAX_LOGIT_BIAS` of them; None when absent, empty or all zeros (nothing changes then)."""
-    raw = body.get("logit_bias")
-    if raw is None:
-        return None
-    if not isinstance(raw, dict):
-        raise RequestError(f"logit_bias must be an object of token ids to numbers, got {raw!r}", "logit_bias")
-    if len(raw) > MAX_LOGIT_BIAS:
-        raise RequestError(f"logit_bias may set at most {MAX_LOGIT_BIAS} tokens, got {len(raw)}", "logit_bias")
-    out, seen = {}, set()
-    for key, value in raw.items():
-        token = _whole(key) if not isinstance(key, str) else (int(key) if re.fullmatch(r"[0-9]{1,10}", key) else None)
-        if token is None or not 0 <= token < vocab_size:
-            raise RequestError(f"logit_bias: {key!r} is not a token id in [0, {vocab_size})", "logit_bias")
-        if token in seen:
-            raise RequestError(f"logit_bias: token {token} is given twice (as {key!r} too)", "logit_bias")
-        seen.add(token)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100 <= value <= 100:
-            raise RequestError(f"logit_bias: token {key} must map to a number in [-100, 100], got {value!r}",
-                               "logit_bias")
-        if value:
-            out[token] = float(value)
-    return out or None
-
-
-def _logprobs(body: dict, chat: bool) -> Optional[int]:
-    """The alternatives per token a request asks for with its log-probabilities, or None for none.
-    A chat's ``logprobs`` is a flag (false or 0: none; true or 1) and ``top_logprobs`` the
-    alternatives (which need the flag, as OpenAI says); a completion's ``logprobs`` is the number
-    of alternatives (0: the chosen token's own log-probability; null: none). At most
-    `MAX_TOP_LOGPROBS`, vLLM's default."""
-    if not chat:
-        if body.get("top_logprobs") is not None:
-            raise RequestError("top_logprobs is a chat field; a completion's logprobs gives the number of "
-                               "alternatives", "top_logprobs")
-        return _integer(body, "logprobs", 0, MAX_TOP_LOGPROBS)
-    flag = body.get("logprobs")
-    if flag is not None and not isinstance(flag, bool):  # 0 and 1 as the flag, as vLLM's pydantic takes them
-        if _whole(flag) not in (0, 1):
-            raise RequestError(f"logprobs must be a boolean, got {flag!r}", "logprobs")
-        flag = _whole(flag) == 1
-    top = _integer(body, "top_logprobs", 0, MAX_TOP_LOGPROBS)
-    if top is not None and not flag:
-        raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
-    return (top or 0) if flag else None
+    return check_token_ids(body["tokens"], "tokens", vocab_size)
