@@ -293,18 +293,16 @@ class Engine(EngineFront):
         after a row's last one computes for nothing; rows freed or replaced meanwhile are never read).
         Otherwise each step is dispatched and read back alone, so that its time, which the chooser
         learns from, is its own (docs/performance.md)."""
-        ahead = not self.scheduler.jobs and not self.scheduler.pending
-        lengths = [int(self.lengths[b]) for b, r in enumerate(self.rows) if r is not None]
-        if self.flights and not self.scheduler.runs_ahead(self.flights[-1].index, lengths, self.S):
+        ahead = not self.scheduler.prefilling
+        if self.flights and not self.scheduler.runs_ahead(self.flights[-1].index,
+                                                          [int(self.lengths[b]) for b in self._live_rows()], self.S):
             self._drain()
         if self.live:
             self._dispatch(alone=not ahead)
-        if len(self.flights) > 1 or (self.flights and not (ahead and self.live and self._plain_in_flight())):
+        if len(self.flights) > 1 or (self.flights and not (ahead and self.live
+                                                           and self.scheduler.plain(self.flights[-1].index))):
             self._read_back()
         self._shrink()
-
-    def _plain_in_flight(self) -> bool:
-        return self.chooser.trees[self.flights[-1].index].max_accepted == 0
 
     def _drain(self) -> None:
         while self.flights:

@@ -103,12 +103,21 @@ class Scheduler:
             return min(bucket(longest + 2 * self.step_size + 1, 128), self.max_len)
         return None
 
+    @property
+    def prefilling(self) -> bool:
+        """Whether a request waits for its prefill or has one under way."""
+        return bool(self.jobs or self.pending)
+
+    def plain(self, tree_index: int) -> bool:
+        """Whether tree `tree_index` is plain decoding's (it drafts nothing)."""
+        return self.trees[tree_index].max_accepted == 0
+
     def runs_ahead(self, in_flight: int, lengths: Sequence[int], size: int) -> bool:
         """Whether a step may be dispatched while the step of tree `in_flight` is not read back: only
         after a plain step (beside a tree step, which keeps a 2-core CPU busy, the host's work slowed
         it by more than the overlap saved), only with no prefill waiting, and only when every live row
         (`lengths`) has room for it whatever the step in flight accepts."""
-        if self.jobs or self.pending or self.trees[in_flight].max_accepted != 0:
+        if self.prefilling or not self.plain(in_flight):
             return False
         return not lengths or max(lengths) + self.trees[in_flight].step_size + self.step_size <= size
 
